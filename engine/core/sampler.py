@@ -1,0 +1,196 @@
+"""Batched token sampling: penalties, temperature, top-k / top-p / min-p, logprobs.
+
+Everything runs on the logits' device as whole-batch tensor operations; per-row values
+(temperature, top_k, ...) become [B, 1] tensors so that rows with a feature disabled are left
+untouched. The only per-row Python loop draws the exponential noise of seeded rows from their
+own generator, so a seeded row's token depends only on its own logits and its own generator,
+never on what else shares the batch.
+
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with
+probability p_i, without a cumulative sum or a host round trip.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvship.outputs import TokenLogprob
+from kvship.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Set when params.seed is not None: created by the caller on the logits' device and seeded
+    # once per sequence. None -> the default RNG (one batched draw for all such rows).
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (sampled token's logprob, top-k alternatives sorted descending), or None when the
+    # row did not ask (params.logprobs is None).
+    logprobs: list[tuple[TokenLogprob, list[TokenLogprob]] | None]
+
+
+def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[B, max_len] int64 tensor of the sequences, right-padded with `pad` (at least 1 column)."""
+    width = max(1, max((len(s) for s in seqs), default=0))
+    rows = [s + [pad] * (width - len(s)) for s in seqs]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _token_counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[B, V] float32 counts of each token id per row, built by one scatter_add. The padding id
+    `vocab` lands in an extra column that is dropped. Ids outside [0, vocab) are ignored."""
+    ids = _padded(seqs, vocab, device)
+    ids = torch.where((ids >= 0) & (ids < vocab), ids, torch.full_like(ids, vocab))
+    counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+    """Repetition (HF style, over prompt + output), then frequency and presence (OpenAI style,
+    over output). `logits` is float32 [B, V]; returns a new tensor (or `logits` when no row
+    uses a penalty)."""
+    B, V = logits.shape
+    dev = logits.device
+    rep = [r.params.repetition_penalty for r in rows]
+    freq = [r.params.frequency_penalty for r in rows]
+    pres = [r.params.presence_penalty for r in rows]
+    use_rep = any(p != 1.0 for p in rep)
+    use_fp = any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres)
+    if not (use_rep or use_fp):
+        return logits
+    def penalised_row(r: SamplerRow) -> bool:
+        p = r.params
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+    out_counts = _token_counts([r.output_token_ids if penalised_row(r) else [] for r in rows], V, dev)
+    if use_rep:
+        # Only rows that use the penalty pay for building their prompt's token set.
+        prompt_counts = _token_counts(
+            [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows], V, dev
+        )
+        seen = (prompt_counts > 0) | (out_counts > 0)
+        p = torch.tensor(rep, dtype=torch.float32, device=dev).unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / p, logits * p)
+        logits = torch.where(seen, penalised, logits)
+    if use_fp:
+        f = torch.tensor(freq, dtype=torch.float32, device=dev).unsqueeze(1)
+        pr = torch.tensor(pres, dtype=torch.float32, device=dev).unsqueeze(1)
+        logits = logits - f * out_counts - pr * (out_counts > 0).to(torch.float32)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+    """Mask (to -inf) the tokens that top_k, top_p and min_p exclude, row by row via per-row
+    tensors. `logits` are already divided by the temperature. Returns a new tensor."""
+    B, V = logits.shape
+    dev = logits.device
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=dev)
+    top_k = [r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows]  # 0: off
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+
+    if any(top_k):
+        kmax = max(top_k)
+        k = torch.tensor([kk if kk else kmax for kk in top_k], dtype=torch.int64, device=dev).unsqueeze(1)
+        top_vals = torch.topk(logits, kmax, dim=-1).values
+        kth = top_vals.gather(1, k - 1)  # [B, 1]: the k-th largest value per row
+        on = torch.tensor([kk > 0 for kk in top_k], dtype=torch.bool, device=dev).unsqueeze(1)
+        logits = torch.where((logits < kth) & on, neg_inf, logits)
+
+    if any(p < 1.0 for p in top_p):
+        p = torch.tensor(top_p, dtype=torch.float32, device=dev).unsqueeze(1)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above
+        # Keep the smallest prefix whose mass reaches top_p; the first token always survives,
+        # and rows with top_p == 1 are left alone (no float round-off trimming the tail).
+        drop_sorted = (before >= p) & (p < 1.0)
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logits = torch.where(drop, neg_inf, logits)
+
+    if any(m > 0.0 for m in min_p):
+        m = torch.tensor(min_p, dtype=torch.float32, device=dev).unsqueeze(1)
+        probs = torch.softmax(logits, dim=-1)
+        threshold = m * probs.max(dim=-1, keepdim=True).values
+        logits = torch.where(probs < threshold, neg_inf, logits)
+    return logits
+
+
+class Sampler:
+    """Stateless: everything per sequence (its tokens, its generator) comes in `rows`."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
+        B, V = logits.shape
+        dev = logits.device
+        if B == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        raw = logits.to(torch.float32)  # never modified in place below
+
+        # Logprobs come from the raw model distribution (as vLLM / OpenAI report them).
+        want_lp = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = torch.log_softmax(raw, dim=-1) if any(want_lp) else None
+
+        x = apply_penalties(raw, rows)
+
+        greedy = [r.params.greedy for r in rows]
+        greedy_tokens = x.argmax(dim=-1) if any(greedy) else None
+
+        if all(greedy):
+            tokens = greedy_tokens
+        else:
+            temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows)]
+            if any(t != 1.0 for t in temps):
+                x = x / torch.tensor(temps, dtype=torch.float32, device=dev).unsqueeze(1)
+            x = apply_top_k_top_p_min_p(x, rows)
+            probs = torch.softmax(x, dim=-1)
+            noise = self._exponential_noise(rows, greedy, V, dev)
+            tokens = (probs / noise).argmax(dim=-1)
+            if greedy_tokens is not None:
+                g = torch.tensor(greedy, dtype=torch.bool, device=dev)
+                tokens = torch.where(g, greedy_tokens, tokens)
+
+        token_ids: list[int] = tokens.tolist()
+        logprobs: list[tuple[TokenLogprob, list[TokenLogprob]] | None] = [None] * B
+        if raw_logprobs is not None:
+            idx = [i for i in range(B) if want_lp[i]]
+            sel = torch.tensor(idx, dtype=torch.int64, device=dev)
+            lp = raw_logprobs.index_select(0, sel)
+            chosen = lp.gather(1, tokens.index_select(0, sel).unsqueeze(1)).squeeze(1).tolist()
+            kmax = min(max(rows[i].params.logprobs for i in idx), V)
+            if kmax > 0:
+                top = torch.topk(lp, kmax, dim=-1)
+                top_vals, top_ids = top.values.tolist(), top.indices.tolist()
+            for j, i in enumerate(idx):
+                k = min(rows[i].params.logprobs, V)
+                alts = (
+                    [TokenLogprob(t, v) for t, v in zip(top_ids[j][:k], top_vals[j][:k])] if k > 0 else []
+                )
+                logprobs[i] = (TokenLogprob(token_ids[i], chosen[j]), alts)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def _exponential_noise(rows: list[SamplerRow], greedy: list[bool], V: int, dev: torch.device) -> torch.Tensor:
+        """[B, V] i.i.d. Exp(1) noise: one draw per seeded row from its own generator, one batched
+        draw for all unseeded sampling rows; greedy rows get ones (unused)."""
+        noise = torch.ones(len(rows), V, dtype=torch.float32, device=dev)
+        unseeded = [i for i, r in enumerate(rows) if not greedy[i] and r.generator is None]
+        if unseeded:
+            sel = torch.tensor(unseeded, dtype=torch.int64, device=dev)
+            noise.index_copy_(0, sel, torch.empty(len(unseeded), V, dtype=torch.float32, device=dev).exponential_())
+        for i, r in enumerate(rows):
+            if not greedy[i] and r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        # Exp(1) draws of exactly 0 would turn p/0 into inf (or nan for p == 0).
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
