@@ -1,0 +1,215 @@
+"""The synchronous engine: requests in, one scheduling + model step at a time, outputs out.
+Used directly by `LLM` (offline) and driven from a thread by `AsyncEngine` (serving)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvship.config import EngineConfig
+from kvship.core.detokenizer import IncrementalDetokenizer
+from kvship.core.kv_cache_manager import KVCacheManager
+from kvship.core.model_runner import ModelRunner
+from kvship.core.sampler import Sampler, SamplerRow
+from kvship.core.scheduler import Scheduler
+from kvship.core.sequence import Sequence
+from kvship.core.stop import StopStringMatcher
+from kvship.loader import resolve_model
+from kvship.models.config import ModelConfig
+from kvship.outputs import CompletionOutput, RequestOutput
+from kvship.sampling_params import InvalidParamsError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Choice:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    stop: StopStringMatcher
+    out: CompletionOutput
+    stop_ids: set[int] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choices: list[_Choice]
+    arrival_time: float
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.finished for c in self.choices)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+        self.tokenizer = source.tokenizer
+        self.model_config = ModelConfig.from_hf(source.hf_config)
+        self.model_name = config.served_model_name or source.name
+        limit = self.model_config.max_position_embeddings
+        if config.max_model_len and config.max_model_len > limit:
+            raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's limit of {limit} positions")
+        self.max_model_len = config.max_model_len or limit
+        config.max_model_len = self.max_model_len
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, self.model_config, source.hf_config, source.weights(), self.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
+        eos |= set(_as_list(source.generation_config.get("eos_token_id")))
+        self.eos_token_ids = eos
+        self.requests: dict[str, _Request] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise InvalidParamsError(f"request id {request_id!r} is already in use", "request_id")
+        n_prompt = len(prompt_token_ids)
+        if n_prompt == 0:
+            raise InvalidParamsError("the prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidParamsError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if n_prompt >= self.max_model_len:
+            raise InvalidParamsError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n_prompt} tokens, "
+                "leaving no room for a completion. Shorten the prompt.", "messages")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if n_prompt + 1 > capacity:
+            raise InvalidParamsError(
+                f"the prompt ({n_prompt} tokens) does not fit in the KV cache ({capacity} tokens)", "prompt")
+        choices = []
+        leader = None
+        for i in range(params.n):
+            seq = Sequence(request_id, i, list(prompt_token_ids), params, leader=leader)
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+            leader = leader or seq
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+            out = CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
+            choices.append(_Choice(seq, detok, StopStringMatcher(params.stop), out, set(params.stop_token_ids)))
+        self.requests[request_id] = _Request(request_id, list(prompt_token_ids), params, choices, time.monotonic())
+        for c in choices:
+            self.scheduler.add(c.seq)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for c in req.choices:
+            if not c.seq.finished:
+                self.scheduler.finish(c.seq, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return self._unblock()
+        logits = self.runner.run(batch)
+        sampled = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
+        if not sampled:
+            return []
+        rows = [SamplerRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s, _ in sampled]
+        result = self.sampler(logits, rows)
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        for (seq, _), token, lp in zip(sampled, result.token_ids, result.logprobs):
+            req = self.requests[seq.request_id]
+            self._append_token(req.choices[seq.index], token, lp, now)
+            touched[req.request_id] = req
+        return [self._emit(req) for req in touched.values()]
+
+    def _unblock(self) -> list[RequestOutput]:
+        """Nothing could be scheduled although work is waiting: the head sequence cannot fit in
+        the KV cache even alone. Finish it rather than spin."""
+        if not self.scheduler.running and self.scheduler.waiting:
+            seq = next((s for s in self.scheduler.waiting if not s.gated), None)
+            if seq is not None:
+                log.warning("request %s outgrew the KV cache; finishing it with reason 'length'", seq.request_id)
+                req = self.requests[seq.request_id]
+                choice = req.choices[seq.index]
+                self.scheduler.finish(seq, "length")
+                choice.out.finish_reason = "length"
+                choice.out.text_delta += choice.stop.flush()
+                choice.out.text += choice.out.text_delta
+                return [self._emit(req)]
+        return []
+
+    def _append_token(self, c: _Choice, token: int, lp, now: float) -> None:
+        seq, out, params = c.seq, c.out, c.seq.params
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self.generation_tokens_total += 1
+        if seq.num_output_tokens == 1:
+            self.prompt_tokens_total += seq.num_prompt_tokens
+        out.token_ids.append(token)
+        out.token_ids_delta.append(token)
+        if lp is not None and out.logprobs is not None:
+            out.logprobs.append(lp)
+            out.logprobs_delta = (out.logprobs_delta or []) + [lp]
+
+        reason, stop_reason = None, None
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in c.stop_ids:
+                reason, stop_reason = "stop", token
+            elif token in self.eos_token_ids and not params.ignore_eos:
+                reason = "stop"
+        text, matched = c.stop.feed(c.detok.push([token]))
+        out.text_delta += text
+        out.text += text
+        if matched is not None and reason is None and seq.num_output_tokens >= params.min_tokens:
+            reason, stop_reason = "stop", matched
+        if reason is None and params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            reason = "length"
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if matched is None:
+                tail = c.stop.flush()
+                out.text_delta += tail
+                out.text += tail
+            seq.stop_reason = stop_reason
+            out.finish_reason, out.stop_reason = reason, stop_reason
+            self.scheduler.finish(seq, reason)
+
+    def _emit(self, req: _Request) -> RequestOutput:
+        outs = []
+        for c in req.choices:
+            o = c.out
+            outs.append(CompletionOutput(
+                index=o.index, text=o.text, token_ids=list(o.token_ids), text_delta=o.text_delta,
+                token_ids_delta=o.token_ids_delta, logprobs=o.logprobs, logprobs_delta=o.logprobs_delta,
+                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+            o.text_delta, o.token_ids_delta, o.logprobs_delta = "", [], ([] if o.logprobs is not None else None)
+        lead = req.choices[0].seq
+        finished = req.finished
+        if finished:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, outputs=outs, finished=finished,
+            num_cached_tokens=lead.num_cached_tokens, arrival_time=req.arrival_time,
+            first_scheduled_time=lead.first_scheduled_time, first_token_time=lead.first_token_time,
+            finished_time=time.monotonic() if finished else None)
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [x] if isinstance(x, int) else list(x)

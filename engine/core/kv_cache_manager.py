@@ -1,0 +1,131 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, reference counts, and the prefix cache.
+
+A full block is identified by a hash chained over its tokens and all tokens before it, so two
+sequences with the same prefix map to the same blocks. Blocks nobody references stay in the
+free queue (in LRU order) with their contents intact; a later request can revive them until
+they are popped for reuse, at which point their hash is dropped.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvship.core.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def block_hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        hashes, parent, bs = [], None, self.block_size
+        for i in range(num_blocks):
+            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            hashes.append(parent)
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of seq's tokens. The last token is always
+        left to compute, so that the model produces logits for it."""
+        if not self.enable_prefix_caching:
+            return []
+        found = []
+        for h in self.block_hashes(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def count_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_prompt_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks of seq that became full with computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        hashes = self.block_hashes(seq.token_ids, num_full)
+        for block_id, h in zip(seq.block_table[:num_full], hashes):
+            block = self.blocks[block_id]
+            if block.hash is None and h not in self.cached:
+                block.hash = h
+                self.cached[h] = block_id
+
+    # -- allocation --------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, revived: list[int] = ()) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) - len(revived)
+        # revived blocks sitting in the free queue stop being free once taken
+        free_after_revive = self.num_free_blocks - sum(1 for b in revived if self.blocks[b].ref_count == 0)
+        return need <= free_after_revive
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, revived: list[int] = ()) -> bool:
+        """Give seq blocks for num_new_tokens more tokens (after taking the prefix-cache blocks
+        `revived`). All or nothing: returns False and changes nothing if blocks run short."""
+        if not self.can_allocate(seq, num_new_tokens, revived):
+            return False
+        for block_id in revived:
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(need):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict the cached contents
+                del self.cached[block.hash]
+                block.hash = None
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+        return True
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so that a prefix's first blocks are the last to be evicted.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.hash is None:  # nothing worth keeping: reuse it first
+                    self.free_queue.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0

@@ -1,0 +1,145 @@
+"""Runs the model on a scheduled batch: packs it into flat tensors, runs the forward pass,
+and returns the logits of the positions whose next token gets sampled."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvship.config import EngineConfig
+from kvship.core.scheduler import ScheduledBatch
+from kvship.distributed.parallel import SINGLE, TPContext
+from kvship.layers.attention import AttentionMetadata
+from kvship.models.config import ModelConfig
+from kvship.models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, model_dtype: str | None) -> torch.dtype:
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow and less accurate
+    return torch.float16 if model_dtype == "float16" else torch.bfloat16
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+
+            return "triton"
+        except ImportError:
+            log.warning("triton is not installed: using the (slow) torch attention on the GPU")
+    return "torch"
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, hf_config: dict, weights, max_model_len: int,
+                 tp: TPContext = SINGLE):
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
+        self.backend = resolve_backend(config.attention_backend, self.device)
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.tp = tp
+
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_class(hf_config)(model_config, max_model_len, tp, self.backend)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        self.model.load_weights(weights)
+        self.model.eval()
+        self.num_blocks = self._allocate_kv_cache()
+
+    # -- KV cache ----------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        attn = self.model.attention_layers()[0]
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.model.attention_layers()) * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+
+    def _num_blocks_to_allocate(self) -> int:
+        c = self.config
+        if c.num_kv_blocks:
+            return c.num_kv_blocks
+        per_block = self.kv_bytes_per_block()
+        if c.kv_cache_memory:
+            return max(1, c.kv_cache_memory // per_block)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * c.gpu_memory_utilization - (total - free)
+            return max(1, int(budget // per_block))
+        # CPU: enough for max_num_seqs full contexts, capped at 4 GiB.
+        want = c.max_num_seqs * -(-self.max_model_len // self.block_size)
+        return max(1, min(want, (4 << 30) // per_block))
+
+    def _allocate_kv_cache(self) -> int:
+        n = self._num_blocks_to_allocate()
+        for attn in self.model.attention_layers():
+            shape = (n, self.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", n, self.block_size, n * self.block_size,
+                 n * self.kv_bytes_per_block() / 2**30)
+        return n
+
+    # -- one step ----------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu.append(cu[-1] + n)
+            seq_lens.append(end)
+            if end == seq.num_tokens:  # the prompt is complete: sample the next token
+                logits_indices.append(cu[-1] - 1)
+        max_blocks = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+
+        dev = self.device
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(slots, torch.int64),
+            block_tables=t(tables, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            cu_seqlens_q=t(cu, torch.int32),
+            max_seqlen_q=max(batch.num_new_tokens),
+            logits_indices=t(logits_indices, torch.int64),
+        )
+        return t(input_ids, torch.int64), t(positions, torch.int64), meta
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Float32 logits [num_sampled, vocab] for the sequences whose prompt is complete."""
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[meta.logits_indices]).float()

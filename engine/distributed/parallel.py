@@ -1,0 +1,35 @@
+"""Tensor-parallel context: which rank this process is and how to reduce across ranks.
+Passed down to every layer that shards a weight (no global process-group state)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPContext:
+    rank: int = 0
+    size: int = 1
+    group: object | None = None  # torch.distributed process group; None when size == 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def shard(self, n: int, what: str) -> int:
+        if n % self.size:
+            raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={self.size}")
+        return n // self.size
+
+
+SINGLE = TPContext()

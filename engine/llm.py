@@ -1,0 +1,37 @@
+"""Offline use: `LLM(model).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from kvship.config import EngineConfig
+from kvship.core.engine import LLMEngine
+from kvship.outputs import RequestOutput
+from kvship.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config):
+        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Prompts are strings (tokenized with the model's tokenizer) or token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        per_prompt = params if isinstance(params, Seq) else [params] * len(prompts)
+        order = []
+        for prompt, p in zip(prompts, per_prompt):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, ids, p)
+            order.append(rid)
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_work():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[r] for r in order]
