@@ -1,0 +1,48 @@
+"""GGUF (llama.cpp) tensor names -> Hugging Face parameter names for llama / qwen2 / qwen3."""
+from __future__ import annotations
+
+import re
+
+_TOP = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# Tensors llama.cpp stores that carry no parameter of their own (e.g. llama-3 rope factors,
+# which the config's rope scaling already describes).
+SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_PLAIN = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The HF name for a GGUF tensor name, or None when the tensor has no HF counterpart."""
+    if name in SKIPPED:
+        return None
+    m = _BLK.match(name)
+    if m:
+        layer, part, kind = m.groups()
+        hf = _LAYER.get(part)
+        return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
+    m = _PLAIN.match(name)
+    if m:
+        part, kind = m.groups()
+        hf = _TOP.get(part)
+        return None if hf is None else f"{hf}.{kind}"
+    return None

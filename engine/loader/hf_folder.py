@@ -1,0 +1,101 @@
+"""HF-format model folders: config.json, *.safetensors (single or sharded with an index),
+tokenizer files, generation_config.json."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from .source import ModelSource, ModelSourceError, WeightRef
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"cannot read {path!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelSourceError(f"{path!r} does not hold a JSON object")
+    return data
+
+
+def safetensors_files(path: str) -> dict[str, str]:
+    """tensor name -> file for the checkpoint in `path`."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map") or {}
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise ModelSourceError(
+                f"{path!r} is missing safetensors shards listed in its index: {', '.join(missing)}; "
+                "download the model again.")
+        return {name: os.path.join(path, f) for name, f in weight_map.items()}
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        other = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth"))]
+        hint = (" It holds PyTorch pickle weights, which are not loaded for safety; convert them to "
+                "safetensors (model.save_pretrained(..., safe_serialization=True)).") if other else ""
+        raise ModelSourceError(f"{path!r} has a config.json but no *.safetensors weights.{hint}")
+    out: dict[str, str] = {}
+    for f in files:
+        full = os.path.join(path, f)
+        try:
+            with safe_open(full, framework="pt") as st:
+                for k in st.keys():
+                    out[k] = full
+        except Exception as e:  # safetensors raises its own error types
+            raise ModelSourceError(f"cannot read {full!r}: {e}") from None
+    return out
+
+
+def _make_ref(file: str, name: str) -> WeightRef:
+    try:
+        with safe_open(file, framework="pt") as st:
+            sl = st.get_slice(name)
+            shape = tuple(sl.get_shape())
+            dtype = _ST_DTYPES.get(sl.get_dtype(), torch.float32)
+    except Exception as e:
+        raise ModelSourceError(f"cannot read tensor {name!r} from {file!r}: {e}") from None
+
+    def load(slices: tuple[slice, ...] | None) -> torch.Tensor:
+        with safe_open(file, framework="pt") as st:
+            if not slices:
+                return st.get_tensor(name)
+            return st.get_slice(name)[slices].contiguous()
+
+    return WeightRef(shape, dtype, load)
+
+
+def load_hf_folder(path: str, name: str | None = None) -> ModelSource:
+    from .tokenizer import Tokenizer
+
+    path = os.path.abspath(path)
+    if not is_hf_folder(path):
+        raise ModelSourceError(f"{path!r} is not a model folder (no config.json).")
+    cfg = _read_json(os.path.join(path, "config.json"))
+    gen_path = os.path.join(path, "generation_config.json")
+    gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+    files = safetensors_files(path)
+    tokenizer = Tokenizer.from_hf_folder(path, generation_config=gen)
+
+    def weights() -> Iterator[tuple[str, WeightRef]]:
+        for tname, f in files.items():
+            yield tname, _make_ref(f, tname)
+
+    return ModelSource(name=name or os.path.basename(path.rstrip(os.sep)), path=path, hf_config=cfg,
+                       generation_config=gen, tokenizer=tokenizer, _weights=weights)
