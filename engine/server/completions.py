@@ -1,0 +1,255 @@
+"""POST /v1/completions: one engine request per prompt (a string, strings, token ids or lists of
+token ids), n choices each; choice index = prompt_index * n + choice. JSON or SSE."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvship.outputs import RequestOutput
+from kvship.server.errors import APIError, bad_request
+from kvship.server.protocol import CompletionRequest
+from kvship.server.serving import (
+    SSE_DONE,
+    ClientDisconnected,
+    GenerationStream,
+    ServerState,
+    TokenText,
+    build_sampling_params,
+    check_token_ids,
+    collect,
+    engine_error,
+    fit_to_context,
+    logger,
+    new_id,
+    parse_body,
+    safe_logprob,
+    sse,
+    until_disconnect,
+)
+
+router = APIRouter()
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _prompts(engine: Any, prompt: Any) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids of each prompt, and its text when it came as text (for echo)."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty.", param="prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    ids: list[list[int]] = []
+    texts: list[str | None] = []
+    tok = engine.tokenizer
+    for p in prompt:
+        if isinstance(p, str):
+            ids.append(list(tok.encode(p, add_special_tokens=True)))
+            texts.append(p)
+        else:
+            check_token_ids(p, tok.vocab_size, "prompt")
+            ids.append(list(p))
+            texts.append(None)
+        if not ids[-1]:
+            raise bad_request("prompt must not be empty.", param="prompt")
+    return ids, texts
+
+
+class _LogprobBuilder:
+    """Builds the legacy completions `logprobs` object; `offset` tracks text_offset."""
+
+    def __init__(self, token_text: TokenText, offset: int):
+        self.token_text = token_text
+        self.offset = offset
+
+    def build(self, entries: list | None) -> dict[str, Any]:
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for sampled, top in entries or []:
+            s = self.token_text(sampled.token_id)
+            tokens.append(s)
+            token_logprobs.append(safe_logprob(sampled.logprob))
+            alts = {self.token_text(alt.token_id): safe_logprob(alt.logprob) for alt in top}
+            alts.setdefault(s, safe_logprob(sampled.logprob))
+            top_logprobs.append(alts)
+            text_offset.append(self.offset)
+            self.offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+
+@router.post("/v1/completions")
+async def create_completion(raw_request: Request) -> Response:
+    body = await parse_body(raw_request, CompletionRequest)
+    state: ServerState = raw_request.app.state.kvship
+    state.check_model(body.model)
+    engine = state.engine_or_503()
+
+    if body.suffix:
+        raise bad_request("suffix is not supported.", param="suffix")
+    if body.echo and body.logprobs is not None:
+        raise bad_request(
+            "echo together with logprobs is not supported (prompt logprobs are not computed).", param="echo"
+        )
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, max_num_seqs=engine.config.max_num_seqs)
+
+    prompt_ids, prompt_texts = _prompts(engine, body.prompt)
+    for ids in prompt_ids:
+        fit_to_context(params, len(ids), engine.max_model_len, "prompt")
+    echo_texts = [
+        (t if t is not None else engine.tokenizer.decode(ids)) if body.echo else "" for ids, t in zip(prompt_ids, prompt_texts)
+    ]
+
+    request_id = new_id("cmpl")
+    created = int(time.time())
+    model = state.model_name
+    n = params.n
+    stream = GenerationStream(engine, prompt_ids, params, request_id)
+    try:
+        if body.stream:
+            first = await until_disconnect(raw_request, stream.__anext__())
+        else:
+            finals = await until_disconnect(raw_request, collect(stream, len(prompt_ids)))
+    except ClientDisconnected:
+        await stream.aclose()
+        return Response(status_code=499)
+    except StopAsyncIteration:
+        await stream.aclose()
+        raise APIError(500, "The engine produced no output.", type="server_error") from None
+    except BaseException as exc:
+        await stream.aclose()
+        err = engine_error(exc)
+        if err is not None:
+            raise err from None
+        raise
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    token_text = TokenText(engine.tokenizer)
+    want_logprobs = body.logprobs is not None
+    if body.stream:
+        return StreamingResponse(
+            _stream_chunks(stream, first, request_id, created, model, n, prompt_ids, echo_texts, include_usage, want_logprobs, token_text),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    await stream.aclose()
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    for p_index, final in enumerate(finals):
+        prompt_tokens += len(final.prompt_token_ids) if final.prompt_token_ids else len(prompt_ids[p_index])
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            completion_tokens += len(c.token_ids)
+            echo = echo_texts[p_index]
+            choices.append(
+                {
+                    "index": p_index * n + c.index,
+                    "text": echo + c.text,
+                    "logprobs": _LogprobBuilder(token_text, len(echo)).build(c.logprobs) if want_logprobs else None,
+                    "finish_reason": "stop" if c.finish_reason == "abort" else c.finish_reason,
+                }
+            )
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+            "system_fingerprint": None,
+        }
+    )
+
+
+async def _stream_chunks(
+    stream: GenerationStream,
+    first: tuple[int, RequestOutput],
+    request_id: str,
+    created: int,
+    model: str,
+    n: int,
+    prompt_ids: list[list[int]],
+    echo_texts: list[str],
+    include_usage: bool,
+    want_logprobs: bool,
+    token_text: TokenText,
+) -> AsyncIterator[str]:
+    def chunk(index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> str:
+        data: dict[str, Any] = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
+        if include_usage:
+            data["usage"] = None
+        return sse(data)
+
+    n_prompts = len(prompt_ids)
+    started = [False] * (n_prompts * n)
+    finished = [False] * (n_prompts * n)
+    builders = [_LogprobBuilder(token_text, len(echo_texts[i // n])) for i in range(n_prompts * n)]
+    last: dict[int, RequestOutput] = {}
+    try:
+        item: tuple[int, RequestOutput] | None = first
+        while item is not None:
+            p_index, out = item
+            last[p_index] = out
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                idx = p_index * n + c.index
+                if finished[idx]:
+                    continue
+                text = c.text_delta
+                if not started[idx]:
+                    started[idx] = True
+                    text = echo_texts[p_index] + text
+                lp = builders[idx].build(c.logprobs_delta) if want_logprobs else None
+                fr = c.finish_reason
+                if fr == "abort":
+                    fr = "stop"
+                if text or (lp and lp["tokens"]) or fr is not None:
+                    yield chunk(idx, text, lp, fr)
+                if fr is not None:
+                    finished[idx] = True
+            try:
+                item = await stream.__anext__()
+            except StopAsyncIteration:
+                item = None
+        if include_usage:
+            prompt_tokens = sum(len(prompt_ids[i]) for i in range(n_prompts))
+            completion_tokens = sum(len(c.token_ids) for out in last.values() for c in out.outputs)
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "system_fingerprint": None,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": completion_tokens,
+                        "total_tokens": prompt_tokens + completion_tokens,
+                    },
+                }
+            )
+        yield SSE_DONE
+    except Exception as exc:  # noqa: BLE001
+        err = engine_error(exc) or APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error")
+        if err.status >= 500:
+            logger.warning("stream %s failed: %r", request_id, exc)
+        yield sse(err.body())
+        yield SSE_DONE
+    finally:
+        await stream.aclose()

@@ -1,0 +1,135 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+Every client mistake becomes a 4xx with that body (never FastAPI's 422, never a 500); the
+handlers are installed on the app by `install_error_handlers`.
+"""
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvship.sampling_params import InvalidParamsError
+
+logger = logging.getLogger("kvship.server")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",  # what OpenAI sends for a bad key (code: invalid_api_key)
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """Raised by handlers to answer with an OpenAI-shaped error."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
+    # loc looks like ("body", "messages", 0, "content"); drop the "body" and type-tag parts.
+    parts = [p for p in loc[1:] if not (isinstance(p, str) and ("[" in p or p in ("function-after",)))] if loc else []
+    if not parts:
+        return None
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """The 400 for a list of pydantic-style errors (the first one is reported)."""
+    errors = list(errors)
+    if not errors:
+        return bad_request("Invalid request.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(
+            "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
+            "HTTP library correctly. The OpenAI API expects a JSON payload.)",
+            code="invalid_json",
+        )
+    loc = tuple(first.get("loc", ()))
+    param = _param_from_loc(loc)
+    if loc == ("body",) or (first.get("type") == "missing" and loc[:1] == ("body",) and len(loc) == 1):
+        return bad_request("The request body must be a JSON object.", code="invalid_json")
+    if first.get("type") == "missing":
+        return bad_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    # With unions pydantic reports one error per alternative; the first is representative.
+    return bad_request(f"Invalid value for '{param}': {msg}.{more}", param=param, code="invalid_type")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc.errors()))
+
+    @app.exception_handler(InvalidParamsError)
+    async def _invalid_params(_: Request, exc: InvalidParamsError) -> JSONResponse:
+        return error_response(bad_request(str(exc), param=exc.param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        if status == 404:
+            message = "Not found."
+        else:
+            message = str(exc.detail) if exc.detail else HTTPStatus(status).phrase
+        return JSONResponse(
+            error_body(message, _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")),
+            status_code=status,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error while serving a request")
+        return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}", "server_error"), status_code=500)
