@@ -1,0 +1,141 @@
+"""kopf handlers: thin glue between events and the pure builders / status code.
+
+The registry is explicit (``registry``) so that tests and ``main`` run exactly these
+handlers. The ``memo`` given to ``kopf.operator`` may carry ``kubeconfig`` (a path) to pick
+credentials; otherwise in-cluster or $KUBECONFIG.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from . import builders as b
+from . import spec as s
+from . import status as st
+from .kube import Kube, bearer_token
+from .schema import SpecError, parse
+
+registry = kopf.OperatorRegistry()
+RESOURCE = (s.GROUP, s.VERSION, s.PLURAL)
+CHILD_LABELS = {"app.kubernetes.io/managed-by": b.MANAGED_BY, b.INSTANCE_LABEL: kopf.PRESENT}
+RETRY_DELAY = 30
+
+
+@kopf.on.startup(registry=registry)
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Handler progress in annotations (status is schema-pruned); no peering objects needed
+    # (one replica, Recreate); no finalizers (no delete handlers: garbage collection
+    # removes the children through owner references).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvship.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kvship.io", key="last-handled-configuration"
+    )
+    settings.peering.standalone = True
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.error_backoffs = [1, 2, 5, 10]
+
+
+@kopf.on.login(registry=registry)
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    kube = Kube.connect(getattr(memo, "kubeconfig", None))
+    memo.kube = kube
+    memo.pdb_api_version = kube.pdb_api_version()
+    cfg = kube.api.configuration
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        token=bearer_token(cfg),
+        scheme="Bearer" if bearer_token(cfg) else None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
+
+
+def _api_message(e: ApiException) -> str:
+    try:
+        return json.loads(e.body).get("message") or str(e.reason)
+    except Exception:
+        return f"{e.status} {e.reason}"
+
+
+def refresh_status(kube: Kube, namespace: str, name: str, *, generation: int | None = None) -> dict | None:
+    """Recompute status from the children; patch only when it changed. With ``generation``
+    the status is stamped as observing that spec generation."""
+    cr = kube.get_llmd(namespace, name)
+    if cr is None:
+        return None
+    previous = cr.get("status") or {}
+    try:
+        parsed = parse(s.LLMDeploymentSpec, cr.get("spec") or {})
+    except SpecError:
+        return previous  # the reconcile handler reports it
+    owner = b.Owner(name, namespace, cr["metadata"]["uid"])
+    sts = kube.get("apps/v1", "StatefulSet", namespace, name)
+    pods = kube.list_pods(namespace, b.selector_string(owner))
+    observed = generation if generation is not None else previous.get("observedGeneration")
+    new = st.compute(owner, parsed, sts=sts, pods=pods, previous=previous, observed_generation=observed)
+    if any(previous.get(k) != v for k, v in new.items()):
+        kube.patch_llmd_status(namespace, name, new)
+    return new
+
+
+@kopf.on.resume(*RESOURCE, registry=registry)
+@kopf.on.create(*RESOURCE, registry=registry)
+@kopf.on.update(*RESOURCE, registry=registry)
+def reconcile(
+    name: str, namespace: str, uid: str, spec: Any, status: Any, meta: Any, body: Any, memo: kopf.Memo,
+    logger: logging.Logger, **_: Any,
+) -> None:
+    kube: Kube = memo.kube
+    generation = meta.get("generation")
+    previous = dict(status or {})
+    try:
+        parsed = parse(s.LLMDeploymentSpec, dict(spec))
+    except SpecError as e:
+        message = f"invalid spec: {e}"
+        logger.warning(message)
+        kube.patch_llmd_status(namespace, name, st.failed(previous, "InvalidSpec", message, generation))
+        kopf.warn(body, reason="InvalidSpec", message=message)
+        return  # nothing to retry until the spec changes
+
+    owner = b.Owner(name, namespace, uid)
+    changes = []
+    for obj in b.build(owner, parsed, pdb_api_version=memo.pdb_api_version):
+        kind, child = obj["kind"], obj["metadata"]["name"]
+        try:
+            before = kube.get(obj["apiVersion"], kind, namespace, child)
+            after = kube.apply(obj)
+        except ApiException as e:
+            message = f"applying {kind} {child} failed: {_api_message(e)}"
+            kopf.warn(body, reason="ApplyFailed", message=message)
+            kube.patch_llmd_status(namespace, name, st.failed(previous, "ApplyFailed", message, generation))
+            if 400 <= (e.status or 0) < 500 and e.status not in (409, 429):
+                raise kopf.PermanentError(message) from e
+            raise kopf.TemporaryError(message, delay=RETRY_DELAY) from e
+        if before is None:
+            changes.append(f"created {kind} {child}")
+        elif before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
+            changes.append(f"updated {kind} {child}")
+    if changes:
+        message = "; ".join(changes)
+        logger.info(message)
+        kopf.info(body, reason="Applied", message=message)
+    refresh_status(kube, namespace, name, generation=generation)
+
+
+def _child_event(body: Any, memo: kopf.Memo, **_: Any) -> None:
+    name = (body.get("metadata", {}).get("labels") or {}).get(b.INSTANCE_LABEL)
+    kube: Kube | None = getattr(memo, "kube", None)
+    if name and kube is not None:
+        refresh_status(kube, body["metadata"]["namespace"], name)
+
+
+kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_LABELS, registry=registry)(_child_event)
+kopf.on.event("", "v1", "pods", labels=CHILD_LABELS, registry=registry)(_child_event)

@@ -1,0 +1,322 @@
+"""The `LLMDeployment` API (kvship.io/v1alpha1), defined once.
+
+The CRD YAML (``python -m kvship_operator.crd``) and the operator's parsing both come from
+these dataclasses; cross-field rules are written as CEL for the API server and as Python for
+the operator (which also guards clusters too old for CEL).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .schema import Quantity, RawObject, Rule, field
+
+GROUP = "kvship.io"
+VERSION = "v1alpha1"
+KIND = "LLMDeployment"
+PLURAL = "llmdeployments"
+SINGULAR = "llmdeployment"
+SHORT_NAMES = ["llmd"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+DEFAULT_ENGINE_IMAGE = "kvship/engine:0.1.0"
+ENGINE_PORT = 8000
+OPERATOR_OWNED_ARGS = ("--host", "--port", "--tensor-parallel-size", "--served-model-name")
+
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+
+@dataclass
+class SecretKeyRef:
+    """A key of a Secret in the LLMDeployment's namespace."""
+
+    name: str = field(description="Secret name.", pattern=NAME_PATTERN, max_length=253)
+    key: str = field("HF_TOKEN", description="Key inside the Secret.", max_length=253)
+
+
+@dataclass
+class PvcSource:
+    """Model files already on a PersistentVolumeClaim."""
+
+    claim_name: str = field(description="Name of an existing PVC holding the model.", pattern=NAME_PATTERN, max_length=253)
+    path: str = field("", description="Folder of the model inside the claim ('' = its root).", max_length=1024)
+
+
+@dataclass
+class ModelSource:
+    """Where the weights come from: exactly one of hub, url or pvc."""
+
+    __one_of__ = ("hub", "url", "pvc")
+    __rules__ = [
+        Rule(
+            cel="[has(self.hub), has(self.url), has(self.pvc)].filter(x, x).size() == 1",
+            message="exactly one of hub, url, pvc must be set",
+            check=lambda m: sum(x is not None for x in (m.hub, m.url, m.pvc)) == 1,
+        ),
+        Rule(
+            cel="!has(self.revision) || has(self.hub)",
+            message="revision applies only to a hub model",
+            check=lambda m: m.revision is None or m.hub is not None,
+        ),
+        Rule(
+            cel="!has(self.tokenSecret) || !has(self.pvc)",
+            message="tokenSecret applies to hub and url models, not to pvc",
+            check=lambda m: m.token_secret is None or m.pvc is None,
+        ),
+    ]
+
+    hub: Optional[str] = field(
+        None,
+        description="Model id on a model hub (e.g. Qwen/Qwen3-0.6B); downloaded into the model cache.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$",
+        max_length=256,
+    )
+    revision: Optional[str] = field(None, description="Hub revision (branch, tag or commit).", max_length=256)
+    url: Optional[str] = field(
+        None,
+        description="http(s) URL of a model file or .tar/.tar.gz/.zip archive; downloaded into the model cache.",
+        pattern=r"^https?://",
+        max_length=2048,
+    )
+    pvc: Optional[PvcSource] = field(None, description="Model already on a PVC (mounted read-only).")
+    token_secret: Optional[SecretKeyRef] = field(
+        None, description="Secret key holding the hub token (HF_TOKEN) or a bearer token for the URL."
+    )
+
+
+@dataclass
+class EnvVar:
+    """An environment variable of the engine container."""
+
+    __rules__ = [
+        Rule(
+            cel="!(has(self.value) && has(self.valueFrom))",
+            message="set value or valueFrom, not both",
+            check=lambda e: not (e.value is not None and e.value_from is not None),
+        )
+    ]
+
+    name: str = field(description="Variable name.", pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=253)
+    value: Optional[str] = field(None, description="Literal value.")
+    value_from: Optional[RawObject] = field(None, description="A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, ...).")
+
+
+@dataclass
+class Engine:
+    """The engine container."""
+
+    __rules__ = [
+        Rule(
+            cel="self.args.all(a, !a.startsWith('--host') && !a.startsWith('--port') && "
+            "!a.startsWith('--tensor-parallel-size') && !a.startsWith('--served-model-name'))",
+            message="engine.args may not set --host, --port, --tensor-parallel-size or --served-model-name "
+            "(the operator sets them from the spec)",
+            check=lambda e: not any(a.startswith(OPERATOR_OWNED_ARGS) for a in e.args),
+        )
+    ]
+
+    image: str = field(DEFAULT_ENGINE_IMAGE, description="Engine image.", min_length=1, max_length=512)
+    image_pull_policy: str = field(
+        "IfNotPresent", description="Image pull policy.", enum=["Always", "IfNotPresent", "Never"]
+    )
+    args: list[str] = field([], description="Extra `kvship serve` arguments.", max_items=64, max_length=1024)
+    env: list[EnvVar] = field([], description="Extra environment variables.", max_items=64)
+
+
+@dataclass
+class Gpu:
+    """Accelerators per replica."""
+
+    resource_name: str = field(
+        "nvidia.com/gpu", description="Extended resource name of the accelerator.", pattern=LABEL_KEY_PATTERN, max_length=253
+    )
+    count: Optional[int] = field(
+        None,
+        description="Accelerators per replica; defaults to tensorParallelSize. 0 runs on CPU.",
+        minimum=0,
+        maximum=16,
+    )
+
+
+@dataclass
+class Resources:
+    """Extra CPU/memory requests and limits of the engine container (GPUs come from `gpu`)."""
+
+    requests: dict[str, Quantity] = field({}, description="Resource requests.")
+    limits: dict[str, Quantity] = field({}, description="Resource limits.")
+
+
+@dataclass
+class Autoscaling:
+    """Replica autoscaling on queue depth (waiting + running requests per ready replica).
+    `provider` picks the built-in autoscaler or an emitted HPA / KEDA ScaledObject; all of
+    them act through the `scale` subresource (`spec.replicas`)."""
+
+    __rules__ = [
+        Rule(
+            cel="self.minReplicas <= self.maxReplicas",
+            message="autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+            check=lambda a: a.min_replicas <= a.max_replicas,
+        ),
+        Rule(
+            cel="self.provider != 'keda' || has(self.prometheusServerAddress)",
+            message="autoscaling.provider keda needs autoscaling.prometheusServerAddress",
+            check=lambda a: a.provider != "keda" or a.prometheus_server_address is not None,
+        ),
+    ]
+
+    enabled: bool = field(False, description="Scale replicas between minReplicas and maxReplicas.")
+    provider: str = field("builtin", description="Who scales.", enum=["builtin", "hpa", "keda"])
+    min_replicas: int = field(1, description="Lower bound.", minimum=0, maximum=100)
+    max_replicas: int = field(1, description="Upper bound.", minimum=1, maximum=100)
+    target_requests_per_replica: int = field(
+        8, description="Target waiting + running requests per ready replica.", minimum=1, maximum=10000
+    )
+    scale_up_stabilization_seconds: int = field(
+        0, description="Window over which the highest recommendation is used before scaling up.", minimum=0, maximum=3600
+    )
+    scale_down_stabilization_seconds: int = field(
+        300, description="Window over which the highest recommendation is used before scaling down.", minimum=0, maximum=86400
+    )
+    interval_seconds: int = field(15, description="Metrics polling period (built-in provider).", minimum=1, maximum=600)
+    prometheus_server_address: Optional[str] = field(
+        None, description="Prometheus URL queried by a KEDA ScaledObject.", pattern=r"^https?://", max_length=2048
+    )
+
+
+@dataclass
+class ModelCache:
+    """Where downloaded models are kept. Created claims belong to the LLMDeployment and go
+    away with it; an existing claim is only mounted."""
+
+    __rules__ = [
+        Rule(
+            cel="!has(self.existingClaim) || !has(self.storageClassName)",
+            message="modelCache.storageClassName applies only to a claim the operator creates (not with existingClaim)",
+            check=lambda c: c.existing_claim is None or c.storage_class_name is None,
+        ),
+    ]
+
+    enabled: bool = field(True, description="Keep models on a PVC; false uses an emptyDir per pod.")
+    existing_claim: Optional[str] = field(
+        None, description="Use this existing PVC instead of creating one.", pattern=NAME_PATTERN, max_length=253
+    )
+    size: Quantity = field(Quantity("50Gi"), description="Size of the created PVC.")
+    storage_class_name: Optional[str] = field(None, description="StorageClass of the created PVC.", max_length=253)
+    access_mode: str = field(
+        "ReadWriteOnce",
+        description="Access mode of the created PVC (ReadWriteMany to share it across nodes).",
+        enum=["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"],
+    )
+
+
+@dataclass
+class ServiceSpec:
+    """The Service in front of the replicas (the OpenAI endpoint)."""
+
+    type: str = field("ClusterIP", description="Service type.", enum=["ClusterIP", "NodePort", "LoadBalancer"])
+    port: int = field(8000, description="Service port.", minimum=1, maximum=65535)
+    annotations: dict[str, str] = field({}, description="Service annotations.")
+
+
+@dataclass
+class LocalObjectReference:
+    """A reference to an object in the same namespace."""
+
+    name: str = field(description="Object name.", pattern=NAME_PATTERN, max_length=253)
+
+
+@dataclass
+class LLMDeploymentSpec:
+    """Desired state of an LLM served by kvship engine replicas."""
+
+    __rules__ = [
+        Rule(
+            cel="self.tensorParallelSize in [1, 2, 4, 8]",
+            message="tensorParallelSize must be 1, 2, 4 or 8",
+            check=lambda s: s.tensor_parallel_size in (1, 2, 4, 8),
+        ),
+        Rule(
+            cel="!has(self.gpu.count) || self.gpu.count == 0 || self.gpu.count >= self.tensorParallelSize",
+            message="gpu.count must be 0 (CPU) or at least tensorParallelSize",
+            check=lambda s: s.gpu.count is None or s.gpu.count == 0 or s.gpu.count >= s.tensor_parallel_size,
+        ),
+        Rule(
+            cel="!has(self.gpu.count) || self.gpu.count != 0 || self.tensorParallelSize == 1",
+            message="tensorParallelSize > 1 needs GPUs (gpu.count 0 means CPU)",
+            check=lambda s: s.gpu.count is None or s.gpu.count != 0 or s.tensor_parallel_size == 1,
+        ),
+        Rule(
+            cel="!self.autoscaling.enabled || (self.replicas >= self.autoscaling.minReplicas && "
+            "self.replicas <= self.autoscaling.maxReplicas)",
+            message="replicas must lie within autoscaling.minReplicas..maxReplicas when autoscaling is enabled",
+            check=lambda s: not s.autoscaling.enabled
+            or s.autoscaling.min_replicas <= s.replicas <= s.autoscaling.max_replicas,
+        ),
+    ]
+
+    model: ModelSource = field(description="Model source.")
+    served_model_name: Optional[str] = field(
+        None,
+        description="Model name clients send in the OpenAI `model` field; defaults to the hub id or the resource name.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$",
+        max_length=253,
+    )
+    engine: Engine = field({}, description="Engine container.")
+    tensor_parallel_size: int = field(1, description="Tensor-parallel degree (GPUs per replica).", minimum=1, maximum=8)
+    gpu: Gpu = field({}, description="Accelerators per replica.")
+    resources: Resources = field({}, description="CPU and memory of the engine container.")
+    replicas: int = field(1, description="Replicas (the scale subresource's target).", minimum=0, maximum=100)
+    autoscaling: Autoscaling = field({}, description="Autoscaling on queue depth.")
+    node_selector: dict[str, str] = field({}, description="Node selector of the pods.")
+    tolerations: list[RawObject] = field([], description="Tolerations of the pods (core/v1 Toleration).", max_items=64)
+    affinity: Optional[RawObject] = field(None, description="Affinity of the pods (core/v1 Affinity).")
+    model_cache: ModelCache = field({}, description="Model cache volume.")
+    service: ServiceSpec = field({}, description="The Service exposing the OpenAI API.")
+    shm_size: Quantity = field(Quantity("8Gi"), description="Size of the /dev/shm memory volume (NCCL).")
+    startup_timeout_seconds: int = field(
+        1800, description="How long a replica may take to load the model before it is restarted.", minimum=60, maximum=86400
+    )
+    download_timeout_seconds: int = field(
+        3600, description="Time limit of the model download step.", minimum=60, maximum=172800
+    )
+    pod_annotations: dict[str, str] = field({}, description="Annotations of the pods.")
+    service_account_name: Optional[str] = field(None, description="ServiceAccount of the pods.", pattern=NAME_PATTERN, max_length=253)
+    image_pull_secrets: list[LocalObjectReference] = field([], description="Image pull secrets.", max_items=16)
+    priority_class_name: Optional[str] = field(None, description="PriorityClass of the pods.", max_length=253)
+
+
+@dataclass
+class Condition:
+    """A metav1.Condition."""
+
+    type: str = field(description="Condition type (Ready, ModelCached, WorkloadReady).", max_length=316)
+    status: str = field(description="True, False or Unknown.", enum=["True", "False", "Unknown"])
+    reason: str = field(description="CamelCase reason.", max_length=1024)
+    message: str = field(description="Human-readable details.", max_length=32768)
+    last_transition_time: str = field(description="When status last changed (RFC 3339).")
+    observed_generation: Optional[int] = field(None, description="Generation the condition was computed for.", minimum=0)
+
+
+@dataclass
+class AutoscalingStatus:
+    """What the autoscaler last decided."""
+
+    desired_replicas: Optional[int] = field(None, description="Last recommendation.")
+    last_scale_time: Optional[str] = field(None, description="When replicas were last changed (RFC 3339).")
+    message: Optional[str] = field(None, description="Why.")
+
+
+@dataclass
+class LLMDeploymentStatus:
+    """Observed state, written by the operator."""
+
+    conditions: list[Condition] = field([], description="Ready, ModelCached and WorkloadReady.")
+    observed_generation: Optional[int] = field(None, description="The spec generation this status describes.")
+    replicas: Optional[int] = field(None, description="Current replicas (pods created).")
+    ready_replicas: Optional[int] = field(None, description="Replicas passing readiness.")
+    selector: Optional[str] = field(None, description="Label selector of the pods (for the scale subresource).")
+    endpoint: Optional[str] = field(None, description="In-cluster URL of the OpenAI API.")
+    served_model_name: Optional[str] = field(None, description="Model name clients use.")
+    autoscaling: Optional[AutoscalingStatus] = field(None, description="Autoscaler state.")
