@@ -10,12 +10,28 @@ length *including* the new tokens (already stored in the cache); block_tables [B
 New token i of sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally to
 positions <= its own. Decode is the case q_len == 1 for every sequence.
 
-This file holds the plain-torch reference (CPU path, and the oracle for the Triton kernels).
+This file holds the plain-torch reference (CPU path, and the oracle for the Triton kernels),
+then the Triton kernels:
+
+- ``store_kv_triton``: one program per new token, all heads; slot -1 is skipped.
+- ``paged_attention_triton``: when ``max_seqlen_q == 1`` (decode), a GQA-aware kernel — one
+  program holds all query heads of one KV head (the group padded to a power of two >= 16 rows
+  for ``tl.dot``), so each K/V tile is read once per KV head — split over the context
+  (flash-decoding: each split covers an equal, BLOCK_N-aligned share of the sequence's actual
+  length, computed in the kernel; a second kernel merges the splits by their log-sum-exp).
+  Otherwise a varlen prefill kernel: one program per (query head, BLOCK_M new tokens,
+  sequence), causal over the cached prefix plus the new tokens, with unmasked tiles below the
+  diagonal and masked ones on it.
+  Both paths read pages through the block table token by token, so any block size works.
+  The decode path is CUDA-graph capturable: no host syncs, grid and split count come from
+  tensor shapes (and the SM count) only.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kvship.kernels._triton import device_sms, next_pow2, tl, triton, use_triton
 
 
 def store_kv_torch(
@@ -64,4 +80,368 @@ def paged_attention_torch(
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # causal with a cached prefix
         ob = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), attn_mask=mask, scale=scale)
         out[s:e] = ob.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    if use_triton(k):
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q: int, out=None):
+    if use_triton(q):
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q, out=out
+        )
+    o = paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+_LOG2E = 1.4426950408889634
+
+# Launch settings; the benchmark may override them. Keyed by head_dim where it matters.
+DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
+PREFILL_CONFIG = {
+    64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
+    128: {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3},
+}
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    page = slot // BLOCK_SIZE
+    row = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(
+        kc_ptr + page * stride_kcb + row * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :],
+        k.to(kc_ptr.dtype.element_ty), mask=mask,
+    )
+    tl.store(
+        vc_ptr + page * stride_vcb + row * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :],
+        v.to(vc_ptr.dtype.element_ty), mask=mask,
+    )
+
+
+def store_kv_triton(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Triton twin of ``store_kv_torch``: k, v [T, Hkv, D] (last dim contiguous) into their slots."""
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    t, h, d = k.shape
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_HEADS=h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_H=next_pow2(h), BLOCK_D=next_pow2(d), num_warps=4,
+    )
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, q_pos,
+    kc_ptr, vc_ptr, bt_row, n0, kv_end,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, kvh,
+    qk_scale, offs_n, offs_d, dmask,
+    BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr,
+):
+    """One BLOCK_N tile of keys/values, gathered through the block table, folded into the
+    running softmax state (log2 domain). MASK: 0 none, 1 pos < kv_end, 2 that and causal."""
+    pos = n0 + offs_n
+    if MASK > 0:
+        nmask = pos < kv_end
+        page = tl.load(bt_row + pos // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+    row = (pos % BLOCK_SIZE).to(tl.int64)
+    k_off = page * stride_kb + row * stride_ks + kvh * stride_kh
+    v_off = page * stride_vb + row * stride_vs + kvh * stride_vh
+    if MASK > 0:
+        kt = tl.load(kc_ptr + k_off[None, :] + offs_d[:, None], mask=nmask[None, :] & dmask[:, None], other=0.0)
+    else:
+        kt = tl.load(kc_ptr + k_off[None, :] + offs_d[:, None], mask=dmask[:, None], other=0.0)
+    qk = tl.dot(q, kt.to(q.dtype)) * qk_scale
+    if MASK == 1:
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+    elif MASK == 2:
+        qk = tl.where((pos[None, :] <= q_pos[:, None]) & nmask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASK > 0:
+        v = tl.load(vc_ptr + v_off[:, None] + offs_d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        v = tl.load(vc_ptr + v_off[:, None] + offs_d[None, :], mask=dmask[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(cuq_ptr + b)
+    if tl.load(cuq_ptr + b + 1) <= q_row:  # no new token for this sequence
+        return
+    q_row = q_row.to(tl.int64)
+    seq_len = tl.load(seqlens_ptr + b)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    dmask = offs_d < HEAD_DIM
+    gmask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    qmask = gmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
+
+    # This split's share of the actual context, in whole BLOCK_N tiles.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, offs_g,
+            kc_ptr, vc_ptr, bt_row, n0, end,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, kvh,
+            qk_scale, offs_n, offs_d, dmask,
+            BLOCK_SIZE, 1,
+        )
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=qmask,
+        )
+    else:
+        mo = mid_o_ptr + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+        tl.store(mo, o, mask=qmask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, lse, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, cuq_ptr, out_ptr,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    q_row = tl.load(cuq_ptr + b)
+    if tl.load(cuq_ptr + b + 1) <= q_row:
+        return
+    q_row = q_row.to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NUM_SPLITS
+    dmask = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(
+        mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        mask=smask[:, None] & dmask[None, :], other=0.0,
+    )
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    res = tl.sum(o * w[:, None], 0) / denom
+    tl.store(out_ptr + q_row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    h = tl.program_id(0)
+    mblk = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) row blocks start first
+    b = tl.program_id(2)
+    q_start = tl.load(cuq_ptr + b)
+    q_len = tl.load(cuq_ptr + b + 1) - q_start
+    if mblk * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(seqlens_ptr + b)
+    prefix = ctx - q_len
+    kvh = h // GROUP
+
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    dmask = offs_d < HEAD_DIM
+    qmask = (offs_m[:, None] < q_len) & dmask[None, :]
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
+    q_pos = prefix + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    # Keys before the block's first row position are visible to every row: no mask there.
+    full_end = ((prefix + mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(prefix + (mblk + 1) * BLOCK_M, ctx)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos,
+            kc_ptr, vc_ptr, bt_row, n0, ctx,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, kvh,
+            qk_scale, offs_n, offs_d, dmask,
+            BLOCK_SIZE, 0,
+        )
+    for n0 in range(full_end, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos,
+            kc_ptr, vc_ptr, bt_row, n0, ctx,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, kvh,
+            qk_scale, offs_n, offs_d, dmask,
+            BLOCK_SIZE, 2,
+        )
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sms: int, block_n: int) -> int:
+    """How many context splits the decode kernel uses: enough programs for ``waves`` rounds
+    over the SMs, a power of two, no more than there are BLOCK_N tiles in the longest
+    possible context. Depends on shapes only (CUDA-graph safe)."""
+    programs = max(1, batch * num_kv_heads)
+    target = DECODE_CONFIG["waves"] * sms
+    if programs >= target:
+        return 1
+    splits = next_pow2(-(-target // programs))
+    tiles = max(1, -(-max_context // block_n))
+    while splits > 1 and splits > tiles:
+        splits //= 2
+    return max(1, min(splits, DECODE_CONFIG["max_splits"]))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``paged_attention_torch`` (same layouts and semantics).
+
+    ``max_seqlen_q`` (a host int) picks the path: 1 means every sequence has one new token
+    (decode: split-K kernel, graph-capturable); otherwise the varlen prefill kernel.
+    ``num_splits`` overrides the decode split count (tests use it; the default depends on
+    shapes only). q, k_cache, v_cache need a contiguous last dim.
+    """
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    assert num_q_heads % num_kv_heads == 0
+    group = num_q_heads // num_kv_heads
+    batch = seq_lens.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    qk_scale = float(scale) * _LOG2E
+    block_d = next_pow2(head_dim)
+    common = (
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+    )
+    if max_seqlen_q == 1:
+        cfg = DECODE_CONFIG
+        block_n = cfg["block_n"]
+        if num_splits is None:
+            num_splits = decode_num_splits(
+                batch, num_kv_heads, block_tables.shape[1] * block_size, device_sms(q), block_n
+            )
+        if num_splits > 1:
+            mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+            mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        else:
+            mid_o = mid_lse = out  # unused
+        mid_strides = (
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
+            mid_lse.stride(0), mid_lse.stride(1),
+        )
+        _decode_kernel[(batch, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
+            qk_scale, *common, *mid_strides,
+            GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        if num_splits > 1:
+            _decode_reduce_kernel[(batch, num_q_heads)](
+                mid_o, mid_lse, cu_seqlens_q, out,
+                *mid_strides, out.stride(0), out.stride(1),
+                NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+                num_warps=4,
+            )
+        return out
+
+    cfg = PREFILL_CONFIG.get(head_dim, PREFILL_CONFIG[128])
+    block_m = min(cfg["block_m"], max(16, next_pow2(max_seqlen_q)))
+    grid = (num_q_heads, triton.cdiv(max_seqlen_q, block_m), batch)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
+        qk_scale, *common,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
     return out

@@ -1,0 +1,78 @@
+"""Guarded Triton import.
+
+Triton is optional at run time: the engine must import (and run its torch paths) without it.
+Kernel modules do ``from kvship.kernels._triton import HAS_TRITON, triton, tl`` and define
+their ``@triton.jit`` kernels unconditionally; without Triton, ``triton.jit`` is a no-op
+decorator and ``tl`` answers any attribute, so the module still imports, and the dispatch
+functions never reach the kernels.
+
+Kernels run in Triton's CPU interpreter when ``TRITON_INTERPRET=1`` is set before the first
+import of triton (the tests do that when no GPU is present).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # pragma: no cover - which branch runs depends on the environment
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # ImportError, or a broken install
+    HAS_TRITON = False
+
+    class _AnyAttr:
+        """Stands in for ``triton.language``: annotations such as ``tl.constexpr`` resolve."""
+
+        def __getattr__(self, name: str) -> "_AnyAttr":
+            return self
+
+        def __call__(self, *args, **kwargs) -> "_AnyAttr":
+            return self
+
+    class _TritonStub:
+        @staticmethod
+        def jit(fn=None, **kwargs):
+            if fn is None:
+                return lambda f: f
+            return fn
+
+        @staticmethod
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+        @staticmethod
+        def next_power_of_2(n: int) -> int:
+            return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+        language = _AnyAttr()
+
+    triton = _TritonStub()  # type: ignore[assignment]
+    tl = _AnyAttr()  # type: ignore[assignment]
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the dispatch functions should take the Triton path for tensor ``t``."""
+    return HAS_TRITON and t.is_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(t: torch.Tensor) -> int:
+    """Streaming multiprocessors of ``t``'s device; a fixed small number off the GPU."""
+    if t.is_cuda:
+        return num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -1,0 +1,289 @@
+"""Triton kernels against their plain-torch references.
+
+Without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) on
+tiny shapes in fp32 and fp16; with a GPU the same tests run in bf16 at real sizes (Llama-3-8B
+and SmolLM2 head layouts) with bf16-range tolerances.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvship.kernels import activation, norm, paged_attention as pa, rotary
+from kvship.kernels._triton import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.float16]
+
+
+def tol(dtype):
+    return {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+
+
+def close(out, ref, dtype, what=""):
+    """Relative-norm check plus an elementwise bound; NaN never passes."""
+    assert out.shape == ref.shape, what
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    o, r = out.double(), ref.double()
+    rel = ((o - r).norm() / r.norm().clamp_min(1e-12)).item()
+    assert rel < tol(dtype), f"{what}: rel err {rel:.3e}"
+    atol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 6e-2}[dtype]
+    err = (o - r).abs().max().item()
+    assert err < atol + 2 * tol(dtype) * r.abs().max().item(), f"{what}: max err {err:.3e}"
+
+
+def make_paged(q_lens, ctx_lens, hq, hkv, d, block_size, dtype, seed, extra_cols=2):
+    """Random paged cache with shuffled (non-contiguous) block tables, spare columns and
+    spare blocks; q holds the new tokens of each sequence."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = [-(-c // block_size) for c in ctx_lens]
+    total = sum(n_blocks) + 3
+    perm = torch.randperm(total, generator=g)
+    max_blocks = max(n_blocks) + extra_cols
+    bt = torch.randint(0, total, (len(ctx_lens), max_blocks), generator=g, dtype=torch.int32)  # junk past the end
+    i = 0
+    for b, n in enumerate(n_blocks):
+        bt[b, :n] = perm[i : i + n].to(torch.int32)
+        i += n
+    k_cache = torch.randn(total, block_size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(total, block_size, hkv, d, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    seq_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    return [t.to(DEV) for t in (q, k_cache, v_cache, bt, seq_lens, cu)]
+
+
+HEADS = [(2, 2, 64), (9, 3, 64), (8, 2, 128)] if not GPU else [(32, 32, 128), (9, 3, 64), (32, 8, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("hq,hkv,d", HEADS)  # GQA groups 1, 3, 4
+def test_decode(hq, hkv, d, block_size, dtype):
+    if GPU:
+        ctx = [1, 17, 1000, 4096, 2049, 513, 33, 3000]
+    else:
+        ctx = [1, 17, 100, 33]
+    q, kc, vc, bt, sl, cu = make_paged([1] * len(ctx), ctx, hq, hkv, d, block_size, dtype, seed=hq + block_size)
+    scale = d**-0.5
+    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, scale)
+    # CPU: None resolves to splits > 1 here (4 "SMs"), so split-K and its reduce run
+    splits = [None, 1] if not GPU else [None, 1, 8, 64]
+    for ns in splits:
+        out = torch.full_like(q, float("nan"))  # every element must be written
+        got = pa.paged_attention_triton(q, kc, vc, bt, sl, cu, scale, 1, out=out, num_splits=ns)
+        assert got is out
+        close(out, ref, dtype, f"decode splits={ns}")
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_decode_small_tiles_many_per_split(block_n, monkeypatch):
+    """Several tiles per split, tiles smaller than / equal to a page, uneven split count."""
+    dtype = DTYPES[0]
+    monkeypatch.setitem(pa.DECODE_CONFIG, "block_n", block_n)
+    ctx = [100, 37, 64] if not GPU else [5000, 37, 1024]
+    q, kc, vc, bt, sl, cu = make_paged([1] * len(ctx), ctx, 8, 2, 64, 32, dtype, seed=block_n)
+    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, 0.125)
+    for ns in (3, 2):
+        out = pa.paged_attention_triton(q, kc, vc, bt, sl, cu, 0.125, 1, num_splits=ns)
+        close(out, ref, dtype, f"decode block_n={block_n} splits={ns}")
+
+
+def test_decode_default_splits_active():
+    """At small batch the default split count is > 1 (flash-decoding) and depends on shapes only."""
+    assert pa.decode_num_splits(1, 8, 32768, 132, 64) > 1
+    assert pa.decode_num_splits(128, 8, 32768, 132, 64) == 1
+    assert pa.decode_num_splits(1, 8, 16, 132, 64) == 1  # never more splits than tiles
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+def test_prefill_varlen_cached_prefix(hq, hkv, d, block_size, dtype):
+    """Mixed batch: a fresh prompt, prefix-cache hits / later chunks (q_len < ctx), a decode
+    token and an empty sequence."""
+    if GPU:
+        q_lens, ctx = [700, 256, 1, 0, 1024], [700, 2000, 513, 40, 1500]
+    else:
+        q_lens, ctx = [20, 7, 1, 0, 33], [20, 50, 17, 9, 40]
+    q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, hq, hkv, d, block_size, dtype, seed=7 * hq + d)
+    scale = d**-0.5
+    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, scale)
+    out = pa.paged_attention_triton(q, kc, vc, bt, sl, cu, scale, max(q_lens))
+    close(out, ref, dtype, "prefill")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunked_prefill_matches_whole(dtype):
+    """A prompt prefilled in chunks (each chunk attending to the cached earlier chunks) gives
+    the same outputs as the reference over the whole prompt."""
+    hq, hkv, d, bs = (8, 2, 64, 16) if not GPU else (32, 8, 128, 16)
+    n, chunk = (45, 16) if not GPU else (3000, 1024)
+    q, kc, vc, bt, sl, cu = make_paged([n], [n], hq, hkv, d, bs, dtype, seed=3)
+    scale = d**-0.5
+    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, scale)
+    outs = []
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        cu_c = torch.tensor([0, e - s], dtype=torch.int32, device=DEV)
+        sl_c = torch.tensor([e], dtype=torch.int32, device=DEV)
+        outs.append(pa.paged_attention_triton(q[s:e], kc, vc, bt, sl_c, cu_c, scale, e - s))
+    close(torch.cat(outs), ref, dtype, "chunked")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_store_kv(block_size, dtype):
+    t, hkv, d, nb = (13, 3, 64, 4) if not GPU else (4096, 8, 128, 300)
+    g = torch.Generator().manual_seed(block_size)
+    k = torch.randn(t, hkv, d, generator=g).to(dtype).to(DEV)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype).to(DEV)
+    slots = torch.randperm(nb * block_size, generator=g)[:t].to(torch.int64)
+    slots[torch.randperm(t, generator=g)[: t // 4]] = -1  # padding tokens
+    slots = slots.to(DEV)
+    kc = torch.randn(nb, block_size, hkv, d, generator=g).to(dtype).to(DEV)
+    vc = torch.randn(nb, block_size, hkv, d, generator=g).to(dtype).to(DEV)
+    kc2, vc2 = kc.clone(), vc.clone()
+    pa.store_kv_torch(k, v, kc, vc, slots)
+    pa.store_kv_triton(k, v, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    # non-contiguous k/v (slices of a fused qkv projection)
+    qkv = torch.randn(t, (2 + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
+    kv = qkv[:, 2 * d :].view(t, 2 * hkv, d)
+    k2, v2 = kv[:, :hkv], kv[:, hkv:]
+    pa.store_kv_torch(k2, v2, kc, vc, slots)
+    pa.store_kv_triton(k2, v2, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 4096] if GPU else [64, 576])
+def test_rms_norm(hidden, dtype):
+    t = 300 if GPU else 5
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(t, hidden, generator=g).to(dtype).to(DEV)
+    r = torch.randn(t, hidden, generator=g).to(dtype).to(DEV)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEV)
+    close(norm.rms_norm_triton(x, w, 1e-5), norm.rms_norm_torch(x, w, 1e-5), dtype, "rms")
+    n_ref, r_ref = norm.fused_add_rms_norm_torch(x, r, w, 1e-6)
+    n_got, r_got = norm.fused_add_rms_norm_triton(x, r, w, 1e-6)
+    close(n_got, n_ref, dtype, "fused normed")
+    close(r_got, r_ref, dtype, "fused residual")
+    # 3-D input
+    close(norm.rms_norm_triton(x.view(1, t, hidden), w, 1e-5), norm.rms_norm_torch(x, w, 1e-5).view(1, t, hidden), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 128)] if not GPU else [(32, 8, 128), (9, 3, 64)])
+def test_rotary(hq, hkv, d, dtype):
+    t = 7 if not GPU else 2048
+    g = torch.Generator().manual_seed(d)
+    cache = rotary.build_cos_sin_cache(4096, d).to(DEV)
+    pos = torch.randint(0, 4096, (t,), generator=g).to(DEV)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
+    q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as the attention layer makes them
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    q_ref, k_ref = rotary.rotary_torch(pos, q, k, cache)
+    v_before = qkv[:, (hq + hkv) * d :].clone()
+    q_got, k_got = rotary.rotary_triton(pos, q, k, cache)
+    close(q_got, q_ref, dtype, "rot q")
+    close(k_got, k_ref, dtype, "rot k")
+    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
+
+
+def test_rotary_reference_matches_hf_formula():
+    """rotary_torch equals the HF rotate_half formulation q*cos + rotate_half(q)*sin."""
+    t, h, d = 5, 2, 16
+    cache = rotary.build_cos_sin_cache(64, d)
+    pos = torch.tensor([0, 3, 9, 63, 1])
+    q, k = torch.randn(t, h, d, dtype=torch.float64), torch.randn(t, 1, d, dtype=torch.float64)
+    cos = torch.cat([cache[pos, : d // 2]] * 2, -1)[:, None].double()
+    sin = torch.cat([cache[pos, d // 2 :]] * 2, -1)[:, None].double()
+
+    def rotate_half(x):
+        return torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+
+    qr, kr = rotary.rotary_torch(pos, q, k, cache)
+    torch.testing.assert_close(qr, q * cos + rotate_half(q) * sin)
+    torch.testing.assert_close(kr, k * cos + rotate_half(k) * sin)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1536, 14336] if GPU else [96, 1100])
+def test_silu_and_mul(inter, dtype):
+    t = 300 if GPU else 3
+    g = torch.Generator().manual_seed(inter)
+    x = (2 * torch.randn(t, 2 * inter, generator=g)).to(dtype).to(DEV)
+    close(activation.silu_and_mul_triton(x), activation.silu_and_mul_torch(x), dtype, "silu")
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
+def test_decode_cuda_graph_capture():
+    """store_kv + split-K decode captured in a CUDA graph and replayed on new inputs."""
+    dtype, hq, hkv, d, bs = torch.bfloat16, 32, 8, 128, 16
+    ctx = [100, 2000, 37, 4096]
+    q, kc, vc, bt, sl, cu = make_paged([1] * 4, ctx, hq, hkv, d, bs, dtype, seed=11)
+    k_new = torch.randn(4, hkv, d, device=DEV, dtype=dtype)
+    v_new = torch.randn_like(k_new)
+    slots = torch.full((4,), -1, dtype=torch.int64, device=DEV)
+    out = torch.empty_like(q)
+    scale = d**-0.5
+
+    def step():
+        pa.store_kv_triton(k_new, v_new, kc, vc, slots)
+        pa.paged_attention_triton(q, kc, vc, bt, sl, cu, scale, 1, out=out)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(2):
+        new_ctx = torch.tensor([c - 7 * trial for c in ctx], dtype=torch.int32, device=DEV)
+        sl.copy_(new_ctx)
+        q.copy_(torch.randn_like(q))
+        k_new.copy_(torch.randn_like(k_new))
+        pos = new_ctx.long() - 1
+        slots.copy_(bt.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs)
+        graph.replay()
+        torch.cuda.synchronize()
+        kc_ref = kc.clone()
+        ref = pa.paged_attention_torch(q, kc_ref, vc, bt, sl, cu, scale)
+        close(out, ref, dtype, f"graph replay {trial}")
+
+
+def test_dispatch_cpu_uses_torch():
+    """The dispatch functions take the torch path for CPU tensors."""
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(activation.silu_and_mul(x), activation.silu_and_mul_torch(x))
+    w = torch.ones(8)
+    torch.testing.assert_close(norm.rms_norm(x, w, 1e-6), norm.rms_norm_torch(x, w, 1e-6))
+
+
+def test_engine_imports_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
+        "import torch\n"
+        "from kvship.kernels import paged_attention as pa, norm, rotary, activation\n"
+        "from kvship.kernels._triton import HAS_TRITON\n"
+        "assert not HAS_TRITON\n"
+        "x = torch.randn(2, 8)\n"
+        "assert norm.rms_norm(x, torch.ones(8), 1e-6).shape == (2, 8)\n"
+        "assert activation.silu_and_mul(x).shape == (2, 4)\n"
+        "q = torch.randn(1, 2, 4); kc = torch.randn(2, 16, 1, 4)\n"
+        "o = pa.paged_attention(q, kc, kc, torch.tensor([[1]]), torch.tensor([5]), torch.tensor([0, 1]), 0.5, 1)\n"
+        "assert o.shape == q.shape\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items()}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
