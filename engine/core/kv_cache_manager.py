@@ -121,8 +121,8 @@ class KVCacheManager:
         # Tail blocks first, so that a prefix's first blocks are the last to be evicted.
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
             block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed more often than taken"
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
                 if block.hash is None:  # nothing worth keeping: reuse it first

@@ -86,9 +86,9 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * c.gpu_memory_utilization - (total - free)
             return max(1, int(budget // per_block))
-        # CPU: enough for max_num_seqs full contexts, capped at 4 GiB.
+        # CPU: enough for max_num_seqs full contexts, capped at 1 GiB.
         want = c.max_num_seqs * -(-self.max_model_len // self.block_size)
-        return max(1, min(want, (4 << 30) // per_block))
+        return max(1, min(want, (1 << 30) // per_block))
 
     def _allocate_kv_cache(self) -> int:
         n = self._num_blocks_to_allocate()

@@ -1,0 +1,152 @@
+"""The engine on real weights (SmolLM2-135M, bundled): greedy output identical to transformers,
+also with prefix-cache hits, small prefill chunks and forced preemption."""
+import pytest
+import torch
+
+from kvship.llm import LLM
+from kvship.sampling_params import SamplingParams
+
+MAX_TOKENS = 20
+QUESTIONS = [
+    "Hi",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why each is prime.",
+    "Translate 'good morning' into Spanish, French and German, one per line.",
+    "Explain in two sentences what a hash table is and when you would use one instead of a list.",
+    "Once upon a time, in a village at the edge of a great forest, there lived an old clockmaker who",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_hf):
+    _, tok = smollm2_hf
+    out = []
+    for i, q in enumerate(QUESTIONS):
+        if i % 2:  # half chat-formatted (they share the system prompt: prefix-cache material)
+            q = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        out.append(tok(q, add_special_tokens=True)["input_ids"])
+    assert len({len(p) for p in out}) == len(out), "prompts should differ in length"
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_hf, prompts):
+    model, tok = smollm2_hf
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        refs.append(ids[0, len(p):].tolist())
+    return refs
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+def greedy_tokens(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def assert_all_blocks_released(llm):
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(b.ref_count == 0 for b in kv.blocks)
+
+
+def test_greedy_matches_transformers_and_prefix_cache(prompts, reference):
+    llm = LLM(device="cpu")
+    assert greedy_tokens(llm, prompts) == reference
+    assert_all_blocks_released(llm)
+    hits_before = llm.engine.kv.prefix_hits
+    # Same prompts again: every full block of each prompt is now served from the cache.
+    assert greedy_tokens(llm, prompts) == reference
+    assert llm.engine.kv.prefix_hits - hits_before >= sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert_all_blocks_released(llm)
+
+
+def test_greedy_matches_with_small_prefill_chunks(prompts, reference):
+    llm = LLM(device="cpu", max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert greedy_tokens(llm, prompts) == reference
+    assert_all_blocks_released(llm)
+
+
+def test_greedy_matches_under_preemption(prompts, reference):
+    # 24 blocks of 16 tokens cannot hold 8 sequences of up to ~70 tokens at once.
+    llm = LLM(device="cpu", num_kv_blocks=24)
+    assert greedy_tokens(llm, prompts) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_released(llm)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu")
+
+
+def test_seeded_sampling_independent_of_batch(llm, prompts):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)
+    alone = llm.generate([prompts[3]], p)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12)
+    mixed = llm.generate([prompts[0], prompts[3], prompts[5]], [others, p, others])[1].outputs[0].token_ids
+    assert alone == mixed
+    assert llm.generate([prompts[3]], SamplingParams(temperature=1.0, seed=99, max_tokens=12))[0].outputs[0].token_ids != alone
+
+
+def test_stop_string_across_tokens(llm, prompts):
+    full = llm.generate([prompts[1]], GREEDY)[0].outputs[0].text  # "The capital of France is Paris."
+    stop = "of Fra"  # spans token boundaries
+    assert stop in full
+    out = llm.generate([prompts[1]], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full[: full.index(stop)]
+
+
+def test_n_copies_share_prompt_blocks(llm, prompts):
+    hits = llm.engine.kv.prefix_hits
+    p = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8)
+    out = llm.generate([prompts[7]], p)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different samples
+    full_blocks = (len(prompts[7]) - 1) // 16
+    assert llm.engine.kv.prefix_hits - hits >= 2 * full_blocks * 16  # the two copies reused the prompt
+    assert_all_blocks_released(llm)
+
+
+def test_logprobs_equal_reference_log_softmax(llm, prompts, smollm2_hf):
+    model, _ = smollm2_hf
+    out = llm.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=5, logprobs=5))[0].outputs[0]
+    ids = prompts[2] + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    for i, (chosen, top) in enumerate(out.logprobs):
+        row = ref[len(prompts[2]) - 1 + i]
+        assert chosen.token_id == out.token_ids[i]
+        assert chosen.logprob == pytest.approx(row[chosen.token_id].item(), abs=1e-3)
+        want = torch.topk(row, 5)
+        assert [t.token_id for t in top] == want.indices.tolist()
+        assert [t.logprob for t in top] == pytest.approx(want.values.tolist(), abs=1e-3)
+
+
+def test_abort_releases_blocks(llm, prompts):
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"abort-{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    for i in range(len(prompts)):
+        eng.abort(f"abort-{i}")
+    assert not eng.has_work()
+    assert_all_blocks_released(llm)
+
+
+def test_prompt_longer_than_context_is_refused(prompts):
+    from kvship.sampling_params import InvalidParamsError
+
+    small = LLM(device="cpu", max_model_len=32, num_kv_blocks=8)
+    with pytest.raises(InvalidParamsError, match="maximum context length is 32"):
+        small.generate([list(range(40))], GREEDY)
+    out = small.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=100))[0].outputs[0]
+    assert out.finish_reason == "length" and len(prompts[0]) + len(out.token_ids) == 32
