@@ -141,6 +141,18 @@ def test_repetition_penalty_matches_reference():
     assert torch.allclose(got[0], _ref_repetition(logits[0], [2, 3], 0.5))
 
 
+def test_prompt_mask_cache_gives_same_result_and_follows_prompt_changes():
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(3))
+    sampler = Sampler()
+    for prompt in ([1, 2, 3], [1, 2, 3], [4, 5], [4, 5, 9]):
+        keyed = [SamplerRow(SamplingParams(repetition_penalty=1.7), prompt, [7], cache_key=("r", i)) for i in range(2)]
+        plain = [row(prompt=prompt, output=[7], repetition_penalty=1.7) for _ in range(2)]
+        got = apply_penalties(logits.clone(), keyed, sampler.prompt_cache)
+        assert torch.equal(got, apply_penalties(logits.clone(), plain))
+        assert torch.allclose(got[0], _ref_repetition(logits[0], prompt + [7], 1.7))
+    assert len(sampler.prompt_cache._entries) == 2
+
+
 def test_frequency_and_presence_penalties_match_reference():
     logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     output = [1, 1, 1, 4, 6, 6]
@@ -256,12 +268,30 @@ def test_empty_batch_and_shape_check():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_matches_cpu_for_greedy_and_runs_seeded():
+def test_cuda_matches_cpu_for_greedy_and_seeded_rows_are_batch_invariant():
     logits = logits_for(8, b=4)
     rows = [row(temperature=0.0, logprobs=3, repetition_penalty=1.3, prompt=[1, 2])] * 4
     cpu = Sampler()(logits, rows)
     gpu = Sampler()(logits.cuda(), rows)
     assert cpu.token_ids == gpu.token_ids
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    out = Sampler()(logits.cuda(), [SamplerRow(SamplingParams(seed=1, top_p=0.9, min_p=0.05), [], [], gen)] * 4)
-    assert len(out.token_ids) == 4
+    for (c, ca), (g, ga) in zip(cpu.logprobs, gpu.logprobs):
+        assert c.token_id == g.token_id and abs(c.logprob - g.logprob) < 1e-4
+        assert [a.token_id for a in ca] == [a.token_id for a in ga]
+
+    def run(batch: int, pos: int, vocab: int = 32000) -> list[int]:
+        gen = torch.Generator(device="cuda").manual_seed(77)
+        nb = torch.Generator(device="cuda").manual_seed(batch)
+        out_tokens: list[int] = []
+        for t in range(30):
+            lg = torch.randn(batch, vocab, device="cuda", generator=nb)
+            lg[pos] = torch.randn(vocab, generator=torch.Generator().manual_seed(t)).cuda() * 3
+            rs = [row(temperature=1.2) if i % 2 else row(temperature=0.0) for i in range(batch)]
+            rs[pos] = SamplerRow(SamplingParams(seed=77, top_p=0.9, top_k=50, min_p=0.01, frequency_penalty=0.2),
+                                 [5, 6], list(out_tokens), gen)
+            out_tokens.append(Sampler()(lg.to(torch.bfloat16), rs).token_ids[pos])
+        return out_tokens
+
+    ref = run(1, 0)
+    assert run(3, 1) == ref
+    assert run(7, 6) == ref
+    assert len(set(ref)) > 3

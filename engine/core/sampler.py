@@ -11,8 +11,11 @@ probability p_i, without a cumulative sum or a host round trip.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvship.outputs import TokenLogprob
@@ -27,6 +30,9 @@ class SamplerRow:
     # Set when params.seed is not None: created by the caller on the logits' device and seeded
     # once per sequence. None -> the default RNG (one batched draw for all such rows).
     generator: torch.Generator | None = None
+    # Optional stable identity of the sequence (e.g. (request_id, index)): lets the sampler
+    # cache the prompt's token set for the repetition penalty across steps. None: no caching.
+    cache_key: Hashable | None = None
 
 
 @dataclass
@@ -37,24 +43,62 @@ class SamplerOutput:
     logprobs: list[tuple[TokenLogprob, list[TokenLogprob]] | None]
 
 
-def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """[B, max_len] int64 tensor of the sequences, right-padded with `pad` (at least 1 column)."""
-    width = max(1, max((len(s) for s in seqs), default=0))
-    rows = [s + [pad] * (width - len(s)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int64, device=device)
-
-
 def _token_counts(seqs: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[B, V] float32 counts of each token id per row, built by one scatter_add. The padding id
-    `vocab` lands in an extra column that is dropped. Ids outside [0, vocab) are ignored."""
-    ids = _padded(seqs, vocab, device)
-    ids = torch.where((ids >= 0) & (ids < vocab), ids, torch.full_like(ids, vocab))
-    counts = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab]
+    """[B, V] float32 counts of each token id per row. The ids of all rows go to the device as
+    one flat tensor (converted through numpy: far cheaper than torch.tensor on lists) and are
+    counted by a single index_add; ids outside [0, vocab) land in a dump slot that is dropped."""
+    B = len(seqs)
+    counts = torch.zeros(B * vocab + 1, dtype=torch.float32, device=device)
+    lens = [len(s) for s in seqs]
+    if sum(lens):
+        ids = np.concatenate([np.asarray(s, dtype=np.int64) for s in seqs if s])
+        flat = np.repeat(np.arange(B, dtype=np.int64) * vocab, lens) + ids
+        flat[(ids < 0) | (ids >= vocab)] = B * vocab
+        index = torch.from_numpy(flat).to(device, non_blocking=True)
+        counts.index_add_(0, index, torch.ones(index.shape[0], dtype=torch.float32, device=device))
+    return counts[:-1].view(B, vocab)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tensor:
+class PromptMaskCache:
+    """Per-sequence [V] bool masks of the prompt's tokens, for the repetition penalty, keyed by
+    SamplerRow.cache_key (validated by prompt length and device), least recently used evicted.
+    Rebuilding a long prompt's set every step would dominate the sampler's host time."""
+
+    def __init__(self, capacity: int = 512):
+        self.capacity = capacity
+        self._entries: OrderedDict[Hashable, tuple[int, torch.Tensor]] = OrderedDict()
+
+    def masks(self, rows: list[SamplerRow], use: list[bool], vocab: int, device: torch.device) -> torch.Tensor:
+        """[B, V] bool: row i's prompt tokens where use[i], else all False."""
+        B = len(rows)
+        got: list[torch.Tensor | None] = [None] * B
+        missing = []
+        for i, r in enumerate(rows):
+            if not use[i]:
+                continue
+            hit = self._entries.get(r.cache_key) if r.cache_key is not None else None
+            if hit is not None and hit[0] == len(r.prompt_token_ids) and hit[1].device == device \
+                    and hit[1].shape[0] == vocab:
+                self._entries.move_to_end(r.cache_key)
+                got[i] = hit[1]
+            else:
+                missing.append(i)
+        if missing:
+            fresh = _token_counts([rows[i].prompt_token_ids for i in missing], vocab, device) > 0
+            for j, i in enumerate(missing):
+                got[i] = fresh[j]
+                key = rows[i].cache_key
+                if key is not None:
+                    self._entries[key] = (len(rows[i].prompt_token_ids), fresh[j].clone())
+                    self._entries.move_to_end(key)
+            while len(self._entries) > max(self.capacity, 2 * B):
+                self._entries.popitem(last=False)
+        none = torch.zeros(vocab, dtype=torch.bool, device=device)
+        return torch.stack([m if m is not None else none for m in got])
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow],
+                    prompt_cache: PromptMaskCache | None = None) -> torch.Tensor:
     """Repetition (HF style, over prompt + output), then frequency and presence (OpenAI style,
     over output). `logits` is float32 [B, V]; returns a new tensor (or `logits` when no row
     uses a penalty)."""
@@ -63,21 +107,23 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow]) -> torch.Tenso
     rep = [r.params.repetition_penalty for r in rows]
     freq = [r.params.frequency_penalty for r in rows]
     pres = [r.params.presence_penalty for r in rows]
-    use_rep = any(p != 1.0 for p in rep)
+    use_rep = [p != 1.0 for p in rep]
     use_fp = any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres)
-    if not (use_rep or use_fp):
+    if not (any(use_rep) or use_fp):
         return logits
+
     def penalised_row(r: SamplerRow) -> bool:
         p = r.params
         return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
     out_counts = _token_counts([r.output_token_ids if penalised_row(r) else [] for r in rows], V, dev)
-    if use_rep:
-        # Only rows that use the penalty pay for building their prompt's token set.
-        prompt_counts = _token_counts(
-            [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows], V, dev
-        )
-        seen = (prompt_counts > 0) | (out_counts > 0)
+    if any(use_rep):
+        # Only rows that use the penalty pay for their prompt's token set.
+        if prompt_cache is not None:
+            prompt_seen = prompt_cache.masks(rows, use_rep, V, dev)
+        else:
+            prompt_seen = _token_counts([r.prompt_token_ids if u else [] for r, u in zip(rows, use_rep)], V, dev) > 0
+        seen = prompt_seen | (out_counts > 0)
         p = torch.tensor(rep, dtype=torch.float32, device=dev).unsqueeze(1)
         penalised = torch.where(logits > 0, logits / p, logits * p)
         logits = torch.where(seen, penalised, logits)
@@ -127,7 +173,11 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplerRow]) -> tor
 
 
 class Sampler:
-    """Stateless: everything per sequence (its tokens, its generator) comes in `rows`."""
+    """Everything per sequence (its tokens, its generator) comes in `rows`; the only state kept
+    is a cache of prompt token sets for rows that carry a cache_key."""
+
+    def __init__(self, prompt_cache_capacity: int = 512):
+        self.prompt_cache = PromptMaskCache(prompt_cache_capacity)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -142,7 +192,7 @@ class Sampler:
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(raw, dim=-1) if any(want_lp) else None
 
-        x = apply_penalties(raw, rows)
+        x = apply_penalties(raw, rows, self.prompt_cache)
 
         greedy = [r.params.greedy for r in rows]
         greedy_tokens = x.argmax(dim=-1) if any(greedy) else None
