@@ -1,0 +1,197 @@
+"""The API definition: generated CRD up to date and well-formed, defaults, bounds, and the
+CEL rules evaluated by a CEL interpreter against the same good/bad specs as their Python
+twins (Kubernetes 1.20, the test server, predates CEL)."""
+from __future__ import annotations
+
+import copy
+
+import celpy
+import pytest
+import yaml
+
+from kvship_operator import crd, spec as s
+from kvship_operator.schema import SpecError, iter_rules, parse, to_dict
+from conftest import REPO
+
+GOOD = {"model": {"hub": "Qwen/Qwen3-0.6B"}}
+
+
+def test_committed_crd_yaml_is_current():
+    text = crd.render()
+    for path in crd.targets(REPO):
+        assert path.exists(), f"{path} missing: run `python -m kvship_operator.crd --write`"
+        assert path.read_text() == text, f"{path} is stale: run `python -m kvship_operator.crd --write`"
+
+
+def test_crd_shape():
+    c = yaml.safe_load(crd.render())
+    v = c["spec"]["versions"][0]
+    assert c["spec"]["names"]["shortNames"] == ["llmd"]
+    assert v["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}
+    assert "status" in v["subresources"]
+    cols = [col["name"] for col in v["additionalPrinterColumns"]]
+    for name in ("Model", "Ready", "Replicas", "Endpoint", "Age"):
+        assert name in cols
+    spec = v["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["required"] == ["model"]
+    assert spec["properties"]["tensorParallelSize"]["minimum"] == 1
+    assert spec["properties"]["replicas"]["default"] == 1
+    assert spec["properties"]["engine"]["default"] == {}
+    assert spec["properties"]["engine"]["properties"]["image"]["default"] == s.DEFAULT_ENGINE_IMAGE
+    # every CEL rule in the tree is in the CRD
+    rules = [r.cel for _, _, r in iter_rules(s.LLMDeploymentSpec)]
+    assert len(rules) >= 8
+    in_crd = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            in_crd.extend(v["rule"] for v in node.get("x-kubernetes-validations", []))
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(c)
+    assert sorted(in_crd) == sorted(rules)
+
+
+def _structural(schema, path="schema"):
+    """Checks the structural-schema rules the API server enforces."""
+    assert "$ref" not in schema, path
+    if "anyOf" in schema:
+        assert schema.get("x-kubernetes-int-or-string"), path
+    else:
+        assert "type" in schema or "oneOf" in schema, path
+    for k, sub in schema.get("properties", {}).items():
+        _structural(sub, f"{path}.{k}")
+    if "items" in schema:
+        _structural(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        _structural(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural():
+    _structural(crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+def test_defaults_applied():
+    spec = parse(s.LLMDeploymentSpec, GOOD)
+    assert spec.replicas == 1 and spec.tensor_parallel_size == 1
+    assert spec.engine.image == s.DEFAULT_ENGINE_IMAGE
+    assert spec.model_cache.enabled and spec.model_cache.size == "50Gi"
+    assert spec.autoscaling.scale_down_stabilization_seconds == 300
+    assert spec.service.port == 8000
+    again = parse(s.LLMDeploymentSpec, to_dict(spec))
+    assert again == spec
+
+
+@pytest.mark.parametrize(
+    "patch, where",
+    [
+        ({"tensorParallelSize": 0}, "spec.tensorParallelSize"),
+        ({"replicas": -1}, "spec.replicas"),
+        ({"service": {"type": "Ingress"}}, "spec.service.type"),
+        ({"service": {"port": 70000}}, "spec.service.port"),
+        ({"model": {"hub": "bad id with spaces"}}, "spec.model.hub"),
+        ({"model": {"url": "ftp://x/y"}}, "spec.model.url"),
+        ({"modelCache": {"size": "lots"}}, "spec.modelCache.size"),
+        ({"engine": {"args": "--x"}}, "spec.engine.args"),
+        ({"model": {}}, "spec.model"),
+    ],
+)
+def test_bounds_refused_by_parser(patch, where):
+    bad = {**copy.deepcopy(GOOD), **patch}
+    with pytest.raises(SpecError) as e:
+        parse(s.LLMDeploymentSpec, bad)
+    assert e.value.path.startswith(where), e.value
+
+
+# --- CEL rules: the CEL text (run by celpy) and the Python check must agree ---------------
+
+CASES = [  # (spec, the message of the rule that must fail, or None)
+    (GOOD, None),
+    ({"model": {"hub": "a/b", "url": "https://x/m.gguf"}}, "exactly one of hub, url, pvc must be set"),
+    ({"model": {"url": "https://x/m.gguf", "revision": "main"}}, "revision applies only to a hub model"),
+    ({"model": {"pvc": {"claimName": "m"}, "tokenSecret": {"name": "t"}}}, "tokenSecret applies to hub and url"),
+    ({**GOOD, "tensorParallelSize": 3}, "tensorParallelSize must be 1, 2, 4 or 8"),
+    ({**GOOD, "tensorParallelSize": 4, "gpu": {"count": 2}}, "gpu.count must be 0 (CPU) or at least"),
+    ({**GOOD, "tensorParallelSize": 2, "gpu": {"count": 0}}, "tensorParallelSize > 1 needs GPUs"),
+    ({**GOOD, "tensorParallelSize": 2, "gpu": {"count": 8}}, None),
+    ({**GOOD, "gpu": {"count": 0}}, None),
+    ({**GOOD, "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2, "provider": "hpa"}},
+     "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
+    ({**GOOD, "replicas": 5, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}},
+     "replicas must lie within"),
+    ({**GOOD, "replicas": 2, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}, None),
+    ({**GOOD, "autoscaling": {"provider": "keda"}}, "autoscaling.provider keda needs"),
+    ({**GOOD, "engine": {"args": ["--max-num-seqs", "64", "--port=9000"]}}, "engine.args may not set"),
+    ({**GOOD, "engine": {"args": ["--max-num-seqs", "64"]}}, None),
+    ({**GOOD, "engine": {"env": [{"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {"name": "x", "key": "y"}}}]}},
+     "set value or valueFrom, not both"),
+    ({**GOOD, "modelCache": {"existingClaim": "c", "storageClassName": "fast"}}, "storageClassName applies only"),
+    ({**GOOD, "modelCache": {"existingClaim": "c"}}, None),
+]
+
+
+def _resolve(obj, path):
+    """Objects at a rule path like spec.engine.env[*] within a defaulted spec dict."""
+    parts = path.split(".")[1:]
+    objs = [obj]
+    for p in parts:
+        nxt = []
+        for o in objs:
+            key = p[:-3] if p.endswith("[*]") else p
+            v = o.get(key) if isinstance(o, dict) else None
+            if v is None:
+                continue
+            nxt.extend(v if p.endswith("[*]") else [v])
+        objs = nxt
+    return objs
+
+
+def _defaulted(raw):
+    """The object as the API server stores it: schema defaults applied, but no rules run."""
+    from kvship_operator import schema as sch
+
+    rules = {}
+    for _, cls, _r in iter_rules(s.LLMDeploymentSpec):
+        rules[cls] = cls.__dict__.get("__rules__")
+    one_of = s.ModelSource.__one_of__
+    try:
+        for cls in rules:
+            cls.__rules__ = []
+        s.ModelSource.__one_of__ = ()
+        return to_dict(sch.parse(s.LLMDeploymentSpec, raw))
+    finally:
+        for cls, r in rules.items():
+            cls.__rules__ = r
+        s.ModelSource.__one_of__ = one_of
+
+
+_env = celpy.Environment()
+
+
+def _cel(rule: str, obj) -> bool:
+    prog = _env.program(_env.compile(rule))
+    return bool(prog.evaluate({"self": celpy.json_to_cel(obj)}))
+
+
+@pytest.mark.parametrize("raw, failing", CASES)
+def test_cel_rules_and_python_twins_agree(raw, failing):
+    obj = _defaulted(raw)
+    cel_failures = []
+    for path, _cls, rule in iter_rules(s.LLMDeploymentSpec):
+        for target in _resolve(obj, path):
+            if not _cel(rule.cel, target):
+                cel_failures.append(rule.message)
+    if failing is None:
+        assert cel_failures == []
+        parse(s.LLMDeploymentSpec, raw)
+    else:
+        assert any(failing in m for m in cel_failures), cel_failures
+        with pytest.raises(SpecError) as e:
+            parse(s.LLMDeploymentSpec, raw)
+        assert failing in str(e.value)
