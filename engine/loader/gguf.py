@@ -491,6 +491,7 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int]) 
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": dtype,
+        "dtype": dtype,
     }
     if arch in ("qwen2",):
         cfg["attention_bias"] = True

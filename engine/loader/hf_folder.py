@@ -63,15 +63,7 @@ def safetensors_files(path: str) -> dict[str, str]:
     return out
 
 
-def _make_ref(file: str, name: str) -> WeightRef:
-    try:
-        with safe_open(file, framework="pt") as st:
-            sl = st.get_slice(name)
-            shape = tuple(sl.get_shape())
-            dtype = _ST_DTYPES.get(sl.get_dtype(), torch.float32)
-    except Exception as e:
-        raise ModelSourceError(f"cannot read tensor {name!r} from {file!r}: {e}") from None
-
+def _make_ref(file: str, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> WeightRef:
     def load(slices: tuple[slice, ...] | None) -> torch.Tensor:
         with safe_open(file, framework="pt") as st:
             if not slices:
@@ -79,6 +71,24 @@ def _make_ref(file: str, name: str) -> WeightRef:
             return st.get_slice(name)[slices].contiguous()
 
     return WeightRef(shape, dtype, load)
+
+
+def _refs(files: dict[str, str]) -> Iterator[tuple[str, WeightRef]]:
+    """WeightRefs in checkpoint order, opening each file once to read shapes and dtypes."""
+    by_file: dict[str, list[str]] = {}
+    for name, f in files.items():
+        by_file.setdefault(f, []).append(name)
+    for f, names in by_file.items():
+        try:
+            with safe_open(f, framework="pt") as st:
+                meta = []
+                for name in names:
+                    sl = st.get_slice(name)
+                    meta.append((name, tuple(sl.get_shape()), _ST_DTYPES.get(sl.get_dtype(), torch.float32)))
+        except Exception as e:  # safetensors raises its own error types
+            raise ModelSourceError(f"cannot read {f!r}: {e}; download the model again.") from None
+        for name, shape, dtype in meta:
+            yield name, _make_ref(f, name, shape, dtype)
 
 
 def load_hf_folder(path: str, name: str | None = None) -> ModelSource:
@@ -93,9 +103,11 @@ def load_hf_folder(path: str, name: str | None = None) -> ModelSource:
     files = safetensors_files(path)
     tokenizer = Tokenizer.from_hf_folder(path, generation_config=gen)
 
+    if "torch_dtype" not in cfg and "dtype" in cfg:  # transformers >= 5 writes "dtype"
+        cfg["torch_dtype"] = cfg["dtype"]
+
     def weights() -> Iterator[tuple[str, WeightRef]]:
-        for tname, f in files.items():
-            yield tname, _make_ref(f, tname)
+        return _refs(files)
 
     return ModelSource(name=name or os.path.basename(path.rstrip(os.sep)), path=path, hf_config=cfg,
                        generation_config=gen, tokenizer=tokenizer, _weights=weights)
