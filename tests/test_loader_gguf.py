@@ -133,6 +133,10 @@ def test_weights_equal_transformers_state_dict(bundled):
     full = q.load()
     for sl in [(slice(64, 256),), (slice(10, 50), slice(3, 100)), (slice(None), slice(0, 288))]:
         torch.testing.assert_close(q.load(sl), full[sl], rtol=0, atol=0)
+    for name in ("model.norm.weight", "model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        full = ours[name].load()
+        for sl in [(slice(5, 17),), (slice(64, 128), slice(1, 7))][: full.dim()]:
+            torch.testing.assert_close(ours[name].load(sl), full[sl], rtol=0, atol=0, msg=name)
     k = ours["model.layers.3.self_attn.k_proj.weight"]
     torch.testing.assert_close(k.load((slice(64, 128),)), k.load()[64:128], rtol=0, atol=0)
 

@@ -282,9 +282,10 @@ class GGUFTensorInfo:
         """The whole tensor, or only rows [start, stop) of its first torch dimension."""
         if rows is None:
             return dequantize(self.raw(), self.ggml_type, self.shape)
+        if len(self.shape) < 2:
+            return dequantize(self.raw(), self.ggml_type, self.shape)[rows[0]:rows[1]]
         start, stop = rows
-        inner = int(np.prod(self.shape[1:])) if len(self.shape) > 1 else 1
-        per_row = inner // self.dims[0] * self.row_bytes() if len(self.shape) > 1 else self.row_bytes()
+        per_row = int(np.prod(self.shape[1:])) // self.dims[0] * self.row_bytes()
         a = self.offset + start * per_row
         raw = self.file.data[a:a + (stop - start) * per_row]
         return dequantize(raw, self.ggml_type, (stop - start, *self.shape[1:]))
@@ -516,7 +517,7 @@ def _make_ref(info: GGUFTensorInfo, permute_heads: int | None) -> WeightRef:
     def load(slices: tuple[slice, ...] | None) -> torch.Tensor:
         rows = None
         rest = slices
-        if slices and isinstance(slices[0], slice) and slices[0].step in (None, 1) and len(shape) >= 1:
+        if slices and isinstance(slices[0], slice) and slices[0].step in (None, 1) and len(shape) >= 2:
             start, stop, _ = slices[0].indices(shape[0])
             head_dim = shape[0] // permute_heads if permute_heads else 1
             if stop > start and start % head_dim == 0 and stop % head_dim == 0:
