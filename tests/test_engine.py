@@ -31,14 +31,17 @@ def prompts(smollm2_hf):
     return out
 
 
+EOS = 2  # <|im_end|>: the GGUF's end-of-sequence token, where a chat turn ends
+
+
 @pytest.fixture(scope="module")
 def reference(smollm2_hf, prompts):
-    model, tok = smollm2_hf
+    model, _ = smollm2_hf
     refs = []
     for p in prompts:
         with torch.no_grad():
             ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+                                 eos_token_id=EOS, pad_token_id=EOS)
         refs.append(ids[0, len(p):].tolist())
     return refs
 

@@ -125,7 +125,8 @@ class LLMEngine:
             self.kv.cache_full_blocks(seq)
         if not sampled:
             return []
-        rows = [SamplerRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator) for s, _ in sampled]
+        rows = [SamplerRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, (s.request_id, s.index))
+                for s, _ in sampled]
         result = self.sampler(logits, rows)
         now = time.monotonic()
         touched: dict[str, _Request] = {}
@@ -146,8 +147,9 @@ class LLMEngine:
                 choice = req.choices[seq.index]
                 self.scheduler.finish(seq, "length")
                 choice.out.finish_reason = "length"
-                choice.out.text_delta += choice.stop.flush()
-                choice.out.text += choice.out.text_delta
+                tail = choice.stop.feed(choice.detok.flush())[0] + choice.stop.flush()
+                choice.out.text_delta += tail
+                choice.out.text += tail
                 return [self._emit(req)]
         return []
 
@@ -171,20 +173,24 @@ class LLMEngine:
                 reason, stop_reason = "stop", token
             elif token in self.eos_token_ids and not params.ignore_eos:
                 reason = "stop"
-        text, matched = c.stop.feed(c.detok.push([token]))
-        out.text_delta += text
-        out.text += text
-        if matched is not None and reason is None and seq.num_output_tokens >= params.min_tokens:
+        new_text = c.detok.push([token])
+        matched = None
+        if seq.num_output_tokens > params.min_tokens:  # stop strings count only past min_tokens
+            new_text, matched = c.stop.feed(new_text)
+        if matched is not None and reason is None:
             reason, stop_reason = "stop", matched
         if reason is None and params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             reason = "length"
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = "length"
+        if reason is not None and matched is None:  # release text held back for stop matching
+            tail, matched = c.stop.feed(c.detok.flush())
+            new_text += tail if matched is not None else tail + c.stop.flush()
+            if matched is not None:
+                reason, stop_reason = "stop", matched
+        out.text_delta += new_text
+        out.text += new_text
         if reason is not None:
-            if matched is None:
-                tail = c.stop.flush()
-                out.text_delta += tail
-                out.text += tail
             seq.stop_reason = stop_reason
             out.finish_reason, out.stop_reason = reason, stop_reason
             self.scheduler.finish(seq, reason)
