@@ -168,11 +168,13 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_config=None,
         access_log=args.access_log,
-        timeout_graceful_shutdown=max(0.0, args.shutdown_timeout),
+        # Our own drain (begin_drain) aborts what is left after --shutdown-timeout; uvicorn's
+        # timeout is only the backstop.
+        timeout_graceful_shutdown=max(0.0, args.shutdown_timeout) + 5,
         timeout_keep_alive=5,
         lifespan="on",
     )
-    server = _Server(uv_config, state, engine.model_name)
+    server = _Server(uv_config, app, args.shutdown_timeout, engine.model_name)
     engine_death: list[BaseException] = []
 
     def on_engine_death(exc: BaseException) -> None:  # engine thread
@@ -220,20 +222,29 @@ def _make_server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        def __init__(self, config: Any, state: Any, model_name: str):
+        def __init__(self, config: Any, app: Any, grace_s: float, model_name: str):
             super().__init__(config)
-            self._state = state
+            self._app = app
+            self._grace_s = grace_s
             self._model_name = model_name
+            self._loop: Any = None
 
         def handle_exit(self, sig: int, frame: Any) -> None:
+            from kvship.server.app import begin_drain
+
             if not self.should_exit:
                 logger.info("received %s: draining (in-flight requests get up to %ss)",
-                            signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
-                _exit_if_stuck((self.config.timeout_graceful_shutdown or 0) + 30, code=1)
-            self._state.draining = True
+                            signal.Signals(sig).name, self._grace_s)
+                _exit_if_stuck(self._grace_s + 30, code=1)
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(begin_drain, self._app, self._grace_s)
+            self._app.state.kvship.draining = True
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets: Any = None) -> None:
+            import asyncio
+
+            self._loop = asyncio.get_running_loop()
             await super().startup(sockets)
             if self.started and not self.should_exit:
                 host, port = self.config.host, self.config.port
@@ -247,8 +258,8 @@ def _make_server_class():
     return Server
 
 
-def _Server(config: Any, state: Any, model_name: str) -> Any:
-    return _make_server_class()(config, state, model_name)
+def _Server(config: Any, app: Any, grace_s: float, model_name: str) -> Any:
+    return _make_server_class()(config, app, grace_s, model_name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,6 +120,25 @@ def build_app(engine: Any, config: Any, api_key: str | None = None, *, chat_page
     return app
 
 
+def begin_drain(app: FastAPI, grace_s: float) -> None:
+    """Stop reporting ready and refuse new work; requests still running after `grace_s`
+    seconds are aborted (503 / an error event in their stream). Call it on the event loop."""
+    import asyncio
+
+    state: ServerState = app.state.kvship
+    state.draining = True
+    if state.drain_scheduled:
+        return
+    state.drain_scheduled = True
+
+    def interrupt() -> None:
+        n = state.interrupt_all()
+        if n:
+            logger.warning("aborted %d request(s) still running at the end of the drain period", n)
+
+    asyncio.get_running_loop().call_later(max(0.0, grace_s), interrupt)
+
+
 def attach_engine(app: FastAPI, engine: Any) -> None:
     """Hand a (now loaded) engine to an app built with engine=None."""
     app.state.kvship.engine = engine

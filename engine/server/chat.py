@@ -90,7 +90,7 @@ async def create_chat_completion(raw_request: Request) -> Response:
     request_id = new_id("chatcmpl")
     created = int(time.time())
     model = state.model_name
-    stream = GenerationStream(engine, [prompt_ids], params, request_id)
+    stream = GenerationStream(engine, [prompt_ids], params, request_id, state.active)
     try:
         if body.stream:
             # Wait for the first output before answering, so that a refused request (queue full,

@@ -108,7 +108,7 @@ async def create_completion(raw_request: Request) -> Response:
     created = int(time.time())
     model = state.model_name
     n = params.n
-    stream = GenerationStream(engine, prompt_ids, params, request_id)
+    stream = GenerationStream(engine, prompt_ids, params, request_id, state.active)
     try:
         if body.stream:
             first = await until_disconnect(raw_request, stream.__anext__())

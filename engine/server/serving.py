@@ -45,7 +45,16 @@ class ServerState:
         self.config = config
         self.api_key = api_key
         self.draining = False  # set on SIGTERM: /health turns 503, new work is refused
+        self.drain_scheduled = False
         self.created = int(time.time())
+        self.active: set[GenerationStream] = set()  # in-flight generations
+
+    def interrupt_all(self) -> int:
+        """Abort every in-flight generation (end of the drain period); how many there were."""
+        streams = list(self.active)
+        for s in streams:
+            s.interrupt(ServerShuttingDown())
+        return len(streams)
 
     @property
     def model_name(self) -> str:
@@ -88,6 +97,8 @@ def engine_error(exc: BaseException) -> APIError | None:
             code="queue_full",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+    if isinstance(exc, ServerShuttingDown):
+        return APIError(503, "The server is shutting down; the request was aborted.", code="shutting_down")
     if isinstance(exc, EngineDeadError):
         return APIError(503, "The inference engine has stopped.", code="engine_dead")
     return None
@@ -199,26 +210,30 @@ async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
 _END = object()
 
 
+class ServerShuttingDown(Exception):
+    """Handed to in-flight requests that outlive the drain period after SIGTERM."""
+
+
 class GenerationStream:
     """One or several engine requests (one per prompt) as a single async iterator of
-    `(prompt_index, RequestOutput)`. `aclose()` stops everything and aborts what still runs."""
+    `(prompt_index, RequestOutput)`. Each engine request is pumped by its own task into one
+    queue, so the consumer can also be interrupted (`interrupt`, used at shutdown). `aclose()`
+    stops everything and aborts what still runs in the engine."""
 
-    def __init__(self, engine: Any, prompts: list[list[int]], params: SamplingParams, request_id: str):
+    def __init__(self, engine: Any, prompts: list[list[int]], params: SamplingParams, request_id: str,
+                 registry: set | None = None):
         self.engine = engine
         self.request_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
-        self._prompts = prompts
         self._params = params
-        self._single = None
-        self._tasks: list[asyncio.Task] = []
         self._queue: asyncio.Queue = asyncio.Queue()
         self._remaining = len(prompts)
         self._closed = False
-        if len(prompts) == 1:
-            self._single = engine.generate(prompts[0], params, self.request_ids[0])
-        else:
-            self._tasks = [
-                asyncio.ensure_future(self._pump(i, p, rid)) for i, (p, rid) in enumerate(zip(prompts, self.request_ids))
-            ]
+        self._registry = registry
+        if registry is not None:
+            registry.add(self)
+        self._tasks = [
+            asyncio.ensure_future(self._pump(i, p, rid)) for i, (p, rid) in enumerate(zip(prompts, self.request_ids))
+        ]
 
     async def _pump(self, index: int, prompt: list[int], request_id: str) -> None:
         gen = self.engine.generate(prompt, self._params, request_id)
@@ -233,12 +248,14 @@ class GenerationStream:
             await _aclose(gen)
             self._queue.put_nowait((index, _END))
 
+    def interrupt(self, exc: BaseException) -> None:
+        """Make the consumer's next (or pending) read raise `exc`."""
+        self._queue.put_nowait((-1, exc))
+
     def __aiter__(self) -> "GenerationStream":
         return self
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
-        if self._single is not None:
-            return 0, await self._single.__anext__()
         while self._remaining:
             index, item = await self._queue.get()
             if item is _END:
@@ -253,12 +270,11 @@ class GenerationStream:
         if self._closed:
             return
         self._closed = True
-        if self._single is not None:
-            await _aclose(self._single)
+        if self._registry is not None:
+            self._registry.discard(self)
         for task in self._tasks:
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for rid in self.request_ids:  # idempotent in the engine; belt and braces
             try:
                 self.engine.abort(rid)

@@ -1,0 +1,125 @@
+"""Server lifecycle and access: --api-key, a full waiting queue (503), SIGTERM under load,
+`kvship --version`. One real `kvship serve` subprocess (SmolLM2 on CPU) for the module."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_utils import start_server
+
+import kvship
+
+API_KEY = "sk-test-123"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server(
+        "--api-key", API_KEY, "--max-num-seqs", "4", "--max-waiting-requests", "4",
+        "--kv-cache-memory", "512MiB", "--shutdown-timeout", "3", "--max-model-len", "1024",
+    )
+    yield srv
+    srv.stop()
+
+
+def test_version_flag():
+    out = subprocess.run([sys.executable, "-m", "kvship.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"kvship {kvship.__version__}"
+
+
+def test_api_key_required(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    # Probes and scrapers carry no key.
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    # A malformed body with a bad key is still a 401 (the key is checked first).
+    r = httpx.post(server.url + "/v1/completions", content=b"{", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    r = good.chat.completions.create(model=good.models.list().data[0].id, messages=body["messages"], max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_full_queue_is_503_with_retry_after(server):
+    # 4 running + 4 waiting fit; the rest must be refused at once, not queued or hung.
+    async def run():
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"prompt": "Count to one hundred:", "max_tokens": 24, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(24)))
+
+    responses = asyncio.run(run())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503}, codes
+    assert codes.count(503) >= 1 and codes.count(200) >= 4, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 24
+    # SDK view: a 503 is an InternalServerError-class APIStatusError
+    server.wait_metric("kvship:num_requests_running", lambda v: v == 0, timeout=30)
+
+
+def test_sigterm_under_load_exits_cleanly(server):
+    """Runs last in this module: it stops the server."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    outcomes: list[str] = []
+
+    def client_call(i: int) -> None:
+        body = {"prompt": f"Story {i}:", "max_tokens": 200, "ignore_eos": True, "stream": bool(i % 2)}
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+                lines = [line for line in r.iter_lines() if line]
+                if r.status_code == 200 and body["stream"]:
+                    assert lines[-1] == "data: [DONE]"
+                    # cut short by the shutdown: an error event before [DONE]
+                    outcomes.append("stream error" if '"error"' in lines[-2] else "stream complete")
+                else:
+                    outcomes.append(f"http {r.status_code}")
+        except httpx.HTTPError as exc:
+            outcomes.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=client_call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    server.wait_metric("kvship:num_requests_running", lambda v: v >= 2, timeout=30)
+    t0 = time.monotonic()
+    server.send_signal(signal.SIGTERM)
+    # Draining: no longer ready.
+    try:
+        assert httpx.get(server.url + "/health", timeout=2).status_code == 503
+    except httpx.HTTPError:
+        pass  # already stopped listening
+    code = server.proc.wait(timeout=30)
+    took = time.monotonic() - t0
+    assert code == 0, server.log()
+    assert took < 20, took
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive()  # no client left hanging
+    # Every client got an answer: finished, or told the server is shutting down (never cut off).
+    assert len(outcomes) == 8, outcomes
+    assert set(outcomes) <= {"stream error", "stream complete", "http 200", "http 503"}, outcomes
+    assert "aborted" in server.log()
+    log = server.log()
+    assert "kvship listening on http://127.0.0.1:" in log
+    assert "Traceback" not in log, log
