@@ -35,16 +35,16 @@ def resolve_dtype(name: str, device: torch.device, model_dtype: str | None) -> t
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    if name != "auto":
-        return name
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
+    """"torch" forces the reference attention; otherwise kernels dispatch on the tensors' device
+    (Triton on CUDA when installed, torch on CPU)."""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+    if name != "torch" and device.type == "cuda":
+        from kvship.kernels._triton import HAS_TRITON
 
-            return "triton"
-        except ImportError:
-            log.warning("triton is not installed: using the (slow) torch attention on the GPU")
-    return "torch"
+        if not HAS_TRITON:
+            log.warning("triton is not installed: the GPU runs the (slow) torch reference kernels")
+    return name
 
 
 class ModelRunner:

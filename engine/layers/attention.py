@@ -24,17 +24,14 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        self.backend = backend
+        self.force_torch = backend == "torch"
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.backend == "triton":
-            pa.store_kv_triton(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            return pa.paged_attention_triton(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale, meta.max_seqlen_q
-            )
-        pa.store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return pa.paged_attention_torch(
-            q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale
-        )
+        args = (self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
+        if self.force_torch:
+            pa.store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            return pa.paged_attention_torch(q, *args)
+        pa.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return pa.paged_attention(q, *args, meta.max_seqlen_q)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvship.kernels.norm import fused_add_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -11,13 +13,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With a residual: (norm(x + residual), x + residual)."""
         if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)

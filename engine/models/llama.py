@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kvship.distributed.parallel import TPContext
-from kvship.layers.activation import silu_and_mul
+from kvship.kernels.activation import silu_and_mul
 from kvship.layers.attention import AttentionMetadata, PagedAttention
 from kvship.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
