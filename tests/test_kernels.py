@@ -201,7 +201,7 @@ def test_rotary(hq, hkv, d, dtype):
 def test_rotary_reference_matches_hf_formula():
     """rotary_torch equals the HF rotate_half formulation q*cos + rotate_half(q)*sin."""
     t, h, d = 5, 2, 16
-    cache = rotary.build_cos_sin_cache(64, d)
+    cache = rotary.build_cos_sin_cache(64, d, dtype=torch.float64)
     pos = torch.tensor([0, 3, 9, 63, 1])
     q, k = torch.randn(t, h, d, dtype=torch.float64), torch.randn(t, 1, d, dtype=torch.float64)
     cos = torch.cat([cache[pos, : d // 2]] * 2, -1)[:, None].double()

@@ -30,7 +30,7 @@ def build_cos_sin_cache(
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least, fp64 stays fp64
     x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
@@ -39,7 +39,7 @@ def rotary_torch(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     half = cos_sin_cache.shape[-1] // 2
-    cs = cos_sin_cache[positions.long()].float()  # [T, D]
+    cs = cos_sin_cache[positions.long()].to(torch.promote_types(q.dtype, torch.float32))  # [T, D]
     cos, sin = cs[:, None, :half], cs[:, None, half:]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
