@@ -287,6 +287,13 @@ def test_completion_logprobs_shape(client, model):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),
         ("/v1/completions", {"prompt": "word " * 600}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+        ("/v1/completions", {"prompt": 5}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], "a"]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "stop": 7}, "stop"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages[0].content"),
     ],
 )
 def test_invalid_parameters_are_400(server, path, body, param):
@@ -299,6 +306,14 @@ def test_malformed_json_and_non_object_are_400(server):
         assert_error(
             httpx.post(server.url + "/v1/chat/completions", content=content, headers={"content-type": "application/json"}), 400
         )
+
+
+def test_json_body_without_json_content_type(server, model):
+    # `curl -d '{...}'` sends application/x-www-form-urlencoded; the body is JSON all the same.
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 2}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2
 
 
 def test_sdk_raises_typed_errors(client, model):

@@ -34,6 +34,32 @@ def test_version_flag():
     assert out.returncode == 0 and out.stdout.strip() == f"kvship {kvship.__version__}"
 
 
+def test_serve_options_build_the_engine_config():
+    from kvship.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args([
+        "serve", "some/model", "--served-model-name", "m", "--max-model-len", "2048", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "1024", "--block-size", "32", "--no-enable-prefix-caching",
+        "--gpu-memory-utilization", "0.5", "--kv-cache-memory", "2GiB", "--device", "cpu", "--dtype", "float32",
+        "--tensor-parallel-size", "2", "--api-key", "k", "--no-chat-page", "--port", "9000",
+    ])
+    cfg = config_from_args(args)
+    assert (cfg.model, cfg.served_model_name, cfg.max_model_len, cfg.max_num_seqs) == ("some/model", "m", 2048, 8)
+    assert (cfg.max_num_batched_tokens, cfg.block_size, cfg.enable_prefix_caching) == (1024, 32, False)
+    assert (cfg.gpu_memory_utilization, cfg.kv_cache_memory, cfg.device, cfg.dtype) == (0.5, 2 * 2**30, "cpu", "float32")
+    assert cfg.tensor_parallel_size == 2
+    assert (args.api_key, args.chat_page, args.port, args.host) == ("k", False, 9000, "0.0.0.0")
+    defaults = config_from_args(build_parser().parse_args(["serve"]))
+    assert defaults.model is None and defaults.enable_prefix_caching is True
+    assert build_parser().parse_args(["serve"]).port == 8000
+
+
+def test_bad_option_exits_with_usage_error():
+    out = subprocess.run([sys.executable, "-m", "kvship.cli", "serve", "--block-size", "12"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "block_size must be a power of two" in out.stderr
+
+
 def test_api_key_required(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):

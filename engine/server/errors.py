@@ -6,6 +6,7 @@ handlers are installed on the app by `install_error_handlers`.
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -68,15 +69,23 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|function-.*|[A-Z]\w*)$")
+
+_EXPECTED = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "messages": "a list of messages",
+    "content": 'a string or a list of text parts ({"type": "text", "text": ...}); other content types are not supported',
+}
+
+
 def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
-    # loc looks like ("body", "messages", 0, "content"); drop the "body" and type-tag parts.
-    parts = [p for p in loc[1:] if not (isinstance(p, str) and ("[" in p or p in ("function-after",)))] if loc else []
-    if not parts:
-        return None
+    """("body", "messages", 0, "content", "str") -> "messages[0].content" (union type tags dropped)."""
+    parts = [p for p in loc[1:] if not (isinstance(p, str) and _TYPE_TAG.match(p))] if loc else []
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
+    return out or None
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -92,15 +101,19 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
             code="invalid_json",
         )
     loc = tuple(first.get("loc", ()))
-    param = _param_from_loc(loc)
-    if loc == ("body",) or (first.get("type") == "missing" and loc[:1] == ("body",) and len(loc) == 1):
+    if len(loc) <= 1:
         return bad_request("The request body must be a JSON object.", code="invalid_json")
+    param = _param_from_loc(loc)
     if first.get("type") == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    # A union reports one error per alternative: say what is accepted instead.
+    field = re.sub(r"\[\d+\]$", "", param or "")
+    name = re.split(r"[.\[]", field)[-1] if field else ""
+    alternatives = [e for e in errors if (_param_from_loc(tuple(e.get("loc", ()))) or "").startswith(field)]
+    if name in _EXPECTED and len(alternatives) > 1:
+        return bad_request(f"Invalid type for '{field}': expected {_EXPECTED[name]}.", param=field, code="invalid_type")
     msg = first.get("msg", "invalid value")
-    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
-    # With unions pydantic reports one error per alternative; the first is representative.
-    return bad_request(f"Invalid value for '{param}': {msg}.{more}", param=param, code="invalid_type")
+    return bad_request(f"Invalid value for '{param}': {msg}.", param=param, code="invalid_type")
 
 
 def install_error_handlers(app: FastAPI) -> None:

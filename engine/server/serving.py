@@ -272,14 +272,17 @@ class GenerationStream:
         self._closed = True
         if self._registry is not None:
             self._registry.discard(self)
-        for task in self._tasks:
+        pending = [t for t in self._tasks if not t.done()]
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for rid in self.request_ids:  # idempotent in the engine; belt and braces
+        # Abort before awaiting anything: when a stream is torn down by a client disconnect,
+        # the surrounding cancel scope may interrupt the first await below.
+        for rid in self.request_ids if pending else ():
             try:
                 self.engine.abort(rid)
             except Exception:  # noqa: BLE001 - aborting must never fail a response
                 logger.debug("abort(%s) failed", rid, exc_info=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 async def _aclose(gen: Any) -> None:
