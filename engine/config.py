@@ -10,6 +10,7 @@ class EngineConfig:
     revision: str | None = None
     download_dir: str | None = None
     served_model_name: str | None = None
+    load_format: str = "auto"  # auto | dummy (random weights of the model's shapes; benchmarks)
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0

@@ -59,7 +59,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         config.max_model_len = self.max_model_len
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.model_config, source.hf_config, source.weights(), self.max_model_len)
+        weights = None if config.load_format == "dummy" else source.weights()
+        self.runner = ModelRunner(config, self.model_config, source.hf_config, weights, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from kvship.config import EngineConfig
+from kvship.core.cuda_graph import DecodeGraphs
 from kvship.core.scheduler import ScheduledBatch
 from kvship.distributed.parallel import SINGLE, TPContext
 from kvship.layers.attention import AttentionMetadata
@@ -65,9 +66,28 @@ class ModelRunner:
                 self.model = model_class(hf_config)(model_config, max_model_len, tp, self.backend)
         finally:
             torch.set_default_dtype(torch.float32)
-        self.model.load_weights(weights)
+        if config.load_format == "dummy":
+            self._init_dummy_weights()
+        else:
+            self.model.load_weights(weights)
         self.model.eval()
         self.num_blocks = self._allocate_kv_cache()
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, 512),
+                                       -(-max_model_len // self.block_size), self.device)
+            self.graphs.capture()
+
+    @torch.no_grad()
+    def _init_dummy_weights(self) -> None:
+        """Random weights of the right shapes (benchmarks of model shapes without checkpoints).
+        Seeded and never zero, so kernels see realistic data."""
+        g = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        for name, p in self.model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
 
     # -- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -83,21 +103,60 @@ class ModelRunner:
         if c.kv_cache_memory:
             return max(1, c.kv_cache_memory // per_block)
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * c.gpu_memory_utilization - (total - free)
-            return max(1, int(budget // per_block))
+            return self._blocks_that_fit_on_gpu(per_block)
         # CPU: enough for max_num_seqs full contexts, capped at 1 GiB.
         want = c.max_num_seqs * -(-self.max_model_len // self.block_size)
         return max(1, min(want, (1 << 30) // per_block))
 
-    def _allocate_kv_cache(self) -> int:
-        n = self._num_blocks_to_allocate()
+    @torch.inference_mode()
+    def _blocks_that_fit_on_gpu(self, per_block: int) -> int:
+        """Run the largest step we will ever run (a full token budget) against a throw-away
+        cache, measure the peak, and give KV what --gpu-memory-utilization leaves."""
+        c, dev = self.config, self.device
+        tokens = min(c.max_num_batched_tokens, self.max_model_len * c.max_num_seqs)
+        seq_len = min(tokens, self.max_model_len)
+        num_seqs = -(-tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self._bind_kv_cache(num_seqs * blocks_per_seq)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        ids = torch.randint(0, self.model_config.vocab_size, (num_seqs * seq_len,), device=dev)
+        pos = torch.arange(seq_len, device=dev).repeat(num_seqs)
+        tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=dev).view(num_seqs, -1)
+        slots = (tables.long().repeat_interleave(self.block_size, 1) * self.block_size
+                 + torch.arange(self.block_size, device=dev).repeat(blocks_per_seq))[:, :seq_len].reshape(-1)
+        meta = AttentionMetadata(slots, tables, torch.full((num_seqs,), seq_len, dtype=torch.int32, device=dev),
+                                 torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device=dev),
+                                 seq_len, torch.arange(num_seqs, device=dev) * seq_len + seq_len - 1)
+        self.model.compute_logits(self.model(ids, pos, meta)[meta.logits_indices])
+        # Sampling of a full batch: float32 logits plus a few temporaries of that size.
+        sampler_bytes = 4 * c.max_num_seqs * self.model_config.vocab_size * 4
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        self._bind_kv_cache(0)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        others = total - free - torch.cuda.memory_allocated(dev)  # other processes, CUDA context
+        graph_reserve = 0 if c.enforce_eager else 512 << 20
+        budget = total * c.gpu_memory_utilization - others - peak - sampler_bytes - graph_reserve
+        if budget < per_block:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: weights and activations take {peak / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB; raise --gpu-memory-utilization, lower --max-num-batched-tokens, "
+                "or use more GPUs (--tensor-parallel-size)")
+        return int(budget // per_block)
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
         for attn in self.model.attention_layers():
-            shape = (n, self.block_size, attn.num_kv_heads, attn.head_dim)
+            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", n, self.block_size, n * self.block_size,
-                 n * self.kv_bytes_per_block() / 2**30)
+
+    def _allocate_kv_cache(self) -> int:
+        n = self._num_blocks_to_allocate()
+        self._bind_kv_cache(n)
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)", n, self.block_size,
+                 n * self.block_size, n * self.kv_bytes_per_block() / 2**30)
         return n
 
     # -- one step ----------------------------------------------------------------------------
@@ -141,5 +200,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Float32 logits [num_sampled, vocab] for the sequences whose prompt is complete."""
         input_ids, positions, meta = self.prepare(batch)
+        if self.graphs is not None and self.graphs.can_run(len(batch), meta.max_seqlen_q, meta.block_tables.shape[1]):
+            return self.graphs.run(input_ids, positions, meta).float()
         hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[meta.logits_indices]).float()

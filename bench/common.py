@@ -1,0 +1,99 @@
+"""Shared by the benchmarks: model shapes written as config-only folders (served with random
+weights, load_format="dummy"), and the hardware ceilings measured in the same run."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True, torch_dtype="bfloat16", bos_token_id=0,
+                       eos_token_id=1),
+}
+
+
+def write_shape_folder(shape: str, root: str | os.PathLike) -> str:
+    """config.json + a word-level tokenizer over the whole vocabulary: enough for the engine
+    to serve the shape with random weights and detokenize whatever it samples."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = SHAPES[shape]
+    folder = Path(root) / shape
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(cfg["vocab_size"])}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1", "bos_token": "w0"}))
+    return str(folder)
+
+
+def param_count(shape: str) -> int:
+    c = SHAPES[shape]
+    h, i, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    d = c.get("head_dim", h // c["num_attention_heads"])
+    attn = h * d * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2)
+    per_layer = attn + 3 * h * i + 2 * h
+    embed = v * h * (1 if c["tie_word_embeddings"] else 2)
+    return layers * per_layer + embed + h
+
+
+def kv_bytes_per_token(shape: str, elem: int = 2) -> int:
+    c = SHAPES[shape]
+    d = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * d * elem
+
+
+def _time_cuda(fn, iters: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """(copy bandwidth bytes/s counting read + write, bf16 matmul FLOP/s), on random data."""
+    n = 1 << 30  # 2 GiB of bf16
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    bw = 2 * n * 2 / _time_cuda(lambda: dst.copy_(src))
+    del src, dst
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * m**3 / _time_cuda(lambda: a @ b)
+    del a, b
+    torch.cuda.empty_cache()
+    return bw, flops
+
+
+def header(title: str) -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return (f"## {title}\n\n{datetime.date.today()} · {dev} · torch {torch.__version__} · commit {commit or '?'}\n")
+
+
+def table(rows: list[list[str]], head: list[str]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""Batch-1 latency: decode tok/s and time to first token for a model shape (random weights),
+next to the roofline (weight + KV bytes per token / measured copy bandwidth) and HF
+transformers' eager generate on the same shape.
+
+    python bench/latency.py [--shape llama3-8b] [--prompt 512] [--output 256] [--no-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SHAPES, header, kv_bytes_per_token, measure_ceilings, param_count, table, write_shape_folder  # noqa: E402
+
+from kvship.llm import LLM  # noqa: E402
+from kvship.sampling_params import SamplingParams  # noqa: E402
+
+
+def kvship_latency(folder: str, prompt_len: int, out_len: int, eager: bool) -> tuple[float, float]:
+    llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=prompt_len + out_len + 16,
+              max_num_seqs=8, enforce_eager=eager)
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    llm.generate([torch.randint(2, vocab, (prompt_len,), generator=g).tolist()], params)  # warm-up
+    ttfts, rates = [], []
+    for _ in range(3):
+        prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
+        t0 = time.monotonic()
+        out = llm.generate([prompt], params)[0]
+        t_end = time.monotonic()
+        ttfts.append(out.first_token_time - t0)
+        rates.append((out_len - 1) / (t_end - out.first_token_time))
+    del llm
+    torch.cuda.empty_cache()
+    return sorted(ttfts)[1], sorted(rates)[1]
+
+
+def hf_latency(shape: str, prompt_len: int, out_len: int) -> float:
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in SHAPES[shape].items() if k != "architectures"})
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(2, cfg.vocab_size, (1, prompt_len), device="cuda")
+    kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+    model.generate(ids, **{**kw, "max_new_tokens": 8, "min_new_tokens": 8})
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    model.generate(ids, **kw)
+    torch.cuda.synchronize()
+    dt = time.monotonic() - t0
+    del model
+    torch.cuda.empty_cache()
+    return out_len / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--output", type=int, default=256)
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    bw, mm = measure_ceilings()
+    weight_bytes = param_count(args.shape) * 2
+    avg_ctx = args.prompt + args.output / 2
+    roofline = bw / (weight_bytes + avg_ctx * kv_bytes_per_token(args.shape))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_shape_folder(args.shape, tmp)
+        ttft_g, rate_g = kvship_latency(folder, args.prompt, args.output, eager=False)
+        ttft_e, rate_e = kvship_latency(folder, args.prompt, args.output, eager=True)
+    rows = [
+        ["kvship (CUDA graphs)", f"{rate_g:.1f}", f"{100 * rate_g / roofline:.0f}%", f"{ttft_g * 1e3:.1f}"],
+        ["kvship (eager)", f"{rate_e:.1f}", f"{100 * rate_e / roofline:.0f}%", f"{ttft_e * 1e3:.1f}"],
+    ]
+    if not args.no_hf:
+        hf = hf_latency(args.shape, args.prompt, args.output)
+        rows.append(["HF transformers generate (eager)", f"{hf:.1f}", f"{100 * hf / roofline:.0f}%", "-"])
+    rows.append(["roofline (bytes / copy BW)", f"{roofline:.1f}", "100%", "-"])
+    print(header(f"Batch-1 latency, {args.shape} shape, bf16, prompt {args.prompt}, output {args.output}"))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
+          f"weights {weight_bytes / 1e9:.2f} GB\n")
+    print(table(rows, ["engine", "decode tok/s", "of roofline", "TTFT ms"]))
+
+
+if __name__ == "__main__":
+    main()

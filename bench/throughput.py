@@ -1,0 +1,112 @@
+"""Offline throughput: N prompts with input and output lengths uniform in [lo, hi], random
+tokens, ignore_eos. Output tok/s next to the workload's own limit and HF transformers.
+
+The limit: decode steps each read all weights once (at most max_num_seqs sequences per step)
+plus every generated token's KV context, divided by the measured copy bandwidth; plus the
+prefill FLOPs (2 x params x prompt tokens) divided by the measured matmul rate.
+
+    python bench/throughput.py [--shape llama3-8b] [--num-prompts 1000] [--max-num-seqs 256]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SHAPES, header, kv_bytes_per_token, measure_ceilings, param_count, table, write_shape_folder  # noqa: E402
+
+from kvship.llm import LLM  # noqa: E402
+from kvship.sampling_params import SamplingParams  # noqa: E402
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ins = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    outs = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    prompts = [torch.randint(2, vocab, (k,), generator=g).tolist() for k in ins]
+    return prompts, outs
+
+
+def limit_seconds(shape: str, prompts, outs, max_num_seqs: int, bw: float, mm: float) -> float:
+    params = param_count(shape)
+    steps = -(-sum(outs) // max_num_seqs)
+    kv_reads = sum(len(p) * o + o * (o + 1) // 2 for p, o in zip(prompts, outs)) * kv_bytes_per_token(shape)
+    prefill_flops = 2 * params * sum(len(p) for p in prompts)
+    return (steps * params * 2 + kv_reads) / bw + prefill_flops / mm
+
+
+def run_kvship(folder, prompts, outs, max_num_seqs: int) -> tuple[float, int]:
+    llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2 * max(map(len, prompts)) + 16,
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=8192)
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
+    llm.generate(prompts[:4], params[:4])  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    res = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    dt = time.monotonic() - t0
+    produced = sum(len(r.outputs[0].token_ids) for r in res)
+    assert produced == sum(outs), "every request must produce exactly max_tokens tokens"
+    del llm
+    torch.cuda.empty_cache()
+    return dt, produced
+
+
+def run_hf(shape: str, prompts, outs, batch: int) -> float:
+    """HF generate over a subset (it is slow), left-padded batches of `batch` prompts."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in SHAPES[shape].items() if k != "architectures"})
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    produced, t0 = 0, time.monotonic()
+    for i in range(0, len(prompts), batch):
+        ps, new = prompts[i:i + batch], max(outs[i:i + batch])
+        width = max(map(len, ps))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps], device="cuda")
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        produced += new * len(ps)
+    torch.cuda.synchronize()
+    rate = produced / (time.monotonic() - t0)
+    del model
+    torch.cuda.empty_cache()
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--num-prompts", type=int, default=1000)
+    ap.add_argument("--lo", type=int, default=100)
+    ap.add_argument("--hi", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--hf-prompts", type=int, default=64, help="subset size for the HF reference (0: skip)")
+    ap.add_argument("--hf-batch", type=int, default=32)
+    args = ap.parse_args()
+    bw, mm = measure_ceilings()
+    vocab = SHAPES[args.shape]["vocab_size"]
+    prompts, outs = workload(args.num_prompts, args.lo, args.hi, vocab)
+    limit = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw, mm)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_shape_folder(args.shape, tmp)
+        dt, produced = run_kvship(folder, prompts, outs, args.max_num_seqs)
+    rows = [["kvship", f"{produced / dt:,.0f}", f"{dt:.1f}", f"{100 * limit / dt:.0f}%"]]
+    if args.hf_prompts:
+        hf = run_hf(args.shape, prompts[:args.hf_prompts], outs[:args.hf_prompts], args.hf_batch)
+        rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}", "-", "-"])
+    rows.append(["workload limit (bytes / BW + prefill FLOPs / matmul)", f"{produced / limit:,.0f}", f"{limit:.1f}", "100%"])
+    print(header(f"Offline throughput, {args.shape} shape, bf16, {args.num_prompts} prompts, "
+                 f"in/out uniform [{args.lo}, {args.hi}], max_num_seqs {args.max_num_seqs}"))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
+          f"{sum(map(len, prompts)):,} prompt tokens, {sum(outs):,} output tokens\n")
+    print(table(rows, ["engine", "output tok/s", "seconds", "of limit"]))
+
+
+if __name__ == "__main__":
+    main()
