@@ -171,8 +171,9 @@ def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
     limits = dict(spec.resources.limits)
     gpus = gpu_count(spec)
     if gpus > 0:
-        requests[spec.gpu.resource_name] = gpus
-        limits[spec.gpu.resource_name] = gpus
+        # quantities as strings: server-side apply's typed patch refuses numbers here
+        requests[spec.gpu.resource_name] = str(gpus)
+        limits[spec.gpu.resource_name] = str(gpus)
     resources: dict[str, Any] = {}
     if requests:
         resources["requests"] = requests

@@ -58,6 +58,15 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     )
 
 
+def contains(actual: Any, desired: Any) -> bool:
+    """Whether every field of ``desired`` has the same value in ``actual``."""
+    if isinstance(desired, dict):
+        return isinstance(actual, dict) and all(k in actual and contains(actual[k], v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(actual, list) and len(actual) == len(desired) and all(map(contains, actual, desired))
+    return actual == desired or str(actual) == str(desired)
+
+
 def _api_message(e: ApiException) -> str:
     try:
         return json.loads(e.body).get("message") or str(e.reason)
@@ -67,23 +76,33 @@ def _api_message(e: ApiException) -> str:
 
 def refresh_status(kube: Kube, namespace: str, name: str, *, generation: int | None = None) -> dict | None:
     """Recompute status from the children; patch only when it changed. With ``generation``
-    the status is stamped as observing that spec generation."""
-    cr = kube.get_llmd(namespace, name)
-    if cr is None:
-        return None
-    previous = cr.get("status") or {}
-    try:
-        parsed = parse(s.LLMDeploymentSpec, cr.get("spec") or {})
-    except SpecError:
-        return previous  # the reconcile handler reports it
-    owner = b.Owner(name, namespace, cr["metadata"]["uid"])
-    sts = kube.get("apps/v1", "StatefulSet", namespace, name)
-    pods = kube.list_pods(namespace, b.selector_string(owner))
-    observed = generation if generation is not None else previous.get("observedGeneration")
-    new = st.compute(owner, parsed, sts=sts, pods=pods, previous=previous, observed_generation=observed)
-    if any(previous.get(k) != v for k, v in new.items()):
-        kube.patch_llmd_status(namespace, name, new)
-    return new
+    the status is stamped as observing that spec generation. Status writes carry the
+    resourceVersion they were computed from and are redone on a conflict."""
+    for _attempt in range(5):
+        cr = kube.get_llmd(namespace, name)
+        if cr is None:
+            return None
+        previous = cr.get("status") or {}
+        try:
+            parsed = parse(s.LLMDeploymentSpec, cr.get("spec") or {})
+        except SpecError:
+            return previous  # the reconcile handler reports it
+        owner = b.Owner(name, namespace, cr["metadata"]["uid"])
+        sts = kube.get("apps/v1", "StatefulSet", namespace, name)
+        pods = kube.list_pods(namespace, b.selector_string(owner))
+        observed = previous.get("observedGeneration")
+        if generation is not None and (observed is None or generation > observed):
+            observed = generation
+        new = st.compute(owner, parsed, sts=sts, pods=pods, previous=previous, observed_generation=observed)
+        if all(previous.get(k) == v for k, v in new.items()):
+            return new
+        try:
+            kube.patch_llmd_status(namespace, name, new, cr["metadata"]["resourceVersion"])
+            return new
+        except ApiException as e:
+            if e.status != 409:
+                raise
+    raise kopf.TemporaryError("status kept changing while being written", delay=5)
 
 
 @kopf.on.resume(*RESOURCE, registry=registry)
@@ -111,6 +130,8 @@ def reconcile(
         kind, child = obj["kind"], obj["metadata"]["name"]
         try:
             before = kube.get(obj["apiVersion"], kind, namespace, child)
+            if kind == "PersistentVolumeClaim" and before is not None and contains(before, obj):
+                continue  # claims are nearly immutable, and re-applying one writes even when unchanged
             after = kube.apply(obj)
         except ApiException as e:
             message = f"applying {kind} {child} failed: {_api_message(e)}"

@@ -3,6 +3,7 @@ library's global default, so tests can run an operator with other credentials in
 process), server-side apply with our field manager, status patches, discovery."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,26 @@ def object_path(obj: dict[str, Any], *, name: str | None = None, subresource: st
     return f"{path}/{subresource}" if subresource else path
 
 
+def request(api: ApiClient, method: str, path: str, *, body: Any = None, query: list | None = None,
+            content_type: str = "application/json") -> Any:
+    """One API call through the client's serialisation, auth and TLS; returns the decoded
+    JSON, raises ApiException (with the server's Status body) on an error status."""
+    m, url, headers, data, _ = api.param_serialize(
+        method=method,
+        resource_path=path,
+        query_params=query or [],
+        header_params={"Content-Type": content_type, "Accept": "application/json"},
+        body=body,
+        auth_settings=["BearerToken"],
+    )
+    resp = api.call_api(m, url, header_params=headers, body=data)
+    raw = resp.read()
+    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else (raw or "")
+    if not 200 <= resp.status < 300:
+        raise ApiException.from_response(http_resp=resp, body=text, data=None)
+    return json.loads(text) if text else None
+
+
 @dataclass
 class Kube:
     api: ApiClient
@@ -63,17 +84,7 @@ class Kube:
 
     def _call(self, method: str, path: str, *, body: Any = None, query: list | None = None,
               content_type: str = "application/json") -> Any:
-        return self.api.call_api(
-            path,
-            method,
-            query_params=query or [],
-            header_params={"Content-Type": content_type, "Accept": "application/json"},
-            body=body,
-            response_type="object",
-            auth_settings=["BearerToken"],
-            _return_http_data_only=True,
-            _preload_content=True,
-        )
+        return request(self.api, method, path, body=body, query=query, content_type=content_type)
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply (creates or updates) with our field manager; conflicts with
@@ -107,11 +118,17 @@ class Kube:
                 return None
             raise
 
-    def patch_llmd_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+    def patch_llmd_status(self, namespace: str, name: str, status: dict[str, Any],
+                          resource_version: str | None = None) -> dict[str, Any]:
+        """Merge-patch the status; with ``resource_version`` only if nobody wrote since
+        (409 Conflict otherwise), so concurrent writers never go back in time."""
+        body: dict[str, Any] = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         return self._call(
             "PATCH",
             f"/apis/{s.GROUP}/{s.VERSION}/namespaces/{namespace}/{s.PLURAL}/{name}/status",
-            body={"status": status},
+            body=body,
             content_type="application/merge-patch+json",
         )
 

@@ -40,7 +40,7 @@ class PvcSource:
     """Model files already on a PersistentVolumeClaim."""
 
     claim_name: str = field(description="Name of an existing PVC holding the model.", pattern=NAME_PATTERN, max_length=253)
-    path: str = field("", description="Folder of the model inside the claim ('' = its root).", max_length=1024)
+    path: Optional[str] = field(None, description="Folder of the model inside the claim (default: its root).", max_length=1024)
 
 
 @dataclass

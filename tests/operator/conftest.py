@@ -27,7 +27,7 @@ import k8s_cluster  # noqa: E402
 from kvship_operator import crd as crd_mod  # noqa: E402
 from kvship_operator import handlers  # noqa: E402
 from kvship_operator import spec as s  # noqa: E402
-from kvship_operator.kube import load_configuration  # noqa: E402
+from kvship_operator.kube import load_configuration, request  # noqa: E402
 
 REPO = k8s_cluster.REPO
 
@@ -171,10 +171,7 @@ class Objects:
         self.co = CustomObjectsApi(api)
 
     def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
-        return self.api.call_api(
-            path, method, header_params={"Content-Type": content_type, "Accept": "application/json"}, body=body,
-            response_type="object", auth_settings=["BearerToken"], _return_http_data_only=True,
-        )
+        return request(self.api, method, path, body=body, content_type=content_type)
 
     def get(self, api_version: str, plural: str, name: str) -> dict | None:
         base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
