@@ -32,6 +32,7 @@ class ServerProcess:
         self._log = tempfile.NamedTemporaryFile(prefix="kvship-server-", suffix=".log", delete=False)
         self.log_path = Path(self._log.name)
         full_env = dict(os.environ)
+        full_env.pop("KVSHIP_API_KEY", None)  # keys only where a test passes one
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         full_env.update(env or {})
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)

@@ -286,6 +286,8 @@ def test_completion_logprobs_shape(client, model):
         ("/v1/chat/completions", {"messages": QUESTION, "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),
         ("/v1/completions", {"prompt": "word " * 600}, "prompt"),
+        ("/v1/completions", {"prompt": ["hi", "word " * 2000]}, "prompt"),  # tokenized off the event loop
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 2000}]}, "messages"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
         ("/v1/completions", {"prompt": 5}, "prompt"),
         ("/v1/completions", {"prompt": [[1, 2], "a"]}, "prompt"),

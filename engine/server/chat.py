@@ -26,6 +26,7 @@ from kvship.server.serving import (
     logger,
     new_id,
     parse_body,
+    run_tokenizer,
     safe_logprob,
     sse,
     until_disconnect,
@@ -84,7 +85,7 @@ async def create_chat_completion(raw_request: Request) -> Response:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, max_num_seqs=engine.config.max_num_seqs)
 
-    prompt_ids = _chat_prompt(engine, body)
+    prompt_ids = await run_tokenizer(_chat_prompt, engine, body, size=sum(len(m.text()) for m in body.messages))
     params = fit_to_context(params, len(prompt_ids), engine.max_model_len, "messages")
 
     request_id = new_id("chatcmpl")

@@ -26,6 +26,7 @@ from kvship.server.serving import (
     logger,
     new_id,
     parse_body,
+    run_tokenizer,
     safe_logprob,
     sse,
     until_disconnect,
@@ -97,7 +98,8 @@ async def create_completion(raw_request: Request) -> Response:
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, max_num_seqs=engine.config.max_num_seqs)
 
-    prompt_ids, prompt_texts = _prompts(engine, body.prompt)
+    size = len(body.prompt) if isinstance(body.prompt, str) else sum(len(p) for p in body.prompt if isinstance(p, str))
+    prompt_ids, prompt_texts = await run_tokenizer(_prompts, engine, body.prompt, size=size)
     for ids in prompt_ids:
         fit_to_context(params, len(ids), engine.max_model_len, "prompt")
     echo_texts = [

@@ -169,6 +169,17 @@ def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     return dataclasses.replace(params, max_tokens=max_tokens)
 
 
+# Tokenizing a long prompt takes milliseconds; above this many characters it runs in a worker
+# thread so that the event loop keeps streaming other requests' tokens meanwhile.
+OFFLOAD_CHARS = 8192
+
+
+async def run_tokenizer(fn: Any, *args: Any, size: int) -> Any:
+    if size > OFFLOAD_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
     for t in ids:
         if not 0 <= t < vocab_size:
