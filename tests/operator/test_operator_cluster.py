@@ -10,7 +10,9 @@ import time
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from conftest import wait_for
+from conftest import REPO, load_yaml_docs, wait_for
+from kvship_operator import spec as s
+from kvship_operator.schema import parse
 
 HUB_SPEC = {
     "model": {"hub": "Qwen/Qwen3-0.6B"},
@@ -248,3 +250,20 @@ def test_operator_restart_resumes_without_duplicate_work(objects, run_operator):
     assert after["metadata"]["resourceVersion"] == steady_sts["metadata"]["resourceVersion"]
     assert after["metadata"]["uid"] == steady_sts["metadata"]["uid"]
     assert len([e for e in objects.events("steady") if e["reason"] == "Applied"]) == steady_events
+
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_examples_apply_as_is(objects, path):
+    """Every example is accepted by the API server as written, and by the operator's checks."""
+    docs = load_yaml_docs(path)
+    assert any(d["kind"] == "LLMDeployment" for d in docs)
+    for d in docs:
+        if d["kind"] == "LLMDeployment":
+            parse(s.LLMDeploymentSpec, d["spec"])
+            objects.create_llmd(d["metadata"]["name"], d["spec"])
+        else:
+            plural = {"Secret": "secrets", "PersistentVolumeClaim": "persistentvolumeclaims"}[d["kind"]]
+            objects._call("POST", f"/api/v1/namespaces/{objects.ns}/{plural}", d)
