@@ -149,6 +149,7 @@ case "${1:-install}" in
         [[ $(id -u) == 0 ]] || { log "install needs root (apt-get)"; exit 1; }
         mkdir -p "$CACHE"
         t0=$SECONDS
+        apt_install openssl ca-certificates   # the tests make certificates with openssl
         get_helm
         get_etcd
         build_kube

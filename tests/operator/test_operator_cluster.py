@@ -267,3 +267,42 @@ def test_examples_apply_as_is(objects, path):
         else:
             plural = {"Secret": "secrets", "PersistentVolumeClaim": "persistentvolumeclaims"}[d["kind"]]
             objects._call("POST", f"/api/v1/namespaces/{objects.ns}/{plural}", d)
+
+
+def test_kvship_operator_command(cluster, objects, tmp_path):
+    """The installed `kvship-operator` entry point, as a process: reconciles, serves its
+    liveness endpoint, and stops cleanly on SIGTERM."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    import k8s_cluster
+
+    exe = shutil.which("kvship-operator") or [sys.executable, "-m", "kvship_operator.main"]
+    port = k8s_cluster.free_port()
+    log = open(tmp_path / "operator.log", "wb")
+    proc = subprocess.Popen(
+        [*([exe] if isinstance(exe, str) else exe), "--kubeconfig", str(cluster.kubeconfig), "-n", objects.ns,
+         "--liveness", f"http://127.0.0.1:{port}/healthz"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        objects.create_llmd("cli", {"model": {"hub": "a/b"}, "gpu": {"count": 0}})
+        wait_for(lambda: objects.get("apps/v1", "statefulsets", "cli"), 30, what="StatefulSet from the CLI operator")
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(healthy, 10, what="liveness endpoint")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        log.close()
+    assert rc == 0, (tmp_path / "operator.log").read_text()[-3000:]
