@@ -1,23 +1,18 @@
-"""Request and response bodies of the OpenAI API (the subset we serve), as pydantic models.
+"""Request bodies of the OpenAI API (the subset we serve), as pydantic models.
 
-Requests ignore unknown fields (clients send vendor extensions freely); wrong types are turned
-into a 400 by the exception handlers in `errors.py`. Responses are built from these models so
-that the wire shapes are written down in one place.
+Unknown fields are ignored (clients send vendor extensions freely); wrong types become a 400
+through `errors.validation_error`. Responses are plain dicts built in chat.py/completions.py in
+OpenAI's exact shapes (streaming builds thousands of chunks a second; dicts keep that cheap).
 """
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 # ---------------------------------------------------------------- requests
@@ -84,119 +79,3 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
-
-
-# ---------------------------------------------------------------- responses
-
-
-class Usage(_Response):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatChoiceLogprobs(_Response):
-    content: list[ChatTokenLogprob] | None = None
-    refusal: list[ChatTokenLogprob] | None = None
-
-
-class AssistantMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    refusal: str | None = None
-
-
-class ChatChoice(_Response):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-
-
-class DeltaMessage(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    refusal: str | None = None
-
-
-class ChatChunkChoice(_Response):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "kvship"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def dump(model: BaseModel) -> dict[str, Any]:
-    """The JSON-ready dict of a response model (None fields kept: OpenAI sends explicit nulls)."""
-    return model.model_dump(mode="json")
