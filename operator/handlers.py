@@ -105,28 +105,24 @@ def refresh_status(kube: Kube, namespace: str, name: str, *, generation: int | N
     raise kopf.TemporaryError("status kept changing while being written", delay=5)
 
 
-@kopf.on.resume(*RESOURCE, registry=registry)
-@kopf.on.create(*RESOURCE, registry=registry)
-@kopf.on.update(*RESOURCE, registry=registry)
-def reconcile(
-    name: str, namespace: str, uid: str, spec: Any, status: Any, meta: Any, body: Any, memo: kopf.Memo,
-    logger: logging.Logger, **_: Any,
-) -> None:
-    kube: Kube = memo.kube
-    generation = meta.get("generation")
-    previous = dict(status or {})
+def ensure_children(kube: Kube, cr: Any, pdb_api_version: str, logger: logging.Logger) -> bool:
+    """Build and server-side apply every child of ``cr``; write status. False when the spec
+    is invalid (reported in status and as an event); raises kopf errors to retry."""
+    meta = cr["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    previous = dict(cr.get("status") or {})
     try:
-        parsed = parse(s.LLMDeploymentSpec, dict(spec))
+        parsed = parse(s.LLMDeploymentSpec, dict(cr.get("spec") or {}))
     except SpecError as e:
         message = f"invalid spec: {e}"
         logger.warning(message)
         kube.patch_llmd_status(namespace, name, st.failed(previous, "InvalidSpec", message, generation))
-        kopf.warn(body, reason="InvalidSpec", message=message)
-        return  # nothing to retry until the spec changes
+        kopf.warn(cr, reason="InvalidSpec", message=message)
+        return False  # nothing to retry until the spec changes
 
-    owner = b.Owner(name, namespace, uid)
+    owner = b.Owner(name, namespace, meta["uid"])
     changes = []
-    for obj in b.build(owner, parsed, pdb_api_version=memo.pdb_api_version):
+    for obj in b.build(owner, parsed, pdb_api_version=pdb_api_version):
         kind, child = obj["kind"], obj["metadata"]["name"]
         try:
             before = kube.get(obj["apiVersion"], kind, namespace, child)
@@ -135,9 +131,9 @@ def reconcile(
             after = kube.apply(obj)
         except ApiException as e:
             message = f"applying {kind} {child} failed: {_api_message(e)}"
-            kopf.warn(body, reason="ApplyFailed", message=message)
+            kopf.warn(cr, reason="ApplyFailed", message=message)
             kube.patch_llmd_status(namespace, name, st.failed(previous, "ApplyFailed", message, generation))
-            if 400 <= (e.status or 0) < 500 and e.status not in (409, 429):
+            if e.status in (400, 422):  # the object we build is refused: retrying will not help
                 raise kopf.PermanentError(message) from e
             raise kopf.TemporaryError(message, delay=RETRY_DELAY) from e
         if before is None:
@@ -147,15 +143,32 @@ def reconcile(
     if changes:
         message = "; ".join(changes)
         logger.info(message)
-        kopf.info(body, reason="Applied", message=message)
+        kopf.info(cr, reason="Applied", message=message)
     refresh_status(kube, namespace, name, generation=generation)
+    return True
 
 
-def _child_event(body: Any, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.resume(*RESOURCE, registry=registry)
+@kopf.on.create(*RESOURCE, registry=registry)
+@kopf.on.update(*RESOURCE, registry=registry)
+def reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    ensure_children(memo.kube, dict(body), memo.pdb_api_version, logger)
+
+
+def _child_event(body: Any, type: str | None, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Status follows the children; a child deleted behind our back is put back."""
     name = (body.get("metadata", {}).get("labels") or {}).get(b.INSTANCE_LABEL)
     kube: Kube | None = getattr(memo, "kube", None)
-    if name and kube is not None:
-        refresh_status(kube, body["metadata"]["namespace"], name)
+    if not name or kube is None:
+        return
+    namespace = body["metadata"]["namespace"]
+    if type == "DELETED" and body.get("kind") == "StatefulSet":
+        cr = kube.get_llmd(namespace, name)
+        if cr is not None and not cr["metadata"].get("deletionTimestamp"):
+            logger.info(f"StatefulSet {name} was deleted; re-creating it")
+            ensure_children(kube, cr, memo.pdb_api_version, logger)
+            return
+    refresh_status(kube, namespace, name)
 
 
 kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_LABELS, registry=registry)(_child_event)

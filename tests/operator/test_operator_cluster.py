@@ -306,3 +306,13 @@ def test_kvship_operator_command(cluster, objects, tmp_path):
             raise
         log.close()
     assert rc == 0, (tmp_path / "operator.log").read_text()[-3000:]
+
+
+def test_deleted_statefulset_is_recreated(objects, run_operator):
+    run_operator()
+    objects.create_llmd("drift", {"model": {"hub": "a/b"}, "gpu": {"count": 0}})
+    old = wait_for(lambda: objects.get("apps/v1", "statefulsets", "drift"), 30, what="StatefulSet")
+    objects._call("DELETE", f"/apis/apps/v1/namespaces/{objects.ns}/statefulsets/drift")
+    new = wait_for(lambda: (x := objects.get("apps/v1", "statefulsets", "drift"))
+                   and x["metadata"]["uid"] != old["metadata"]["uid"] and x, 30, what="StatefulSet re-created")
+    assert new["metadata"]["ownerReferences"][0]["name"] == "drift"
