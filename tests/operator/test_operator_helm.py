@@ -69,11 +69,14 @@ def _access(api: ApiClient, verb: str, resource: str, group: str = "", namespace
 
 
 @needs_helm
-def test_helm_install_operator_runs_as_its_service_account(cluster, api, crd_installed, objects, run_operator, tmp_path):
+@pytest.mark.parametrize("mode", ["all-namespaces", "watched-namespace"])
+def test_helm_install_operator_runs_as_its_service_account(cluster, api, crd_installed, objects, run_operator, tmp_path,
+                                                           mode):
     release_ns = "kvship-system"
     kubeconfig = str(cluster.kubeconfig)
+    extra = ["--set", f"watchNamespaces={{{objects.ns}}}"] if mode == "watched-namespace" else []
     out = helm("install", "kvship", str(CHART), "-n", release_ns, "--create-namespace", "--kubeconfig", kubeconfig,
-               check=False)
+               *extra, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     try:
         core = CoreV1Api(api)
@@ -105,8 +108,14 @@ def test_helm_install_operator_runs_as_its_service_account(cluster, api, crd_ins
         ]:
             assert not _access(sa_api, verb, resource, group, ns, sub), f"SA may {verb} {resource}/{sub}"
 
+        if mode == "watched-namespace":  # nothing outside the watched namespace
+            assert not _access(sa_api, "patch", "statefulsets", "apps", "default")
+            assert not _access(sa_api, "list", "pods", "", None)
+        else:
+            assert not _access(sa_api, "list", "namespaces", "", None)
+
         # the operator, authenticated as the ServiceAccount, does its whole job
-        run_operator(sa_kubeconfig)
+        run_operator(sa_kubeconfig, namespaces=[ns] if mode == "watched-namespace" else None)
         objects.create_llmd("rbac", {"model": {"url": "https://models.invalid/m.gguf"}, "gpu": {"count": 0}})
         for plural, api_version, name in [("statefulsets", "apps/v1", "rbac"), ("services", "v1", "rbac"),
                                           ("services", "v1", "rbac-engines"),
@@ -118,8 +127,4 @@ def test_helm_install_operator_runs_as_its_service_account(cluster, api, crd_ins
         wait_for(lambda: any(e["reason"] == "Applied" for e in objects.events("rbac")), 20, what="event posted")
         sa_api.close()
     finally:
-        helm("uninstall", "kvship", "-n", release_ns, "--kubeconfig", kubeconfig, check=False)
-        try:
-            CoreV1Api(api).delete_namespace(release_ns)
-        except ApiException:
-            pass
+        helm("uninstall", "kvship", "-n", release_ns, "--kubeconfig", kubeconfig, "--wait", check=False)
