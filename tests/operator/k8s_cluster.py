@@ -9,6 +9,7 @@ When $KUBECONFIG is set, nothing is started and that cluster is used instead.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -173,9 +174,12 @@ def start(timeout: float = 60.0) -> Cluster:
         raise ClusterUnavailable(f"Kubernetes test binaries missing in {bindir()}: {INSTALL_HINT}")
     t0 = time.monotonic()
     bins = bindir()
-    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
+    # etcd on tmpfs when there is room: no fsync cost
+    shm = Path("/dev/shm")
+    base = shm if os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > (1 << 30) else None
     work = Path(tempfile.mkdtemp(prefix="kvship-k8s-", dir=base))
     cluster = Cluster(kubeconfig=work / "admin.kubeconfig", workdir=work)
+    atexit.register(cluster.stop)  # also on an interrupted run
     try:
         make_certs(work)
         etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
