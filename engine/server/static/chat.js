@@ -144,6 +144,7 @@
     state.model = card.id;
     state.maxModelLen = card.max_model_len || null;
     setModel(card.id, "ready");
+    els.model.title = card.id;
     document.title = card.id + " · kvship chat";
     if (state.maxModelLen) {
       els.maxTokens.max = String(state.maxModelLen);
@@ -427,14 +428,17 @@
     else if (finish === "length") notes.push("cut off at the max-tokens limit");
     view.meta.textContent = notes.join(" · ");
     if (error) {
+      // Shown in the conversation where it happened (and announced), not twice.
       var p = document.createElement("p");
       p.className = "msg-error";
+      p.setAttribute("role", "alert");
       p.textContent = error;
       view.body.appendChild(p);
-      showError(error);
+      scrollToEnd();
     }
     view.root.dataset.state = error ? "error" : stopped ? "stopped" : "done";
     if (answer.content) state.history.push(answer);
+    else if (error) state.history.splice(state.history.indexOf(turn), 1); // a failed turn is not resent
     else if (!stopped && !error) view.body.innerHTML = '<p class="muted">(empty answer)</p>';
   }
 
