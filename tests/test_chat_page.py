@@ -136,11 +136,40 @@ def test_streamed_answer_with_usage(chat, server):
     print(f"\nanswer streamed in {elapsed:.1f}s ({len(lengths)} samples); screenshot: {shot}")
 
     # A second turn carries the conversation.
+    chat.page.fill("#max-tokens", "40")
     chat.ask("Thanks! Now in one sentence: what does it return?")
     chat.page.wait_for_function(
         "() => document.querySelectorAll('.msg-assistant[data-state=done]').length === 2", timeout=STREAM_TIMEOUT_MS
     )
     assert chat.page.locator(".msg-user").count() == 2
+    assert chat.errors == []
+
+
+def test_keyboard_and_labels(chat):
+    chat.wait_model()
+    # Every control has a label; the prompt has focus on load.
+    unlabelled = chat.page.evaluate(
+        "() => [...document.querySelectorAll('input, textarea, select')]"
+        ".filter(e => !e.labels || e.labels.length === 0).map(e => e.id)"
+    )
+    assert unlabelled == []
+    assert chat.page.evaluate("() => document.activeElement.id") == "prompt"
+    # Shift+Enter is a newline, Enter on an empty prompt sends nothing.
+    chat.page.keyboard.type("first line")
+    chat.page.keyboard.press("Shift+Enter")
+    chat.page.keyboard.type("second line")
+    assert chat.page.input_value("#prompt") == "first line\nsecond line"
+    assert chat.page.locator(".msg").count() == 0
+    chat.page.fill("#prompt", "   ")
+    chat.page.keyboard.press("Enter")
+    assert chat.page.locator(".msg").count() == 0
+    # Settings persist across a reload.
+    chat.page.fill("#system-prompt", "Be brief.")
+    chat.page.fill("#max-tokens", "77")
+    chat.page.reload()
+    chat.wait_model()
+    assert chat.page.input_value("#system-prompt") == "Be brief."
+    assert chat.page.input_value("#max-tokens") == "77"
     assert chat.errors == []
 
 
