@@ -116,6 +116,7 @@ VERSION
         install -m 0755 "$out" "$BIN/$b"
     done
     rm -rf "$work"
+    "$BIN/kube-apiserver" --version >&2
     log "kube binaries built in $((SECONDS - t0)) s"
 }
 
