@@ -165,7 +165,11 @@ class AsyncEngine:
                     if stream is not None:
                         stream.put(_Rejected(e))
             elif kind == "abort":
-                self.engine.abort(arg)
+                final = self.engine.abort(arg)
+                with self._lock:
+                    stream = self._streams.get(arg)
+                if final is not None and stream is not None:  # a reader is still waiting: end its stream
+                    stream.put(final)
 
     def _loop(self) -> None:
         try:

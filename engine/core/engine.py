@@ -103,13 +103,17 @@ class LLMEngine:
         for c in choices:
             self.scheduler.add(c.seq)
 
-    def abort(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop the request and free its blocks; returns its final output (finish_reason "abort"
+        for the choices still running), or None if it is unknown or already finished."""
+        req = self.requests.get(request_id)
         if req is None:
-            return
+            return None
         for c in req.choices:
             if not c.seq.finished:
                 self.scheduler.finish(c.seq, "abort")
+                c.out.finish_reason = "abort"
+        return self._emit(req)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -200,8 +204,10 @@ class LLMEngine:
         outs = []
         for c in req.choices:
             o = c.out
+            # While running, the cumulative list is shared (copying it every step costs O(length)).
             outs.append(CompletionOutput(
-                index=o.index, text=o.text, token_ids=list(o.token_ids), text_delta=o.text_delta,
+                index=o.index, text=o.text, token_ids=list(o.token_ids) if c.seq.finished else o.token_ids,
+                text_delta=o.text_delta,
                 token_ids_delta=o.token_ids_delta, logprobs=o.logprobs, logprobs_delta=o.logprobs_delta,
                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
             o.text_delta, o.token_ids_delta, o.logprobs_delta = "", [], ([] if o.logprobs is not None else None)

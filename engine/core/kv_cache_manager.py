@@ -49,12 +49,14 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache -----------------------------------------------------------------------
-    def block_hashes(self, token_ids: list[int], num_blocks: int) -> list[int]:
-        hashes, parent, bs = [], None, self.block_size
-        for i in range(num_blocks):
-            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
-            hashes.append(parent)
-        return hashes
+    def full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Chain hashes of seq's first num_blocks blocks, computed once per block and kept on seq
+        (tokens of a full block never change, so neither does its hash)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash((hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
+        return hashes[:num_blocks]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of seq's tokens. The last token is always
@@ -62,7 +64,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         found = []
-        for h in self.block_hashes(seq.token_ids, (seq.num_tokens - 1) // self.block_size):
+        for h in self.full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
             block_id = self.cached.get(h)
             if block_id is None:
                 break
@@ -78,12 +80,16 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        hashes = self.block_hashes(seq.token_ids, num_full)
-        for block_id, h in zip(seq.block_table[:num_full], hashes):
-            block = self.blocks[block_id]
-            if block.hash is None and h not in self.cached:
-                block.hash = h
-                self.cached[h] = block_id
+        first_new = seq.num_cached_upto
+        if num_full <= first_new:
+            return
+        hashes = self.full_block_hashes(seq, num_full)
+        for i in range(first_new, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and hashes[i] not in self.cached:
+                block.hash = hashes[i]
+                self.cached[hashes[i]] = block.block_id
+        seq.num_cached_upto = num_full
 
     # -- allocation --------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence, num_new_tokens: int, revived: list[int] = ()) -> bool:
@@ -129,3 +135,4 @@ class KVCacheManager:
                     self.free_queue.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_cached_upto = 0

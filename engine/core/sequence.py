@@ -31,6 +31,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks, grown as they fill
+    num_cached_upto: int = 0  # blocks of block_table already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     leader: "Sequence | None" = None  # n > 1: wait until the leader's prompt is cached, then share it
     generator: torch.Generator | None = None
