@@ -130,10 +130,16 @@ def ensure_children(kube: Kube, cr: Any, pdb_api_version: str, logger: logging.L
                 continue  # claims are nearly immutable, and re-applying one writes even when unchanged
             after = kube.apply(obj)
         except ApiException as e:
-            message = f"applying {kind} {child} failed: {_api_message(e)}"
+            detail = _api_message(e)
+            if e.status == 403 and "being terminated" in detail:
+                logger.info(f"namespace {namespace} is being deleted; not applying {kind} {child}")
+                return False
+            message = f"applying {kind} {child} failed: {detail}"
             kopf.warn(cr, reason="ApplyFailed", message=message)
             kube.patch_llmd_status(namespace, name, st.failed(previous, "ApplyFailed", message, generation))
-            if e.status in (400, 422):  # the object we build is refused: retrying will not help
+            # the object we build is refused (older servers answer 500 for a schema mismatch
+            # in server-side apply): retrying will not help, a spec change will
+            if e.status in (400, 422) or "failed to create typed patch object" in detail:
                 raise kopf.PermanentError(message) from e
             raise kopf.TemporaryError(message, delay=RETRY_DELAY) from e
         if before is None:

@@ -316,3 +316,31 @@ def test_deleted_statefulset_is_recreated(objects, run_operator):
     new = wait_for(lambda: (x := objects.get("apps/v1", "statefulsets", "drift"))
                    and x["metadata"]["uid"] != old["metadata"]["uid"] and x, 30, what="StatefulSet re-created")
     assert new["metadata"]["ownerReferences"][0]["name"] == "drift"
+
+
+def test_scale_subresource_drives_replicas(objects, run_operator):
+    """What an HPA or KEDA does: write /scale; the StatefulSet follows."""
+    run_operator()
+    objects.create_llmd("scaled", {"model": {"hub": "a/b"}, "gpu": {"count": 0}})
+    wait_for(lambda: objects.get("apps/v1", "statefulsets", "scaled"), 30, what="StatefulSet")
+    path = f"/apis/kvship.io/v1alpha1/namespaces/{objects.ns}/llmdeployments/scaled/scale"
+    objects._call("PATCH", path, {"spec": {"replicas": 3}}, "application/merge-patch+json")
+    wait_for(lambda: objects.get("apps/v1", "statefulsets", "scaled")["spec"]["replicas"] == 3, 30,
+             what="StatefulSet scaled to 3")
+    wait_for(lambda: objects._call("GET", path)["status"]["replicas"] == 3, 30, what="scale status replicas 3")
+
+
+def test_apply_failure_reported(objects, run_operator):
+    """A child the API server refuses: Ready=False ApplyFailed with the server's words, and
+    a Warning event; fixing the spec recovers."""
+    run_operator()
+    objects.create_llmd("refused", {"model": {"hub": "a/b"}, "gpu": {"count": 0},
+                                    "engine": {"env": [{"name": "X", "valueFrom": {"noSuchSource": {}}}]}})
+    cr = wait_for(lambda: cond(c := objects.llmd("refused"), "Ready").get("reason") == "ApplyFailed" and c, 30,
+                  what="Ready=False ApplyFailed")
+    message = cond(cr, "Ready")["message"]
+    assert "applying StatefulSet refused failed" in message and "noSuchSource" in message, message
+    assert any(e["reason"] == "ApplyFailed" and e["type"] == "Warning" for e in objects.events("refused"))
+    objects.patch_llmd_spec("refused", {"engine": {"env": [{"name": "X", "value": "1"}]}})
+    wait_for(lambda: objects.get("apps/v1", "statefulsets", "refused"), 30, what="StatefulSet after the fix")
+    wait_for(lambda: cond(objects.llmd("refused"), "Ready").get("reason") != "ApplyFailed", 30, what="ApplyFailed cleared")
