@@ -20,6 +20,7 @@ from kvship.server.errors import error_body, install_error_handlers
 from kvship.server.metrics import ServerMetrics
 from kvship.server.metrics import router as metrics_router
 from kvship.server.serving import ServerState
+from kvship.server.tracing import ServerTracing, TracingMiddleware
 
 logger = logging.getLogger("kvship.server")
 
@@ -58,10 +59,13 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
 
-def build_app(engine: Any, config: Any, api_key: str | None = None, *, chat_page: bool = True) -> FastAPI:
+def build_app(engine: Any, config: Any, api_key: str | None = None, *, chat_page: bool = True,
+              tracer_provider: Any | None = None) -> FastAPI:
     """An app serving `engine` (an AsyncEngine, or None while it loads: then everything but
-    /health, /version and /metrics answers 503)."""
+    /health, /version and /metrics answers 503). Traces go to `tracer_provider` when given,
+    else to one built from the OTEL_* environment (none when those are unset)."""
     state = ServerState(engine, config, api_key)
+    tracing = ServerTracing.create(tracer_provider)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -69,6 +73,8 @@ def build_app(engine: Any, config: Any, api_key: str | None = None, *, chat_page
         # Shutdown: stop reporting ready. In-flight requests were drained (or cancelled, which
         # aborts them in the engine) by the server before this runs.
         state.draining = True
+        if tracing is not None:
+            await tracing.shutdown()
 
     app = FastAPI(title="kvship", version=kvship.__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.kvship = state
@@ -110,6 +116,9 @@ def build_app(engine: Any, config: Any, api_key: str | None = None, *, chat_page
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.state.kvship_tracing = tracing
+    if tracing is not None:  # outermost: refused requests (401) get a span too
+        app.add_middleware(TracingMiddleware, tracing=tracing)
 
     try:
         from kvship.server.chat_page import mount_chat_page

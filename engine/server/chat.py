@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvship.outputs import CompletionOutput, RequestOutput
 from kvship.sampling_params import MAX_LOGPROBS
 from kvship.server.errors import APIError, bad_request
+from kvship.server.metrics import observe_request
 from kvship.server.protocol import ChatCompletionRequest
 from kvship.server.serving import (
     SSE_DONE,
@@ -91,7 +92,8 @@ async def create_chat_completion(raw_request: Request) -> Response:
     request_id = new_id("chatcmpl")
     created = int(time.time())
     model = state.model_name
-    stream = GenerationStream(engine, [prompt_ids], params, request_id, state.active)
+    observer = observe_request(raw_request, request_id, params)
+    stream = GenerationStream(engine, [prompt_ids], params, request_id, state.active, observer)
     try:
         if body.stream:
             # Wait for the first output before answering, so that a refused request (queue full,

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvship.outputs import RequestOutput
 from kvship.server.errors import APIError, bad_request
+from kvship.server.metrics import observe_request
 from kvship.server.protocol import CompletionRequest
 from kvship.server.serving import (
     SSE_DONE,
@@ -110,7 +111,8 @@ async def create_completion(raw_request: Request) -> Response:
     created = int(time.time())
     model = state.model_name
     n = params.n
-    stream = GenerationStream(engine, prompt_ids, params, request_id, state.active)
+    observer = observe_request(raw_request, request_id, params, len(prompt_ids))
+    stream = GenerationStream(engine, prompt_ids, params, request_id, state.active, observer)
     try:
         if body.stream:
             first = await until_disconnect(raw_request, stream.__anext__())

@@ -232,8 +232,9 @@ class GenerationStream:
     stops everything and aborts what still runs in the engine."""
 
     def __init__(self, engine: Any, prompts: list[list[int]], params: SamplingParams, request_id: str,
-                 registry: set | None = None):
+                 registry: set | None = None, observer: Any | None = None):
         self.engine = engine
+        self._observer = observer  # metrics / span events (RequestObserver), fed every output
         self.request_ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         self._params = params
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -248,14 +249,20 @@ class GenerationStream:
 
     async def _pump(self, index: int, prompt: list[int], request_id: str) -> None:
         gen = self.engine.generate(prompt, self._params, request_id)
+        error: BaseException | None = None
         try:
             async for out in gen:
+                if self._observer is not None:
+                    self._observer.on_output(index, out)
                 self._queue.put_nowait((index, out))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the consumer
+            error = exc
             self._queue.put_nowait((index, exc))
         finally:
+            if self._observer is not None:
+                self._observer.on_end(index, error)
             await _aclose(gen)
             self._queue.put_nowait((index, _END))
 
