@@ -145,6 +145,8 @@ class AsyncEngine:
         self._stopping.set()
         self._inbox.put(("wake", None))
         self._thread.join(timeout)
+        if not self._thread.is_alive() and hasattr(self.engine, "shutdown"):  # TP ranks stop once no step runs
+            self.engine.shutdown()
 
     # -- engine thread -----------------------------------------------------------------------
     def _drain(self, block: bool) -> None:

@@ -60,7 +60,19 @@ class LLMEngine:
         config.max_model_len = self.max_model_len
         torch.manual_seed(config.seed)
         weights = None if config.load_format == "dummy" else source.weights()
-        self.runner = ModelRunner(config, self.model_config, source.hf_config, weights, self.max_model_len)
+        self.tp_runtime = None
+        if config.tensor_parallel_size > 1:  # start the other ranks; this process is rank 0
+            from kvship.distributed.launch import TPRuntime
+
+            self.tp_runtime = TPRuntime.start(config)
+        try:
+            self.runner = ModelRunner(config, self.model_config, source.hf_config, weights, self.max_model_len,
+                                      **({"tp": self.tp_runtime.ctx} if self.tp_runtime else {}))
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.tp_runtime:
+            self.tp_runtime.ready = True
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
@@ -117,6 +129,11 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (no-op with one rank)."""
+        if getattr(self, "tp_runtime", None) is not None:
+            self.tp_runtime.shutdown()
 
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -66,7 +66,11 @@ class ModelRunner:
                 self.model = model_class(hf_config)(model_config, max_model_len, tp, self.backend)
         finally:
             torch.set_default_dtype(torch.float32)
-        if config.load_format == "dummy":
+        if config.load_format == "dummy" and tp.size > 1:  # the TP=1 weights' slices, so outputs compare
+            from kvship.distributed.dummy import load_dummy_weights
+
+            load_dummy_weights(self, hf_config)
+        elif config.load_format == "dummy":
             self._init_dummy_weights()
         else:
             self.model.load_weights(weights)
@@ -153,7 +157,7 @@ class ModelRunner:
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _allocate_kv_cache(self) -> int:
-        n = self._num_blocks_to_allocate()
+        n = self.tp.min_int(self._num_blocks_to_allocate())  # every rank holds the same block count
         self._bind_kv_cache(n)
         log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)", n, self.block_size,
                  n * self.block_size, n * self.kv_bytes_per_block() / 2**30)
@@ -200,7 +204,16 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
         """Float32 logits [num_sampled, vocab] for the sequences whose prompt is complete."""
         input_ids, positions, meta = self.prepare(batch)
-        if self.graphs is not None and self.graphs.can_run(len(batch), meta.max_seqlen_q, meta.block_tables.shape[1]):
+        if self.tp.runtime is not None:  # the other ranks run the same forward on what rank 0 sends
+            with self.tp.runtime.guard():
+                self.tp.runtime.send_step(input_ids, positions, meta)
+                return self.forward(input_ids, positions, meta)
+        return self.forward(input_ids, positions, meta)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(meta.seq_lens.shape[0], meta.max_seqlen_q,
+                                                           meta.block_tables.shape[1]):
             return self.graphs.run(input_ids, positions, meta).float()
         hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[meta.logits_indices]).float()

@@ -13,6 +13,8 @@ class TPContext:
     rank: int = 0
     size: int = 1
     group: object | None = None  # torch.distributed process group; None when size == 1
+    cpu_group: object | None = None  # gloo group for control messages (step headers, block count)
+    runtime: object | None = None  # kvship.distributed.launch.TPRuntime on rank 0 and the workers
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -25,6 +27,14 @@ class TPContext:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def min_int(self, n: int) -> int:
+        """The smallest of every rank's n (e.g. the KV blocks that fit on every GPU)."""
+        if self.size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group if self.cpu_group is not None else self.group)
+        return int(t.item())
 
     def shard(self, n: int, what: str) -> int:
         if n % self.size:
