@@ -148,6 +148,22 @@ def serve(args: argparse.Namespace) -> int:
         print(f"kvship serve: error: {exc}", file=sys.stderr)
         return 2
 
+    if config.tensor_parallel_size > 1:  # on hosts other than host 0: only this host's ranks, no server
+        from kvship.distributed.launch import resolve_placement
+
+        try:
+            placement = resolve_placement(config.tensor_parallel_size)
+        except ValueError as exc:
+            print(f"kvship serve: error: {exc}", file=sys.stderr)
+            return 2
+        if placement.node_rank != 0:
+            from kvship.distributed.worker import serve_node
+
+            logger.info("tensor-parallel host %d of %d: serving ranks %d..%d for %s:%s", placement.node_rank,
+                        placement.nnodes, placement.rank, placement.rank + placement.nproc_per_node - 1,
+                        placement.master_addr, placement.master_port)
+            return serve_node(config, placement)
+
     import uvicorn
 
     from kvship.core.async_engine import AsyncEngine
