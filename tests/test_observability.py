@@ -231,6 +231,28 @@ def test_metrics_match_the_usage_returned(engine, no_otel_env):
     assert 0 <= value(after, "kvship:kv_cache_usage_perc", **m) <= 1
 
 
+def test_grafana_dashboard_uses_only_exported_metrics(engine, no_otel_env):
+    import json
+    import re
+    from pathlib import Path
+
+    from kvship.server.app import build_app
+
+    path = Path(__file__).resolve().parents[1] / "charts" / "kvship-operator" / "dashboards" / "kvship-engine.json"
+    dash = json.loads(path.read_text())
+    assert dash["uid"] == "kvship-engine"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    used = {m for e in exprs for m in re.findall(r"kvship:[a-z0-9_]+", e)}
+
+    app = build_app(engine, engine.config, chat_page=False)
+    run(app, ("/v1/chat/completions", {"messages": QUESTION, "max_tokens": 2}, {}))
+    exported = {name for name, _ in scrape(app)}
+    assert used and used <= exported, used - exported
+
+
 # ------------------------------------------------------------------ OTLP/HTTP to a real receiver
 
 
@@ -330,16 +352,30 @@ def test_kvship_serve_exports_spans_over_otlp_http():
                                            extra_body={"ignore_eos": True})
         chunks = list(stream)
         usage = chunks[-1].usage
-        # /metrics and /health are not traced: only the two API requests make spans.
-        httpx.get(server.url + "/metrics")
-        spans = receiver.wait_for(2)
+        # A stream the client walks away from is aborted: counted, and its span says so.
+        cut = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=400, stream=True,
+                                             extra_body={"ignore_eos": True})
+        next(iter(cut))
+        cut.close()
+        server.wait_metric("kvship:num_requests_running", lambda v: v == 0, timeout=15)
+        metrics = {(s.name, s.labels.get("finished_reason")): s.value
+                   for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text) for s in f.samples}
+        # /metrics and /health are not traced: only the three API requests make spans.
+        spans = receiver.wait_for(3)
         time.sleep(0.5)
-        assert len(receiver.spans) == 2, receiver.spans
+        assert len(receiver.spans) == 3, receiver.spans
     finally:
         code = server.stop()
         receiver.close()
     assert code == 0, server.log()
 
+    assert metrics[("kvship:request_success_total", "abort")] == 1
+    reasons = [chat.choices[0].finish_reason, "length"]
+    for reason in ("stop", "length"):
+        assert metrics[("kvship:request_success_total", reason)] == reasons.count(reason), reason
+    aborted = [s for s in spans if s["events"] and s["events"][-1][0] == "aborted"]
+    assert len(aborted) == 1 and aborted[0]["attributes"]["gen_ai.response.finish_reasons"] == ["abort"]
+    spans = [s for s in spans if s not in aborted]
     by_op = {s["attributes"]["gen_ai.operation.name"]: s for s in spans}
     c = by_op["chat"]
     assert c["name"] == f"chat {model}" and c["kind"] == 2  # SPAN_KIND_SERVER
