@@ -10,7 +10,8 @@ import time
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from conftest import REPO, load_yaml_docs, wait_for
+from operator_fixtures import api, cluster, crd_installed, namespace, objects, run_operator  # noqa: F401 (fixtures)
+from operator_helpers import REPO, load_yaml_docs, wait_for
 from kvship_operator import spec as s
 from kvship_operator.schema import parse
 
@@ -336,11 +337,15 @@ def test_apply_failure_reported(objects, run_operator):
     run_operator()
     objects.create_llmd("refused", {"model": {"hub": "a/b"}, "gpu": {"count": 0},
                                     "engine": {"env": [{"name": "X", "valueFrom": {"noSuchSource": {}}}]}})
+    def state():
+        return objects.llmd("refused"), objects.events("refused")
+
     cr = wait_for(lambda: cond(c := objects.llmd("refused"), "Ready").get("reason") == "ApplyFailed" and c, 30,
-                  what="Ready=False ApplyFailed")
+                  what="Ready=False ApplyFailed", show=state)
     message = cond(cr, "Ready")["message"]
     assert "applying StatefulSet refused failed" in message and "noSuchSource" in message, message
     assert any(e["reason"] == "ApplyFailed" and e["type"] == "Warning" for e in objects.events("refused"))
     objects.patch_llmd_spec("refused", {"engine": {"env": [{"name": "X", "value": "1"}]}})
-    wait_for(lambda: objects.get("apps/v1", "statefulsets", "refused"), 30, what="StatefulSet after the fix")
-    wait_for(lambda: cond(objects.llmd("refused"), "Ready").get("reason") != "ApplyFailed", 30, what="ApplyFailed cleared")
+    wait_for(lambda: objects.get("apps/v1", "statefulsets", "refused"), 30, what="StatefulSet after the fix", show=state)
+    wait_for(lambda: cond(objects.llmd("refused"), "Ready").get("reason") != "ApplyFailed", 30, what="ApplyFailed cleared",
+             show=state)

@@ -5,7 +5,6 @@ import http.server
 import io
 import tarfile
 import threading
-from pathlib import Path
 
 import pytest
 

@@ -8,10 +8,10 @@ import sys
 import pytest
 import yaml
 from kubernetes.client import ApiClient, CoreV1Api
-from kubernetes.client.exceptions import ApiException
 
 import k8s_cluster
-from conftest import REPO, wait_for
+from operator_fixtures import api, cluster, crd_installed, namespace, objects, run_operator  # noqa: F401 (fixtures)
+from operator_helpers import REPO, wait_for
 from kvship_operator.kube import load_configuration, request
 
 CHART = REPO / "charts" / "kvship-operator"

@@ -11,7 +11,7 @@ import yaml
 
 from kvship_operator import crd, spec as s
 from kvship_operator.schema import SpecError, iter_rules, parse, to_dict
-from conftest import REPO
+from operator_helpers import REPO
 
 GOOD = {"model": {"hub": "Qwen/Qwen3-0.6B"}}
 

@@ -1,39 +1,30 @@
-"""Fixtures for the operator tests: a real control plane on loopback (session), the CRD,
-per-test namespaces, and the operator running in-process (kopf.operator in a thread).
-
-Integration tests skip when the Kubernetes binaries are missing, except under CI=true where
-that is a failure (`.ci/run` installs them with `bash .ci/k8s.sh install`)."""
+"""Helpers shared by the operator tests (kept out of conftest.py so that test modules can
+import them by a unique module name)."""
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import kopf
-import pytest
 import yaml
-from kubernetes.client import ApiClient, CoreV1Api, CustomObjectsApi, ApiextensionsV1Api
+from kubernetes.client import ApiClient, CustomObjectsApi
 from kubernetes.client.exceptions import ApiException
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import k8s_cluster  # noqa: E402
-
-from kvship_operator import crd as crd_mod  # noqa: E402
-from kvship_operator import handlers  # noqa: E402
-from kvship_operator import spec as s  # noqa: E402
-from kvship_operator.kube import load_configuration, request  # noqa: E402
+import k8s_cluster
+from kvship_operator import handlers
+from kvship_operator import spec as s
+from kvship_operator.kube import request
 
 REPO = k8s_cluster.REPO
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2, what: str = "condition") -> Any:
-    """Poll until predicate() returns something truthy; ApiExceptions count as not yet."""
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2, what: str = "condition",
+             show: Callable[[], Any] | None = None) -> Any:
+    """Poll until predicate() returns something truthy; ApiExceptions count as not yet. On a
+    time-out the message says what was awaited and, with ``show``, what was seen instead."""
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
     while time.monotonic() < deadline:
@@ -44,64 +35,15 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: floa
         except ApiException as e:
             last_exc = e
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f" (last error: {last_exc})" if last_exc else ""))
-
-
-@pytest.fixture(scope="session")
-def cluster():
-    if not os.environ.get("KUBECONFIG") and not k8s_cluster.binaries_present():
-        msg = f"Kubernetes test binaries missing in {k8s_cluster.bindir()}: {k8s_cluster.INSTALL_HINT}"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    c = k8s_cluster.start()
-    if c.started_in:
-        print(f"\n[k8s] control plane up in {c.started_in:.1f} s ({c.server})", file=sys.stderr)
-    yield c
-    c.stop()
-
-
-@pytest.fixture(scope="session")
-def api(cluster) -> ApiClient:
-    client = ApiClient(load_configuration(str(cluster.kubeconfig)))
-    # the default service account exists once the controller-manager's SA controller runs
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="session")
-def crd_installed(api) -> dict:
-    """Create (or replace) the generated CRD and wait until it is Established."""
-    ext = ApiextensionsV1Api(api)
-    body = crd_mod.crd()
-    name = body["metadata"]["name"]
-    try:
-        ext.create_custom_resource_definition(body)
-    except ApiException as e:
-        if e.status != 409:
-            raise
-        current = ext.read_custom_resource_definition(name)
-        body["metadata"]["resourceVersion"] = current.metadata.resource_version
-        ext.replace_custom_resource_definition(name, body)
-
-    def established():
-        got = api.sanitize_for_serialization(ext.read_custom_resource_definition(name))
-        return any(c["type"] == "Established" and c["status"] == "True" for c in got.get("status", {}).get("conditions", []))
-
-    wait_for(established, 30, what="CRD Established")
-    return body
-
-
-@pytest.fixture
-def namespace(api, crd_installed):
-    core = CoreV1Api(api)
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    core.create_namespace({"metadata": {"name": name}})
-    yield name
-    try:
-        core.delete_namespace(name)
-    except ApiException:
-        pass
+    message = f"timed out after {timeout} s waiting for {what}"
+    if last_exc:
+        message += f" (last error: {last_exc})"
+    if show is not None:
+        try:
+            message += f"; seen: {str(show())[:3000]}"
+        except Exception as e:  # diagnostics only
+            message += f"; (could not show state: {e!r})"
+    raise AssertionError(message)
 
 
 class OperatorThread:
@@ -141,27 +83,6 @@ class OperatorThread:
         self.stop_flag.set()
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "operator thread did not stop"
-
-
-@pytest.fixture
-def run_operator(cluster):
-    """Factory: start operators (stopped at teardown)."""
-    started: list[OperatorThread] = []
-    logging.getLogger("kopf").setLevel(logging.INFO)
-
-    def start(kubeconfig: Path | str | None = None, **kw: Any) -> OperatorThread:
-        op = OperatorThread(kubeconfig or cluster.kubeconfig, **kw).start()
-        started.append(op)
-        return op
-
-    yield start
-    for op in started:
-        if op.thread.is_alive():
-            op.stop()
-
-
-# ------------------------------------------------------------------------------------------
-# small API helpers used by the tests
 
 
 class Objects:
@@ -208,11 +129,6 @@ class Objects:
     def events(self, involved: str) -> list[dict]:
         items = self._call("GET", f"/api/v1/namespaces/{self.ns}/events")["items"]
         return [e for e in items if e["involvedObject"].get("name") == involved]
-
-
-@pytest.fixture
-def objects(api, namespace) -> Objects:
-    return Objects(api, namespace)
 
 
 def load_yaml_docs(path: Path) -> list[dict]:
