@@ -67,7 +67,7 @@ apt_install() {
 build_kube() {
     have kube-apiserver && have kube-controller-manager && return 0
     local t0=$SECONDS work="$CACHE/build-$KEY"
-    apt_install golang-1.19-go rsync dpkg-dev make gcc libc6-dev ca-certificates
+    apt_install golang-1.19-go rsync dpkg-dev xz-utils make ca-certificates
     apt_prepare
     rm -rf "$work" && mkdir -p "$work"
     (
