@@ -128,3 +128,11 @@ def test_helm_install_operator_runs_as_its_service_account(cluster, api, crd_ins
         sa_api.close()
     finally:
         helm("uninstall", "kvship", "-n", release_ns, "--kubeconfig", kubeconfig, "--wait", check=False)
+
+
+@needs_helm
+def test_bad_values_refused():
+    out = helm("template", "kvship", str(CHART), "--set", "logLevel=LOUD", check=False)
+    assert out.returncode != 0 and "logLevel" in out.stderr, out.stderr
+    out = helm("template", "kvship", str(CHART), "--set", "watchNamespaces={Bad_Name}", check=False)
+    assert out.returncode != 0 and "watchNamespaces" in out.stderr, out.stderr
