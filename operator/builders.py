@@ -152,6 +152,7 @@ def fetch_container(spec: s.LLMDeploymentSpec) -> dict[str, Any] | None:
         "command": ["python", "-m", "kvship_operator.fetch"],
         "args": args,
         "env": [
+            {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
             {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/hf"},
             {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
             *_token_env(spec),
@@ -190,6 +191,7 @@ def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
         mounts[0]["readOnly"] = False
         mounts.append({"name": "model-source", "mountPath": SOURCE_MOUNT, "readOnly": True})
     env = [
+        {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
         {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/hf"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
