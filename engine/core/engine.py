@@ -49,7 +49,8 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+        source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir,
+                               require_weights=config.load_format != "dummy")
         self.tokenizer = source.tokenizer
         self.model_config = ModelConfig.from_hf(source.hf_config)
         self.model_name = config.served_model_name or source.name

@@ -173,6 +173,8 @@ class TPRuntime:
         else:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // p.nproc_per_node))
+        if p.nnodes == 1 and os.path.exists("/sys/class/net/lo"):  # gloo needs no resolvable hostname then
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if p.local_rank == 0:
             self._spawn_local_ranks()
         self._watch_thread = threading.Thread(target=self._watch, name=f"kvship-tp-watch-{self.rank}", daemon=True)

@@ -8,6 +8,7 @@ a server (see kvship.distributed.launch for the environment it reads).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -26,7 +27,10 @@ def build_runner(config: EngineConfig, rt: TPRuntime):
     from kvship.loader import resolve_model
     from kvship.models.config import ModelConfig
 
-    source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+    kw = {}
+    if config.load_format == "dummy" and "require_weights" in inspect.signature(resolve_model).parameters:
+        kw["require_weights"] = False  # shape folders: config.json without weights
+    source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir, **kw)
     model_config = ModelConfig.from_hf(source.hf_config)
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     torch.manual_seed(config.seed)

@@ -40,7 +40,7 @@ def _looks_like_path(model: str) -> bool:
 
 
 def resolve_model(model: str | None, *, revision: str | None = None,
-                  download_dir: str | None = None) -> ModelSource:
+                  download_dir: str | None = None, require_weights: bool = True) -> ModelSource:
     """A ModelSource for a hub id, a local HF folder, a .gguf file, or None (bundled model)."""
     from .gguf import load_gguf
     from .hf_folder import is_hf_folder, load_hf_folder
@@ -60,7 +60,7 @@ def resolve_model(model: str | None, *, revision: str | None = None,
             "(config.json + *.safetensors) or a hub id.")
     if os.path.isdir(expanded):
         if is_hf_folder(expanded):
-            return load_hf_folder(expanded)
+            return load_hf_folder(expanded, require_weights=require_weights)
         ggufs = sorted(f for f in os.listdir(expanded) if f.endswith(".gguf"))
         if ggufs:
             firsts = [f for f in ggufs if "-00001-of-" in f] or ggufs

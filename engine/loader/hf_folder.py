@@ -91,7 +91,7 @@ def _refs(files: dict[str, str]) -> Iterator[tuple[str, WeightRef]]:
             yield name, _make_ref(f, name, shape, dtype)
 
 
-def load_hf_folder(path: str, name: str | None = None) -> ModelSource:
+def load_hf_folder(path: str, name: str | None = None, require_weights: bool = True) -> ModelSource:
     from .tokenizer import Tokenizer
 
     path = os.path.abspath(path)
@@ -100,15 +100,16 @@ def load_hf_folder(path: str, name: str | None = None) -> ModelSource:
     cfg = _read_json(os.path.join(path, "config.json"))
     gen_path = os.path.join(path, "generation_config.json")
     gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+    # require_weights=False: a config-only folder, served with random weights (benchmarks).
+    files = safetensors_files(path) if require_weights else None
     tokenizer = Tokenizer.from_hf_folder(path, generation_config=gen)
 
     if "torch_dtype" not in cfg and "dtype" in cfg:  # transformers >= 5 writes "dtype"
         cfg["torch_dtype"] = cfg["dtype"]
 
+
     def weights() -> Iterator[tuple[str, WeightRef]]:
-        # Looked up when the weights are wanted, so a config-only folder serves random weights
-        # (load_format="dummy", for benchmarks).
-        return _refs(safetensors_files(path))
+        return _refs(files if files is not None else safetensors_files(path))
 
     return ModelSource(name=name or os.path.basename(path.rstrip(os.sep)), path=path, hf_config=cfg,
                        generation_config=gen, tokenizer=tokenizer, _weights=weights)
