@@ -48,7 +48,7 @@ class DecodeGraphs:
             self._forward(bs)  # warm-up: triton compiles, allocator settles
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):  # NCCL watchdog thread
                 self.logits[bs] = self._forward(bs)
             pool = g.pool()
             self.graphs[bs] = g
