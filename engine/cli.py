@@ -58,6 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"],
                    help="weights and activations dtype")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shapes (benchmarks; a config-only folder is enough)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed draw from it)")
 
     g = p.add_argument_group("scheduling and memory")
@@ -116,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         download_dir=args.download_dir,
         served_model_name=args.served_model_name,
         dtype=dtype,
+        load_format=args.load_format,
         device=args.device,
         seed=args.seed,
         max_model_len=args.max_model_len,

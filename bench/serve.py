@@ -1,0 +1,157 @@
+"""Serving latency through the real HTTP server: `kvship serve` on loopback, streaming chat
+completions at several concurrency levels (1024-token prompts, 256 output tokens by default).
+Reports TTFT and TPOT p50/p99 and output tok/s, with the batch-1 decode roofline of the shape
+(bytes per token / measured copy bandwidth) as the floor for TPOT.
+
+    python bench/serve.py [--shape llama3-8b] [--concurrency 1 8 32 64] [--requests-per-level 64]
+
+A model shape (random weights) is served unless --model points at a real model.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SHAPES, header, kv_bytes_per_token, param_count, table, write_shape_folder  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvship.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "bench", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_ready(proc: subprocess.Popen, base: str, timeout: float = 600) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError("server did not become ready")
+
+
+async def one_request(client: httpx.AsyncClient, prompt_ids: list[int], out_len: int) -> tuple[float, float, int]:
+    body = {"model": "bench", "prompt": prompt_ids, "max_tokens": out_len, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    t0 = time.monotonic()
+    first = last = None
+    chunks = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if json.loads(line[6:])["choices"]:
+                last = time.monotonic()
+                first = first or last
+                chunks += 1
+    ttft = first - t0
+    tpot = (last - first) / max(1, out_len - 1)
+    return ttft, tpot, out_len
+
+
+async def run_level(base: str, concurrency: int, n: int, prompt_len: int, out_len: int, vocab: int, seed: int):
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(2, vocab) for _ in range(prompt_len)] for _ in range(n)]
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as c:
+        async def go(p):
+            async with sem:
+                return await one_request(c, p, out_len)
+
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(go(p) for p in prompts))
+        wall = time.monotonic() - t0
+    return results, wall
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--model", default=None, help="serve this model instead of a random-weight shape")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--requests-per-level", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--output", type=int, default=256)
+    ap.add_argument("--server-arg", action="append", default=[], help="extra `kvship serve` argument (repeatable)")
+    args = ap.parse_args()
+    bw = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from common import measure_ceilings
+
+            bw, _ = measure_ceilings()
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            model, extra, vocab = args.model, [], 32000
+        else:
+            model, extra = write_shape_folder(args.shape, tmp), ["--load-format", "dummy"]
+            vocab = SHAPES[args.shape]["vocab_size"]
+        extra += ["--max-model-len", str(args.prompt + args.output + 16), *args.server_arg]
+        proc = start_server(model, port, extra)
+        try:
+            ready_s = wait_ready(proc, base)
+            if args.model:
+                vocab = httpx.get(f"{base}/v1/models").json()["data"][0].get("vocab_size", vocab)
+            asyncio.run(run_level(base, 1, 2, args.prompt, 8, vocab, seed=99))  # warm-up
+            rows = []
+            for conc in args.concurrency:
+                n = max(conc, args.requests_per_level)
+                res, wall = asyncio.run(run_level(base, conc, n, args.prompt, args.output, vocab, seed=conc))
+                ttft = [r[0] for r in res]
+                tpot = [r[1] for r in res]
+                rows.append([conc, n, f"{pct(ttft, .5) * 1e3:.0f}", f"{pct(ttft, .99) * 1e3:.0f}",
+                             f"{pct(tpot, .5) * 1e3:.1f}", f"{pct(tpot, .99) * 1e3:.1f}",
+                             f"{sum(r[2] for r in res) / wall:,.0f}"])
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print(header(f"Serving through HTTP, {args.model or args.shape + ' shape (random weights)'}, "
+                 f"prompt {args.prompt}, output {args.output}"))
+    print(f"server ready after {ready_s:.1f} s (process start to /health 200)")
+    if bw and not args.model:
+        floor = (param_count(args.shape) * 2 + (args.prompt + args.output / 2) * kv_bytes_per_token(args.shape)) / bw
+        print(f"TPOT floor at batch 1 (bytes per token / copy bandwidth {bw / 1e12:.2f} TB/s): {floor * 1e3:.2f} ms")
+    print()
+    print(table(rows, ["concurrency", "requests", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+                       "output tok/s"]))
+
+
+if __name__ == "__main__":
+    main()
