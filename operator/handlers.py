@@ -105,6 +105,17 @@ def refresh_status(kube: Kube, namespace: str, name: str, *, generation: int | N
     raise kopf.TemporaryError("status kept changing while being written", delay=5)
 
 
+def _report_failure(kube: Kube, cr: Any, previous: dict, reason: str, message: str, generation: int | None) -> bool:
+    """Write a Ready=False status; False when it already says exactly that (e.g. on resume),
+    so that nothing is written or announced twice."""
+    new = st.failed(previous, reason, message, generation)
+    if all(previous.get(k) == v for k, v in new.items()):
+        return False
+    meta = cr["metadata"]
+    kube.patch_llmd_status(meta["namespace"], meta["name"], new)
+    return True
+
+
 def ensure_children(kube: Kube, cr: Any, pdb_api_version: str, logger: logging.Logger) -> bool:
     """Build and server-side apply every child of ``cr``; write status. False when the spec
     is invalid (reported in status and as an event); raises kopf errors to retry."""
@@ -116,8 +127,8 @@ def ensure_children(kube: Kube, cr: Any, pdb_api_version: str, logger: logging.L
     except SpecError as e:
         message = f"invalid spec: {e}"
         logger.warning(message)
-        kube.patch_llmd_status(namespace, name, st.failed(previous, "InvalidSpec", message, generation))
-        kopf.warn(cr, reason="InvalidSpec", message=message)
+        if _report_failure(kube, cr, previous, "InvalidSpec", message, generation):
+            kopf.warn(cr, reason="InvalidSpec", message=message)
         return False  # nothing to retry until the spec changes
 
     owner = b.Owner(name, namespace, meta["uid"])
@@ -135,8 +146,8 @@ def ensure_children(kube: Kube, cr: Any, pdb_api_version: str, logger: logging.L
                 logger.info(f"namespace {namespace} is being deleted; not applying {kind} {child}")
                 return False
             message = f"applying {kind} {child} failed: {detail}"
-            kopf.warn(cr, reason="ApplyFailed", message=message)
-            kube.patch_llmd_status(namespace, name, st.failed(previous, "ApplyFailed", message, generation))
+            if _report_failure(kube, cr, previous, "ApplyFailed", message, generation):
+                kopf.warn(cr, reason="ApplyFailed", message=message)
             # the object we build is refused (older servers answer 500 for a schema mismatch
             # in server-side apply): retrying will not help, a spec change will
             if e.status in (400, 422) or "failed to create typed patch object" in detail:

@@ -227,15 +227,29 @@ def test_delete_garbage_collects_children(objects, run_operator):
     wait_for(all_gone, 60, interval=0.5, what="children garbage-collected")
 
 
+def our_writes(obj: dict) -> list:
+    return [m for m in obj["metadata"]["managedFields"] if m["manager"] == "kvship-operator"]
+
+
 def test_operator_restart_resumes_without_duplicate_work(objects, run_operator):
     op = run_operator()
     objects.create_llmd("steady", {"model": {"hub": "a/b"}})
     objects.create_llmd("changing", {"model": {"hub": "a/b"}})
+    try:  # accepted by servers without CEL; the operator reports it
+        objects.create_llmd("invalid", {"model": {"hub": "a/b"}, "tensorParallelSize": 3})
+        invalid = True
+    except ApiException:
+        invalid = False
     for n in ("steady", "changing"):
         wait_for(lambda n=n: (objects.llmd(n).get("status") or {}).get("observedGeneration") == 1, 30,
                  what=f"{n} reconciled")
+    if invalid:
+        wait_for(lambda: cond(objects.llmd("invalid"), "Ready").get("reason") == "InvalidSpec", 30, what="InvalidSpec")
     steady_sts = objects.get("apps/v1", "statefulsets", "steady")
     steady_events = len([e for e in objects.events("steady") if e["reason"] == "Applied"])
+    invalid_before = invalid and objects.llmd("invalid")
+    invalid_rv = invalid and invalid_before["metadata"]["resourceVersion"]
+    invalid_events = len(objects.events("invalid"))
     op.stop()
 
     # while the operator is down, one spec changes
@@ -245,12 +259,18 @@ def test_operator_restart_resumes_without_duplicate_work(objects, run_operator):
              what="change made while the operator was down applied after restart")
     wait_for(lambda: (objects.llmd("changing").get("status") or {}).get("observedGeneration") == 2, 20,
              what="observedGeneration 2")
-    # the untouched one: resumed (give its resume handler time to run), nothing re-created or re-applied
+    # the untouched ones: resumed (give their resume handlers time to run), nothing re-created,
+    # re-applied, re-written or announced again
     time.sleep(2)
     after = objects.get("apps/v1", "statefulsets", "steady")
-    assert after["metadata"]["resourceVersion"] == steady_sts["metadata"]["resourceVersion"]
     assert after["metadata"]["uid"] == steady_sts["metadata"]["uid"]
+    assert after["metadata"]["generation"] == steady_sts["metadata"]["generation"]
+    assert our_writes(after) == our_writes(steady_sts)  # (the controller-manager writes its status)
     assert len([e for e in objects.events("steady") if e["reason"] == "Applied"]) == steady_events
+    if invalid:
+        now = objects.llmd("invalid")
+        assert now["metadata"]["resourceVersion"] == invalid_rv, (invalid_before, now)
+        assert len(objects.events("invalid")) == invalid_events
 
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
