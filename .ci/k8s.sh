@@ -73,7 +73,11 @@ build_kube() {
     (
         cd "$work"
         log "apt-get source kubernetes=$K8S_DEB_VERSION"
-        apt-get source -qq -o APT::Sandbox::User=root "kubernetes=$K8S_DEB_VERSION" >/dev/null
+        if ! apt-get source -qq -o APT::Sandbox::User=root "kubernetes=$K8S_DEB_VERSION" >/dev/null; then
+            # superseded in the archive: take the release's current 1.20 source package
+            log "kubernetes=$K8S_DEB_VERSION not available; using the archive's current kubernetes source"
+            apt-get source -qq -o APT::Sandbox::User=root kubernetes >/dev/null
+        fi
         # reflect2 1.0.2 source files (arch: all package; unpacked here, not installed)
         apt-get download -qq -o APT::Sandbox::User=root golang-github-modern-go-reflect2-dev
         dpkg-deb -x golang-github-modern-go-reflect2-dev_*.deb reflect2-deb
