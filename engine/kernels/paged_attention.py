@@ -52,6 +52,20 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
 
 
+def _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: float, group: int) -> torch.Tensor:
+    """One new token per sequence: gather every context into a padded [B, Hkv, L, D] batch and
+    attend in one call, the query heads of a KV head standing in the query-length dimension."""
+    batch, block_size = q.shape[0], k_cache.shape[1]
+    longest = int(seq_lens.max())
+    tables = block_tables[:, : -(-longest // block_size)].long()
+    k = k_cache[tables].flatten(1, 2)[:, :longest].transpose(1, 2).float()  # [B, Hkv, L, D]
+    v = v_cache[tables].flatten(1, 2)[:, :longest].transpose(1, 2).float()
+    qg = q.view(batch, k.shape[1], group, q.shape[-1]).float()  # [B, Hkv, group, D]
+    mask = (torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(q.shape).to(q.dtype)
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -61,9 +75,11 @@ def paged_attention_torch(
     cu_seqlens_q: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    out = torch.empty_like(q)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    if q.shape[0] == seq_lens.shape[0] and bool((seq_lens > 0).all()):
+        return _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, group)
+    out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     for b, ctx in enumerate(seq_lens.tolist()):
         s, e = starts[b], starts[b + 1]
