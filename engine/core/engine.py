@@ -30,7 +30,6 @@ class _Choice:
     detok: IncrementalDetokenizer
     stop: StopStringMatcher
     out: CompletionOutput
-    stop_ids: set[int] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -81,6 +80,8 @@ class LLMEngine:
         eos |= set(_as_list(source.generation_config.get("eos_token_id")))
         self.eos_token_ids = eos
         self.requests: dict[str, _Request] = {}
+        # Tokens accepted last step whose text and outputs are finished during the next one.
+        self._pending: list[tuple[Sequence, int, object, int]] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -111,7 +112,7 @@ class LLMEngine:
             leader = leader or seq
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
             out = CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
-            choices.append(_Choice(seq, detok, StopStringMatcher(params.stop), out, set(params.stop_token_ids)))
+            choices.append(_Choice(seq, detok, StopStringMatcher(params.stop), out))
         self.requests[request_id] = _Request(request_id, list(prompt_token_ids), params, choices, time.monotonic())
         for c in choices:
             self.scheduler.add(c.seq)
@@ -122,14 +123,16 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        self._pending = [p for p in self._pending if p[0].request_id != request_id]
         for c in req.choices:
             if not c.seq.finished:
                 self.scheduler.finish(c.seq, "abort")
+            if c.out.finish_reason is None:
                 c.out.finish_reason = "abort"
         return self._emit(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._pending)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks this engine started (no-op with one rank)."""
@@ -137,27 +140,29 @@ class LLMEngine:
             self.tp_runtime.shutdown()
 
     # -- one step ----------------------------------------------------------------------------
+    # A step: schedule, launch the forward pass, then, while the GPU runs it, finish the
+    # previous step's tokens (detokenize, stop strings, outputs), then sample. Only what the
+    # next schedule needs (the token itself; eos, stop ids, max_tokens) is applied at once; a
+    # stop string found one step late costs one discarded token.
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return self._unblock()
+            return self._finish_pending() + self._unblock()
         logits = self.runner.run(batch)
-        sampled = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
+        sampled = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
-        if not sampled:
-            return []
-        rows = [SamplerRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, (s.request_id, s.index))
-                for s, _ in sampled]
-        result = self.sampler(logits, rows)
-        now = time.monotonic()
-        touched: dict[str, _Request] = {}
-        for (seq, _), token, lp in zip(sampled, result.token_ids, result.logprobs):
-            req = self.requests[seq.request_id]
-            self._append_token(req.choices[seq.index], token, lp, now)
-            touched[req.request_id] = req
-        return [self._emit(req) for req in touched.values()]
+        outputs = self._finish_pending()
+        if sampled:
+            rows = [SamplerRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, (s.request_id, s.index))
+                    for s in sampled]
+            result = self.sampler(logits, rows)
+            now = time.monotonic()
+            for seq, token, lp in zip(sampled, result.token_ids, result.logprobs):
+                if not seq.finished:  # a stop string may have ended it meanwhile
+                    self._accept_token(seq, token, lp, now)
+        return outputs
 
     def _unblock(self) -> list[RequestOutput]:
         """Nothing could be scheduled although work is waiting: the head sequence cannot fit in
@@ -176,47 +181,70 @@ class LLMEngine:
                 return [self._emit(req)]
         return []
 
-    def _append_token(self, c: _Choice, token: int, lp, now: float) -> None:
-        seq, out, params = c.seq, c.out, c.seq.params
+    def _accept_token(self, seq: Sequence, token: int, lp, now: float) -> None:
+        """What the next schedule depends on: the token joins the sequence, and a sequence that
+        ended on eos / a stop token / max_tokens / the context limit frees its blocks now."""
+        params = seq.params
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
         self.generation_tokens_total += 1
         if seq.num_output_tokens == 1:
             self.prompt_tokens_total += seq.num_prompt_tokens
+        reason, stop_reason = None, None
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif token in self.eos_token_ids and not params.ignore_eos:
+                reason = "stop"
+        if reason is None and params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            reason = "length"
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+        self._pending.append((seq, token, lp, seq.num_output_tokens))
+
+    def _finish_pending(self) -> list[RequestOutput]:
+        """Text, stop strings, logprobs and outputs for the tokens accepted last step."""
+        pending, self._pending = self._pending, []
+        touched: dict[str, _Request] = {}
+        for seq, token, lp, n_out in pending:
+            req = self.requests.get(seq.request_id)
+            if req is None:  # aborted meanwhile
+                continue
+            self._process_token(req.choices[seq.index], token, lp, n_out)
+            touched[req.request_id] = req
+        return [self._emit(req) for req in touched.values()]
+
+    def _process_token(self, c: _Choice, token: int, lp, n_out: int) -> None:
+        seq, out, params = c.seq, c.out, c.seq.params
+        if out.finish_reason is not None:  # already final (a stop string matched earlier)
+            return
         out.token_ids.append(token)
         out.token_ids_delta.append(token)
         if lp is not None and out.logprobs is not None:
             out.logprobs.append(lp)
             out.logprobs_delta = (out.logprobs_delta or []) + [lp]
-
-        reason, stop_reason = None, None
-        if seq.num_output_tokens >= params.min_tokens:
-            if token in c.stop_ids:
-                reason, stop_reason = "stop", token
-            elif token in self.eos_token_ids and not params.ignore_eos:
-                reason = "stop"
         new_text = c.detok.push([token])
         matched = None
-        if seq.num_output_tokens > params.min_tokens:  # stop strings count only past min_tokens
+        if n_out > params.min_tokens:  # stop strings count only past min_tokens
             new_text, matched = c.stop.feed(new_text)
-        if matched is not None and reason is None:
-            reason, stop_reason = "stop", matched
-        if reason is None and params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            reason = "length"
-        if reason is None and seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None and matched is None:  # release text held back for stop matching
+        ended = seq.finished and n_out == seq.num_output_tokens  # ended by _accept_token on this token
+        if matched is None and ended:  # release text held back for stop matching
             tail, matched = c.stop.feed(c.detok.flush())
             new_text += tail if matched is not None else tail + c.stop.flush()
-            if matched is not None:
-                reason, stop_reason = "stop", matched
         out.text_delta += new_text
         out.text += new_text
-        if reason is not None:
-            seq.stop_reason = stop_reason
-            out.finish_reason, out.stop_reason = reason, stop_reason
-            self.scheduler.finish(seq, reason)
+        if matched is not None:
+            if not seq.finished:
+                self.scheduler.finish(seq, "stop")
+            seq.finish_reason, seq.stop_reason = "stop", matched
+            if seq.num_output_tokens > n_out:  # a token sampled after the match is not output
+                del seq.token_ids[seq.num_prompt_tokens + n_out:]
+        if matched is not None or ended:
+            out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
 
     def _emit(self, req: _Request) -> RequestOutput:
         outs = []
