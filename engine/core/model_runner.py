@@ -73,7 +73,9 @@ class ModelRunner:
         elif config.load_format == "dummy":
             self._init_dummy_weights()
         else:
-            self.model.load_weights(weights)
+            from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
+
+            self.model.load_weights(tqdm(weights, desc="Loading weights", unit=" tensors", leave=False))
         self.model.eval()
         self.num_blocks = self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
