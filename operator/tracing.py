@@ -1,0 +1,121 @@
+"""OpenTelemetry traces for the operator: one span per reconcile (and per autoscaler
+decision that changes replicas), configured by the standard OTEL_* environment variables.
+
+Same conventions as the engine's server (``kvship.server.tracing``): tracing is on when
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER is
+set (and OTEL_SDK_DISABLED is not true, OTEL_TRACES_EXPORTER is not `none`); otherwise no
+SDK is imported and ``span()`` is a no-op. Exporters `otlp` (HTTP/protobuf) and `console`;
+resource from OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, with service.name defaulting to
+`kvship-operator`. The global tracer provider is never set; tests pass their own provider to
+``configure``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+logger = logging.getLogger("kvship_operator.tracing")
+
+SERVICE_NAME = "kvship-operator"
+_lock = threading.Lock()
+_state: dict[str, Any] = {"configured": False, "provider": None, "tracer": None, "owned": False}
+
+
+def tracing_requested(env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporters = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporters == "none":
+        return False
+    return bool(exporters or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+
+
+def provider_from_env(env: Mapping[str, str] | None = None) -> Any | None:
+    """A TracerProvider from OTEL_* (batching processors), or None when tracing is off."""
+    env = os.environ if env is None else env
+    if not tracing_requested(env):
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    exporters = []
+    for name in (env.get("OTEL_TRACES_EXPORTER") or "otlp").split(","):
+        name = name.strip().lower()
+        if name in ("otlp", "otlp_proto_http"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporters.append(OTLPSpanExporter())
+        elif name == "console":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            exporters.append(ConsoleSpanExporter())
+        elif name and name != "none":
+            logger.warning("unknown trace exporter %r in OTEL_TRACES_EXPORTER; ignored", name)
+    if not exporters:
+        return None
+    resource = Resource.create({})
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
+    provider = TracerProvider(resource=resource)
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def configure(provider: Any | None = None) -> None:
+    """Use ``provider`` (tests), or build one from the environment (once; None: off)."""
+    with _lock:
+        owned = provider is None
+        if owned:
+            try:
+                provider = provider_from_env()
+            except Exception:  # noqa: BLE001 - bad tracing settings must not stop the operator
+                logger.exception("could not set up tracing from OTEL_* settings; tracing is off")
+                provider = None
+        _state.update(configured=True, provider=provider, owned=owned and provider is not None,
+                      tracer=provider.get_tracer("kvship.operator") if provider is not None else None)
+        if provider is not None:
+            logger.info("OpenTelemetry tracing on")
+
+
+def shutdown() -> None:
+    with _lock:
+        provider, owned = _state["provider"], _state["owned"]
+        _state.update(configured=False, provider=None, tracer=None, owned=False)
+    if provider is not None and owned:
+        try:
+            provider.shutdown()
+        except Exception:  # noqa: BLE001
+            logger.warning("trace exporter did not shut down cleanly", exc_info=True)
+
+
+@contextlib.contextmanager
+def span(name: str, attributes: Mapping[str, Any] | None = None) -> Iterator[Any | None]:
+    """A span named ``name`` (None when tracing is off). An exception escaping the block is
+    recorded and sets the span's status to ERROR."""
+    if not _state["configured"]:
+        configure()
+    tracer = _state["tracer"]
+    if tracer is None:
+        yield None
+        return
+    with tracer.start_as_current_span(name, attributes=dict(attributes or {})) as sp:
+        yield sp
+
+
+def reconcile_attributes(kind: str, namespace: str, name: str, generation: int | None, cause: str) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "k8s.namespace.name": namespace,
+        "kvship.resource.kind": kind,
+        "kvship.resource.name": name,
+        "kvship.reconcile.cause": cause,
+    }
+    if generation is not None:
+        attrs["kvship.resource.generation"] = int(generation)
+    return attrs
