@@ -21,7 +21,6 @@ from kvship.server.serving import (
     TokenText,
     build_sampling_params,
     check_token_ids,
-    collect,
     engine_error,
     fit_to_context,
     logger,
@@ -30,7 +29,7 @@ from kvship.server.serving import (
     run_tokenizer,
     safe_logprob,
     sse,
-    until_disconnect,
+    start,
 )
 
 router = APIRouter()
@@ -114,22 +113,9 @@ async def create_completion(raw_request: Request) -> Response:
     observer = observe_request(raw_request, request_id, params, len(prompt_ids))
     stream = GenerationStream(engine, prompt_ids, params, request_id, state.active, observer)
     try:
-        if body.stream:
-            first = await until_disconnect(raw_request, stream.__anext__())
-        else:
-            finals = await until_disconnect(raw_request, collect(stream, len(prompt_ids)))
+        first = finals = await start(raw_request, stream, body.stream, len(prompt_ids))
     except ClientDisconnected:
-        await stream.aclose()
         return Response(status_code=499)
-    except StopAsyncIteration:
-        await stream.aclose()
-        raise APIError(500, "The engine produced no output.", type="server_error") from None
-    except BaseException as exc:
-        await stream.aclose()
-        err = engine_error(exc)
-        if err is not None:
-            raise err from None
-        raise
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     token_text = TokenText(engine.tokenizer)

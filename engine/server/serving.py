@@ -320,6 +320,26 @@ async def collect(stream: GenerationStream, n_prompts: int) -> list[RequestOutpu
     return [f for f in finals if f is not None]
 
 
+async def start(raw_request: Request, stream: GenerationStream, streaming: bool, n_prompts: int) -> Any:
+    """Streaming: the first (index, output), awaited before answering so that a refused request
+    (queue full, invalid) gets a real status code instead of an error inside a 200 stream.
+    Otherwise: every prompt's final output. Raises ClientDisconnected (stream closed) when the
+    client went away, or the APIError the engine's failure maps to."""
+    try:
+        if streaming:
+            return await until_disconnect(raw_request, stream.__anext__())
+        return await until_disconnect(raw_request, collect(stream, n_prompts))
+    except StopAsyncIteration:
+        await stream.aclose()
+        raise APIError(500, "The engine produced no output.", type="server_error") from None
+    except BaseException as exc:
+        await stream.aclose()
+        err = None if isinstance(exc, ClientDisconnected) else engine_error(exc)
+        if err is not None:
+            raise err from None
+        raise
+
+
 # ------------------------------------------------------------ small helpers
 
 
