@@ -90,7 +90,7 @@ class Autoscaler:
             self.samples.append((now, float(total)))
 
     def _average(self, now: float, window: float) -> Optional[float]:
-        while self.samples and self.samples[0][0] < now - window:
+        while self.samples and self.samples[0][0] <= now - window:
             self.samples.popleft()
         if not self.samples:
             return None

@@ -356,6 +356,97 @@ def cache_claim(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any] | Non
     }
 
 
+# ---------------------------------------------------------------------------------------
+# autoscaling objects (provider hpa / keda); the built-in provider needs none
+
+# The per-pod metric an HPA reads through the custom metrics API: waiting + running requests.
+# A metrics adapter must serve it (docs/autoscaling.md has a prometheus-adapter rule).
+HPA_METRIC = "kvship:num_requests_waiting_plus_running"
+KEDA_API_VERSION = "keda.sh/v1alpha1"
+KEDA_CRD = "scaledobjects.keda.sh"
+
+
+def scale_target(owner: Owner) -> dict[str, Any]:
+    """The LLMDeployment's scale subresource (what the HPA / KEDA act on)."""
+    return {"apiVersion": s.API_VERSION, "kind": s.KIND, "name": owner.name}
+
+
+def _behavior(a: s.Autoscaling) -> dict[str, Any]:
+    return {
+        "scaleUp": {"stabilizationWindowSeconds": a.scale_up_stabilization_seconds},
+        "scaleDown": {"stabilizationWindowSeconds": a.scale_down_stabilization_seconds},
+    }
+
+
+def horizontal_pod_autoscaler(owner: Owner, spec: s.LLMDeploymentSpec,
+                              api_version: str = "autoscaling/v2") -> dict[str, Any]:
+    """An HPA on the average waiting + running requests per pod (a Pods metric)."""
+    a = spec.autoscaling
+    return {
+        "apiVersion": api_version,
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(owner, owner.name),
+        "spec": {
+            "scaleTargetRef": scale_target(owner),
+            "minReplicas": max(a.min_replicas, 1),
+            "maxReplicas": max(a.max_replicas, a.min_replicas, 1),
+            "metrics": [{
+                "type": "Pods",
+                "pods": {
+                    "metric": {"name": HPA_METRIC},
+                    "target": {"type": "AverageValue", "averageValue": str(a.target_requests_per_replica)},
+                },
+            }],
+            "behavior": _behavior(a),
+        },
+    }
+
+
+def keda_query(owner: Owner) -> str:
+    """PromQL: waiting + running requests over this LLMDeployment's pods (the usual
+    Kubernetes service-discovery labels `namespace` and `pod`)."""
+    match = f'namespace="{owner.namespace}",pod=~"{owner.name}-[0-9]+"'
+    return (f"sum(kvship:num_requests_waiting{{{match}}} or vector(0)) + "
+            f"sum(kvship:num_requests_running{{{match}}} or vector(0))")
+
+
+def scaled_object(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
+    """A KEDA ScaledObject with a Prometheus trigger (threshold = target per replica)."""
+    a = spec.autoscaling
+    return {
+        "apiVersion": KEDA_API_VERSION,
+        "kind": "ScaledObject",
+        "metadata": _meta(owner, owner.name),
+        "spec": {
+            "scaleTargetRef": scale_target(owner),
+            "minReplicaCount": a.min_replicas,
+            "maxReplicaCount": max(a.max_replicas, a.min_replicas),
+            "pollingInterval": a.interval_seconds,
+            "cooldownPeriod": a.scale_down_stabilization_seconds,
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(a)}},
+            "triggers": [{
+                "type": "prometheus",
+                "metadata": {
+                    "serverAddress": a.prometheus_server_address or "",
+                    "query": keda_query(owner),
+                    "threshold": str(a.target_requests_per_replica),
+                },
+            }],
+        },
+    }
+
+
+def autoscaling_object(owner: Owner, spec: s.LLMDeploymentSpec, *,
+                       hpa_api_version: str = "autoscaling/v2") -> dict[str, Any] | None:
+    """The HPA or ScaledObject the spec asks for, or None (disabled or built-in)."""
+    a = spec.autoscaling
+    if not a.enabled or a.provider == "builtin":
+        return None
+    if a.provider == "hpa":
+        return horizontal_pod_autoscaler(owner, spec, hpa_api_version)
+    return scaled_object(owner, spec)
+
+
 def build(owner: Owner, spec: s.LLMDeploymentSpec, *, pdb_api_version: str = "policy/v1") -> list[dict[str, Any]]:
     """All children, in apply order (claim before the pods that mount it)."""
     out = []

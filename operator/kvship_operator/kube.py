@@ -23,6 +23,7 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ConfigMap": "configmaps",
+    "ScaledObject": "scaledobjects",
 }
 
 
@@ -140,6 +141,38 @@ class Kube:
             if e.status == 404:
                 return False
             raise
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete one object; False when it was not there."""
+        stub = {"apiVersion": api_version, "kind": kind, "metadata": {"namespace": namespace, "name": name}}
+        try:
+            self._call("DELETE", object_path(stub))
+            return True
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+
+    def patch_llmd_replicas(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Set spec.replicas through the scale subresource (as an HPA would)."""
+        return self._call(
+            "PATCH",
+            f"/apis/{s.GROUP}/{s.VERSION}/namespaces/{namespace}/{s.PLURAL}/{name}/scale",
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        )
+
+    def has_crd(self, name: str) -> bool:
+        try:
+            self._call("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+            return True
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+
+    def hpa_api_version(self) -> str:
+        return "autoscaling/v2" if self.has_api("autoscaling/v2") else "autoscaling/v2beta2"
 
     def pdb_api_version(self) -> str:
         return "policy/v1" if self.has_api("policy/v1") else "policy/v1beta1"

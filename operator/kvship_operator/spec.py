@@ -303,7 +303,16 @@ class Condition:
 class AutoscalingStatus:
     """What the autoscaler last decided."""
 
-    desired_replicas: Optional[int] = field(None, description="Last recommendation.")
+    provider: Optional[str] = field(None, description="Who scales: builtin, hpa or keda.")
+    desired_replicas: Optional[int] = field(None, description="Replicas the autoscaler wants now.")
+    recommended_replicas: Optional[int] = field(None, description="This poll's recommendation, before stabilisation.")
+    observed_load: Optional[str] = field(
+        None, description="Waiting + running requests over the ready pods (moving average, decimal string)."
+    )
+    scraped_pods: Optional[int] = field(None, description="Ready pods whose metrics were read at the last poll.")
+    reason: Optional[str] = field(
+        None, description="Last decision: ScaleUp, ScaleDown, OutOfBounds, Steady, Stabilizing, PodsStarting, NoMetrics."
+    )
     last_scale_time: Optional[str] = field(None, description="When replicas were last changed (RFC 3339).")
     message: Optional[str] = field(None, description="Why.")
 
