@@ -51,6 +51,7 @@ def one_check(folder: str, tp: int, out_path: str) -> None:
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     torch.save({"tokens": [o.outputs[0].token_ids for o in outs], "steps": steps, "rows": rows,
                 "ids": [o.request_id for o in outs]}, out_path)
+    print("saved", flush=True)  # the result stands even if teardown then hangs
     llm.engine.shutdown()
 
 
@@ -74,8 +75,10 @@ def one_latency(folder: str, tp: int, prompt_len: int, out_len: int, eager: bool
         t_end = time.monotonic()
         ttfts.append(out.first_token_time - t0)
         rates.append((out_len - 1) / (t_end - out.first_token_time))
+    result = {"tp": tp, "eager": eager, "tok_s": sorted(rates)[1], "ttft_s": sorted(ttfts)[1], "start_s": load_s}
+    print(json.dumps(result), flush=True)  # before teardown: the figure stands even if teardown hangs
     llm.engine.shutdown()
-    return {"tp": tp, "eager": eager, "tok_s": sorted(rates)[1], "ttft_s": sorted(ttfts)[1], "start_s": load_s}
+    return result
 
 
 def _child(args: list[str], timeout: float) -> tuple[int, str]:
@@ -84,8 +87,11 @@ def _child(args: list[str], timeout: float) -> tuple[int, str]:
         sys.stderr.write(p.stderr[-6000:])
         return p.returncode, p.stdout
     except subprocess.TimeoutExpired as e:
-        sys.stderr.write((e.stderr or b"").decode(errors="replace")[-6000:] if isinstance(e.stderr, bytes) else "")
-        return 124, ""
+        def text(b) -> str:
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        sys.stderr.write(text(e.stderr)[-6000:])
+        out = text(e.stdout)
+        return (0 if out.strip() else 124), out  # finished, then stuck in teardown: keep the result
 
 
 def compare(a: dict, b: dict) -> list[str]:
@@ -132,7 +138,7 @@ def main() -> None:
         if kind == "check":
             one_check(folder, tp, args._one[3])
         else:
-            print(json.dumps(one_latency(folder, tp, args.prompt, args.output, eager=kind == "eager")))
+            one_latency(folder, tp, args.prompt, args.output, eager=kind == "eager")
         return
 
     lines = [header(f"Tensor parallelism: TP=1 vs TP={args.tp}, bf16, random weights")]
@@ -143,7 +149,7 @@ def main() -> None:
             for tp in (1, args.tp):
                 path = os.path.join(tmp, f"check{tp}.pt")
                 code, _ = _child(["--_one", "check", folder, str(tp), path], args.timeout)
-                res[tp] = torch.load(path) if code == 0 else None
+                res[tp] = torch.load(path) if os.path.exists(path) else None
                 print(f"check TP={tp}: exit {code}", file=sys.stderr, flush=True)
             lines.append(f"### Greedy output, {args.check_shape} shape, 4 prompts x 48 tokens, CUDA graphs\n")
             if res[1] is not None and res[args.tp] is not None:

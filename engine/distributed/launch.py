@@ -326,6 +326,19 @@ class TPRuntime:
             for proc in self.children.values():
                 if proc.poll() is None:
                     proc.kill()
+        # Every rank tears its communicators down at the same time (NCCL's teardown waits for the
+        # peers: a rank that waits for its children first and then destroys would hang), bounded.
+        if dist.is_initialized():
+            def destroy() -> None:
+                try:
+                    dist.destroy_process_group()
+                except Exception as e:  # noqa: BLE001
+                    log.debug("destroy_process_group: %s", e)
+            t = threading.Thread(target=destroy, daemon=True)
+            t.start()
+            t.join(timeout)
+            if t.is_alive():
+                log.warning("tensor-parallel rank %d: process group teardown did not finish in %.0fs", self.rank, timeout)
         deadline = time.monotonic() + timeout
         for rank, proc in self.children.items():
             try:
@@ -334,11 +347,6 @@ class TPRuntime:
                 log.warning("tensor-parallel rank %d did not stop; killing it", rank)
                 proc.kill()
                 proc.wait()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:  # noqa: BLE001
-                log.debug("destroy_process_group: %s", e)
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
         try:
