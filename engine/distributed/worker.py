@@ -12,6 +12,7 @@ import inspect
 import json
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -76,6 +77,8 @@ def main() -> int:
     rank = os.environ.get("KVSHIP_TP_RANK", "?")
     logging.basicConfig(level=os.environ.get("KVSHIP_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group; rank 0 decides when the ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = EngineConfig(**json.loads(os.environ["KVSHIP_TP_CONFIG"]))
     return serve_node(config)
 
