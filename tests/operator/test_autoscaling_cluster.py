@@ -1,0 +1,202 @@
+"""The built-in autoscaler end to end: the operator against the real API server, real
+`kvship serve` processes (bundled SmolLM2 on CPU, two sequences per batch so requests
+queue) standing in for the pods through the test-only address override, and a real load
+generator. Load -> replicas rise to the maximum; load stops -> replicas fall to the
+minimum only after the scale-down window; the bounds hold throughout.
+
+No kubelet runs: the StatefulSet controller creates pod objects and this test marks them
+Ready, as the other operator tests do."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from operator_fixtures import api, cluster, crd_installed, namespace, objects, run_operator  # noqa: F401 (fixtures)
+from operator_helpers import wait_for
+from server_utils import start_server
+from test_operator_cluster import running_ready
+
+from kvship_operator import metrics_client
+
+NAME = "smol"
+MIN, MAX, TARGET = 1, 3, 2
+DOWN_WINDOW = 20
+INTERVAL = 2
+WORKERS = 8  # concurrent requests: 8 / TARGET = 4 replicas wanted, MAX caps it at 3
+MAX_REQUESTS = 400  # hard bound on the load generator, whatever happens
+
+
+class Kubelet(threading.Thread):
+    """Marks every pod of the LLMDeployment Ready as soon as it exists."""
+
+    def __init__(self, objects):
+        super().__init__(daemon=True)
+        self.objects, self.stop_flag = objects, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_flag.wait(0.3):
+            try:
+                for pod in self.objects.list("v1", "pods", f"kvship.io/llmdeployment={NAME}"):
+                    name = pod["metadata"]["name"]
+                    if not metrics_client.is_ready(pod) and not pod["metadata"].get("deletionTimestamp"):
+                        self.objects.patch_pod_status(name, running_ready(name))
+            except Exception:  # noqa: BLE001 - pods come and go
+                pass
+
+
+class Watcher(threading.Thread):
+    """Records spec.replicas of the LLMDeployment over time."""
+
+    def __init__(self, objects):
+        super().__init__(daemon=True)
+        self.objects, self.stop_flag = objects, threading.Event()
+        self.history: list[tuple[float, int]] = []
+
+    def run(self) -> None:
+        while not self.stop_flag.wait(0.25):
+            try:
+                r = self.objects.llmd(NAME)["spec"]["replicas"]
+            except Exception:  # noqa: BLE001
+                continue
+            if not self.history or self.history[-1][1] != r:
+                self.history.append((time.monotonic(), r))
+
+    def replicas(self) -> int:
+        return self.history[-1][1] if self.history else -1
+
+
+class Load:
+    """WORKERS threads sending long-ish completions round-robin to the servers, until
+    stopped or MAX_REQUESTS were sent."""
+
+    def __init__(self, urls: list[str]):
+        self.urls, self.stop_flag = urls, threading.Event()
+        self.sent = self.ok = 0
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(WORKERS)]
+
+    def _worker(self, i: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            while not self.stop_flag.is_set():
+                with self.lock:
+                    if self.sent >= MAX_REQUESTS:
+                        return
+                    self.sent += 1
+                    url = self.urls[(self.sent + i) % len(self.urls)]
+                try:
+                    r = client.post(url + "/v1/completions", json={
+                        "model": "smol", "prompt": f"Write a long story about the number {i}.",
+                        "max_tokens": 48, "temperature": 0.8, "ignore_eos": True})
+                    r.raise_for_status()
+                    with self.lock:
+                        self.ok += 1
+                except Exception as e:  # noqa: BLE001 - reported by the test
+                    with self.lock:
+                        self.errors.append(repr(e))
+
+    def start(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join(180)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    args = ("--served-model-name", "smol", "--max-num-seqs", "2", "--max-model-len", "256",
+            "--kv-cache-memory", "256MiB", "--shutdown-timeout", "5")
+    started = []
+    try:
+        # started one after the other: two model loads at once on two cores only slow both
+        for _ in range(2):
+            started.append(start_server(*args))
+        yield started
+    finally:
+        for s in started:
+            s.stop()
+
+
+def test_builtin_autoscaler_follows_load(objects, run_operator, servers, tmp_path, monkeypatch):
+    t0 = time.monotonic()
+    # the test-only override: pod -> the loopback server standing in for it (the third pod
+    # has none: scraping it fails, and it is left out of the load)
+    mapping = tmp_path / "pods.json"
+    mapping.write_text(json.dumps({f"{objects.ns}/{NAME}-{i}": f"127.0.0.1:{srv.port}" for i, srv in enumerate(servers)}))
+    monkeypatch.setenv(metrics_client.ADDRESS_OVERRIDE_ENV, f"@{mapping}")
+
+    kubelet, watcher = Kubelet(objects), Watcher(objects)
+    kubelet.start()
+    run_operator()
+    objects.create_llmd(NAME, {
+        "model": {"pvc": {"claimName": "models"}},
+        "servedModelName": "smol",
+        "gpu": {"count": 0},
+        "modelCache": {"enabled": False},
+        "replicas": 1,
+        "startupTimeoutSeconds": 60,
+        "autoscaling": {"enabled": True, "provider": "builtin", "minReplicas": MIN, "maxReplicas": MAX,
+                        "targetRequestsPerReplica": TARGET, "scaleDownStabilizationSeconds": DOWN_WINDOW,
+                        "intervalSeconds": INTERVAL},
+    })
+    watcher.start()
+    load = None
+    try:
+        # idle: the autoscaler reports, and keeps the minimum
+        st = wait_for(lambda: ((objects.llmd(NAME).get("status") or {}).get("autoscaling") or {}).get("observedLoad")
+                      is not None and objects.llmd(NAME)["status"]["autoscaling"], 30, what="autoscaler status")
+        assert st["provider"] == "builtin" and st["desiredReplicas"] == MIN, st
+
+        load = Load([s.url for s in servers]).start()
+        t_load = time.monotonic()
+        wait_for(lambda: watcher.replicas() == MAX, 90, interval=0.5, what=f"replicas rising to {MAX}",
+                 show=lambda: (watcher.history, objects.llmd(NAME)["status"].get("autoscaling")))
+        t_up = time.monotonic()
+        wait_for(lambda: objects.get("apps/v1", "statefulsets", NAME)["spec"]["replicas"] == MAX, 20,
+                 what="StatefulSet follows")
+        time.sleep(4)  # load still there: no more than the maximum, and no scale-down
+        assert watcher.replicas() == MAX
+        t_stop = time.monotonic()  # no new request after this; those in flight finish
+        load.stop()
+        t_drained = time.monotonic()
+        assert load.ok > 0 and not load.errors, load.errors[:3]
+
+        wait_for(lambda: watcher.replicas() == MIN, DOWN_WINDOW + 60, interval=0.5, what=f"replicas falling to {MIN}",
+                 show=lambda: (watcher.history, objects.llmd(NAME)["status"].get("autoscaling")))
+        t_down = time.monotonic()
+        time.sleep(2 * INTERVAL)  # and it stays there
+        assert watcher.replicas() == MIN
+    finally:
+        if load is not None:
+            load.stop()
+        watcher.stop_flag.set()
+        kubelet.stop_flag.set()
+
+    history = watcher.history
+    values = [r for _, r in history]
+    assert all(MIN <= r <= MAX for r in values), history
+    # up: rising only, then down: falling only (no flapping)
+    peak = values.index(MAX)
+    assert values[:peak + 1] == sorted(values[:peak + 1]) and values[peak:] == sorted(values[peak:], reverse=True), history
+    first_down = next(t for t, r in history[peak:] if r < MAX)
+    # the scale-down came a whole window after the last poll that still saw the load (at
+    # most one poll before the generator stopped)
+    assert first_down - t_stop >= DOWN_WINDOW - INTERVAL, (first_down - t_stop, history)
+
+    cr = objects.llmd(NAME)
+    st = cr["status"]["autoscaling"]
+    assert st["desiredReplicas"] == MIN and st["lastScaleTime"] and st["reason"] in ("Steady", "Stabilizing")
+    reasons = [e["reason"] for e in objects.events(NAME)]
+    assert "ScaledUp" in reasons and "ScaledDown" in reasons, reasons
+    print(f"\n[autoscaling] load sent {load.sent} requests ({load.ok} ok); up to {MAX} after {t_up - t_load:.1f} s, "
+          f"first scale-down {first_down - t_stop:.1f} s and down to {MIN} {t_down - t_stop:.1f} s after the load "
+          f"stopped (in-flight requests done after {t_drained - t_stop:.1f} s; window {DOWN_WINDOW} s); "
+          f"history {[(round(t - t0, 1), r) for t, r in history]}; total {time.monotonic() - t0:.1f} s")
