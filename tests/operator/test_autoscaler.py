@@ -295,3 +295,32 @@ def test_reconcile_span_in_memory(monkeypatch):
     with tracing.span("x") as sp:
         assert sp is None
     tracing.shutdown()
+
+
+# ---------------------------------------------------------------------------------------
+# the chart: dashboard ConfigMap and autoscaling RBAC
+
+
+def test_chart_dashboard_configmap_and_autoscaling_rbac():
+    import json
+    import yaml
+    from test_operator_helm import CHART, HELM, helm
+
+    if HELM is None:
+        pytest.skip("helm not installed: run `bash .ci/k8s.sh install`")
+    off = [d for d in yaml.safe_load_all(helm("template", "kvship", str(CHART)).stdout) if d]
+    assert not any(d["kind"] == "ConfigMap" for d in off)
+    out = helm("template", "kvship", str(CHART), "--namespace", "ops", "--set", "grafanaDashboard.enabled=true",
+               "--set", "grafanaDashboard.namespace=monitoring")
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert cm["metadata"]["namespace"] == "monitoring" and cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((CHART / "dashboards" / "kvship-engine.json").read_text())
+    assert json.loads(cm["data"]["kvship-engine.json"]) == shipped
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole" and not d["metadata"]["name"].endswith("-discovery")]
+    rules = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert rules[("kvship.io", "llmdeployments/scale")] == {"get", "patch"}
+    assert "delete" in rules[("autoscaling", "horizontalpodautoscalers")]
+    assert "delete" in rules[("keda.sh", "scaledobjects")]
+    bad = helm("template", "kvship", str(CHART), "--set", "grafanaDashboard.bogus=1", check=False)
+    assert bad.returncode != 0

@@ -40,6 +40,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["kvship.io"]
   resources: ["llmdeployments/status"]
   verbs: ["get", "patch"]
+# the built-in autoscaler sets replicas through the scale subresource
+- apiGroups: ["kvship.io"]
+  resources: ["llmdeployments/scale"]
+  verbs: ["get", "patch"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "patch"]
@@ -55,4 +59,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
+# autoscaling.provider hpa / keda: the operator emits the object, and deletes the one it owns
+# when the provider changes or autoscaling is turned off (the only delete verb it holds)
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end -}}
