@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Every H200 figure of docs/benchmarks.md in one device call (device time is scarce):
+#   bash bench/fetch_wheels.sh            # once, on a dev machine: the HTTP stack for serve.py
+#   device run, carry [".whl"]:  bash bench/gpu_session.sh latency throughput-8b throughput-qwen3
+#   second device run:            bash bench/gpu_session.sh serve startup
+# (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
+set -uo pipefail
+OUT=${OUT:-/tmp/kvship-bench}
+mkdir -p "$OUT" /tmp/p
+ln -sfn "$PWD/engine" /tmp/p/kvship
+export PYTHONPATH=/tmp/p${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+wanted=" ${*:-latency throughput-8b throughput-qwen3 serve startup} "
+bench() {  # name, time limit (s), command...
+  local name=$1 limit=$2; shift 2
+  [[ $wanted == *" $name "* ]] || return 0
+  echo "== $name: $*" >>"$OUT/log"
+  timeout "$limit" "$@" >"$OUT/$name.md" 2>>"$OUT/log"
+  echo "== $name exit $?" | tee -a "$OUT/log"
+  cat "$OUT/$name.md"
+}
+bench latency 150 python3 bench/latency.py
+bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
+bench throughput-qwen3 120 python3 bench/throughput.py --shape qwen3-0.6b --num-prompts 256 --hf-prompts 8 --hf-batch 8
+bench serve 200 python3 bench/serve.py --concurrency 1 8 32 64 --requests-per-level 64
+bench startup 200 python3 bench/startup.py
