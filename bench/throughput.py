@@ -40,21 +40,42 @@ def limit_seconds(shape: str, prompts, outs, max_num_seqs: int, bw: float, mm: f
     return (steps * params * 2 + kv_reads) / bw + prefill_flops / mm
 
 
-def run_kvship(folder, prompts, outs, max_num_seqs: int) -> tuple[float, int]:
+def time_gpu_work(obj, method: str, spans: list) -> None:
+    """Wrap obj.method so that each call's GPU work is bracketed by CUDA events (read at the end)."""
+    inner = getattr(obj, method)
+
+    def timed(*args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = inner(*args, **kwargs)
+        end.record()
+        spans.append((start, end))
+        return result
+
+    setattr(obj, method, timed)
+
+
+def run_kvship(folder, prompts, outs, max_num_seqs: int) -> tuple[float, int, float]:
+    """(seconds, output tokens, fraction of the wall time inside the events bracketing each forward
+    pass and each sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle)."""
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2 * max(map(len, prompts)) + 16,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=8192)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate(prompts[:4], params[:4])  # warm-up
+    spans: list = []
+    time_gpu_work(llm.engine.runner, "run", spans)
+    time_gpu_work(llm.engine, "sampler", spans)
     torch.cuda.synchronize()
     t0 = time.monotonic()
     res = llm.generate(prompts, params)
     torch.cuda.synchronize()
     dt = time.monotonic() - t0
+    busy = sum(s.elapsed_time(e) for s, e in spans) / 1e3
     produced = sum(len(r.outputs[0].token_ids) for r in res)
     assert produced == sum(outs), "every request must produce exactly max_tokens tokens"
     del llm
     torch.cuda.empty_cache()
-    return dt, produced
+    return dt, produced, busy / dt
 
 
 def run_hf(shape: str, prompts, outs, batch: int) -> float:
@@ -95,17 +116,17 @@ def main() -> None:
     limit = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw, mm)
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
-        dt, produced = run_kvship(folder, prompts, outs, args.max_num_seqs)
-    rows = [["kvship", f"{produced / dt:,.0f}", f"{dt:.1f}", f"{100 * limit / dt:.0f}%"]]
+        dt, produced, busy = run_kvship(folder, prompts, outs, args.max_num_seqs)
+    rows = [["kvship", f"{produced / dt:,.0f}", f"{dt:.1f}", f"{100 * limit / dt:.0f}%", f"{100 * (1 - busy):.0f}%"]]
     if args.hf_prompts:
         hf = run_hf(args.shape, prompts[:args.hf_prompts], outs[:args.hf_prompts], args.hf_batch)
-        rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}", "-", "-"])
-    rows.append(["workload limit (bytes / BW + prefill FLOPs / matmul)", f"{produced / limit:,.0f}", f"{limit:.1f}", "100%"])
+        rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}", "-", "-", "-"])
+    rows.append(["workload limit (bytes / BW + prefill FLOPs / matmul)", f"{produced / limit:,.0f}", f"{limit:.1f}", "100%", "0%"])
     print(header(f"Offline throughput, {args.shape} shape, bf16, {args.num_prompts} prompts, "
                  f"in/out uniform [{args.lo}, {args.hi}], max_num_seqs {args.max_num_seqs}"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
           f"{sum(map(len, prompts)):,} prompt tokens, {sum(outs):,} output tokens\n")
-    print(table(rows, ["engine", "output tok/s", "seconds", "of limit"]))
+    print(table(rows, ["engine", "output tok/s", "seconds", "of limit", "GPU idle"]))
 
 
 if __name__ == "__main__":
