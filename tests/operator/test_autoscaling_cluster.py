@@ -200,3 +200,33 @@ def test_builtin_autoscaler_follows_load(objects, run_operator, servers, tmp_pat
           f"first scale-down {first_down - t_stop:.1f} s and down to {MIN} {t_down - t_stop:.1f} s after the load "
           f"stopped (in-flight requests done after {t_drained - t_stop:.1f} s; window {DOWN_WINDOW} s); "
           f"history {[(round(t - t0, 1), r) for t, r in history]}; total {time.monotonic() - t0:.1f} s")
+
+
+def test_hpa_and_keda_providers(objects, run_operator):
+    """provider hpa: an HPA on the CR's scale subresource; keda without KEDA installed: a
+    Warning event and no object; back to builtin: the HPA is deleted."""
+    run_operator()
+    hpa_version = "autoscaling/v2" if _has_api(objects, "autoscaling/v2") else "autoscaling/v2beta2"
+    auto = {"enabled": True, "provider": "hpa", "minReplicas": 1, "maxReplicas": 4, "targetRequestsPerReplica": 6}
+    objects.create_llmd("h", {"model": {"hub": "a/b"}, "replicas": 1, "autoscaling": auto})
+    hpa = wait_for(lambda: objects.get(hpa_version, "horizontalpodautoscalers", "h"), 30, what="HPA")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "kvship.io/v1alpha1", "kind": "LLMDeployment", "name": "h"}
+    assert hpa["spec"]["maxReplicas"] == 4 and hpa["spec"]["metrics"][0]["type"] == "Pods"
+
+    objects.patch_llmd_spec("h", {"autoscaling": {"provider": "keda", "prometheusServerAddress": "http://prom:9090"}})
+    wait_for(lambda: any(e["reason"] == "KEDANotInstalled" and e["type"] == "Warning" for e in objects.events("h")), 30,
+             what="KEDANotInstalled warning")
+    wait_for(lambda: objects.get(hpa_version, "horizontalpodautoscalers", "h") is None, 30, what="HPA deleted")
+
+    objects.patch_llmd_spec("h", {"autoscaling": {"provider": "hpa"}})
+    wait_for(lambda: objects.get(hpa_version, "horizontalpodautoscalers", "h"), 30, what="HPA again")
+    objects.patch_llmd_spec("h", {"autoscaling": {"provider": "builtin"}})
+    wait_for(lambda: objects.get(hpa_version, "horizontalpodautoscalers", "h") is None, 30, what="HPA deleted again")
+
+
+def _has_api(objects, group_version: str) -> bool:
+    try:
+        objects._call("GET", f"/apis/{group_version}")
+        return True
+    except Exception:  # noqa: BLE001
+        return False
