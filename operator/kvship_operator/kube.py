@@ -55,6 +55,9 @@ def object_path(obj: dict[str, Any], *, name: str | None = None, subresource: st
     return f"{path}/{subresource}" if subresource else path
 
 
+REQUEST_TIMEOUT = (5, 30)  # seconds: connect, read
+
+
 def request(api: ApiClient, method: str, path: str, *, body: Any = None, query: list | None = None,
             content_type: str = "application/json") -> Any:
     """One API call through the client's serialisation, auth and TLS; returns the decoded
@@ -67,7 +70,8 @@ def request(api: ApiClient, method: str, path: str, *, body: Any = None, query: 
         body=body,
         auth_settings=["BearerToken"],
     )
-    resp = api.call_api(m, url, header_params=headers, body=data)
+    # A bounded wait: a call stuck on a dead connection must not hold a handler (or shutdown) forever.
+    resp = api.call_api(m, url, header_params=headers, body=data, _request_timeout=REQUEST_TIMEOUT)
     raw = resp.read()
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else (raw or "")
     if not 200 <= resp.status < 300:
