@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +54,25 @@ def kv_bytes_per_token(shape: str, elem: int = 2) -> int:
     c = SHAPES[shape]
     d = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * d * elem
+
+
+def measure_batch1(llm, prompt_len: int, out_len: int, runs: int = 3) -> tuple[float, float]:
+    """Median (TTFT seconds, decode tok/s) of `runs` single random-token requests, after a warm-up."""
+    from kvship.sampling_params import SamplingParams
+
+    vocab = llm.engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    llm.generate([torch.randint(2, vocab, (prompt_len,), generator=g).tolist()], params)  # warm-up
+    ttfts, rates = [], []
+    for _ in range(runs):
+        prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
+        t0 = time.monotonic()
+        out = llm.generate([prompt], params)[0]
+        t_end = time.monotonic()
+        ttfts.append(out.first_token_time - t0)
+        rates.append((out_len - 1) / (t_end - out.first_token_time))
+    return sorted(ttfts)[runs // 2], sorted(rates)[runs // 2]
 
 
 def _time_cuda(fn, iters: int = 10, warmup: int = 3) -> float:

@@ -15,30 +15,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, header, kv_bytes_per_token, measure_ceilings, param_count, table, write_shape_folder  # noqa: E402
+from common import (SHAPES, header, kv_bytes_per_token, measure_batch1, measure_ceilings, param_count,  # noqa: E402
+                    table, write_shape_folder)
 
 from kvship.llm import LLM  # noqa: E402
-from kvship.sampling_params import SamplingParams  # noqa: E402
 
 
 def kvship_latency(folder: str, prompt_len: int, out_len: int, eager: bool) -> tuple[float, float]:
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=prompt_len + out_len + 16,
               max_num_seqs=8, enforce_eager=eager)
-    vocab = llm.engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    g = torch.Generator().manual_seed(0)
-    llm.generate([torch.randint(2, vocab, (prompt_len,), generator=g).tolist()], params)  # warm-up
-    ttfts, rates = [], []
-    for _ in range(3):
-        prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
-        t0 = time.monotonic()
-        out = llm.generate([prompt], params)[0]
-        t_end = time.monotonic()
-        ttfts.append(out.first_token_time - t0)
-        rates.append((out_len - 1) / (t_end - out.first_token_time))
+    ttft, rate = measure_batch1(llm, prompt_len, out_len)
     del llm
     torch.cuda.empty_cache()
-    return sorted(ttfts)[1], sorted(rates)[1]
+    return ttft, rate
 
 
 def hf_latency(shape: str, prompt_len: int, out_len: int) -> float:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, header, kv_bytes_per_token, param_count, table, write_shape_folder  # noqa: E402
+from common import SHAPES, header, kv_bytes_per_token, measure_batch1, param_count, table, write_shape_folder  # noqa: E402
 
 SHAPES.setdefault("llama-1b", dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
@@ -57,25 +57,13 @@ def one_check(folder: str, tp: int, out_path: str) -> None:
 
 def one_latency(folder: str, tp: int, prompt_len: int, out_len: int, eager: bool) -> dict:
     from kvship.llm import LLM
-    from kvship.sampling_params import SamplingParams
 
     t0 = time.monotonic()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", tensor_parallel_size=tp,
               max_model_len=prompt_len + out_len + 16, max_num_seqs=8, enforce_eager=eager)
     load_s = time.monotonic() - t0
-    vocab = llm.engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    g = torch.Generator().manual_seed(0)
-    llm.generate([torch.randint(2, vocab, (prompt_len,), generator=g).tolist()], params)  # warm-up
-    ttfts, rates = [], []
-    for _ in range(3):
-        prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
-        t0 = time.monotonic()
-        out = llm.generate([prompt], params)[0]
-        t_end = time.monotonic()
-        ttfts.append(out.first_token_time - t0)
-        rates.append((out_len - 1) / (t_end - out.first_token_time))
-    result = {"tp": tp, "eager": eager, "tok_s": sorted(rates)[1], "ttft_s": sorted(ttfts)[1], "start_s": load_s}
+    ttft, rate = measure_batch1(llm, prompt_len, out_len)
+    result = {"tp": tp, "eager": eager, "tok_s": rate, "ttft_s": ttft, "start_s": load_s}
     print(json.dumps(result), flush=True)  # before teardown: the figure stands even if teardown hangs
     llm.engine.shutdown()
     return result
