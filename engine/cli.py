@@ -61,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shapes (benchmarks; a config-only folder is enough)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed draw from it)")
+    g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="auto: requests that leave out temperature/top_p/top_k/min_p/repetition_penalty get the "
+                        "model's generation_config.json values; none: the OpenAI defaults")
 
     g = p.add_argument_group("scheduling and memory")
     g.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
@@ -121,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         load_format=args.load_format,
         device=args.device,
         seed=args.seed,
+        generation_defaults=args.generation_config == "auto",
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

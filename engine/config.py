@@ -14,6 +14,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
+    # Sampling defaults from the model's generation_config.json (temperature, top_p, top_k, min_p,
+    # repetition_penalty) for requests that leave them out, as model authors intend.
+    generation_defaults: bool = True
 
     max_model_len: int | None = None  # None -> the model's own limit
     max_num_seqs: int = 256

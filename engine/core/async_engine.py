@@ -71,6 +71,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.sampling_defaults = engine.sampling_defaults
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()

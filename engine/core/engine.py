@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -79,6 +79,9 @@ class LLMEngine:
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
         eos |= set(_as_list(source.generation_config.get("eos_token_id")))
         self.eos_token_ids = eos
+        self.sampling_defaults = sampling_defaults(source.generation_config) if config.generation_defaults else {}
+        if self.sampling_defaults:
+            log.info("sampling defaults from the model's generation config: %s", self.sampling_defaults)
         self.requests: dict[str, _Request] = {}
         # Tokens accepted last step whose text and outputs are finished during the next one.
         self._pending: list[tuple[Sequence, int, object, int]] = []
@@ -266,6 +269,17 @@ class LLMEngine:
             num_cached_tokens=lead.num_cached_tokens, arrival_time=req.arrival_time,
             first_scheduled_time=lead.first_scheduled_time, first_token_time=lead.first_token_time,
             finished_time=time.monotonic() if finished else None)
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """The sampling settings a model's generation_config.json recommends (only when it samples:
+    do_sample=false configs describe greedy decoding, which is already each field's default)."""
+    if generation_config.get("do_sample") is False:
+        return {}
+    return {k: generation_config[k] for k in SAMPLING_DEFAULT_KEYS if generation_config.get(k) is not None}
 
 
 def _as_list(x) -> list[int]:

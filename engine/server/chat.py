@@ -83,7 +83,8 @@ async def create_chat_completion(raw_request: Request) -> Response:
             raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {body.top_logprobs}.", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, max_num_seqs=engine.config.max_num_seqs)
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, max_num_seqs=engine.config.max_num_seqs,
+                                   defaults=engine.sampling_defaults)
 
     prompt_ids = await run_tokenizer(_chat_prompt, engine, body, size=sum(len(m.text()) for m in body.messages))
     params = fit_to_context(params, len(prompt_ids), engine.max_model_len, "messages")

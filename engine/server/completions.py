@@ -96,7 +96,8 @@ async def create_completion(raw_request: Request) -> Response:
             "echo together with logprobs is not supported (prompt logprobs are not computed).", param="echo"
         )
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, max_num_seqs=engine.config.max_num_seqs)
+    params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, max_num_seqs=engine.config.max_num_seqs,
+                                   defaults=engine.sampling_defaults)
 
     size = len(body.prompt) if isinstance(body.prompt, str) else sum(len(p) for p in body.prompt if isinstance(p, str))
     prompt_ids, prompt_texts = await run_tokenizer(_prompts, engine, body.prompt, size=size)

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -109,8 +109,11 @@ def _opt(value: Any, default: Any) -> Any:
 
 
 def build_sampling_params(
-    body: _SamplingFields, *, max_tokens: int | None, logprobs: int | None, max_num_seqs: int
+    body: _SamplingFields, *, max_tokens: int | None, logprobs: int | None, max_num_seqs: int,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
+    """`defaults`: the model's recommended settings for fields the request leaves out."""
+    defaults = defaults or {}
     n = _opt(body.n, 1)
     if n > min(MAX_N, max_num_seqs):
         raise bad_request(f"n must be at most {min(MAX_N, max_num_seqs)}, got {n}.", param="n")
@@ -120,13 +123,13 @@ def build_sampling_params(
     try:
         return SamplingParams(
             n=n,
-            temperature=_opt(body.temperature, 1.0),
-            top_p=_opt(body.top_p, 1.0),
-            top_k=_opt(body.top_k, -1),
-            min_p=_opt(body.min_p, 0.0),
+            temperature=_opt(body.temperature, defaults.get("temperature", 1.0)),
+            top_p=_opt(body.top_p, defaults.get("top_p", 1.0)),
+            top_k=_opt(body.top_k, defaults.get("top_k", -1)),
+            min_p=_opt(body.min_p, defaults.get("min_p", 0.0)),
             presence_penalty=_opt(body.presence_penalty, 0.0),
             frequency_penalty=_opt(body.frequency_penalty, 0.0),
-            repetition_penalty=_opt(body.repetition_penalty, 1.0),
+            repetition_penalty=_opt(body.repetition_penalty, defaults.get("repetition_penalty", 1.0)),
             seed=body.seed,
             max_tokens=max_tokens,
             min_tokens=_opt(body.min_tokens, 0),
