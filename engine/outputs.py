@@ -38,6 +38,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: one entry per prompt token after the first.
+    prompt_logprobs: list[tuple[TokenLogprob, list[TokenLogprob]]] | None = None
     # Timestamps (time.monotonic) for metrics/tracing.
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

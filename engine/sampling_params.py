@@ -31,6 +31,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: sampled token's logprob + top-k alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix cache)
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -71,3 +72,5 @@ class SamplingParams:
             bad(f"min_tokens must be non-negative, got {self.min_tokens}.", "min_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}.", "logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            bad(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}.", "logprobs")

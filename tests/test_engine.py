@@ -154,3 +154,18 @@ def test_prompt_longer_than_context_is_refused(prompts):
         small.generate([list(range(40))], GREEDY)
     out = small.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=100))[0].outputs[0]
     assert out.finish_reason == "length" and len(prompts[0]) + len(out.token_ids) == 32
+
+
+def test_prompt_logprobs_equal_reference(llm, prompts, smollm2_hf):
+    model, _ = smollm2_hf
+    p = prompts[5]  # long enough to span several blocks; computed in small chunks too
+    small_chunks = LLM(device="cpu", max_num_batched_tokens=16)
+    for engine in (llm, small_chunks):
+        out = engine.generate([p], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
+        assert len(out.prompt_logprobs) == len(p) - 1
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)
+        for i, (chosen, top) in enumerate(out.prompt_logprobs):
+            assert chosen.token_id == p[i + 1]
+            assert chosen.logprob == pytest.approx(ref[i, p[i + 1]].item(), abs=1e-3)
+            assert [t.token_id for t in top] == torch.topk(ref[i], 3).indices.tolist()

@@ -177,6 +177,22 @@ def test_completion_prompt_forms_and_echo(client, model):
     assert "".join(c.choices[0].text for c in chunks) == echo.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, model):
+    """What evaluation harnesses do: echo the prompt with logprobs to score each of its tokens."""
+    ids = [504, 3575, 282, 4649, 314]
+    r = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1  # the prompt's tokens, then the completion's
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(t) >= 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    chunks = list(client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0, echo=True,
+                                            logprobs=2, stream=True))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4) and streamed[0] is None
+
+
 def test_n_2(client, model):
     r = client.chat.completions.create(
         model=model, messages=QUESTION, max_tokens=6, n=2, temperature=1.0, seed=7, logprobs=True

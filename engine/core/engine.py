@@ -102,6 +102,8 @@ class LLMEngine:
             raise InvalidParamsError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n_prompt} tokens, "
                 "leaving no room for a completion. Shorten the prompt.", "messages")
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise InvalidParamsError("prompt logprobs are not available with tensor parallelism", "logprobs")
         capacity = self.kv.num_blocks * self.kv.block_size
         if n_prompt + 1 > capacity:
             raise InvalidParamsError(
@@ -267,6 +269,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, outputs=outs, finished=finished,
             num_cached_tokens=lead.num_cached_tokens, arrival_time=req.arrival_time,
+            prompt_logprobs=lead.prompt_logprobs if req.params.prompt_logprobs is not None else None,
             first_scheduled_time=lead.first_scheduled_time, first_token_time=lead.first_token_time,
             finished_time=time.monotonic() if finished else None)
 

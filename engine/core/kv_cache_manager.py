@@ -61,8 +61,8 @@ class KVCacheManager:
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of seq's tokens. The last token is always
         left to compute, so that the model produces logits for it."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         found = []
         for h in self.full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
             block_id = self.cached.get(h)

@@ -204,13 +204,52 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Float32 logits [num_sampled, vocab] for the sequences whose prompt is complete."""
+        """Float32 logits [num_sampled, vocab] for the sequences whose prompt is complete (and,
+        for sequences that asked, prompt logprobs appended to seq.prompt_logprobs)."""
         input_ids, positions, meta = self.prepare(batch)
+        wanted = self._prompt_logprob_rows(batch)
+        if wanted:
+            return self._forward_with_prompt_logprobs(input_ids, positions, meta, wanted)
         if self.tp.runtime is not None:  # the other ranks run the same forward on what rank 0 sends
             with self.tp.runtime.guard():
                 self.tp.runtime.send_step(input_ids, positions, meta)
                 return self.forward(input_ids, positions, meta)
         return self.forward(input_ids, positions, meta)
+
+    @staticmethod
+    def _prompt_logprob_rows(batch: ScheduledBatch) -> list[tuple[object, list[int], list[int]]]:
+        """(sequence, flat rows, target tokens) for prompt positions whose logprob is still owed:
+        row p's logits score prompt token p + 1."""
+        out, offset = [], 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None:
+                first = max(start, len(seq.prompt_logprobs))
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if first < last:
+                    out.append((seq, [offset + p - start for p in range(first, last)], seq.token_ids[first + 1:last + 1]))
+            offset += n
+        return out
+
+    def _forward_with_prompt_logprobs(self, input_ids, positions, meta, wanted) -> torch.Tensor:
+        from kvship.outputs import TokenLogprob
+
+        hidden = self.model(input_ids, positions, meta)
+        rows = torch.tensor([r for _, rs, _ in wanted for r in rs], device=hidden.device)
+        targets = torch.tensor([t for _, _, ts in wanted for t in ts], device=hidden.device)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+        k = max(seq.params.prompt_logprobs for seq, _, _ in wanted)
+        top = torch.topk(logprobs, k, dim=-1) if k else None
+        top_ids, top_vals = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+        i = 0
+        for seq, _, ts in wanted:
+            kk = seq.params.prompt_logprobs
+            for t in ts:
+                alts = [TokenLogprob(a, v) for a, v in zip(top_ids[i][:kk], top_vals[i][:kk])] if kk else []
+                seq.prompt_logprobs.append((TokenLogprob(t, chosen[i]), alts))
+                i += 1
+        return self.model.compute_logits(hidden[meta.logits_indices]).float()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -81,6 +81,15 @@ class _LogprobBuilder:
             self.offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
 
+    def build_with_prompt(self, prompt_ids: list[int], prompt_entries: list, entries: list | None) -> dict[str, Any]:
+        """Echo with logprobs: the prompt's tokens first (the first one has no logprob: nothing
+        precedes it), then the completion's."""
+        first = self.token_text(prompt_ids[0])
+        head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [self.offset]}
+        self.offset += len(first)
+        rest = [self.build(prompt_entries), self.build(entries)]
+        return {k: head[k] + rest[0][k] + rest[1][k] for k in head}
+
 
 @router.post("/v1/completions")
 async def create_completion(raw_request: Request) -> Response:
@@ -91,13 +100,11 @@ async def create_completion(raw_request: Request) -> Response:
 
     if body.suffix:
         raise bad_request("suffix is not supported.", param="suffix")
-    if body.echo and body.logprobs is not None:
-        raise bad_request(
-            "echo together with logprobs is not supported (prompt logprobs are not computed).", param="echo"
-        )
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, max_num_seqs=engine.config.max_num_seqs,
                                    defaults=engine.sampling_defaults)
+    if body.echo and body.logprobs is not None:  # the prompt's tokens get logprobs too
+        params.prompt_logprobs = body.logprobs
 
     size = len(body.prompt) if isinstance(body.prompt, str) else sum(len(p) for p in body.prompt if isinstance(p, str))
     prompt_ids, prompt_texts = await run_tokenizer(_prompts, engine, body.prompt, size=size)
@@ -136,11 +143,18 @@ async def create_completion(raw_request: Request) -> Response:
         for c in sorted(final.outputs, key=lambda c: c.index):
             completion_tokens += len(c.token_ids)
             echo = echo_texts[p_index]
+            if not want_logprobs:
+                logprobs = None
+            elif final.prompt_logprobs is not None:
+                logprobs = _LogprobBuilder(token_text, 0).build_with_prompt(prompt_ids[p_index], final.prompt_logprobs,
+                                                                           c.logprobs)
+            else:
+                logprobs = _LogprobBuilder(token_text, len(echo)).build(c.logprobs)
             choices.append(
                 {
                     "index": p_index * n + c.index,
                     "text": echo + c.text,
-                    "logprobs": _LogprobBuilder(token_text, len(echo)).build(c.logprobs) if want_logprobs else None,
+                    "logprobs": logprobs,
                     "finish_reason": "stop" if c.finish_reason == "abort" else c.finish_reason,
                 }
             )
@@ -190,7 +204,9 @@ async def _stream_chunks(
     n_prompts = len(prompt_ids)
     started = [False] * (n_prompts * n)
     finished = [False] * (n_prompts * n)
-    builders = [_LogprobBuilder(token_text, len(echo_texts[i // n])) for i in range(n_prompts * n)]
+    # With echo + logprobs the prompt's own tokens carry the text offsets from 0.
+    echo_lp = want_logprobs and first[1].prompt_logprobs is not None
+    builders = [_LogprobBuilder(token_text, 0 if echo_lp else len(echo_texts[i // n])) for i in range(n_prompts * n)]
     last: dict[int, RequestOutput] = {}
     try:
         item: tuple[int, RequestOutput] | None = first
@@ -202,10 +218,14 @@ async def _stream_chunks(
                 if finished[idx]:
                     continue
                 text = c.text_delta
+                if echo_lp and not started[idx]:  # the prompt's logprobs lead the first chunk
+                    lp = builders[idx].build_with_prompt(prompt_ids[p_index], out.prompt_logprobs or [],
+                                                         c.logprobs_delta)
+                else:
+                    lp = builders[idx].build(c.logprobs_delta) if want_logprobs else None
                 if not started[idx]:
                     started[idx] = True
                     text = echo_texts[p_index] + text
-                lp = builders[idx].build(c.logprobs_delta) if want_logprobs else None
                 fr = c.finish_reason
                 if fr == "abort":
                     fr = "stop"
