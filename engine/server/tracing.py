@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import kvship
+from kvship import telemetry
+from kvship.telemetry import tracing_requested  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("kvship.server")
 
@@ -34,53 +35,11 @@ TRACED_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "text_comple
 SPAN_SCOPE_KEY = "kvship.span"  # where the middleware leaves the span in the ASGI scope
 
 
-def tracing_requested(env: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    exporters = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if exporters == "none":
-        return False
-    return bool(exporters or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-
-
 def provider_from_env(env: Mapping[str, str] | None = None) -> Any | None:
-    """A TracerProvider configured from OTEL_* (batching span processors, exporters chosen by
-    OTEL_TRACES_EXPORTER, default `otlp`), or None when tracing is not asked for."""
-    env = os.environ if env is None else env
-    if not tracing_requested(env):
-        return None
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    exporters = []
-    for name in (env.get("OTEL_TRACES_EXPORTER") or "otlp").split(","):
-        name = name.strip().lower()
-        if name in ("otlp", "otlp_proto_http"):
-            protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
-            if protocol != "http/protobuf":
-                logger.warning("OTLP protocol %r is not available; exporting traces over http/protobuf", protocol)
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporters.append(OTLPSpanExporter())
-        elif name == "console":
-            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-            exporters.append(ConsoleSpanExporter())
-        elif name and name != "none":
-            logger.warning("unknown trace exporter %r in OTEL_TRACES_EXPORTER; ignored", name)
-    if not exporters:
-        return None
-
-    resource = Resource.create({"service.version": kvship.__version__})
-    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
-        resource = resource.merge(Resource({"service.name": "kvship"}))
+    """The server's TracerProvider from OTEL_*, or None when tracing is off."""
     # shutdown_on_exit=False: the app shuts it down (off the event loop) when it stops.
-    provider = TracerProvider(resource=resource, shutdown_on_exit=False)
-    for exporter in exporters:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-    return provider
+    return telemetry.provider_from_env("kvship", env, attributes={"service.version": kvship.__version__},
+                                       shutdown_on_exit=False)
 
 
 class ServerTracing:

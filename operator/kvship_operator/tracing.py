@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from kvship import telemetry
+from kvship.telemetry import tracing_requested  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("kvship_operator.tracing")
 
@@ -25,47 +27,9 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {"configured": False, "provider": None, "tracer": None, "owned": False}
 
 
-def tracing_requested(env: Mapping[str, str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    exporters = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if exporters == "none":
-        return False
-    return bool(exporters or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-
-
 def provider_from_env(env: Mapping[str, str] | None = None) -> Any | None:
-    """A TracerProvider from OTEL_* (batching processors), or None when tracing is off."""
-    env = os.environ if env is None else env
-    if not tracing_requested(env):
-        return None
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    exporters = []
-    for name in (env.get("OTEL_TRACES_EXPORTER") or "otlp").split(","):
-        name = name.strip().lower()
-        if name in ("otlp", "otlp_proto_http"):
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            exporters.append(OTLPSpanExporter())
-        elif name == "console":
-            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-            exporters.append(ConsoleSpanExporter())
-        elif name and name != "none":
-            logger.warning("unknown trace exporter %r in OTEL_TRACES_EXPORTER; ignored", name)
-    if not exporters:
-        return None
-    resource = Resource.create({})
-    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
-        resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
-    provider = TracerProvider(resource=resource)
-    for exporter in exporters:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-    return provider
+    """The operator's TracerProvider from OTEL_*, or None when tracing is off."""
+    return telemetry.provider_from_env(SERVICE_NAME, env)
 
 
 def configure(provider: Any | None = None) -> None:
