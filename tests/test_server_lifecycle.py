@@ -128,6 +128,14 @@ def test_sigterm_under_load_exits_cleanly(server):
     for t in threads:
         t.start()
     server.wait_metric("kvship:num_requests_running", lambda v: v >= 2, timeout=30)
+    # Every client is in the engine (running or queued) before the signal: a connection opened
+    # after it is refused, which is right but not what this test is about.
+    deadline = time.monotonic() + 30
+    while True:
+        m = server.metrics()
+        if m["kvship:num_requests_running"] + m["kvship:num_requests_waiting"] >= 8 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     t0 = time.monotonic()
     server.send_signal(signal.SIGTERM)
     # Draining: no longer ready.
