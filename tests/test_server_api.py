@@ -193,6 +193,22 @@ def test_echo_with_logprobs_scores_the_prompt(client, model):
     assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4) and streamed[0] is None
 
 
+def test_tokenize_and_detokenize(server, client, model):
+    text = "The capital of France is"
+    r = httpx.post(server.url + "/tokenize", json={"model": model, "prompt": text}).json()
+    assert r["tokens"] == [504, 3575, 282, 4649, 314] and r["count"] == 5 and r["max_model_len"] > 5
+    # A chat counts the way /v1/chat/completions bills it.
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = httpx.post(server.url + "/tokenize", json={"model": model, "messages": messages}).json()
+    billed = client.chat.completions.create(model=model, messages=messages, max_tokens=1).usage.prompt_tokens
+    assert chat["count"] == billed
+    back = httpx.post(server.url + "/detokenize", json={"model": model, "tokens": r["tokens"]}).json()
+    assert back == {"prompt": text}
+    assert_error(httpx.post(server.url + "/tokenize", json={"model": model}), 400, "prompt")
+    assert_error(httpx.post(server.url + "/detokenize", json={"model": model, "tokens": [10**9]}), 400, "tokens")
+    assert_error(httpx.post(server.url + "/tokenize", json={"model": "nope", "prompt": "x"}), 404)
+
+
 def test_n_2(client, model):
     r = client.chat.completions.create(
         model=model, messages=QUESTION, max_tokens=6, n=2, temperature=1.0, seed=7, logprobs=True

@@ -68,6 +68,9 @@ def test_api_key_required(server):
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
     assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "hi"}).status_code == 401
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "hi"}, headers=auth).json()["count"] >= 1
     # Probes and scrapers carry no key.
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/metrics").status_code == 200

@@ -19,22 +19,27 @@ from kvship.server.completions import router as completions_router
 from kvship.server.errors import error_body, install_error_handlers
 from kvship.server.metrics import ServerMetrics
 from kvship.server.metrics import router as metrics_router
+from kvship.server.tokenize import router as tokenize_router
 from kvship.server.serving import ServerState
 from kvship.server.tracing import ServerTracing, TracingMiddleware
 
 logger = logging.getLogger("kvship.server")
 
 
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
+
 class APIKeyMiddleware:
-    """Require `Authorization: Bearer <key>` on /v1/*; health, version and metrics stay open
-    (probes and scrapers carry no key). Checked before the body is read."""
+    """Require `Authorization: Bearer <key>` on the API (/v1/*, /tokenize, /detokenize); health,
+    version and metrics stay open (probes and scrapers carry no key). Checked before the body
+    is read."""
 
     def __init__(self, app: Any, api_key: str):
         self.app = app
         self._key = ("Bearer " + api_key).encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope.get("method") == "OPTIONS":
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIXES) or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         supplied = b""
@@ -113,6 +118,7 @@ def build_app(engine: Any, config: Any, api_key: str | None = None, *, chat_page
     app.include_router(chat_router)
     app.include_router(completions_router)
     app.include_router(metrics_router)
+    app.include_router(tokenize_router)
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)

@@ -13,7 +13,7 @@ from kvship.outputs import CompletionOutput, RequestOutput
 from kvship.sampling_params import MAX_LOGPROBS
 from kvship.server.errors import APIError, bad_request
 from kvship.server.metrics import observe_request
-from kvship.server.protocol import ChatCompletionRequest
+from kvship.server.protocol import ChatCompletionRequest, ChatMessage
 from kvship.server.serving import (
     SSE_DONE,
     ClientDisconnected,
@@ -35,12 +35,11 @@ from kvship.server.serving import (
 router = APIRouter()
 
 
-def _chat_prompt(engine: Any, body: ChatCompletionRequest) -> list[int]:
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+def chat_prompt_ids(engine: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """Token ids of the chat template rendered over `messages`."""
+    messages = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        rendered = engine.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt is not False
-        )
+        rendered = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except ValueError as exc:  # ChatTemplateError included
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
     if isinstance(rendered, str):
@@ -86,7 +85,8 @@ async def create_chat_completion(raw_request: Request) -> Response:
     params = build_sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, max_num_seqs=engine.config.max_num_seqs,
                                    defaults=engine.sampling_defaults)
 
-    prompt_ids = await run_tokenizer(_chat_prompt, engine, body, size=sum(len(m.text()) for m in body.messages))
+    prompt_ids = await run_tokenizer(chat_prompt_ids, engine, body.messages, body.add_generation_prompt is not False,
+                                     size=sum(len(m.text()) for m in body.messages))
     params = fit_to_context(params, len(prompt_ids), engine.max_model_len, "messages")
 
     request_id = new_id("chatcmpl")

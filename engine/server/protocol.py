@@ -41,6 +41,21 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
