@@ -157,8 +157,10 @@ def test_builtin_autoscaler_follows_load(objects, run_operator, servers, tmp_pat
 
         load = Load([s.url for s in servers]).start()
         t_load = time.monotonic()
-        wait_for(lambda: watcher.replicas() == MAX, 90, interval=0.5, what=f"replicas rising to {MAX}",
-                 show=lambda: (watcher.history, objects.llmd(NAME)["status"].get("autoscaling")))
+        wait_for(lambda: watcher.replicas() == MAX, 150, interval=0.5, what=f"replicas rising to {MAX}",
+                 show=lambda: (watcher.history, objects.llmd(NAME)["status"].get("autoscaling"),
+                               f"load sent {load.sent}, ok {load.ok}, errors {load.errors[:3]}",
+                               [s.metrics().get("kvship:num_requests_running") for s in servers]))
         t_up = time.monotonic()
         wait_for(lambda: objects.get("apps/v1", "statefulsets", NAME)["spec"]["replicas"] == MAX, 20,
                  what="StatefulSet follows")
@@ -194,8 +196,8 @@ def test_builtin_autoscaler_follows_load(objects, run_operator, servers, tmp_pat
     cr = objects.llmd(NAME)
     st = cr["status"]["autoscaling"]
     assert st["desiredReplicas"] == MIN and st["lastScaleTime"] and st["reason"] in ("Steady", "Stabilizing")
-    reasons = [e["reason"] for e in objects.events(NAME)]
-    assert "ScaledUp" in reasons and "ScaledDown" in reasons, reasons
+    wait_for(lambda: {"ScaledUp", "ScaledDown"} <= {e["reason"] for e in objects.events(NAME)}, 30,
+             what="ScaledUp and ScaledDown events", show=lambda: [e["reason"] for e in objects.events(NAME)])
     print(f"\n[autoscaling] load sent {load.sent} requests ({load.ok} ok); up to {MAX} after {t_up - t_load:.1f} s, "
           f"first scale-down {first_down - t_stop:.1f} s and down to {MIN} {t_down - t_stop:.1f} s after the load "
           f"stopped (in-flight requests done after {t_drained - t_stop:.1f} s; window {DOWN_WINDOW} s); "

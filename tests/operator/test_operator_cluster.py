@@ -101,8 +101,9 @@ def test_apply_creates_children_and_status(objects, run_operator):
     for c in st["conditions"]:
         assert set(c) >= {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
     assert cond(cr, "Ready")["status"] == "False"
-    events = objects.events("qwen")
-    assert any(e["reason"] == "Applied" and "created StatefulSet qwen" in e["message"] for e in events), events
+    wait_for(lambda: any(e["reason"] == "Applied" and "created StatefulSet qwen" in e["message"]
+                         for e in objects.events("qwen")), 30, what="an Applied event",
+             show=lambda: objects.events("qwen"))
 
     # the scale subresource works (what HPA/KEDA use)
     scale = objects._call("GET", f"/apis/kvship.io/v1alpha1/namespaces/{objects.ns}/llmdeployments/qwen/scale")
@@ -164,7 +165,8 @@ def test_spec_update_rolls_statefulset(objects, run_operator):
     assert sts["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "h200"}
     wait_for(lambda: (objects.llmd("qwen").get("status") or {}).get("observedGeneration") == 2, 20,
              what="observedGeneration 2")
-    assert any(e["reason"] == "Applied" and "updated StatefulSet qwen" in e["message"] for e in objects.events("qwen"))
+    wait_for(lambda: any(e["reason"] == "Applied" and "updated StatefulSet qwen" in e["message"]
+                         for e in objects.events("qwen")), 30, what="an Applied (updated) event")
 
 
 @pytest.mark.parametrize(
@@ -202,7 +204,8 @@ def test_cross_field_rule_reported_when_server_lacks_cel(objects, run_operator):
                   what="Ready=False InvalidSpec")
     assert "tensorParallelSize must be 1, 2, 4 or 8" in cond(cr, "Ready")["message"]
     assert objects.get("apps/v1", "statefulsets", "tp3") is None
-    assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in objects.events("tp3"))
+    wait_for(lambda: any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in objects.events("tp3")),
+             30, what="an InvalidSpec Warning event")
     # fixing the spec lets the operator proceed
     objects.patch_llmd_spec("tp3", {"tensorParallelSize": 4})
     wait_for(lambda: objects.get("apps/v1", "statefulsets", "tp3"), 30, what="StatefulSet after the fix")
@@ -364,7 +367,9 @@ def test_apply_failure_reported(objects, run_operator):
                   what="Ready=False ApplyFailed", show=state)
     message = cond(cr, "Ready")["message"]
     assert "applying StatefulSet refused failed" in message and "noSuchSource" in message, message
-    assert any(e["reason"] == "ApplyFailed" and e["type"] == "Warning" for e in objects.events("refused"))
+    # kopf posts events on its own schedule: the event may trail the status patch
+    wait_for(lambda: any(e["reason"] == "ApplyFailed" and e["type"] == "Warning" for e in objects.events("refused")),
+             30, what="an ApplyFailed Warning event", show=state)
     objects.patch_llmd_spec("refused", {"engine": {"env": [{"name": "X", "value": "1"}]}})
     wait_for(lambda: objects.get("apps/v1", "statefulsets", "refused"), 30, what="StatefulSet after the fix", show=state)
     wait_for(lambda: cond(objects.llmd("refused"), "Ready").get("reason") != "ApplyFailed", 30, what="ApplyFailed cleared",
