@@ -3,7 +3,6 @@ SmolLM2 model against the state dict transformers builds from the same file."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import pytest

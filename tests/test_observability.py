@@ -143,7 +143,8 @@ def test_streamed_completion_span_and_untraced_request(engine, no_otel_env):
 
 def test_tracing_is_off_without_otel_settings(engine, no_otel_env):
     from kvship.server.app import build_app
-    from kvship.server.tracing import TracingMiddleware, tracing_requested
+    from kvship.server.tracing import TracingMiddleware
+    from kvship.telemetry import tracing_requested
 
     assert not tracing_requested()
     assert not tracing_requested({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318", "OTEL_SDK_DISABLED": "true"})

@@ -26,7 +26,6 @@ from typing import Any
 
 import kvship
 from kvship import telemetry
-from kvship.telemetry import tracing_requested  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("kvship.server")
 

@@ -18,7 +18,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from kvship import telemetry
-from kvship.telemetry import tracing_requested  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("kvship_operator.tracing")
 
