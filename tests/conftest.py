@@ -25,6 +25,14 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def bundled() -> str:
+    """The bundled GGUF's path as the loader finds it (missing: an error, not a skip — CI installs it)."""
+    from kvship.loader import bundled_model_path
+
+    return bundled_model_path()
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf(smollm2_gguf):
     """transformers' own reading of the same GGUF: the reference model and tokenizer (float32)."""
     import transformers

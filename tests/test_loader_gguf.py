@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf import quants  # noqa: E402
 
-from kvship.loader import ModelSourceError, bundled_model_path, resolve_model  # noqa: E402
+from kvship.loader import ModelSourceError, resolve_model  # noqa: E402
 from kvship.loader.gguf import GGUFFile, dequantize, gguf_model_name  # noqa: E402
 
 ALL_TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
@@ -20,14 +20,6 @@ ALL_TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_
 # byte offsets of the f16 scale fields inside one block, per quantized type
 F16_FIELDS = {QT.Q8_0: [0], QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q5_0: [0], QT.Q5_1: [0, 2],
               QT.Q2_K: [80, 82], QT.Q3_K: [108], QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    try:
-        return bundled_model_path()
-    except ModelSourceError as e:
-        pytest.skip(str(e))
 
 
 def _random_blocks(qtype, rows: int, row_len: int, seed: int) -> np.ndarray:

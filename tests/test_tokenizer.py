@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvship.loader import ChatTemplateError, ModelSourceError, Tokenizer, bundled_model_path
+from kvship.loader import ChatTemplateError, Tokenizer
 from kvship.loader.gguf import GGUFFile
 
 TEXTS = [
@@ -31,14 +31,6 @@ TEXTS = [
     "ÀÁÂÃÄÅàáâãäå\u0301\u200b zero-width",
     "<repo_name>x<file_sep>y",
 ]
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    try:
-        return bundled_model_path()
-    except ModelSourceError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

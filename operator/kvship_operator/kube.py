@@ -137,25 +137,23 @@ class Kube:
             content_type="application/merge-patch+json",
         )
 
-    def has_api(self, group_version: str) -> bool:
+    def _succeeds(self, method: str, path: str) -> bool:
+        """True when the call succeeds, False when the server answers 404."""
         try:
-            self._call("GET", f"/apis/{group_version}")
+            self._call(method, path)
             return True
         except ApiException as e:
             if e.status == 404:
                 return False
             raise
 
+    def has_api(self, group_version: str) -> bool:
+        return self._succeeds("GET", f"/apis/{group_version}")
+
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete one object; False when it was not there."""
         stub = {"apiVersion": api_version, "kind": kind, "metadata": {"namespace": namespace, "name": name}}
-        try:
-            self._call("DELETE", object_path(stub))
-            return True
-        except ApiException as e:
-            if e.status == 404:
-                return False
-            raise
+        return self._succeeds("DELETE", object_path(stub))
 
     def patch_llmd_replicas(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Set spec.replicas through the scale subresource (as an HPA would)."""
@@ -167,13 +165,7 @@ class Kube:
         )
 
     def has_crd(self, name: str) -> bool:
-        try:
-            self._call("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
-            return True
-        except ApiException as e:
-            if e.status == 404:
-                return False
-            raise
+        return self._succeeds("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
 
     def hpa_api_version(self) -> str:
         return "autoscaling/v2" if self.has_api("autoscaling/v2") else "autoscaling/v2beta2"
