@@ -105,8 +105,10 @@ def measure_ceilings() -> tuple[float, float]:
 
 
 def header(title: str) -> str:
+    commit = os.environ.get("KVSHIP_COMMIT", "")  # set where the tree travels without .git
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                          text=True).stdout.strip()
     except OSError:
         commit = "?"
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

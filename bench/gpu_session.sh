@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every H200 figure of docs/benchmarks.md in one device call (device time is scarce):
 #   bash bench/fetch_wheels.sh            # once, on a dev machine: the HTTP stack for serve.py
-#   device run, carry [".whl"]:  bash bench/gpu_session.sh latency throughput-8b throughput-qwen3
-#   second device run:            bash bench/gpu_session.sh serve startup
+#   device run, carry [".whl"]:  bash bench/gpu_session.sh tests latency throughput-8b
+#   second device run:            bash bench/gpu_session.sh throughput-qwen3 serve startup
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
@@ -13,7 +13,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
-wanted=" ${*:-latency throughput-8b throughput-qwen3 serve startup} "
+wanted=" ${*:-tests latency throughput-8b throughput-qwen3 serve startup} "
 bench() {  # name, time limit (s), command...
   local name=$1 limit=$2; shift 2
   [[ $wanted == *" $name "* ]] || return 0
@@ -22,6 +22,8 @@ bench() {  # name, time limit (s), command...
   echo "== $name exit $?" | tee -a "$OUT/log"
   cat "$OUT/$name.md"
 }
+bench tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_models.py \
+  tests/test_kernels.py tests/test_sampler.py
 bench latency 150 python3 bench/latency.py
 bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
 bench throughput-qwen3 120 python3 bench/throughput.py --shape qwen3-0.6b --num-prompts 256 --hf-prompts 8 --hf-batch 8

@@ -34,14 +34,27 @@ def free_port() -> int:
 def start_server(model: str, port: int, extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvship.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "bench", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return popen_logged(cmd)
+
+
+def popen_logged(cmd: list[str]) -> subprocess.Popen:
+    """stderr to a file, not a pipe: a pipe nobody reads would block the server once full."""
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log
+    return proc
+
+
+def server_log_tail(proc: subprocess.Popen) -> str:
+    proc.log.seek(0)
+    return proc.log.read()[-2000:]
 
 
 def wait_ready(proc: subprocess.Popen, base: str, timeout: float = 600) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"server exited with {proc.returncode}: {server_log_tail(proc)}")
         try:
             if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                 return time.monotonic() - t0

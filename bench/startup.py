@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, header, table, write_shape_folder  # noqa: E402
-from serve import free_port, wait_ready  # noqa: E402
+from serve import free_port, popen_logged, wait_ready  # noqa: E402
 
 
 def write_checkpoint(shape: str, root: str, shard_bytes: int = 4 << 30) -> str:
@@ -72,8 +71,7 @@ def main() -> None:
     os.system("sync")
     port = free_port()
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "kvship.cli", "serve", folder, "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = popen_logged([sys.executable, "-m", "kvship.cli", "serve", folder, "--host", "127.0.0.1", "--port", str(port)])
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}")
         ours = time.monotonic() - t0

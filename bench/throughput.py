@@ -64,7 +64,7 @@ def run_kvship(folder, prompts, outs, max_num_seqs: int) -> tuple[float, int, fl
     llm.generate(prompts[:4], params[:4])  # warm-up
     spans: list = []
     time_gpu_work(llm.engine.runner, "run", spans)
-    time_gpu_work(llm.engine, "sampler", spans)
+    time_gpu_work(llm.engine.sampler, "launch", spans)
     torch.cuda.synchronize()
     t0 = time.monotonic()
     res = llm.generate(prompts, params)

@@ -40,9 +40,9 @@ def one_check(folder: str, tp: int, out_path: str) -> None:
     rows: list[list[str]] = []  # request id of each logits row, per step
     run = llm.engine.runner.run
 
-    def recording_run(b):
+    def recording_run(b, *prev):
         rows.append([s.request_id for s, n in zip(b.seqs, b.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens])
-        steps.append(run(b).float().cpu())
+        steps.append(run(b, *prev).float().cpu())
         return steps[-1]
     llm.engine.runner.run = recording_run
     g = torch.Generator().manual_seed(0)
@@ -69,9 +69,10 @@ def one_latency(folder: str, tp: int, prompt_len: int, out_len: int, eager: bool
     return result
 
 
-def _child(args: list[str], timeout: float) -> tuple[int, str]:
+def _child(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     try:
-        p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, **(env or {})})
         sys.stderr.write(p.stderr[-6000:])
         return p.returncode, p.stdout
     except subprocess.TimeoutExpired as e:
@@ -151,20 +152,21 @@ def main() -> None:
         rows = []
         weight_bytes = param_count(args.shape) * 2
         per_token = weight_bytes + (args.prompt + args.output / 2) * kv_bytes_per_token(args.shape)
+        names = {"graph": "CUDA graphs", "nccl": "CUDA graphs, NCCL for every all-reduce", "eager": "eager"}
         for tp in (1, args.tp):
-            for kind in ("graph", "eager") if tp > 1 else ("graph",):
+            for kind in ("graph", "nccl") if tp > 1 else ("graph",):
+                env = {"KVSHIP_TP_ALLREDUCE": "nccl"} if kind == "nccl" else None
                 code, out = _child(["--prompt", str(args.prompt), "--output", str(args.output),
-                                    "--_one", kind, folder, str(tp)], args.timeout)
+                                    "--_one", "eager" if kind == "eager" else "graph", folder, str(tp)],
+                                   args.timeout, env)
                 print(f"latency TP={tp} {kind}: exit {code} {out.strip()}", file=sys.stderr, flush=True)
+                label = f"TP={tp} ({names[kind]})"
                 if code == 0:
                     r = json.loads(out.strip().splitlines()[-1])
-                    rows.append([f"TP={tp}" + (" (eager)" if r["eager"] else " (CUDA graphs)"), f"{r['tok_s']:.1f}",
-                                 f"{r['ttft_s'] * 1e3:.1f}", f"{r['start_s']:.0f}"])
+                    rows.append([label, f"{r['tok_s']:.1f}", f"{r['ttft_s'] * 1e3:.1f}", f"{r['start_s']:.0f}"])
                 else:
-                    rows.append([f"TP={tp} {kind}", f"failed (exit {code})", "-", "-"])
-                if tp > 1 and kind == "graph" and code == 0 and args.timeout < 200:
-                    break  # eager only when graphs failed, or when there is time for it
-        base = next((float(r[1]) for r in rows if r[0] == "TP=1 (CUDA graphs)"), None)
+                    rows.append([label, f"failed (exit {code})", "-", "-"])
+        base = next((float(r[1]) for r in rows if r[0] == "TP=1 (CUDA graphs)" and r[1][0].isdigit()), None)
         for r in rows:
             try:
                 r.append(f"{float(r[1]) / base:.2f}x" if base else "-")

@@ -46,6 +46,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Sampling depends on every token generated so far (including the one just sampled)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def validate(self) -> None:
         def bad(msg: str, param: str) -> None:
             raise InvalidParamsError(msg, param)

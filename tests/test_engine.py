@@ -169,3 +169,40 @@ def test_prompt_logprobs_equal_reference(llm, prompts, smollm2_hf):
             assert chosen.token_id == p[i + 1]
             assert chosen.logprob == pytest.approx(ref[i, p[i + 1]].item(), abs=1e-3)
             assert [t.token_id for t in top] == torch.topk(ref[i], 3).indices.tolist()
+
+
+def test_stop_token_ends_its_sequence_only(llm, prompts, reference):
+    """A stop token is read a step after the next token was launched: that token is dropped,
+    and the other sequences of the batch go on untouched."""
+    stops = [ref[min(4, len(ref) - 1)] for ref in reference]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[t]) for t in stops]
+    outs = llm.generate(prompts, params)
+    for out, ref, stop in zip(outs, reference, stops):
+        o = out.outputs[0]
+        cut = ref.index(stop) + 1
+        assert o.token_ids == ref[:cut]
+        assert (o.finish_reason, o.stop_reason) == ("stop", stop)
+    assert_all_blocks_released(llm)
+
+
+def test_min_tokens_defers_the_stop_token(llm, prompts, reference):
+    ref = reference[6]  # the story prompt: no eos within MAX_TOKENS
+    stop, min_tokens = ref[2], 8
+    out = llm.generate([prompts[6]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[stop],
+                                                    min_tokens=min_tokens))[0].outputs[0]
+    later = [i for i, t in enumerate(ref) if t == stop and i + 1 >= min_tokens]
+    want = ref[:later[0] + 1] if later else ref
+    assert out.token_ids == want
+    assert out.finish_reason == ("stop" if later else "length")
+
+
+def test_repetition_penalty_matches_transformers(llm, prompts, smollm2_hf):
+    """Penalties need the previous token's value before sampling: the engine reads it first."""
+    model, _ = smollm2_hf
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, repetition_penalty=1.3)
+    outs = llm.generate(prompts[:4], [params] * 4)
+    for p, out in zip(prompts[:4], outs):
+        with torch.no_grad():
+            ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, repetition_penalty=1.3,
+                                 eos_token_id=EOS, pad_token_id=EOS)
+        assert out.outputs[0].token_ids == ids[0, len(p):].tolist()

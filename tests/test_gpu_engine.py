@@ -50,9 +50,10 @@ def test_cuda_graph_replay_equals_eager(tiny_models):
     batch = eng.scheduler.schedule()
     assert set(batch.num_new_tokens) == {1} and len(batch) == len(ps)
     graphs = runner.graphs
-    with_graph = runner.run(batch)
+    prev = eng._inflight.tokens  # the first tokens, still on the GPU: this step's inputs
+    with_graph = runner.run(batch, prev)
     runner.graphs = None
-    eager = runner.run(ScheduledBatch(batch.seqs, batch.num_new_tokens))
+    eager = runner.run(ScheduledBatch(batch.seqs, batch.num_new_tokens), prev)
     runner.graphs = graphs
     torch.testing.assert_close(with_graph, eager, atol=2e-2, rtol=2e-2)
 

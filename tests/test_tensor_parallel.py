@@ -28,7 +28,7 @@ def _run(folder, tp: int, prompts=PROMPTS, params=GREEDY, **kw):
     try:
         steps: list[torch.Tensor] = []
         run = llm.engine.runner.run
-        llm.engine.runner.run = lambda batch: steps.append(run(batch)) or steps[-1]
+        llm.engine.runner.run = lambda batch, *prev: steps.append(run(batch, *prev)) or steps[-1]
         outs = llm.generate(prompts, params)
         return [o.outputs[0].token_ids for o in outs], steps
     finally:

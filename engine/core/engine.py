@@ -12,9 +12,9 @@ from kvship.config import EngineConfig
 from kvship.core.detokenizer import IncrementalDetokenizer
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.model_runner import ModelRunner
-from kvship.core.sampler import Sampler, SamplerRow
+from kvship.core.sampler import PendingSample, Sampler, SamplerRow
 from kvship.core.scheduler import Scheduler
-from kvship.core.sequence import Sequence
+from kvship.core.sequence import PLACEHOLDER, Sequence
 from kvship.core.stop import StopStringMatcher
 from kvship.loader import resolve_model
 from kvship.models.config import ModelConfig
@@ -33,6 +33,24 @@ class _Choice:
 
 
 @dataclass(eq=False)
+class _InFlight:
+    seqs: list[Sequence]
+    positions: list[int]  # index of each one's placeholder in its token_ids
+    sample: PendingSample
+
+    @property
+    def tokens(self):
+        return self.sample.tokens
+
+    def is_live(self, seq: Sequence, pos: int) -> bool:
+        """Its placeholder is still there: not aborted, not ended on an earlier token."""
+        return 0 <= pos < len(seq.token_ids) and seq.token_ids[pos] == PLACEHOLDER
+
+    def any_live(self) -> bool:
+        return any(self.is_live(s, p) for s, p in zip(self.seqs, self.positions))
+
+
+@dataclass(eq=False)
 class _Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -41,8 +59,8 @@ class _Request:
     arrival_time: float
 
     @property
-    def finished(self) -> bool:
-        return all(c.seq.finished for c in self.choices)
+    def finished(self) -> bool:  # every choice's output is final (its last token read and processed)
+        return all(c.out.finish_reason is not None for c in self.choices)
 
 
 class LLMEngine:
@@ -85,6 +103,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         # Tokens accepted last step whose text and outputs are finished during the next one.
         self._pending: list[tuple[Sequence, int, object, int]] = []
+        self._inflight: _InFlight | None = None  # the last launched sample, not yet read
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -130,14 +149,18 @@ class LLMEngine:
             return None
         self._pending = [p for p in self._pending if p[0].request_id != request_id]
         for c in req.choices:
+            while c.seq.token_ids and c.seq.token_ids[-1] == PLACEHOLDER:  # its launched token is dropped
+                c.seq.token_ids.pop()
             if not c.seq.finished:
                 self.scheduler.finish(c.seq, "abort")
             if c.out.finish_reason is None:
                 c.out.finish_reason = "abort"
+        if self._inflight is not None and not self._inflight.any_live():
+            self._inflight = None
         return self._emit(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks this engine started (no-op with one rank)."""
@@ -145,29 +168,66 @@ class LLMEngine:
             self.tp_runtime.shutdown()
 
     # -- one step ----------------------------------------------------------------------------
-    # A step: schedule, launch the forward pass, then, while the GPU runs it, finish the
-    # previous step's tokens (detokenize, stop strings, outputs), then sample. Only what the
-    # next schedule needs (the token itself; eos, stop ids, max_tokens) is applied at once; a
-    # stop string found one step late costs one discarded token.
+    # A step: schedule, launch the forward pass and the sampling, and only then read the
+    # previous step's tokens (which the GPU finished before starting this step's work), apply
+    # eos / stop ids, and finish their text, stop strings and outputs, all while the GPU runs.
+    # The host therefore never waits for the step it has just launched: a decoding sequence's
+    # next input is its sampled token read on the device (a placeholder stands in token_ids),
+    # and a sequence that ended on eos costs one discarded token. max_tokens and the context
+    # limit do not depend on the token's value, so they end a sequence at launch. Batches with
+    # penalties need the last token's value before sampling, so they read it first.
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            self._read_inflight()
             return self._finish_pending() + self._unblock()
-        logits = self.runner.run(batch)
+        prev = self._inflight
+        logits = self.runner.run(batch, prev.tokens if prev is not None else None)
         sampled = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
-        outputs = self._finish_pending()
         if sampled:
+            if any(s.params.uses_penalties for s in sampled):
+                self._read_inflight()
             rows = [SamplerRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, (s.request_id, s.index))
-                    for s in sampled]
-            result = self.sampler(logits, rows)
-            now = time.monotonic()
-            for seq, token, lp in zip(sampled, result.token_ids, result.logprobs):
-                if not seq.finished:  # a stop string may have ended it meanwhile
-                    self._accept_token(seq, token, lp, now)
-        return outputs
+                    if s.params.uses_penalties else SamplerRow(s.params, (), (), s.generator) for s in sampled]
+            launched = self.sampler.launch(logits, rows)
+            positions = []
+            for i, seq in enumerate(sampled):
+                if seq.finished:  # ended by the read above (penalties): this row is dropped
+                    positions.append(-1)
+                    continue
+                seq.token_ids.append(PLACEHOLDER)
+                seq.sample_row = i
+                positions.append(seq.num_tokens - 1)
+                self._end_at_length(seq)
+        self._read_inflight()
+        if sampled:
+            self._inflight = _InFlight(sampled, positions, launched)
+        for seq in batch.seqs:
+            self.kv.cache_full_blocks(seq)  # after the read: a block's hash needs its tokens' values
+        return self._finish_pending()
+
+    def _end_at_length(self, seq: Sequence) -> None:
+        """At launch: the token just sampled is seq's last one when it reaches max_tokens or the
+        context limit, whatever its value."""
+        params = seq.params
+        if (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) \
+                or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _read_inflight(self) -> None:
+        """The launched sample's tokens replace their placeholders (waiting for its copy to the
+        host), and each is accepted."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        result = inflight.sample.result()
+        now = time.monotonic()
+        for seq, pos, token, lp in zip(inflight.seqs, inflight.positions, result.token_ids, result.logprobs):
+            if inflight.is_live(seq, pos):
+                seq.token_ids[pos] = token
+                self._accept_token(seq, pos, token, lp, now)
 
     def _unblock(self) -> list[RequestOutput]:
         """Nothing could be scheduled although work is waiting: the head sequence cannot fit in
@@ -186,30 +246,25 @@ class LLMEngine:
                 return [self._emit(req)]
         return []
 
-    def _accept_token(self, seq: Sequence, token: int, lp, now: float) -> None:
-        """What the next schedule depends on: the token joins the sequence, and a sequence that
-        ended on eos / a stop token / max_tokens / the context limit frees its blocks now."""
+    def _accept_token(self, seq: Sequence, pos: int, token: int, lp, now: float) -> None:
+        """What the next schedule depends on: a sequence that ended on eos or a stop token frees
+        its blocks now and drops the token launched after this one."""
         params = seq.params
-        seq.token_ids.append(token)
+        n_out = pos + 1 - seq.num_prompt_tokens
         if seq.first_token_time is None:
             seq.first_token_time = now
         self.generation_tokens_total += 1
-        if seq.num_output_tokens == 1:
+        if n_out == 1:
             self.prompt_tokens_total += seq.num_prompt_tokens
-        reason, stop_reason = None, None
-        if seq.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                reason, stop_reason = "stop", token
-            elif token in self.eos_token_ids and not params.ignore_eos:
-                reason = "stop"
-        if reason is None and params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            reason = "length"
-        if reason is None and seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            seq.stop_reason = stop_reason
-            self.scheduler.finish(seq, reason)
-        self._pending.append((seq, token, lp, seq.num_output_tokens))
+        stop = n_out >= params.min_tokens and (
+            token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos))
+        if stop:  # "stop" even when max_tokens also ended it on this token
+            del seq.token_ids[pos + 1:]
+            if not seq.finished:
+                self.scheduler.finish(seq, "stop")
+            seq.finish_reason = "stop"
+            seq.stop_reason = token if token in params.stop_token_ids else None
+        self._pending.append((seq, token, lp, n_out))
 
     def _finish_pending(self) -> list[RequestOutput]:
         """Text, stop strings, logprobs and outputs for the tokens accepted last step."""
@@ -217,7 +272,7 @@ class LLMEngine:
         touched: dict[str, _Request] = {}
         for seq, token, lp, n_out in pending:
             req = self.requests.get(seq.request_id)
-            if req is None:  # aborted meanwhile
+            if req is None or req.choices[seq.index].seq is not seq:  # aborted meanwhile (its id maybe reused)
                 continue
             self._process_token(req.choices[seq.index], token, lp, n_out)
             touched[req.request_id] = req
@@ -257,7 +312,7 @@ class LLMEngine:
             o = c.out
             # While running, the cumulative list is shared (copying it every step costs O(length)).
             outs.append(CompletionOutput(
-                index=o.index, text=o.text, token_ids=list(o.token_ids) if c.seq.finished else o.token_ids,
+                index=o.index, text=o.text, token_ids=list(o.token_ids) if o.finish_reason is not None else o.token_ids,
                 text_delta=o.text_delta,
                 token_ids_delta=o.token_ids_delta, logprobs=o.logprobs, logprobs_delta=o.logprobs_delta,
                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))

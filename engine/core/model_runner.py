@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from kvship.config import EngineConfig
 from kvship.core.cuda_graph import DecodeGraphs
 from kvship.core.scheduler import ScheduledBatch
+from kvship.core.sequence import PLACEHOLDER
 from kvship.distributed.parallel import SINGLE, TPContext
 from kvship.layers.attention import AttentionMetadata
 from kvship.models.config import ModelConfig
@@ -166,47 +168,67 @@ class ModelRunner:
         return n
 
     # -- one step ----------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The batch as flat device tensors, sent in two copies (one int64, one int32 buffer).
+        A placeholder input (a token sampled last step, not read by the host) is taken from
+        prev_tokens, the last sample's tokens on the device, at its sequence's sample_row."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
+        fix_at: list[int] = []
+        fix_rows: list[int] = []
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            new = seq.token_ids[start:end]
+            if new[-1] == PLACEHOLDER:  # only a decode's single input can be one
+                fix_at.append(cu[-1] + n - 1)
+                fix_rows.append(seq.sample_row)
+            input_ids += new
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end)
+                positions += pos.tolist()
+                slots += (np.asarray(table)[pos // bs] * bs + pos % bs).tolist()
             cu.append(cu[-1] + n)
             seq_lens.append(end)
             if end == seq.num_tokens:  # the prompt is complete: sample the next token
                 logits_indices.append(cu[-1] - 1)
-        max_blocks = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch.seqs]
+        num_seqs, num_tokens = len(batch.seqs), cu[-1]
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = np.zeros((num_seqs, width), dtype=np.int32)
+        for i, s in enumerate(batch.seqs):
+            tables[i, :len(s.block_table)] = s.block_table
 
         dev = self.device
-
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
-
-        meta = AttentionMetadata(
-            slot_mapping=t(slots, torch.int64),
-            block_tables=t(tables, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            cu_seqlens_q=t(cu, torch.int32),
-            max_seqlen_q=max(batch.num_new_tokens),
-            logits_indices=t(logits_indices, torch.int64),
-        )
-        return t(input_ids, torch.int64), t(positions, torch.int64), meta
+        pin = dev.type == "cuda"
+        longs = torch.tensor(input_ids + positions + slots + logits_indices + fix_at + fix_rows, dtype=torch.int64,
+                             pin_memory=pin).to(dev, non_blocking=True)
+        ints = torch.from_numpy(np.concatenate([np.asarray(seq_lens + cu, dtype=np.int32), tables.reshape(-1)]))
+        ints = (ints.pin_memory() if pin else ints).to(dev, non_blocking=True)
+        ids, pos_t, slot_t, logit_t, fix_at_t, fix_rows_t = longs.split(
+            [num_tokens, num_tokens, num_tokens, len(logits_indices), len(fix_at), len(fix_rows)])
+        lens_t, cu_t, tables_t = ints.split([num_seqs, num_seqs + 1, num_seqs * width])
+        if fix_at:
+            if prev_tokens is None:
+                raise RuntimeError("a placeholder input without the previous step's tokens")
+            ids = ids.index_put((fix_at_t,), prev_tokens.index_select(0, fix_rows_t))
+        meta = AttentionMetadata(slot_mapping=slot_t, block_tables=tables_t.view(num_seqs, width), seq_lens=lens_t,
+                                 cu_seqlens_q=cu_t, max_seqlen_q=max(batch.num_new_tokens), logits_indices=logit_t)
+        return ids, pos_t, meta
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
+    def run(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [num_sampled, vocab] for the sequences whose prompt is complete (and,
         for sequences that asked, prompt logprobs appended to seq.prompt_logprobs)."""
-        input_ids, positions, meta = self.prepare(batch)
+        input_ids, positions, meta = self.prepare(batch, prev_tokens)
         wanted = self._prompt_logprob_rows(batch)
         if wanted:
             return self._forward_with_prompt_logprobs(input_ids, positions, meta, wanted)

@@ -102,6 +102,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow],
     """Repetition (HF style, over prompt + output), then frequency and presence (OpenAI style,
     over output). `logits` is float32 [B, V]; returns a new tensor (or `logits` when no row
     uses a penalty)."""
+    if not any(r.params.uses_penalties for r in rows):
+        return logits
     B, V = logits.shape
     dev = logits.device
     rep = [r.params.repetition_penalty for r in rows]
@@ -109,14 +111,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplerRow],
     pres = [r.params.presence_penalty for r in rows]
     use_rep = [p != 1.0 for p in rep]
     use_fp = any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres)
-    if not (any(use_rep) or use_fp):
-        return logits
 
-    def penalised_row(r: SamplerRow) -> bool:
-        p = r.params
-        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-    out_counts = _token_counts([r.output_token_ids if penalised_row(r) else [] for r in rows], V, dev)
+    out_counts = _token_counts([r.output_token_ids if r.params.uses_penalties else [] for r in rows], V, dev)
     if any(use_rep):
         # Only rows that use the penalty pay for their prompt's token set.
         if prompt_cache is not None:
@@ -172,6 +168,37 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplerRow]) -> tor
     return logits
 
 
+class PendingSample:
+    """A launched sample. On CUDA its results are copied to pinned host memory behind the
+    sampling kernels; result() waits only for those copies."""
+
+    def __init__(self, tokens: torch.Tensor, device_side: list[torch.Tensor], lp_rows: list[int], lp_k: list[int]):
+        self.tokens = tokens  # [B] int64 on the logits' device
+        self._lp_rows, self._lp_k = lp_rows, lp_k
+        self._event = None
+        if tokens.is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in device_side]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = device_side
+        self._result: SamplerOutput | None = None
+
+    def result(self) -> SamplerOutput:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            host = [t.tolist() for t in self._host]
+            token_ids = host[0]
+            logprobs: list[tuple[TokenLogprob, list[TokenLogprob]] | None] = [None] * len(token_ids)
+            for j, (i, k) in enumerate(zip(self._lp_rows, self._lp_k)):
+                alts = [TokenLogprob(t, v) for t, v in zip(host[3][j][:k], host[2][j][:k])] if k > 0 else []
+                logprobs[i] = (TokenLogprob(token_ids[i], host[1][j]), alts)
+            self._result = SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        return self._result
+
+
 class Sampler:
     """Everything per sequence (its tokens, its generator) comes in `rows`; the only state kept
     is a cache of prompt token sets for rows that carry a cache_key."""
@@ -180,27 +207,25 @@ class Sampler:
         self.prompt_cache = PromptMaskCache(prompt_cache_capacity)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
+        """Queue the sampling of each row on the logits' device without waiting for it: the
+        tokens stay on the device (the next step's input reads them there) and their copies to
+        the host are already under way when this returns."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
         B, V = logits.shape
         dev = logits.device
-        if B == 0:
-            return SamplerOutput(token_ids=[], logprobs=[])
         raw = logits.to(torch.float32)  # never modified in place below
 
-        # Logprobs come from the raw model distribution (as vLLM / OpenAI report them).
-        want_lp = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = torch.log_softmax(raw, dim=-1) if any(want_lp) else None
-
         x = apply_penalties(raw, rows, self.prompt_cache)
-
         greedy = [r.params.greedy for r in rows]
-        greedy_tokens = x.argmax(dim=-1) if any(greedy) else None
-
         if all(greedy):
-            tokens = greedy_tokens
+            tokens = x.argmax(dim=-1)
         else:
             temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows)]
+            greedy_tokens = x.argmax(dim=-1) if any(greedy) else None
             if any(t != 1.0 for t in temps):
                 x = x / torch.tensor(temps, dtype=torch.float32, device=dev).unsqueeze(1)
             x = apply_top_k_top_p_min_p(x, rows)
@@ -211,24 +236,18 @@ class Sampler:
                 g = torch.tensor(greedy, dtype=torch.bool, device=dev)
                 tokens = torch.where(g, greedy_tokens, tokens)
 
-        token_ids: list[int] = tokens.tolist()
-        logprobs: list[tuple[TokenLogprob, list[TokenLogprob]] | None] = [None] * B
-        if raw_logprobs is not None:
-            idx = [i for i in range(B) if want_lp[i]]
-            sel = torch.tensor(idx, dtype=torch.int64, device=dev)
-            lp = raw_logprobs.index_select(0, sel)
-            chosen = lp.gather(1, tokens.index_select(0, sel).unsqueeze(1)).squeeze(1).tolist()
-            kmax = min(max(rows[i].params.logprobs for i in idx), V)
-            if kmax > 0:
-                top = torch.topk(lp, kmax, dim=-1)
-                top_vals, top_ids = top.values.tolist(), top.indices.tolist()
-            for j, i in enumerate(idx):
-                k = min(rows[i].params.logprobs, V)
-                alts = (
-                    [TokenLogprob(t, v) for t, v in zip(top_ids[j][:k], top_vals[j][:k])] if k > 0 else []
-                )
-                logprobs[i] = (TokenLogprob(token_ids[i], chosen[j]), alts)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        # Logprobs come from the raw model distribution (as vLLM / OpenAI report them).
+        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        lp_k = [min(rows[i].params.logprobs, V) for i in lp_rows]
+        device_side = [tokens]
+        if lp_rows:
+            sel = torch.tensor(lp_rows, dtype=torch.int64, device=dev)
+            lp = torch.log_softmax(raw.index_select(0, sel), dim=-1)
+            device_side.append(lp.gather(1, tokens.index_select(0, sel).unsqueeze(1)).squeeze(1))
+            if max(lp_k) > 0:
+                top = torch.topk(lp, max(lp_k), dim=-1)
+                device_side += [top.values, top.indices]
+        return PendingSample(tokens, device_side, lp_rows, lp_k)
 
     @staticmethod
     def _exponential_noise(rows: list[SamplerRow], greedy: list[bool], V: int, dev: torch.device) -> torch.Tensor:

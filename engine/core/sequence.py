@@ -19,6 +19,9 @@ class SeqStatus(enum.Enum):
 
 _ids = itertools.count()
 
+# Stands in token_ids for a token sampled on the device whose value the host has not read yet.
+PLACEHOLDER = -1
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -36,6 +39,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     leader: "Sequence | None" = None  # n > 1: wait until the leader's prompt is cached, then share it
     generator: torch.Generator | None = None
+    sample_row: int = -1  # row of its placeholder token in the last launched sample
     prompt_logprobs: list = field(default_factory=list)  # filled by the model runner when asked for
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None

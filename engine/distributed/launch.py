@@ -188,7 +188,12 @@ class TPRuntime:
         group = dist.group.WORLD
         # Workers wait on this group between steps for as long as the server is idle.
         cpu_group = dist.new_group(list(range(self.size)), backend="gloo", timeout=timedelta(days=30))
-        self.ctx = TPContext(self.rank, self.size, group, cpu_group, self)
+        one_shot = None
+        if self.cuda:
+            from kvship.distributed.one_shot import try_one_shot
+
+            one_shot = try_one_shot(group, torch.device("cuda", torch.cuda.current_device()))
+        self.ctx = TPContext(self.rank, self.size, group, cpu_group, self, one_shot)
         self._store = dist.TCPStore(p.master_addr, p.master_port, is_master=False,
                                     timeout=timedelta(seconds=30), wait_for_workers=False)
         self._watch_children_only = False

@@ -15,9 +15,13 @@ class TPContext:
     group: object | None = None  # torch.distributed process group; None when size == 1
     cpu_group: object | None = None  # gloo group for control messages (step headers, block count)
     runtime: object | None = None  # kvship.distributed.launch.TPRuntime on rank 0 and the workers
+    one_shot: object | None = None  # kvship.distributed.one_shot.OneShotAllReduce, for small tensors
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks (in place for NCCL; callers use the returned tensor)."""
         if self.size > 1:
+            if self.one_shot is not None and self.one_shot.applies(x):
+                return self.one_shot(x)
             dist.all_reduce(x, group=self.group)
         return x
 

@@ -1,0 +1,80 @@
+"""Host (Python) time per engine step, measured on the CPU with a tiny model so that the
+forward pass costs almost nothing: what a GPU would sit idle for if nothing overlapped it.
+Prints a table per batch size; --profile adds the top functions by own time.
+
+    python bench/host_overhead.py [--batch 1 64 256] [--steps 200] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SHAPES, table, write_shape_folder  # noqa: E402
+
+from kvship.llm import LLM  # noqa: E402
+from kvship.sampling_params import SamplingParams  # noqa: E402
+
+SHAPES.setdefault("tiny", dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+                               intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, vocab_size=512, max_position_embeddings=4096,
+                               rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_shape_folder("tiny", tmp)
+        rows = []
+        for bs in args.batch:
+            llm = LLM(folder, load_format="dummy", device="cpu", max_num_seqs=bs,
+                      max_model_len=args.prompt_len + args.steps + 8, max_num_batched_tokens=8192)
+            eng = llm.engine
+            params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
+            for i in range(bs):
+                eng.add_request(f"r{i}", [2 + (i + j) % 500 for j in range(args.prompt_len)], params)
+            while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) \
+                    or eng.scheduler.waiting:
+                eng.step()  # prefill
+            runner_time = [0.0]
+            inner = eng.runner.forward
+
+            def timed(*a, **k):
+                t = time.perf_counter()
+                r = inner(*a, **k)
+                runner_time[0] += time.perf_counter() - t
+                return r
+
+            eng.runner.forward = timed
+            prof = cProfile.Profile() if args.profile else None
+            steps = 0
+            t0 = time.perf_counter()
+            if prof:
+                prof.enable()
+            while eng.has_work() and steps < args.steps - 2:
+                eng.step()
+                steps += 1
+            if prof:
+                prof.disable()
+            dt = time.perf_counter() - t0
+            rows.append([bs, steps, f"{dt / steps * 1e3:.2f}", f"{runner_time[0] / steps * 1e3:.2f}",
+                         f"{(dt - runner_time[0]) / steps * 1e3:.2f}"])
+            if prof:
+                print(f"\n### batch {bs}: top functions by own time\n```")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+                print("```")
+        print(table(rows, ["batch", "decode steps", "ms / step", "of which forward", "host ms / step"]))
+
+
+if __name__ == "__main__":
+    main()
