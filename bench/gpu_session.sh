@@ -3,6 +3,7 @@
 #   bash bench/fetch_wheels.sh            # once, on a dev machine: the HTTP stack for serve.py
 #   device run, carry [".whl"]:  bash bench/gpu_session.sh tests latency throughput-8b
 #   second device run:            bash bench/gpu_session.sh throughput-qwen3 serve startup
+#   2 GPUs (nvidia-h200-x2):      bash bench/gpu_session.sh tp serve
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
@@ -26,6 +27,8 @@ bench tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.p
   tests/test_kernels.py tests/test_sampler.py
 bench latency 150 python3 bench/latency.py
 bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
-bench throughput-qwen3 120 python3 bench/throughput.py --shape qwen3-0.6b --num-prompts 256 --hf-prompts 8 --hf-batch 8
-bench serve 200 python3 bench/serve.py --concurrency 1 8 32 64 --requests-per-level 64
+bench throughput-qwen3 200 python3 bench/throughput.py --shape qwen3-0.6b --num-prompts 256 --hf-prompts 8 --hf-batch 8
+bench serve 240 python3 bench/serve.py --concurrency 1 8 32 64
 bench startup 200 python3 bench/startup.py
+bench tp 420 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+  python3 bench/tp_latency.py --tp 2 --timeout 130

@@ -3,7 +3,7 @@ completions at several concurrency levels (1024-token prompts, 256 output tokens
 Reports TTFT and TPOT p50/p99 and output tok/s, with the batch-1 decode roofline of the shape
 (bytes per token / measured copy bandwidth) as the floor for TPOT.
 
-    python bench/serve.py [--shape llama3-8b] [--concurrency 1 8 32 64] [--requests-per-level 64]
+    python bench/serve.py [--shape llama3-8b] [--concurrency 1 8 32 64] [--requests-per-level N]
 
 A model shape (random weights) is served unless --model points at a real model.
 """
@@ -111,7 +111,8 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     ap.add_argument("--model", default=None, help="serve this model instead of a random-weight shape")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    ap.add_argument("--requests-per-level", type=int, default=64)
+    ap.add_argument("--requests-per-level", type=int, default=None,
+                    help="default: max(16, 2 x concurrency), so most requests arrive into a running batch")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--server-arg", action="append", default=[], help="extra `kvship serve` argument (repeatable)")
@@ -144,7 +145,7 @@ def main() -> None:
             asyncio.run(run_level(base, 1, 2, args.prompt, 8, vocab, seed=99))  # warm-up
             rows = []
             for conc in args.concurrency:
-                n = max(conc, args.requests_per_level)
+                n = args.requests_per_level or max(16, 2 * conc)
                 res, wall = asyncio.run(run_level(base, conc, n, args.prompt, args.output, vocab, seed=conc))
                 ttft = [r[0] for r in res]
                 tpot = [r[1] for r in res]

@@ -114,12 +114,15 @@ def main() -> None:
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts, outs = workload(args.num_prompts, args.lo, args.hi, vocab)
     limit = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw, mm)
+    t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
         dt, produced, busy = run_kvship(folder, prompts, outs, args.max_num_seqs)
+    print(f"kvship done after {time.monotonic() - t0:.0f} s ({dt:.1f} s of generation)", file=sys.stderr, flush=True)
     rows = [["kvship", f"{produced / dt:,.0f}", f"{dt:.1f}", f"{100 * limit / dt:.0f}%", f"{100 * (1 - busy):.0f}%"]]
     if args.hf_prompts:
         hf = run_hf(args.shape, prompts[:args.hf_prompts], outs[:args.hf_prompts], args.hf_batch)
+        print(f"HF done after {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}", "-", "-", "-"])
     rows.append(["workload limit (bytes / BW + prefill FLOPs / matmul)", f"{produced / limit:,.0f}", f"{limit:.1f}", "100%", "0%"])
     print(header(f"Offline throughput, {args.shape} shape, bf16, {args.num_prompts} prompts, "
