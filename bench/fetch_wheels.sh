@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 names="fastapi starlette pydantic pydantic_core uvicorn h11 anyio sniffio typing_inspection annotated_types
-       annotated_doc httpx httpcore prometheus_client click typing_extensions idna certifi"
+       annotated_doc httpx httpcore prometheus_client click typing_extensions idna certifi
+       opentelemetry_api opentelemetry_sdk opentelemetry_semantic_conventions"
 pins=$(.venv/bin/python -m pip freeze 2>/dev/null | python3 -c '
 import sys
 want = {n.lower().replace("-", "_") for n in sys.argv[1].split()}

@@ -42,8 +42,9 @@ def one_check(folder: str, tp: int, out_path: str) -> None:
 
     def recording_run(b, *prev):
         rows.append([s.request_id for s, n in zip(b.seqs, b.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens])
-        steps.append(run(b, *prev).float().cpu())
-        return steps[-1]
+        logits = run(b, *prev)
+        steps.append(logits.float().cpu())
+        return logits  # stays on the GPU: the sampled tokens feed the next step there
     llm.engine.runner.run = recording_run
     g = torch.Generator().manual_seed(0)
     vocab = llm.engine.model_config.vocab_size
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--timeout", type=float, default=150, help="seconds per configuration")
     ap.add_argument("--_one", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -153,7 +155,7 @@ def main() -> None:
         weight_bytes = param_count(args.shape) * 2
         per_token = weight_bytes + (args.prompt + args.output / 2) * kv_bytes_per_token(args.shape)
         names = {"graph": "CUDA graphs", "nccl": "CUDA graphs, NCCL for every all-reduce", "eager": "eager"}
-        for tp in (1, args.tp):
+        for tp in () if args.no_latency else (1, args.tp):
             for kind in ("graph", "nccl") if tp > 1 else ("graph",):
                 env = {"KVSHIP_TP_ALLREDUCE": "nccl"} if kind == "nccl" else None
                 code, out = _child(["--prompt", str(args.prompt), "--output", str(args.output),
@@ -161,8 +163,11 @@ def main() -> None:
                                    args.timeout, env)
                 print(f"latency TP={tp} {kind}: exit {code} {out.strip()}", file=sys.stderr, flush=True)
                 label = f"TP={tp} ({names[kind]})"
-                if code == 0:
-                    r = json.loads(out.strip().splitlines()[-1])
+                result = [ln for ln in out.strip().splitlines() if ln.startswith("{")]
+                if result:  # printed before teardown: it stands whatever the exit code
+                    r = json.loads(result[-1])
+                    if code != 0:
+                        label += f" [exit {code} at teardown]"
                     rows.append([label, f"{r['tok_s']:.1f}", f"{r['ttft_s'] * 1e3:.1f}", f"{r['start_s']:.0f}"])
                 else:
                     rows.append([label, f"failed (exit {code})", "-", "-"])

@@ -165,6 +165,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks this engine started (no-op with one rank)."""
         if getattr(self, "tp_runtime", None) is not None:
+            if getattr(self, "runner", None) is not None:
+                self.runner.release_graphs()  # graphs hold NCCL work: drop them before the communicators
             self.tp_runtime.shutdown()
 
     # -- one step ----------------------------------------------------------------------------

@@ -86,6 +86,12 @@ class ModelRunner:
                                        -(-max_model_len // self.block_size), self.device)
             self.graphs.capture()
 
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs (before tearing down the communicators captured in them)."""
+        if self.graphs is not None:
+            self.graphs = None
+            torch.cuda.synchronize(self.device)
+
     @torch.no_grad()
     def _init_dummy_weights(self) -> None:
         """Random weights of the right shapes (benchmarks of model shapes without checkpoints).

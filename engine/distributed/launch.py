@@ -336,6 +336,13 @@ class TPRuntime:
         if dist.is_initialized():
             def destroy() -> None:
                 try:
+                    if self.cuda:  # abort NCCL's communicators: a plain destroy waits on the peers
+                        from torch.distributed.distributed_c10d import _abort_process_group
+
+                        _abort_process_group()
+                except Exception as e:  # noqa: BLE001
+                    log.debug("abort process group: %s", e)
+                try:
                     dist.destroy_process_group()
                 except Exception as e:  # noqa: BLE001
                     log.debug("destroy_process_group: %s", e)

@@ -64,6 +64,7 @@ def serve_node(config: EngineConfig, placement: Placement | None = None) -> int:
         logging.shutdown()
         os._exit(1)  # skip atexit/teardown that could block on a broken group
     log.info("tensor-parallel rank %d stopping", rt.rank)
+    runner.release_graphs()
     rt.shutdown()
     if rt.cuda:  # skip interpreter teardown of CUDA graphs / communicators: nothing is left to save
         logging.shutdown()
