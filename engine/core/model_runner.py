@@ -215,13 +215,10 @@ class ModelRunner:
 
         dev = self.device
         pin = dev.type == "cuda"
-        longs = torch.tensor(input_ids + positions + slots + logits_indices + fix_at + fix_rows, dtype=torch.int64,
-                             pin_memory=pin).to(dev, non_blocking=True)
-        ints = torch.from_numpy(np.concatenate([np.asarray(seq_lens + cu, dtype=np.int32), tables.reshape(-1)]))
-        ints = (ints.pin_memory() if pin else ints).to(dev, non_blocking=True)
-        ids, pos_t, slot_t, logit_t, fix_at_t, fix_rows_t = longs.split(
-            [num_tokens, num_tokens, num_tokens, len(logits_indices), len(fix_at), len(fix_rows)])
-        lens_t, cu_t, tables_t = ints.split([num_seqs, num_seqs + 1, num_seqs * width])
+        longs = _packed([input_ids, positions, slots, logits_indices, fix_at, fix_rows], np.int64, pin, dev)
+        ints = _packed([seq_lens, cu, tables.reshape(-1)], np.int32, pin, dev)
+        ids, pos_t, slot_t, logit_t, fix_at_t, fix_rows_t = longs
+        lens_t, cu_t, tables_t = ints
         if fix_at:
             if prev_tokens is None:
                 raise RuntimeError("a placeholder input without the previous step's tokens")
@@ -286,3 +283,18 @@ class ModelRunner:
             return self.graphs.run(input_ids, positions, meta).float()
         hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden[meta.logits_indices]).float()
+
+
+def _packed(parts: list, dtype, pin: bool, device: torch.device) -> list[torch.Tensor]:
+    """The parts as views of one device tensor, sent in one copy. Each part starts on a 16-byte
+    boundary: Triton specializes kernels on pointer alignment, so unaligned views would compile
+    new kernel variants (a second or more each) as batch sizes vary."""
+    per16 = 16 // np.dtype(dtype).itemsize
+    sizes = [len(p) for p in parts]
+    starts = np.cumsum([0] + [-(-n // per16) * per16 for n in sizes])
+    flat = np.zeros(int(starts[-1]), dtype=dtype)
+    for start, p, n in zip(starts, parts, sizes):
+        flat[start:start + n] = p
+    t = torch.from_numpy(flat)
+    t = (t.pin_memory() if pin else t).to(device, non_blocking=True)
+    return [t[start:start + n] for start, n in zip(starts, sizes)]

@@ -220,7 +220,7 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale,
@@ -310,7 +310,7 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + q_row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr,
     qk_scale,
