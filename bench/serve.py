@@ -1,9 +1,10 @@
-"""Serving latency through the real HTTP server: `kvship serve` on loopback, streaming chat
+"""Serving latency through the real HTTP server: `kvship serve` on loopback, streaming
 completions at several concurrency levels (1024-token prompts, 256 output tokens by default).
 Reports TTFT and TPOT p50/p99 and output tok/s, with the batch-1 decode roofline of the shape
-(bytes per token / measured copy bandwidth) as the floor for TPOT.
+(bytes per token / measured copy bandwidth) as the floor for TPOT. A level's first requests
+start spread over one request's duration (steady state); --burst starts them all at once.
 
-    python bench/serve.py [--shape llama3-8b] [--concurrency 1 8 32 64] [--requests-per-level N]
+    python bench/serve.py [--shape llama3-8b] [--concurrency 1 8 32 64] [--requests-per-level N] [--burst]
 
 A model shape (random weights) is served unless --model points at a real model.
 """
@@ -84,19 +85,25 @@ async def one_request(client: httpx.AsyncClient, prompt_ids: list[int], out_len:
     return ttft, tpot, out_len
 
 
-async def run_level(base: str, concurrency: int, n: int, prompt_len: int, out_len: int, vocab: int, seed: int):
+async def run_level(base: str, concurrency: int, n: int, prompt_len: int, out_len: int, vocab: int, seed: int,
+                    ramp_s: float = 0.0):
+    """n requests, at most `concurrency` in flight. The first `concurrency` start spread evenly
+    over ramp_s seconds (0: all at once), so that with equal request lengths the arrivals stay
+    spread out instead of coming in synchronized waves."""
     import random
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(2, vocab) for _ in range(prompt_len)] for _ in range(n)]
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as c:
-        async def go(p):
+        async def go(i, p):
+            if i < concurrency and ramp_s:
+                await asyncio.sleep(ramp_s * i / concurrency)
             async with sem:
                 return await one_request(c, p, out_len)
 
         t0 = time.monotonic()
-        results = await asyncio.gather(*(go(p) for p in prompts))
+        results = await asyncio.gather(*(go(i, p) for i, p in enumerate(prompts)))
         wall = time.monotonic() - t0
     return results, wall
 
@@ -116,6 +123,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--server-arg", action="append", default=[], help="extra `kvship serve` argument (repeatable)")
+    ap.add_argument("--burst", action="store_true",
+                    help="start each level's first requests all at once (default: spread over one request's duration)")
     args = ap.parse_args()
     bw = None
     try:
@@ -144,9 +153,12 @@ def main() -> None:
                 vocab = httpx.get(f"{base}/v1/models").json()["data"][0].get("vocab_size", vocab)
             asyncio.run(run_level(base, 1, 2, args.prompt, 8, vocab, seed=99))  # warm-up
             rows = []
+            ramp = 0.0  # one request's duration alone, measured at the first level
             for conc in args.concurrency:
                 n = args.requests_per_level or max(16, 2 * conc)
-                res, wall = asyncio.run(run_level(base, conc, n, args.prompt, args.output, vocab, seed=conc))
+                res, wall = asyncio.run(run_level(base, conc, n, args.prompt, args.output, vocab, seed=conc,
+                                                  ramp_s=0.0 if args.burst else ramp))
+                ramp = ramp or sorted(r[0] + r[1] * (args.output - 1) for r in res)[len(res) // 2]
                 ttft = [r[0] for r in res]
                 tpot = [r[1] for r in res]
                 rows.append([conc, n, f"{pct(ttft, .5) * 1e3:.0f}", f"{pct(ttft, .99) * 1e3:.0f}",
@@ -157,7 +169,9 @@ def main() -> None:
             proc.wait(timeout=60)
     print(header(f"Serving through HTTP, {args.model or args.shape + ' shape (random weights)'}, "
                  f"prompt {args.prompt}, output {args.output}"))
-    print(f"server ready after {ready_s:.1f} s (process start to /health 200)")
+    print(f"server ready after {ready_s:.1f} s (process start to /health 200); arrivals: "
+          + ("each level's first requests all at once" if args.burst else
+             "each level's first requests spread over one request's duration at concurrency 1"))
     if bw and not args.model:
         floor = (param_count(args.shape) * 2 + (args.prompt + args.output / 2) * kv_bytes_per_token(args.shape)) / bw
         print(f"TPOT floor at batch 1 (bytes per token / copy bandwidth {bw / 1e12:.2f} TB/s): {floor * 1e3:.2f} ms")

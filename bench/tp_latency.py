@@ -1,5 +1,5 @@
 """Tensor parallelism on one host's GPUs: (1) greedy output at TP=N equals TP=1 on a random-weight
-Llama shape (bf16; where tokens part, the logits at that step are compared and the TP=1 top-2
+Llama shape (fp32 by default; where tokens part, the logits at that step are compared and the TP=1 top-2
 margin is shown), (2) batch-1 decode tok/s of a model shape at TP=1 and TP=N.
 
     python bench/tp_latency.py [--tp 2] [--shape llama3-8b] [--check-shape llama-1b] [--prompt 512] [--output 256]
@@ -29,12 +29,12 @@ SHAPES.setdefault("llama-1b", dict(
     bos_token_id=0, eos_token_id=1))
 
 
-def one_check(folder: str, tp: int, out_path: str) -> None:
+def one_check(folder: str, tp: int, out_path: str, dtype: str) -> None:
     """Greedy tokens and per-step logits (first rows) at this TP size, saved for comparison."""
     from kvship.llm import LLM
     from kvship.sampling_params import SamplingParams
 
-    llm = LLM(folder, load_format="dummy", dtype="bfloat16", tensor_parallel_size=tp, max_model_len=1024,
+    llm = LLM(folder, load_format="dummy", dtype=dtype, tensor_parallel_size=tp, max_model_len=1024,
               max_num_seqs=8, kv_cache_memory=4 << 30)
     steps: list[torch.Tensor] = []
     rows: list[list[str]] = []  # request id of each logits row, per step
@@ -118,6 +118,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--check-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="random weights give near-ties that bf16 rounding flips; fp32 isolates sharding errors")
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--timeout", type=float, default=150, help="seconds per configuration")
     ap.add_argument("--_one", nargs="*", help=argparse.SUPPRESS)
@@ -127,22 +129,23 @@ def main() -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         kind, folder, tp = args._one[0], args._one[1], int(args._one[2])
         if kind == "check":
-            one_check(folder, tp, args._one[3])
+            one_check(folder, tp, args._one[3], args._one[4])
         else:
             one_latency(folder, tp, args.prompt, args.output, eager=kind == "eager")
         return
 
-    lines = [header(f"Tensor parallelism: TP=1 vs TP={args.tp}, bf16, random weights")]
+    lines = [header(f"Tensor parallelism: TP=1 vs TP={args.tp}, random weights")]
     with tempfile.TemporaryDirectory() as tmp:
         if not args.no_check:
             folder = write_shape_folder(args.check_shape, tmp)
             res = {}
             for tp in (1, args.tp):
                 path = os.path.join(tmp, f"check{tp}.pt")
-                code, _ = _child(["--_one", "check", folder, str(tp), path], args.timeout)
+                code, _ = _child(["--_one", "check", folder, str(tp), path, args.check_dtype], args.timeout)
                 res[tp] = torch.load(path) if os.path.exists(path) else None
                 print(f"check TP={tp}: exit {code}", file=sys.stderr, flush=True)
-            lines.append(f"### Greedy output, {args.check_shape} shape, 4 prompts x 48 tokens, CUDA graphs\n")
+            lines.append(f"### Greedy output, {args.check_shape} shape, {args.check_dtype}, 4 prompts x 48 tokens, "
+                         "CUDA graphs\n")
             if res[1] is not None and res[args.tp] is not None:
                 lines += [f"- {s}" for s in compare(res[1], res[args.tp])]
             else:
