@@ -56,12 +56,12 @@ def one_check(folder: str, tp: int, out_path: str, dtype: str) -> None:
     llm.engine.shutdown()
 
 
-def one_latency(folder: str, tp: int, prompt_len: int, out_len: int, eager: bool) -> dict:
+def one_latency(folder: str, tp: int, prompt_len: int, out_len: int, eager: bool, all_reduce: str) -> dict:
     from kvship.llm import LLM
 
     t0 = time.monotonic()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", tensor_parallel_size=tp,
-              max_model_len=prompt_len + out_len + 16, max_num_seqs=8, enforce_eager=eager)
+              max_model_len=prompt_len + out_len + 16, max_num_seqs=8, enforce_eager=eager, tp_all_reduce=all_reduce)
     load_s = time.monotonic() - t0
     ttft, rate = measure_batch1(llm, prompt_len, out_len)
     result = {"tp": tp, "eager": eager, "tok_s": rate, "ttft_s": ttft, "start_s": load_s}
@@ -70,10 +70,9 @@ def one_latency(folder: str, tp: int, prompt_len: int, out_len: int, eager: bool
     return result
 
 
-def _child(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
+def _child(args: list[str], timeout: float) -> tuple[int, str]:
     try:
-        p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, **(env or {})})
+        p = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout)
         sys.stderr.write(p.stderr[-6000:])
         return p.returncode, p.stdout
     except subprocess.TimeoutExpired as e:
@@ -131,7 +130,8 @@ def main() -> None:
         if kind == "check":
             one_check(folder, tp, args._one[3], args._one[4])
         else:
-            one_latency(folder, tp, args.prompt, args.output, eager=kind == "eager")
+            one_latency(folder, tp, args.prompt, args.output, eager=kind == "eager",
+                        all_reduce="one-shot" if kind == "oneshot" else "nccl")
         return
 
     lines = [header(f"Tensor parallelism: TP=1 vs TP={args.tp}, random weights")]
@@ -157,13 +157,12 @@ def main() -> None:
         rows = []
         weight_bytes = param_count(args.shape) * 2
         per_token = weight_bytes + (args.prompt + args.output / 2) * kv_bytes_per_token(args.shape)
-        names = {"graph": "CUDA graphs", "nccl": "CUDA graphs, NCCL for every all-reduce", "eager": "eager"}
+        names = {"graph": "CUDA graphs, NCCL all-reduce", "oneshot": "CUDA graphs, one-shot all-reduce",
+                 "eager": "eager"}
         for tp in () if args.no_latency else (1, args.tp):
-            for kind in ("graph", "nccl") if tp > 1 else ("graph",):
-                env = {"KVSHIP_TP_ALLREDUCE": "nccl"} if kind == "nccl" else None
+            for kind in ("graph", "oneshot") if tp > 1 else ("graph",):
                 code, out = _child(["--prompt", str(args.prompt), "--output", str(args.output),
-                                    "--_one", "eager" if kind == "eager" else "graph", folder, str(tp)],
-                                   args.timeout, env)
+                                    "--_one", kind, folder, str(tp)], args.timeout)
                 print(f"latency TP={tp} {kind}: exit {code} {out.strip()}", file=sys.stderr, flush=True)
                 label = f"TP={tp} ({names[kind]})"
                 result = [ln for ln in out.strip().splitlines() if ln.startswith("{")]
@@ -174,7 +173,7 @@ def main() -> None:
                     rows.append([label, f"{r['tok_s']:.1f}", f"{r['ttft_s'] * 1e3:.1f}", f"{r['start_s']:.0f}"])
                 else:
                     rows.append([label, f"failed (exit {code})", "-", "-"])
-        base = next((float(r[1]) for r in rows if r[0] == "TP=1 (CUDA graphs)" and r[1][0].isdigit()), None)
+        base = next((float(r[1]) for r in rows if r[0].startswith("TP=1 ") and r[1][0].isdigit()), None)
         for r in rows:
             try:
                 r.append(f"{float(r[1]) / base:.2f}x" if base else "-")

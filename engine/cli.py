@@ -80,6 +80,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=_positive_int, default=1024,
                    help="queue length beyond which requests get 503 + Retry-After")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, help="GPUs to shard the model over")
+    g.add_argument("--tp-all-reduce", choices=["nccl", "one-shot"], default="nccl",
+                   help="all-reduce for small tensors between GPUs (one-shot: peer loads over NVLink)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
 
@@ -134,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,
         tensor_parallel_size=args.tensor_parallel_size,
+        tp_all_reduce=args.tp_all_reduce,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         max_waiting_requests=args.max_waiting_requests,

@@ -29,6 +29,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact block count (tests, benchmarks)
 
     tensor_parallel_size: int = 1
+    tp_all_reduce: str = "nccl"  # nccl | one-shot (small tensors over symmetric memory; GPUs only)
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"  # auto | torch | triton
 
@@ -41,5 +42,7 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
+        if self.tp_all_reduce not in ("nccl", "one-shot"):
+            raise ValueError(f"tp_all_reduce must be nccl or one-shot, got {self.tp_all_reduce!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -192,7 +192,7 @@ class TPRuntime:
         if self.cuda:
             from kvship.distributed.one_shot import try_one_shot
 
-            one_shot = try_one_shot(group, torch.device("cuda", torch.cuda.current_device()))
+            one_shot = try_one_shot(group, torch.device("cuda", torch.cuda.current_device()), self.config.tp_all_reduce)
         self.ctx = TPContext(self.rank, self.size, group, cpu_group, self, one_shot)
         self._store = dist.TCPStore(p.master_addr, p.master_port, is_master=False,
                                     timeout=timedelta(seconds=30), wait_for_workers=False)

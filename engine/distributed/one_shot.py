@@ -5,6 +5,10 @@ where NCCL's ring costs more in latency than in bandwidth. In a one-shot all-red
 rank copies its input into a buffer that all ranks have mapped, waits for the others, and sums
 all peers' copies itself: one kernel, no multicast (kept off: it can take a shared host's GPUs
 out of service). Larger tensors, other dtypes or any set-up failure fall back to NCCL.
+
+Opt-in (--tp-all-reduce one-shot): on 2 x H200 it measured no faster than NCCL inside the
+decode graphs (docs/tensor-parallel.md); it stays as the base for fusing the reduction with the
+residual add and RMSNorm that follow it.
 """
 from __future__ import annotations
 
@@ -42,10 +46,10 @@ class OneShotAllReduce:
         return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view_as(x)
 
 
-def try_one_shot(group, device: torch.device) -> OneShotAllReduce | None:
+def try_one_shot(group, device: torch.device, mode: str) -> OneShotAllReduce | None:
     """A checked OneShotAllReduce, or None (NCCL then does every reduction). Every rank must
     call this together; all of them agree on the outcome."""
-    if os.environ.get("KVSHIP_TP_ALLREDUCE", "auto") == "nccl" or device.type != "cuda":
+    if mode != "one-shot" or device.type != "cuda":
         return None
     ok, reducer, why = 1, None, ""
     try:
