@@ -3,7 +3,8 @@
 #   bash bench/fetch_wheels.sh            # once, on a dev machine: the HTTP stack for serve.py
 #   device run, carry [".whl"]:  bash bench/gpu_session.sh tests latency throughput-8b
 #   second device run:            bash bench/gpu_session.sh throughput-qwen3 serve startup
-#   2 GPUs (nvidia-h200-x2):      bash bench/gpu_session.sh tp serve
+#   2 GPUs (nvidia-h200-x2):      bash bench/gpu_session.sh tp tp-profile
+#   kernel profiles:              bash bench/gpu_session.sh profile
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
@@ -14,7 +15,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
-wanted=" ${*:-tests latency throughput-8b throughput-qwen3 serve startup} "
+wanted=" ${*:-tests latency throughput-8b throughput-qwen3 serve startup profile} "
 bench() {  # name, time limit (s), command...
   local name=$1 limit=$2; shift 2
   [[ $wanted == *" $name "* ]] || return 0
@@ -30,5 +31,8 @@ bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
 bench throughput-qwen3 200 python3 bench/throughput.py --shape qwen3-0.6b --num-prompts 256 --hf-prompts 8 --hf-batch 8
 bench serve 240 python3 bench/serve.py --concurrency 1 8 32 64
 bench startup 200 python3 bench/startup.py
+bench profile 300 bash -c "python3 bench/profile_step.py --graphs --batch 1 && python3 bench/profile_step.py --graphs --batch 256"
+bench tp-profile 200 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+  python3 bench/profile_step.py --graphs --batch 1 --tp 2
 bench tp 420 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   python3 bench/tp_latency.py --tp 2 --timeout 130
