@@ -7,29 +7,28 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from kvship.outputs import CompletionOutput, RequestOutput
+from kvship.outputs import RequestOutput
 from kvship.sampling_params import MAX_LOGPROBS
-from kvship.server.errors import APIError, bad_request
+from kvship.server.errors import bad_request
 from kvship.server.metrics import observe_request
 from kvship.server.protocol import ChatCompletionRequest, ChatMessage
 from kvship.server.serving import (
-    SSE_DONE,
     ClientDisconnected,
     GenerationStream,
-    ServerState,
     TokenText,
+    accept,
     build_sampling_params,
-    engine_error,
+    finish_reason,
     fit_to_context,
-    logger,
     new_id,
-    parse_body,
     run_tokenizer,
     safe_logprob,
     sse,
+    sse_response,
     start,
+    usage_json,
 )
 
 router = APIRouter()
@@ -70,10 +69,7 @@ def _logprobs_json(choice_logprobs: list | None, token_text: TokenText) -> dict[
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(raw_request: Request) -> Response:
-    body = await parse_body(raw_request, ChatCompletionRequest)
-    state: ServerState = raw_request.app.state.kvship
-    state.check_model(body.model)
-    engine = state.engine_or_503()
+    body, state, engine = await accept(raw_request, ChatCompletionRequest)
 
     if body.top_logprobs is not None:
         if not body.logprobs:
@@ -102,11 +98,9 @@ async def create_chat_completion(raw_request: Request) -> Response:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     token_text = TokenText(engine.tokenizer)
     if body.stream:
-        return StreamingResponse(
-            _stream_chunks(stream, first[1], request_id, created, model, params.n, include_usage, token_text),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return sse_response(stream, request_id,
+                            _stream_chunks(stream, first[1], request_id, created, model, params.n, include_usage,
+                                           token_text))
 
     await stream.aclose()
     final = finals[0]
@@ -117,7 +111,7 @@ async def create_chat_completion(raw_request: Request) -> Response:
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text, "refusal": None},
                 "logprobs": _logprobs_json(c.logprobs, token_text) if logprobs is not None else None,
-                "finish_reason": _finish(c),
+                "finish_reason": finish_reason(c),
             }
         )
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
@@ -129,20 +123,10 @@ async def create_chat_completion(raw_request: Request) -> Response:
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "usage": usage_json(prompt_tokens, completion_tokens),
             "system_fingerprint": None,
         }
     )
-
-
-def _finish(c: CompletionOutput) -> str | None:
-    if c.finish_reason == "abort":
-        return "stop"
-    return c.finish_reason
 
 
 async def _stream_chunks(
@@ -170,58 +154,42 @@ async def _stream_chunks(
 
     finished = [False] * n
     last = first
-    try:
-        for i in range(n):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": "", "refusal": None}, "logprobs": None, "finish_reason": None}])
-        out: RequestOutput | None = first
-        while out is not None:
-            last = out
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                if finished[c.index]:
-                    continue
-                lp = c.logprobs_delta
-                if c.text_delta or lp:
-                    yield chunk(
-                        [
-                            {
-                                "index": c.index,
-                                "delta": {"content": c.text_delta},
-                                "logprobs": _logprobs_json(lp, token_text) if lp is not None else None,
-                                "finish_reason": None,
-                            }
-                        ]
-                    )
-                if c.finish_reason is not None:
-                    finished[c.index] = True
-                    yield chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": _finish(c)}])
-            try:
-                _, out = await stream.__anext__()
-            except StopAsyncIteration:
-                out = None
-        if include_usage:
-            prompt_tokens = len(last.prompt_token_ids)
-            completion_tokens = sum(len(c.token_ids) for c in last.outputs)
-            yield sse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "system_fingerprint": None,
-                    "choices": [],
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": completion_tokens,
-                        "total_tokens": prompt_tokens + completion_tokens,
-                    },
-                }
-            )
-        yield SSE_DONE
-    except Exception as exc:  # noqa: BLE001 - the status line is gone; report inside the stream
-        err = engine_error(exc) or APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error")
-        if err.status >= 500:
-            logger.warning("stream %s failed: %r", request_id, exc)
-        yield sse(err.body())
-        yield SSE_DONE
-    finally:
-        await stream.aclose()
+    for i in range(n):
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": "", "refusal": None}, "logprobs": None, "finish_reason": None}])
+    out: RequestOutput | None = first
+    while out is not None:
+        last = out
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            if finished[c.index]:
+                continue
+            lp = c.logprobs_delta
+            if c.text_delta or lp:
+                yield chunk(
+                    [
+                        {
+                            "index": c.index,
+                            "delta": {"content": c.text_delta},
+                            "logprobs": _logprobs_json(lp, token_text) if lp is not None else None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            if c.finish_reason is not None:
+                finished[c.index] = True
+                yield chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(c)}])
+        try:
+            _, out = await stream.__anext__()
+        except StopAsyncIteration:
+            out = None
+    if include_usage:
+        yield sse(
+            {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "system_fingerprint": None,
+                "choices": [],
+                "usage": usage_json(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)),
+            }
+        )

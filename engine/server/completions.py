@@ -7,29 +7,28 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvship.outputs import RequestOutput
-from kvship.server.errors import APIError, bad_request
+from kvship.server.errors import bad_request
 from kvship.server.metrics import observe_request
 from kvship.server.protocol import CompletionRequest
 from kvship.server.serving import (
-    SSE_DONE,
     ClientDisconnected,
     GenerationStream,
-    ServerState,
     TokenText,
+    accept,
     build_sampling_params,
     check_token_ids,
-    engine_error,
+    finish_reason,
     fit_to_context,
-    logger,
     new_id,
-    parse_body,
     run_tokenizer,
     safe_logprob,
     sse,
+    sse_response,
     start,
+    usage_json,
 )
 
 router = APIRouter()
@@ -93,10 +92,7 @@ class _LogprobBuilder:
 
 @router.post("/v1/completions")
 async def create_completion(raw_request: Request) -> Response:
-    body = await parse_body(raw_request, CompletionRequest)
-    state: ServerState = raw_request.app.state.kvship
-    state.check_model(body.model)
-    engine = state.engine_or_503()
+    body, state, engine = await accept(raw_request, CompletionRequest)
 
     if body.suffix:
         raise bad_request("suffix is not supported.", param="suffix")
@@ -129,11 +125,9 @@ async def create_completion(raw_request: Request) -> Response:
     token_text = TokenText(engine.tokenizer)
     want_logprobs = body.logprobs is not None
     if body.stream:
-        return StreamingResponse(
-            _stream_chunks(stream, first, request_id, created, model, n, prompt_ids, echo_texts, include_usage, want_logprobs, token_text),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return sse_response(stream, request_id,
+                            _stream_chunks(stream, first, request_id, created, model, n, prompt_ids, echo_texts,
+                                           include_usage, want_logprobs, token_text))
 
     await stream.aclose()
     choices = []
@@ -155,7 +149,7 @@ async def create_completion(raw_request: Request) -> Response:
                     "index": p_index * n + c.index,
                     "text": echo + c.text,
                     "logprobs": logprobs,
-                    "finish_reason": "stop" if c.finish_reason == "abort" else c.finish_reason,
+                    "finish_reason": finish_reason(c),
                 }
             )
     return JSONResponse(
@@ -165,11 +159,7 @@ async def create_completion(raw_request: Request) -> Response:
             "created": created,
             "model": model,
             "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
+            "usage": usage_json(prompt_tokens, completion_tokens),
             "system_fingerprint": None,
         }
     )
@@ -208,59 +198,43 @@ async def _stream_chunks(
     echo_lp = want_logprobs and first[1].prompt_logprobs is not None
     builders = [_LogprobBuilder(token_text, 0 if echo_lp else len(echo_texts[i // n])) for i in range(n_prompts * n)]
     last: dict[int, RequestOutput] = {}
-    try:
-        item: tuple[int, RequestOutput] | None = first
-        while item is not None:
-            p_index, out = item
-            last[p_index] = out
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                idx = p_index * n + c.index
-                if finished[idx]:
-                    continue
-                text = c.text_delta
-                if echo_lp and not started[idx]:  # the prompt's logprobs lead the first chunk
-                    lp = builders[idx].build_with_prompt(prompt_ids[p_index], out.prompt_logprobs or [],
-                                                         c.logprobs_delta)
-                else:
-                    lp = builders[idx].build(c.logprobs_delta) if want_logprobs else None
-                if not started[idx]:
-                    started[idx] = True
-                    text = echo_texts[p_index] + text
-                fr = c.finish_reason
-                if fr == "abort":
-                    fr = "stop"
-                if text or (lp and lp["tokens"]) or fr is not None:
-                    yield chunk(idx, text, lp, fr)
-                if fr is not None:
-                    finished[idx] = True
-            try:
-                item = await stream.__anext__()
-            except StopAsyncIteration:
-                item = None
-        if include_usage:
-            prompt_tokens = sum(len(prompt_ids[i]) for i in range(n_prompts))
-            completion_tokens = sum(len(c.token_ids) for out in last.values() for c in out.outputs)
-            yield sse(
-                {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "system_fingerprint": None,
-                    "choices": [],
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": completion_tokens,
-                        "total_tokens": prompt_tokens + completion_tokens,
-                    },
-                }
-            )
-        yield SSE_DONE
-    except Exception as exc:  # noqa: BLE001
-        err = engine_error(exc) or APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error")
-        if err.status >= 500:
-            logger.warning("stream %s failed: %r", request_id, exc)
-        yield sse(err.body())
-        yield SSE_DONE
-    finally:
-        await stream.aclose()
+    item: tuple[int, RequestOutput] | None = first
+    while item is not None:
+        p_index, out = item
+        last[p_index] = out
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            idx = p_index * n + c.index
+            if finished[idx]:
+                continue
+            text = c.text_delta
+            if echo_lp and not started[idx]:  # the prompt's logprobs lead the first chunk
+                lp = builders[idx].build_with_prompt(prompt_ids[p_index], out.prompt_logprobs or [],
+                                                     c.logprobs_delta)
+            else:
+                lp = builders[idx].build(c.logprobs_delta) if want_logprobs else None
+            if not started[idx]:
+                started[idx] = True
+                text = echo_texts[p_index] + text
+            fr = finish_reason(c)
+            if text or (lp and lp["tokens"]) or fr is not None:
+                yield chunk(idx, text, lp, fr)
+            if fr is not None:
+                finished[idx] = True
+        try:
+            item = await stream.__anext__()
+        except StopAsyncIteration:
+            item = None
+    if include_usage:
+        prompt_tokens = sum(len(prompt_ids[i]) for i in range(n_prompts))
+        completion_tokens = sum(len(c.token_ids) for out in last.values() for c in out.outputs)
+        yield sse(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "system_fingerprint": None,
+                "choices": [],
+                "usage": usage_json(prompt_tokens, completion_tokens),
+            }
+        )

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -376,6 +376,48 @@ def sse(data: dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(c: Any) -> str | None:
+    """A choice's OpenAI finish_reason: an aborted one (client gone, server draining) reads "stop"."""
+    return "stop" if c.finish_reason == "abort" else c.finish_reason
+
+
+def sse_response(stream: GenerationStream, request_id: str, chunks: AsyncIterator[str]) -> Any:
+    """`chunks` as Server-Sent Events, then [DONE]. Once streaming, the status line is gone: an
+    error is reported inside the stream; the engine request is closed however it ends."""
+    from fastapi.responses import StreamingResponse
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+            yield SSE_DONE
+        except Exception as exc:  # noqa: BLE001
+            err = engine_error(exc) or APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error")
+            if err.status >= 500:
+                logger.warning("stream %s failed: %r", request_id, exc)
+            yield sse(err.body())
+            yield SSE_DONE
+        finally:
+            await stream.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def accept(raw_request: Request, model: type[T]) -> tuple[T, ServerState, Any]:
+    """The parsed body, the server state and the engine, for an endpoint that uses the model
+    (404 for another model's name, 503 while the engine is not serving)."""
+    body = await parse_body(raw_request, model)
+    state: ServerState = raw_request.app.state.kvship
+    state.check_model(body.model)
+    return body, state, state.engine_or_503()
 
 
 async def parse_body(request: Request, model: type[T]) -> T:

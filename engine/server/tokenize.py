@@ -7,17 +7,14 @@ from fastapi import APIRouter, Request
 from kvship.server.chat import chat_prompt_ids
 from kvship.server.errors import bad_request
 from kvship.server.protocol import DetokenizeRequest, TokenizeRequest
-from kvship.server.serving import ServerState, check_token_ids, parse_body, run_tokenizer
+from kvship.server.serving import accept, check_token_ids, run_tokenizer
 
 router = APIRouter()
 
 
 @router.post("/tokenize")
 async def tokenize(raw_request: Request) -> dict:
-    body = await parse_body(raw_request, TokenizeRequest)
-    state: ServerState = raw_request.app.state.kvship
-    state.check_model(body.model)
-    engine = state.engine_or_503()
+    body, _, engine = await accept(raw_request, TokenizeRequest)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Give exactly one of prompt and messages.", param="prompt")
     if body.messages is not None:
@@ -30,10 +27,7 @@ async def tokenize(raw_request: Request) -> dict:
 
 @router.post("/detokenize")
 async def detokenize(raw_request: Request) -> dict:
-    body = await parse_body(raw_request, DetokenizeRequest)
-    state: ServerState = raw_request.app.state.kvship
-    state.check_model(body.model)
-    engine = state.engine_or_503()
+    body, _, engine = await accept(raw_request, DetokenizeRequest)
     check_token_ids(body.tokens, engine.tokenizer.vocab_size, "tokens")
     text = await run_tokenizer(engine.tokenizer.decode, body.tokens, False, size=len(body.tokens))
     return {"prompt": text}
