@@ -56,15 +56,15 @@ def one_check(folder: str, tp: int, out_path: str, dtype: str) -> None:
     llm.engine.shutdown()
 
 
-def one_latency(folder: str, tp: int, prompt_len: int, out_len: int, eager: bool, all_reduce: str) -> dict:
+def one_latency(folder: str, tp: int, prompt_len: int, out_len: int, all_reduce: str) -> dict:
     from kvship.llm import LLM
 
     t0 = time.monotonic()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", tensor_parallel_size=tp,
-              max_model_len=prompt_len + out_len + 16, max_num_seqs=8, enforce_eager=eager, tp_all_reduce=all_reduce)
+              max_model_len=prompt_len + out_len + 16, max_num_seqs=8, tp_all_reduce=all_reduce)
     load_s = time.monotonic() - t0
     ttft, rate = measure_batch1(llm, prompt_len, out_len)
-    result = {"tp": tp, "eager": eager, "tok_s": rate, "ttft_s": ttft, "start_s": load_s}
+    result = {"tp": tp, "all_reduce": all_reduce, "tok_s": rate, "ttft_s": ttft, "start_s": load_s}
     print(json.dumps(result), flush=True)  # before teardown: the figure stands even if teardown hangs
     llm.engine.shutdown()
     return result
@@ -130,8 +130,7 @@ def main() -> None:
         if kind == "check":
             one_check(folder, tp, args._one[3], args._one[4])
         else:
-            one_latency(folder, tp, args.prompt, args.output, eager=kind == "eager",
-                        all_reduce="one-shot" if kind == "oneshot" else "nccl")
+            one_latency(folder, tp, args.prompt, args.output, all_reduce="one-shot" if kind == "oneshot" else "nccl")
         return
 
     lines = [header(f"Tensor parallelism: TP=1 vs TP={args.tp}, random weights")]
@@ -157,8 +156,7 @@ def main() -> None:
         rows = []
         weight_bytes = param_count(args.shape) * 2
         per_token = weight_bytes + (args.prompt + args.output / 2) * kv_bytes_per_token(args.shape)
-        names = {"graph": "CUDA graphs, NCCL all-reduce", "oneshot": "CUDA graphs, one-shot all-reduce",
-                 "eager": "eager"}
+        names = {"graph": "CUDA graphs, NCCL all-reduce", "oneshot": "CUDA graphs, one-shot all-reduce"}
         for tp in () if args.no_latency else (1, args.tp):
             for kind in ("graph", "oneshot") if tp > 1 else ("graph",):
                 code, out = _child(["--prompt", str(args.prompt), "--output", str(args.output),

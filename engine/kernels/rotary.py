@@ -45,6 +45,19 @@ def rotary_torch(
 
 
 @triton.jit
+def _rotate_heads(x_ptr, t, stride_t, stride_h, cos, sin, offs_d, dmask,
+                  H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rotate, in place, the H heads of token t (rotate-half layout)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    m = (offs_h[:, None] < H) & dmask[None, :]
+    p = x_ptr + t * stride_t + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+    tl.store(p, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=m)
+    tl.store(p + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, cs_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
@@ -57,22 +70,8 @@ def _rotary_kernel(
     dmask = offs_d < HALF
     cos = tl.load(cs_ptr + pos * stride_cs + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-
-    offs_h = tl.arange(0, BLOCK_HQ)
-    m = (offs_h[:, None] < HQ) & dmask[None, :]
-    p = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
-    tl.store(p, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=m)
-    tl.store(p + HALF, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=m)
-
-    offs_h = tl.arange(0, BLOCK_HKV)
-    m = (offs_h[:, None] < HKV) & dmask[None, :]
-    p = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
-    tl.store(p, (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty), mask=m)
-    tl.store(p + HALF, (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty), mask=m)
+    _rotate_heads(q_ptr, t, stride_qt, stride_qh, cos, sin, offs_d, dmask, HQ, HALF, BLOCK_HQ)
+    _rotate_heads(k_ptr, t, stride_kt, stride_kh, cos, sin, offs_d, dmask, HKV, HALF, BLOCK_HKV)
 
 
 def rotary_triton(
