@@ -4,7 +4,8 @@
 #   device run, carry [".whl"]:  bash bench/gpu_session.sh tests latency throughput-8b
 #   second device run:            bash bench/gpu_session.sh throughput-qwen3 serve startup
 #   2 GPUs (nvidia-h200-x2):      bash bench/gpu_session.sh tp tp-profile
-#   kernel profiles:              bash bench/gpu_session.sh profile
+#   kernel profiles:              bash bench/gpu_session.sh profile   (profile-b1: batch 1 only)
+#   GEMV settings sweep:          bash bench/gpu_session.sh gemv
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
@@ -27,10 +28,13 @@ bench() {  # name, time limit (s), command...
 bench tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_models.py \
   tests/test_kernels.py tests/test_sampler.py
 bench latency 150 python3 bench/latency.py
+bench latency-nohf 100 python3 bench/latency.py --no-hf
+bench gemv 200 python3 bench/gemv_sweep.py
 bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
 bench throughput-qwen3 200 python3 bench/throughput.py --shape qwen3-0.6b --num-prompts 256 --hf-prompts 8 --hf-batch 8
 bench serve 240 python3 bench/serve.py --concurrency 1 8 32 64
 bench startup 200 python3 bench/startup.py
+bench profile-b1 150 python3 bench/profile_step.py --graphs --batch 1
 bench profile 300 bash -c "python3 bench/profile_step.py --graphs --batch 1 && python3 bench/profile_step.py --graphs --batch 256"
 bench tp-profile 200 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   python3 bench/profile_step.py --graphs --batch 1 --tp 2

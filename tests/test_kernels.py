@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from kvship.kernels import activation, norm, paged_attention as pa, rotary
+from kvship.kernels import activation, gemv, norm, paged_attention as pa, rotary
 from kvship.kernels._triton import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -139,31 +139,6 @@ def test_chunked_prefill_matches_whole(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_store_kv(block_size, dtype):
-    t, hkv, d, nb = (13, 3, 64, 4) if not GPU else (4096, 8, 128, 300)
-    g = torch.Generator().manual_seed(block_size)
-    k = torch.randn(t, hkv, d, generator=g).to(dtype).to(DEV)
-    v = torch.randn(t, hkv, d, generator=g).to(dtype).to(DEV)
-    slots = torch.randperm(nb * block_size, generator=g)[:t].to(torch.int64)
-    slots[torch.randperm(t, generator=g)[: t // 4]] = -1  # padding tokens
-    slots = slots.to(DEV)
-    kc = torch.randn(nb, block_size, hkv, d, generator=g).to(dtype).to(DEV)
-    vc = torch.randn(nb, block_size, hkv, d, generator=g).to(dtype).to(DEV)
-    kc2, vc2 = kc.clone(), vc.clone()
-    pa.store_kv_torch(k, v, kc, vc, slots)
-    pa.store_kv_triton(k, v, kc2, vc2, slots)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    # non-contiguous k/v (slices of a fused qkv projection)
-    qkv = torch.randn(t, (2 + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
-    kv = qkv[:, 2 * d :].view(t, 2 * hkv, d)
-    k2, v2 = kv[:, :hkv], kv[:, hkv:]
-    pa.store_kv_torch(k2, v2, kc, vc, slots)
-    pa.store_kv_triton(k2, v2, kc2, vc2, slots)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [576, 4096] if GPU else [64, 576])
 def test_rms_norm(hidden, dtype):
     t = 300 if GPU else 5
@@ -181,21 +156,32 @@ def test_rms_norm(hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 128)] if not GPU else [(32, 8, 128), (9, 3, 64)])
-def test_rotary(hq, hkv, d, dtype):
-    t = 7 if not GPU else 2048
-    g = torch.Generator().manual_seed(d)
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (4, 2, 128, 32)] if not GPU
+                         else [(32, 8, 128, 16), (9, 3, 64, 32)])
+def test_rotary_store_kv(hq, hkv, d, block_size, dtype):
+    """Fused rotary + KV store = rotary_torch then store_kv_torch, on strided q/k/v views of a
+    fused qkv projection, with padding tokens (slot -1) that must leave the cache alone."""
+    t, nb = (13, 4) if not GPU else (2048, 300)
+    g = torch.Generator().manual_seed(d + block_size)
     cache = rotary.build_cos_sin_cache(4096, d).to(DEV)
     pos = torch.randint(0, 4096, (t,), generator=g).to(DEV)
+    slots = torch.randperm(nb * block_size, generator=g)[:t].to(torch.int64)
+    slots[torch.randperm(t, generator=g)[: t // 4]] = -1
+    slots = slots.to(DEV)
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
-    q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as the attention layer makes them
-    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-    q_ref, k_ref = rotary.rotary_torch(pos, q, k, cache)
-    v_before = qkv[:, (hq + hkv) * d :].clone()
-    q_got, k_got = rotary.rotary_triton(pos, q, k, cache)
-    close(q_got, q_ref, dtype, "rot q")
-    close(k_got, k_ref, dtype, "rot k")
-    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    kc = torch.randn(nb, block_size, hkv, d, generator=g).to(dtype).to(DEV)
+    vc = torch.randn(nb, block_size, hkv, d, generator=g).to(dtype).to(DEV)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kv_before = qkv[:, hq * d :].clone()
+    q_ref = rotary.rotary_store_kv_torch(pos, q.clone(), k, v, cache, kc_ref, vc_ref, slots)
+    q_got = rotary.rotary_store_kv_triton(pos, q, k, v, cache, kc, vc, slots)
+    assert q_got.data_ptr() == q.data_ptr()  # rotated in place
+    close(q_got, q_ref, dtype, "rotated q")
+    close(kc, kc_ref, dtype, "k cache")
+    assert torch.equal(vc, vc_ref)  # v copied bit for bit, padding slots untouched
+    assert torch.equal(qkv[:, hq * d :], kv_before)  # k and v themselves unchanged
 
 
 def test_rotary_reference_matches_hf_formula():
@@ -224,21 +210,54 @@ def test_silu_and_mul(inter, dtype):
     close(activation.silu_and_mul_triton(x), activation.silu_and_mul_torch(x), dtype, "silu")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,bias", [(50, 200, False), (33, 64, True)] if not GPU
+                         else [(6144, 4096, False), (4096, 14336, False), (1000, 3000, True)])
+def test_gemv(n, k, bias, dtype):
+    """One-row GEMV = F.linear, with rows and columns that do not fill the last block."""
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV)
+    b = torch.randn(n, generator=g).to(dtype).to(DEV) if bias else None
+    for cfg in ({"block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 1},
+                {"block_n": 8, "block_k": 128, "num_warps": 4, "num_stages": 3}):
+        close(gemv.gemv_triton(x, w, b, cfg), gemv.gemv_torch(x, w, b), dtype, f"gemv {cfg}")
+
+
+def test_linear_dispatch_only_on_listed_shapes(monkeypatch):
+    """gemv.linear sends one-row inputs of listed weight shapes to the kernel, nothing else."""
+    calls = []
+    monkeypatch.setattr(gemv, "gemv_triton", lambda x, w, b, cfg: calls.append(cfg) or gemv.gemv_torch(x, w, b))
+    monkeypatch.setattr(gemv, "use_triton", lambda t: True)
+    monkeypatch.setitem(gemv.GEMV_SHAPES, (8, 16), {"block_n": 8})
+    w = torch.randn(8, 16)
+    x1 = torch.randn(1, 16)
+    torch.testing.assert_close(gemv.linear(x1, w), x1 @ w.T)
+    assert calls == [{"block_n": 8}]
+    gemv.linear(torch.randn(3, 16), w)  # several rows: cuBLAS
+    gemv.linear(torch.randn(1, 8), torch.randn(4, 8))  # unlisted shape: cuBLAS
+    assert len(calls) == 1
+
+
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
 def test_decode_cuda_graph_capture():
-    """store_kv + split-K decode captured in a CUDA graph and replayed on new inputs."""
+    """rotary + KV store and split-K decode captured in a CUDA graph, replayed on new inputs."""
     dtype, hq, hkv, d, bs = torch.bfloat16, 32, 8, 128, 16
     ctx = [100, 2000, 37, 4096]
     q, kc, vc, bt, sl, cu = make_paged([1] * 4, ctx, hq, hkv, d, bs, dtype, seed=11)
     k_new = torch.randn(4, hkv, d, device=DEV, dtype=dtype)
     v_new = torch.randn_like(k_new)
     slots = torch.full((4,), -1, dtype=torch.int64, device=DEV)
+    positions = torch.zeros(4, dtype=torch.int64, device=DEV)
+    cos_sin = rotary.build_cos_sin_cache(8192, d, device=DEV)
+    q_in = torch.empty_like(q)  # rotated in place by each replay
     out = torch.empty_like(q)
     scale = d**-0.5
 
     def step():
-        pa.store_kv_triton(k_new, v_new, kc, vc, slots)
-        pa.paged_attention_triton(q, kc, vc, bt, sl, cu, scale, 1, out=out)
+        q_in.copy_(q)
+        rotary.rotary_store_kv_triton(positions, q_in, k_new, v_new, cos_sin, kc, vc, slots)
+        pa.paged_attention_triton(q_in, kc, vc, bt, sl, cu, scale, 1, out=out)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -254,11 +273,14 @@ def test_decode_cuda_graph_capture():
         q.copy_(torch.randn_like(q))
         k_new.copy_(torch.randn_like(k_new))
         pos = new_ctx.long() - 1
+        positions.copy_(pos)
         slots.copy_(bt.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs)
         graph.replay()
         torch.cuda.synchronize()
-        kc_ref = kc.clone()
-        ref = pa.paged_attention_torch(q, kc_ref, vc, bt, sl, cu, scale)
+        q_rot, k_rot = rotary.rotary_torch(positions, q, k_new, cos_sin)
+        flat = kc.view(-1, hkv, d)
+        close(flat[slots], k_rot, dtype, f"stored keys {trial}")
+        ref = pa.paged_attention_torch(q_rot, kc, vc, bt, sl, cu, scale)
         close(out, ref, dtype, f"graph replay {trial}")
 
 

@@ -13,7 +13,8 @@ positions <= its own. Decode is the case q_len == 1 for every sequence.
 This file holds the plain-torch reference (CPU path, and the oracle for the Triton kernels),
 then the Triton kernels:
 
-- ``store_kv_triton``: one program per new token, all heads; slot -1 is skipped.
+Storing new keys/values on the GPU is fused with rotary (kernels/rotary.py: ``rotary_store_kv``);
+``store_kv_torch`` is its reference half.
 - ``paged_attention_triton``: when ``max_seqlen_q == 1`` (decode), a GQA-aware kernel — one
   program holds all query heads of one KV head (the group padded to a power of two >= 16 rows
   for ``tl.dot``), so each K/V tile is read once per KV head — split over the context
@@ -99,13 +100,6 @@ def paged_attention_torch(
     return out
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    if use_triton(k):
-        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    else:
-        store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
-
-
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q: int, out=None):
     if use_triton(q):
         return paged_attention_triton(
@@ -131,53 +125,6 @@ PREFILL_CONFIG = {
     # the best of 7 tried at B=1/32k, 32/4k and 128/4k.
     128: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
 }
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    page = slot // BLOCK_SIZE
-    row = slot % BLOCK_SIZE
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(
-        kc_ptr + page * stride_kcb + row * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :],
-        k.to(kc_ptr.dtype.element_ty), mask=mask,
-    )
-    tl.store(
-        vc_ptr + page * stride_vcb + row * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :],
-        v.to(vc_ptr.dtype.element_ty), mask=mask,
-    )
-
-
-def store_kv_triton(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Triton twin of ``store_kv_torch``: k, v [T, Hkv, D] (last dim contiguous) into their slots."""
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    t, h, d = k.shape
-    if t == 0:
-        return
-    _store_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=h, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_H=next_pow2(h), BLOCK_D=next_pow2(d), num_warps=4,
-    )
 
 
 @triton.jit

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from kvship.kernels import paged_attention as pa
+from kvship.kernels.rotary import rotary_store_kv, rotary_store_kv_torch
+from kvship.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -20,18 +22,25 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: str):
+    """Rotary embedding, the KV-cache store and attention: the first two fused on the GPU."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding, backend: str):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
+        self.rotary = rotary
         self.force_torch = backend == "torch"
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k and v [T, Hkv, D], not yet rotated -> attention output [T, Hq, D]."""
+        store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping)
         args = (self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
         if self.force_torch:
-            pa.store_kv_torch(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            q = rotary_store_kv_torch(positions, q, k, v, *store)
             return pa.paged_attention_torch(q, *args)
-        pa.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        q = rotary_store_kv(positions, q, k, v, *store)
         return pa.paged_attention(q, *args, meta.max_seqlen_q)

@@ -7,10 +7,10 @@ whole matrix. With one rank they are plain linears.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvship.distributed.parallel import TPContext
+from kvship.kernels.gemv import linear
 
 
 def _rows(ref, start: int, size: int) -> torch.Tensor:
@@ -31,7 +31,7 @@ class _Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(_Linear):
@@ -107,6 +107,6 @@ class RowParallelLinear(_Linear):
         param.data.copy_(ref.load((slice(None), slice(start, start + size))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

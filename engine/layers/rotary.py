@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvship.kernels.rotary import build_cos_sin_cache, rotary
+from kvship.kernels.rotary import build_cos_sin_cache
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -31,12 +31,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin table, shared by every layer; applied by PagedAttention with the KV store."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         cache = build_cos_sin_cache(max_positions, head_dim, inv_freq=inv_freq, device=torch.get_default_device())
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k)."""
-        return rotary(positions, q, k, self.cos_sin_cache)

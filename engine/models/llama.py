@@ -30,8 +30,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, backend)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, rotary, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -41,8 +40,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)
+        out = self.attn(positions, q, k, v, meta)
         return self.o_proj(out.flatten(1))
 
 

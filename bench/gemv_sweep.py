@@ -1,0 +1,101 @@
+"""One-row matrix-vector products (batch-1 decode) on the 8B shape's projections, TP=1 and TP=2
+slices: cuBLAS (F.linear) against the Triton GEMV kernel over a grid of launch settings, each
+timed from a CUDA graph that cycles through enough weight copies to overflow L2 (as in a real
+step, where each layer's weights come from HBM). Prints a table and the GEMV_SHAPES entries
+(engine/kernels/gemv.py) for the shapes where the best setting beats cuBLAS.
+
+    python bench/gemv_sweep.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import header, measure_ceilings, table  # noqa: E402
+
+from kvship.kernels import gemv  # noqa: E402
+
+# (name, N, K): q/k/v, o, gate/up, down of Llama-3-8B at TP=1, then rank slices at TP=2.
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
+          ("qkv tp2", 3072, 4096), ("o tp2", 4096, 2048), ("gate_up tp2", 14336, 4096), ("down tp2", 4096, 7168)]
+
+
+def time_per_call(fn_per_copy, copies: int, reps: int = 20) -> float:
+    """Microseconds per call: a graph of `copies` calls (distinct weights) replayed `reps` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(copies):
+            fn_per_copy(i)  # compile and warm up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            fn_per_copy(i)
+    for _ in range(3):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * copies)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="a small grid of settings")
+    args = ap.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    copy_bw, _ = measure_ceilings()
+    grid = list(itertools.product([8, 16, 32], [256, 512, 1024], [4, 8], [1, 3]))
+    if args.quick:
+        grid = [(16, 512, 4, 3), (32, 256, 4, 3), (8, 1024, 4, 1)]
+    rows, best_table = [], {}
+    for name, n, k in SHAPES:
+        copies = max(4, -(-300_000_000 // (n * k * 2)))  # > 2x the 50 MB L2 every replay
+        ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, device=dev, dtype=dt)
+        ys = [torch.empty(1, n, device=dev, dtype=dt) for _ in range(copies)]
+        ref = torch.nn.functional.linear(x, ws[0])
+        cublas_us = time_per_call(lambda i: ys[i].copy_(torch.nn.functional.linear(x, ws[i])), copies)
+        best = None
+        for bn, bk, nw, ns in grid:
+            cfg = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+            try:
+                out = gemv.gemv_triton(x, ws[0], None, cfg)
+                err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+                if err > 1e-2:
+                    print(f"  {name} {cfg}: rel err {err:.1e}, skipped", file=sys.stderr)
+                    continue
+                us = time_per_call(lambda i: ys[i].copy_(gemv.gemv_triton(x, ws[i], None, cfg)), copies)
+            except Exception as e:  # out of resources for this setting
+                print(f"  {name} {cfg}: {type(e).__name__}", file=sys.stderr)
+                continue
+            if best is None or us < best[0]:
+                best = (us, cfg, err)
+        pct = lambda us: f"{100 * n * k * 2 / (us * 1e-6) / copy_bw:.0f}%"  # noqa: E731
+        rows.append([name, f"{n}x{k}", f"{cublas_us:.1f}", pct(cublas_us),
+                     f"{best[0]:.1f}" if best else "-", pct(best[0]) if best else "-",
+                     str(best[1]) if best else "-", f"{best[2]:.0e}" if best else "-"])
+        if best and best[0] < 0.97 * cublas_us:
+            best_table[(n, k)] = best[1]
+        del ws, ys
+        torch.cuda.empty_cache()
+    print(header("One-row GEMV (batch-1 decode projections): cuBLAS vs Triton, weights streamed from HBM"))
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (as the roofline in latency.py); % = weight bytes ÷ time ÷ that\n")
+    print(table(rows, ["weight", "N x K", "cuBLAS µs", "cuBLAS % BW", "Triton µs", "Triton % BW", "best setting", "rel err"]))
+    print("\nGEMV_SHAPES = {")
+    for (n, k), cfg in best_table.items():
+        print(f"    ({n}, {k}): {cfg},")
+    print("}")
+
+
+if __name__ == "__main__":
+    main()

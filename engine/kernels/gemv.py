@@ -1,0 +1,76 @@
+"""Matrix-vector product for one-token decode: y [1, N] = x [1, K] @ W[N, K]^T (+ bias).
+
+At batch 1 a decode step is a stream of weight reads. The H200 profile of the 8B shape showed
+cuBLAS reading the narrower projections (q/k/v: N 6144, o: K 4096) at ~75% of bandwidth and
+following the split-K ones with a separate reduction kernel. This kernel gives each program
+BLOCK_N whole weight rows: it streams them once, multiplies by x (tiny, served from L1/L2) and
+keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. No split-K, no second
+kernel, no atomics. It is used only on the weight shapes listed in ``GEMV_SHAPES``, each with
+the launch settings that beat cuBLAS there in bench/gemv_sweep.py on the H200; elsewhere, and
+for more than one row, cuBLAS stays.
+
+``gemv_torch`` (F.linear) is the reference; ``gemv_triton`` the kernel; ``linear`` picks one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvship.kernels._triton import tl, triton, use_triton
+
+DEFAULT_CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
+# (N, K) weight shape -> launch settings, for the shapes where the kernel beat cuBLAS at M = 1
+# on the H200 (bench/gemv_sweep.py prints this table).
+GEMV_SHAPES: dict[tuple[int, int], dict[str, int]] = {}
+
+
+def gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < K
+        x = tl.load(x_ptr + kk, mask=kmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
+                    eviction_policy="evict_first")  # each weight byte is read once per step
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+def gemv_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict[str, int] | None = None
+) -> torch.Tensor:
+    """Triton twin of ``gemv_torch`` for x with one row ([1, K] or [K]); W [N, K] row-major."""
+    assert x.numel() == x.shape[-1] and weight.stride(-1) == 1
+    n, k = weight.shape
+    x = x.contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    cfg = config or DEFAULT_CONFIG
+    _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
+        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except one-row inputs on weight shapes listed in GEMV_SHAPES go to the kernel."""
+    config = GEMV_SHAPES.get(tuple(weight.shape)) if x.numel() == x.shape[-1] else None
+    if config is not None and use_triton(x):
+        return gemv_triton(x, weight, bias, config)
+    return F.linear(x, weight, bias)
