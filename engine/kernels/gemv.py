@@ -21,7 +21,12 @@ from kvship.kernels._triton import tl, triton, use_triton
 DEFAULT_CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
 # (N, K) weight shape -> launch settings, for the shapes where the kernel beat cuBLAS at M = 1
 # on the H200 (bench/gemv_sweep.py prints this table).
-GEMV_SHAPES: dict[tuple[int, int], dict[str, int]] = {}
+GEMV_SHAPES: dict[tuple[int, int], dict[str, int]] = {
+    (4096, 4096): {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 1},  # 8B o_proj
+    (3072, 4096): {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 1},  # 8B qkv_proj, TP=2
+    (4096, 2048): {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 3},  # 8B o_proj, TP=2
+    (4096, 7168): {"block_n": 8, "block_k": 1024, "num_warps": 4, "num_stages": 1},  # 8B down_proj, TP=2
+}
 
 
 def gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
