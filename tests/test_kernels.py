@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from kvship.kernels import activation, gemv, norm, paged_attention as pa, rotary
+from kvship.kernels import activation, argmax, gemv, norm, paged_attention as pa, rotary
 from kvship.kernels._triton import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -214,20 +214,39 @@ def test_silu_and_mul(inter, dtype):
 @pytest.mark.parametrize("n,k,bias", [(50, 200, False), (33, 64, True)] if not GPU
                          else [(6144, 4096, False), (4096, 14336, False), (1000, 3000, True)])
 def test_gemv(n, k, bias, dtype):
-    """One-row GEMV = F.linear, with rows and columns that do not fill the last block."""
+    """One-row GEMV = F.linear (after SiLU-and-mul when gated), with rows and columns that do not
+    fill the last block."""
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, k, generator=g).to(dtype).to(DEV)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV)
     b = torch.randn(n, generator=g).to(dtype).to(DEV) if bias else None
+    h = (2 * torch.randn(1, 2 * k, generator=g)).to(dtype).to(DEV)  # a gate/up output
     for cfg in ({"block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 1},
                 {"block_n": 8, "block_k": 128, "num_warps": 4, "num_stages": 3}):
         close(gemv.gemv_triton(x, w, b, cfg), gemv.gemv_torch(x, w, b), dtype, f"gemv {cfg}")
+        close(gemv.gemv_triton(h, w, b, cfg, gated=True), gemv.gemv_torch(h, w, b, gated=True), dtype, "gated")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,v", [(1, 9000), (3, 4096), (2, 100)] if not GPU else [(1, 128256), (256, 151936), (5, 49152)])
+def test_argmax(b, v, dtype):
+    """Parallel argmax = torch's, ties included: they go to the lowest index."""
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(b, v, generator=g).to(dtype)
+    x[0, v // 3] = x[0, v - 1] = x[0, 5] = 100.0  # a three-way tie across chunks: index 5 wins
+    if b > 1:
+        x[1] = 0.0  # an all-equal row: index 0
+    x = x.to(DEV)
+    got = argmax.argmax_triton(x)
+    assert got.dtype == torch.int64 and got.tolist() == argmax.argmax_torch(x).tolist()
+    assert got[0].item() == 5
 
 
 def test_linear_dispatch_only_on_listed_shapes(monkeypatch):
     """gemv.linear sends one-row inputs of listed weight shapes to the kernel, nothing else."""
     calls = []
-    monkeypatch.setattr(gemv, "gemv_triton", lambda x, w, b, cfg: calls.append(cfg) or gemv.gemv_torch(x, w, b))
+    monkeypatch.setattr(gemv, "gemv_triton",
+                        lambda x, w, b, cfg, gated=False: calls.append(cfg) or gemv.gemv_torch(x, w, b, gated))
     monkeypatch.setattr(gemv, "use_triton", lambda t: True)
     monkeypatch.setitem(gemv.GEMV_SHAPES, (8, 16), {"block_n": 8})
     w = torch.randn(8, 16)
@@ -237,6 +256,11 @@ def test_linear_dispatch_only_on_listed_shapes(monkeypatch):
     gemv.linear(torch.randn(3, 16), w)  # several rows: cuBLAS
     gemv.linear(torch.randn(1, 8), torch.randn(4, 8))  # unlisted shape: cuBLAS
     assert len(calls) == 1
+    h = torch.randn(1, 32)
+    torch.testing.assert_close(gemv.silu_mul_linear(h, w), activation.silu_and_mul_torch(h) @ w.T)
+    assert len(calls) == 2
+    gemv.silu_mul_linear(torch.randn(2, 32), w)  # several rows: separate kernels
+    assert len(calls) == 2
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")

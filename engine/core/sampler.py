@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvship.kernels.argmax import argmax
 from kvship.outputs import TokenLogprob
 from kvship.sampling_params import SamplingParams
 
@@ -217,15 +218,20 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
         B, V = logits.shape
         dev = logits.device
+        greedy = [r.params.greedy for r in rows]
+        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if all(greedy) and not lp_rows and not any(r.params.uses_penalties for r in rows):
+            # The common greedy batch: no fp32 copy of the logits, one parallel argmax.
+            tokens = argmax(logits)
+            return PendingSample(tokens, [tokens], [], [])
         raw = logits.to(torch.float32)  # never modified in place below
 
         x = apply_penalties(raw, rows, self.prompt_cache)
-        greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            tokens = x.argmax(dim=-1)
+            tokens = argmax(x)
         else:
             temps = [1.0 if g else r.params.temperature for g, r in zip(greedy, rows)]
-            greedy_tokens = x.argmax(dim=-1) if any(greedy) else None
+            greedy_tokens = argmax(x) if any(greedy) else None
             if any(t != 1.0 for t in temps):
                 x = x / torch.tensor(temps, dtype=torch.float32, device=dev).unsqueeze(1)
             x = apply_top_k_top_p_min_p(x, rows)
@@ -237,7 +243,6 @@ class Sampler:
                 tokens = torch.where(g, greedy_tokens, tokens)
 
         # Logprobs come from the raw model distribution (as vLLM / OpenAI report them).
-        lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         lp_k = [min(rows[i].params.logprobs, V) for i in lp_rows]
         device_side = [tokens]
         if lp_rows:

@@ -9,7 +9,12 @@ kernel, no atomics. It is used only on the weight shapes listed in ``GEMV_SHAPES
 the launch settings that beat cuBLAS there in bench/gemv_sweep.py on the H200; elsewhere, and
 for more than one row, cuBLAS stays.
 
-``gemv_torch`` (F.linear) is the reference; ``gemv_triton`` the kernel; ``linear`` picks one.
+With ``gated=True`` the input is the gate/up projection's output [1, 2K] and the kernel applies
+SiLU-and-mul on the fly (silu(gate) * up, rounded to the input dtype as the separate kernel
+does): the MLP's down projection then needs no activation kernel of its own.
+
+``gemv_torch`` (F.linear, after silu_and_mul when gated) is the reference; ``gemv_triton`` the
+kernel; ``linear`` and ``silu_mul_linear`` pick one.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
+from kvship.kernels.activation import silu_and_mul, silu_and_mul_torch
 
 DEFAULT_CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
 # (N, K) weight shape -> launch settings, for the shapes where the kernel beat cuBLAS at M = 1
@@ -33,14 +39,16 @@ GEMV_SHAPES: dict[tuple[int, int], dict[str, int]] = {
 }
 
 
-def gemv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+def gemv_torch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+) -> torch.Tensor:
+    return F.linear(silu_and_mul_torch(x) if gated else x, weight, bias)
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
@@ -51,6 +59,9 @@ def _gemv_kernel(
         kk = k0 + offs_k
         kmask = kk < K
         x = tl.load(x_ptr + kk, mask=kmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if GATED:  # x holds [gate | up]: silu(gate) * up, rounded as silu_and_mul's output is
+            up = tl.load(x_ptr + K + kk, mask=kmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            x = (x / (1.0 + tl.exp(-x)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")  # each weight byte is read once per step
         acc += w.to(tl.float32) * x[None, :]
@@ -61,17 +72,18 @@ def _gemv_kernel(
 
 
 def gemv_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict[str, int] | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict[str, int] | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """Triton twin of ``gemv_torch`` for x with one row ([1, K] or [K]); W [N, K] row-major."""
-    assert x.numel() == x.shape[-1] and weight.stride(-1) == 1
+    """Triton twin of ``gemv_torch`` for x with one row ([1, K], or [1, 2K] when gated); W [N, K]."""
     n, k = weight.shape
+    assert x.numel() == x.shape[-1] == (2 * k if gated else k) and weight.stride(-1) == 1
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     cfg = config or DEFAULT_CONFIG
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
@@ -83,3 +95,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if config is not None and use_triton(x):
         return gemv_triton(x, weight, bias, config)
     return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(silu_and_mul(h)): one kernel for one-row inputs on GEMV_SHAPES, two otherwise."""
+    config = GEMV_SHAPES.get(tuple(weight.shape)) if h.numel() == h.shape[-1] else None
+    if config is not None and use_triton(h):
+        return gemv_triton(h, weight, bias, config, gated=True)
+    return F.linear(silu_and_mul(h), weight, bias)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kvship.distributed.parallel import TPContext
-from kvship.kernels.gemv import linear
+from kvship.kernels.gemv import linear, silu_mul_linear
 
 
 def _rows(ref, start: int, size: int) -> torch.Tensor:
@@ -93,10 +93,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_Linear):
-    """Input features split across ranks; partial sums all-reduced. The bias is added once."""
+    """Input features split across ranks; partial sums all-reduced. The bias is added once.
+    With ``gated_input`` the layer takes a gate/up projection's output [T, 2 * in] and applies
+    SiLU-and-mul first (inside the GEMV kernel for one-row inputs)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, gated_input: bool = False):
         super().__init__(tp.shard(in_features, "input features"), out_features, bias, tp)
+        self.gated_input = gated_input
 
     def weight_loader(self, param: nn.Parameter, ref, shard_id=None) -> None:
         if param.dim() == 1:  # bias: not sharded
@@ -107,6 +110,6 @@ class RowParallelLinear(_Linear):
         param.data.copy_(ref.load((slice(None), slice(start, start + size))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = silu_mul_linear(x, self.weight) if self.gated_input else linear(x, self.weight)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from kvship.distributed.parallel import TPContext
-from kvship.kernels.activation import silu_and_mul
 from kvship.layers.attention import AttentionMetadata, PagedAttention
 from kvship.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -48,10 +47,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, gated_input=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))  # SiLU-and-mul happens in down_proj
 
 
 class LlamaDecoderLayer(nn.Module):
