@@ -108,6 +108,32 @@ async def run_level(base: str, concurrency: int, n: int, prompt_len: int, out_le
     return results, wall
 
 
+SERVER_TIMES = {"ttft": "time_to_first_token", "queue": "request_queue_time", "prefill": "request_prefill_time"}
+
+
+def server_sums(base: str) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) of the server's own TTFT, queue and prefill histograms (/metrics)."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    out = {}
+    for key, name in SERVER_TIMES.items():
+        vals = {}
+        for line in text.splitlines():
+            for part in ("sum", "count"):
+                if line.startswith(f"kvship:{name}_seconds_{part}"):
+                    vals[part] = vals.get(part, 0.0) + float(line.rsplit(" ", 1)[1])
+        out[key] = (vals.get("sum", 0.0), vals.get("count", 0.0))
+    return out
+
+
+def server_means_ms(before: dict, after: dict) -> list[str]:
+    """Mean of each server-side time over the requests finished between two scrapes, in ms."""
+    cells = []
+    for key in SERVER_TIMES:
+        n = after[key][1] - before[key][1]
+        cells.append(f"{(after[key][0] - before[key][0]) / n * 1e3:.0f}" if n else "-")
+    return cells
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -156,6 +182,7 @@ def main() -> None:
             ramp = 0.0  # one request's duration alone, measured at the first level
             for conc in args.concurrency:
                 n = args.requests_per_level or max(16, 2 * conc)
+                before = server_sums(base)
                 res, wall = asyncio.run(run_level(base, conc, n, args.prompt, args.output, vocab, seed=conc,
                                                   ramp_s=0.0 if args.burst else ramp))
                 ramp = ramp or sorted(r[0] + r[1] * (args.output - 1) for r in res)[len(res) // 2]
@@ -163,7 +190,7 @@ def main() -> None:
                 tpot = [r[1] for r in res]
                 rows.append([conc, n, f"{pct(ttft, .5) * 1e3:.0f}", f"{pct(ttft, .99) * 1e3:.0f}",
                              f"{pct(tpot, .5) * 1e3:.1f}", f"{pct(tpot, .99) * 1e3:.1f}",
-                             f"{sum(r[2] for r in res) / wall:,.0f}"])
+                             f"{sum(r[2] for r in res) / wall:,.0f}", *server_means_ms(before, server_sums(base))])
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -176,8 +203,10 @@ def main() -> None:
         floor = (param_count(args.shape) * 2 + (args.prompt + args.output / 2) * kv_bytes_per_token(args.shape)) / bw
         print(f"TPOT floor at batch 1 (bytes per token / copy bandwidth {bw / 1e12:.2f} TB/s): {floor * 1e3:.2f} ms")
     print()
+    print("server-side means (its /metrics histograms): TTFT from arrival in the engine, queue = arrival to "
+          "first scheduled, prefill = first scheduled to first token\n")
     print(table(rows, ["concurrency", "requests", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
-                       "output tok/s"]))
+                       "output tok/s", "server TTFT ms", "queue ms", "prefill ms"]))
 
 
 if __name__ == "__main__":
