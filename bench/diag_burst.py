@@ -3,7 +3,9 @@ straight into the engine with each step's wall time (engine), and through `kvshi
 HTTP with the server's log (http). Shows what a burst costs and catches stalls such as kernel
 recompilation in the middle of serving.
 
-    python bench/diag_burst.py [engine|http|both]
+    python bench/diag_burst.py [engine|http|both|joins]
+
+joins: one prompt joining c - 1 decoding sequences, step by step (steady-state serving TTFT).
 """
 from __future__ import annotations
 
@@ -50,6 +52,35 @@ def engine_bursts(folder: str) -> None:
               f"first steps ms {steps[:8]}", flush=True)
 
 
+def engine_joins(folder: str) -> None:
+    """Steady state: c - 1 sequences decoding, then one 1024-token prompt joins; each step's wall
+    time until the newcomer's first token (what serving TTFT is made of, without HTTP)."""
+    eng = LLMEngine(EngineConfig(model=folder, load_format="dummy", max_model_len=PROMPT + 600))
+    for c in (1, 8, 32):
+        for i in range(c - 1):
+            eng.add_request(f"bg{c}-{i}", torch.randint(2, 128000, (PROMPT,)).tolist(),
+                            SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+        for _ in range(20):
+            eng.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        eng.add_request(f"new{c}", torch.randint(2, 128000, (PROMPT,)).tolist(),
+                        SamplingParams(temperature=0, max_tokens=OUTPUT, ignore_eos=True))
+        t0, steps = time.perf_counter(), []
+        while True:
+            ts = time.perf_counter()
+            outs = eng.step()
+            steps.append(round((time.perf_counter() - ts) * 1e3, 1))
+            if any(o.request_id == f"new{c}" and o.outputs[0].token_ids for o in outs):
+                break
+        print(f"engine join at c={c}: first token after {(time.perf_counter() - t0) * 1e3:.0f} ms, "
+              f"steps ms {steps}", flush=True)
+        for i in range(c - 1):
+            eng.abort(f"bg{c}-{i}")
+        while eng.has_work():
+            eng.step()
+
+
 def http_bursts(folder: str) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -72,6 +103,8 @@ def main() -> None:
     if mode in ("both", "engine"):
         engine_bursts(folder)
         torch.cuda.empty_cache()
+    if mode == "joins":
+        engine_joins(folder)
     if mode in ("both", "http"):
         http_bursts(folder)
 
