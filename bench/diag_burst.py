@@ -3,7 +3,7 @@ straight into the engine with each step's wall time (engine), and through `kvshi
 HTTP with the server's log (http). Shows what a burst costs and catches stalls such as kernel
 recompilation in the middle of serving.
 
-    python bench/diag_burst.py [engine|http|both|joins]
+    python bench/diag_burst.py [engine|http|both|joins|async-joins]
 
 joins: one prompt joining c - 1 decoding sequences, step by step (steady-state serving TTFT).
 """
@@ -81,6 +81,40 @@ def engine_joins(folder: str) -> None:
             eng.step()
 
 
+def async_joins(folder: str) -> None:
+    """As engine_joins, through AsyncEngine (engine thread + asyncio consumers, no HTTP): tells
+    whether a slow join in serving comes from the thread hand-off or from the HTTP layer."""
+    from kvship.core.async_engine import AsyncEngine
+
+    eng = AsyncEngine(LLMEngine(EngineConfig(model=folder, load_format="dummy", max_model_len=PROMPT + 600)))
+    vocab = eng.engine.model_config.vocab_size
+
+    async def consume(rid: str, max_tokens: int, t0: float) -> float:
+        first = None
+        async for out in eng.generate(torch.randint(2, vocab, (PROMPT,)).tolist(),
+                                      SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), rid):
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter() - t0
+        return first
+
+    async def run(c: int) -> None:
+        bg = [asyncio.create_task(consume(f"bg{c}-{i}", 400, time.perf_counter())) for i in range(c - 1)]
+        await asyncio.sleep(0.5)
+        ttfts = []
+        for j in range(3):
+            ttfts.append(await consume(f"new{c}-{j}", 2, time.perf_counter()))
+            await asyncio.sleep(0.1)
+        print(f"async join at c={c}: TTFT ms {[round(t * 1e3) for t in ttfts]}", flush=True)
+        for t in bg:
+            t.cancel()
+        await asyncio.gather(*bg, return_exceptions=True)
+        await asyncio.sleep(0.5)
+
+    for c in (1, 8, 32):
+        asyncio.run(run(c))
+    eng.shutdown()
+
+
 def http_bursts(folder: str) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -105,6 +139,8 @@ def main() -> None:
         torch.cuda.empty_cache()
     if mode == "joins":
         engine_joins(folder)
+    if mode == "async-joins":
+        async_joins(folder)
     if mode in ("both", "http"):
         http_bursts(folder)
 
