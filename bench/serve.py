@@ -149,6 +149,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--server-arg", action="append", default=[], help="extra `kvship serve` argument (repeatable)")
+    ap.add_argument("--server-log", default=None, help="copy the server's log here at the end")
     ap.add_argument("--burst", action="store_true",
                     help="start each level's first requests all at once (default: spread over one request's duration)")
     args = ap.parse_args()
@@ -194,6 +195,9 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
+            if args.server_log:
+                proc.log.seek(0)
+                Path(args.server_log).write_text(proc.log.read())
     print(header(f"Serving through HTTP, {args.model or args.shape + ' shape (random weights)'}, "
                  f"prompt {args.prompt}, output {args.output}"))
     print(f"server ready after {ready_s:.1f} s (process start to /health 200); arrivals: "

@@ -179,10 +179,18 @@ class LLMEngine:
     # limit do not depend on the token's value, so they end a sequence at launch. Batches with
     # penalties need the last token's value before sampling, so they read it first.
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             self._read_inflight()
             return self._finish_pending() + self._unblock()
+        outputs = self._step(batch)
+        if log.isEnabledFor(logging.DEBUG):  # what serving latency is made of, step by step
+            log.debug("step: %d seqs, %d new tokens, %d waiting, %.1f ms", len(batch), batch.num_tokens,
+                      len(self.scheduler.waiting), (time.perf_counter() - t0) * 1e3)
+        return outputs
+
+    def _step(self, batch) -> list[RequestOutput]:
         prev = self._inflight
         logits = self.runner.run(batch, prev.tokens if prev is not None else None)
         sampled = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]
