@@ -82,12 +82,12 @@ def engine_joins(folder: str) -> None:
 
 
 def async_joins(folder: str) -> None:
-    """As engine_joins, through AsyncEngine (engine process + asyncio consumers, no HTTP): tells
-    whether a slow join in serving comes from the hand-off or from the HTTP layer."""
+    """As engine_joins, through AsyncEngine (engine thread + asyncio consumers, no HTTP): tells
+    whether a slow join in serving comes from the thread hand-off or from the HTTP layer."""
     from kvship.core.async_engine import AsyncEngine
 
-    eng = AsyncEngine.from_config(EngineConfig(model=folder, load_format="dummy", max_model_len=PROMPT + 600))
-    vocab = len(eng.tokenizer)
+    eng = AsyncEngine(LLMEngine(EngineConfig(model=folder, load_format="dummy", max_model_len=PROMPT + 600)))
+    vocab = eng.engine.model_config.vocab_size
 
     async def consume(rid: str, max_tokens: int, t0: float) -> float:
         first = None

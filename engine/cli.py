@@ -18,7 +18,6 @@ import threading
 from typing import Any
 
 import kvship
-from kvship.telemetry import setup_logging
 
 logger = logging.getLogger("kvship")
 
@@ -144,8 +143,15 @@ def config_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # uvicorn's own start-up chatter is replaced by our single "listening" line.
+    if level != "debug":
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+
+
 def serve(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
+    _setup_logging(args.log_level)
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -9,19 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 logger = logging.getLogger("kvship.telemetry")
-
-
-def setup_logging(level: str) -> None:
-    """The log format of every kvship process (server, engine process, tensor-parallel ranks)."""
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    # uvicorn's own start-up chatter is replaced by our single "listening" line.
-    if level != "debug":
-        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
 
 
 def tracing_requested(env: Mapping[str, str] | None = None) -> bool:
