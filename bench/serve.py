@@ -97,9 +97,9 @@ async def run_level(base: str, concurrency: int, n: int, prompt_len: int, out_le
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as c:
         async def go(i, p):
-            if i < concurrency and ramp_s:
-                await asyncio.sleep(ramp_s * i / concurrency)
-            async with sem:
+            async with sem:  # taken first: later requests must not slip in while the first ones wait
+                if i < concurrency and ramp_s:
+                    await asyncio.sleep(ramp_s * i / concurrency)
                 return await one_request(c, p, out_len)
 
         t0 = time.monotonic()
