@@ -207,7 +207,7 @@ class ModelRunner:
             seq_lens.append(end)
             if end == seq.num_tokens:  # the prompt is complete: sample the next token
                 logits_indices.append(cu[-1] - 1)
-        num_seqs, num_tokens = len(batch.seqs), cu[-1]
+        num_seqs = len(batch.seqs)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = np.zeros((num_seqs, width), dtype=np.int32)
         for i, s in enumerate(batch.seqs):
