@@ -13,7 +13,7 @@ from kvship.core.detokenizer import IncrementalDetokenizer
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.model_runner import ModelRunner
 from kvship.core.sampler import PendingSample, Sampler, SamplerRow
-from kvship.core.scheduler import Scheduler
+from kvship.core.scheduler import ScheduledBatch, Scheduler
 from kvship.core.sequence import PLACEHOLDER, Sequence
 from kvship.core.stop import StopStringMatcher
 from kvship.loader import resolve_model
@@ -190,7 +190,7 @@ class LLMEngine:
                       len(self.scheduler.waiting), (time.perf_counter() - t0) * 1e3)
         return outputs
 
-    def _step(self, batch) -> list[RequestOutput]:
+    def _step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         prev = self._inflight
         logits = self.runner.run(batch, prev.tokens if prev is not None else None)
         sampled = [s for s, n in zip(batch.seqs, batch.num_new_tokens) if s.num_computed_tokens + n == s.num_tokens]

@@ -17,13 +17,20 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def silu_mul(a, b):
+    """silu(a) * b in fp32, for any kernel that applies the gated activation on the fly."""
+    a = a.to(tl.float32)
+    return a / (1.0 + tl.exp(-a)) * b.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, I, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
-    a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + row * stride_x + I + offs, mask=mask, other=0.0).to(tl.float32)
-    y = a / (1.0 + tl.exp(-a)) * b
+    a = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    b = tl.load(x_ptr + row * stride_x + I + offs, mask=mask, other=0.0)
+    y = silu_mul(a, b)
     tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

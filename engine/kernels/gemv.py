@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
-from kvship.kernels.activation import silu_and_mul, silu_and_mul_torch
+from kvship.kernels.activation import silu_and_mul, silu_and_mul_torch, silu_mul
 
 DEFAULT_CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
 # (N, K) weight shape -> launch settings, for the shapes where the kernel beat cuBLAS at M = 1
@@ -58,10 +58,11 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < K
-        x = tl.load(x_ptr + kk, mask=kmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        x = tl.load(x_ptr + kk, mask=kmask, other=0.0, eviction_policy="evict_last")
         if GATED:  # x holds [gate | up]: silu(gate) * up, rounded as silu_and_mul's output is
-            up = tl.load(x_ptr + K + kk, mask=kmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            x = (x / (1.0 + tl.exp(-x)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+            up = tl.load(x_ptr + K + kk, mask=kmask, other=0.0, eviction_policy="evict_last")
+            x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
+        x = x.to(tl.float32)
         w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")  # each weight byte is read once per step
         acc += w.to(tl.float32) * x[None, :]
