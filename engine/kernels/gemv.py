@@ -5,9 +5,10 @@ cuBLAS reading the narrower projections (q/k/v: N 6144, o: K 4096) at ~75% of ba
 following the split-K ones with a separate reduction kernel. This kernel gives each program
 BLOCK_N whole weight rows: it streams them once, multiplies by x (tiny, served from L1/L2) and
 keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. No split-K, no second
-kernel, no atomics. Its first weight tile is fetched before it waits on the kernel that
-writes x, so under programmatic dependent launch (Hopper) that fetch overlaps the previous
-kernel. It is used only on the weight shapes listed in ``GEMV_SHAPES``, each with
+kernel, no atomics. (Fetching the first weight tile before waiting on the kernel that writes
+x, to overlap it with that kernel under programmatic dependent launch, measured about twice as
+slow on the H200, likely because a tile held in registers outside the loop defeats its pipelining.) It is
+used only on the weight shapes listed in ``GEMV_SHAPES``, each with
 the launch settings that beat cuBLAS there in bench/gemv_sweep.py on the H200; elsewhere, and
 for more than one row, cuBLAS stays.
 
@@ -67,19 +68,14 @@ def _gemv_kernel(
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-    # The first weight tile is read before waiting for the kernel that writes x: with
-    # programmatic dependent launch this fetch overlaps the previous kernel's tail.
-    kmask = offs_k < K
-    w = tl.load(rows + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
-                eviction_policy="evict_first")  # each weight byte is read once per step
-    pdl_wait(PDL)
-    acc = w.to(tl.float32) * _gemv_input(x_ptr, offs_k, kmask, K, GATED)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    pdl_wait(PDL)  # x is written by the previous kernel
+    for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < K
         x = _gemv_input(x_ptr, kk, kmask, K, GATED)
         w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
-                    eviction_policy="evict_first")
+                    eviction_policy="evict_first")  # each weight byte is read once per step
         acc += w.to(tl.float32) * x[None, :]
     pdl_launch_next(PDL)
     y = tl.sum(acc, 1)
