@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvship.kernels._triton import pdl_launch_next, pdl_wait, tl, triton, use_pdl, use_triton
+from kvship.kernels._triton import pdl_wait, tl, triton, use_pdl, use_triton
 from kvship.kernels.activation import silu_and_mul, silu_and_mul_torch, silu_mul
 
 DEFAULT_CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
@@ -77,7 +77,6 @@ def _gemv_kernel(
         w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")  # each weight byte is read once per step
         acc += w.to(tl.float32) * x[None, :]
-    pdl_launch_next(PDL)
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvship.kernels._triton import next_pow2, pdl_launch_next, pdl_wait, tl, triton, use_pdl, use_triton
+from kvship.kernels._triton import next_pow2, pdl_wait, tl, triton, use_pdl, use_triton
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,7 +34,6 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # before reading anything the previous kernels wrote
-    pdl_launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N

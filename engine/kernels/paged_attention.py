@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvship.kernels._triton import device_sms, next_pow2, pdl_launch_next, pdl_wait, tl, triton, use_pdl, use_triton
+from kvship.kernels._triton import device_sms, next_pow2, pdl_wait, tl, triton, use_pdl, use_triton
 
 
 def store_kv_torch(
@@ -179,7 +179,6 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # before reading anything the previous kernels wrote
-    pdl_launch_next(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -237,7 +236,6 @@ def _decode_reduce_kernel(
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # before reading anything the previous kernels wrote
-    pdl_launch_next(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     q_row = tl.load(cuq_ptr + b)

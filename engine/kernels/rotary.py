@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvship.kernels._triton import next_pow2, pdl_launch_next, pdl_wait, tl, triton, use_pdl, use_triton
+from kvship.kernels._triton import next_pow2, pdl_wait, tl, triton, use_pdl, use_triton
 from kvship.kernels.paged_attention import store_kv_torch
 
 
@@ -82,7 +82,6 @@ def _rotary_store_kv_kernel(
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # before reading anything the previous kernels wrote
-    pdl_launch_next(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     dmask = offs_d < HALF
