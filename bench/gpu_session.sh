@@ -29,7 +29,6 @@ bench tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.p
   tests/test_kernels.py tests/test_sampler.py
 bench latency 150 python3 bench/latency.py
 bench latency-nohf 100 python3 bench/latency.py --no-hf
-bench latency-nopdl 100 env KVSHIP_PDL=0 python3 bench/latency.py --no-hf
 bench gemv 200 python3 bench/gemv_sweep.py
 bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
 bench throughput-qwen3 200 python3 bench/throughput.py --shape qwen3-0.6b --num-prompts 256 --hf-prompts 8 --hf-batch 8

@@ -21,7 +21,6 @@ try:  # pragma: no cover - which branch runs depends on the environment
     import triton.language as tl
 
     HAS_TRITON = True
-    from triton.language.extra.cuda import gdc_wait
 except Exception:  # ImportError, or a broken install
     HAS_TRITON = False
 
@@ -53,36 +52,9 @@ except Exception:  # ImportError, or a broken install
 
     triton = _TritonStub()  # type: ignore[assignment]
     tl = _AnyAttr()  # type: ignore[assignment]
-    gdc_wait = _AnyAttr()  # type: ignore[assignment]
 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-# Programmatic dependent launch (Hopper+): a kernel launched with it is set up while the kernel
-# before it in the stream finishes, and waits in ``pdl_wait`` (first thing it does) for that
-# kernel's writes. No kernel signals its dependents early: doing so (griddepcontrol's
-# launch_dependents right after the wait) measured 20% slower at batch 1 on the H200.
-# KVSHIP_PDL=0 turns it off, for A/B measurements.
-PDL_ENABLED = os.environ.get("KVSHIP_PDL", "1") != "0"
-
-
-@functools.lru_cache(maxsize=None)
-def _is_hopper_or_newer(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def use_pdl(t: torch.Tensor) -> bool:
-    """Whether kernels on ``t``'s device launch with programmatic dependent launch."""
-    return (PDL_ENABLED and HAS_TRITON and t.is_cuda and not INTERPRET
-            and _is_hopper_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device()))
-
-
-@triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """Wait until the previous kernel in the stream has finished and its writes are visible."""
-    if PDL:
-        gdc_wait()
 
 
 def use_triton(t: torch.Tensor) -> bool:

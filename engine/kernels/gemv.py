@@ -5,10 +5,7 @@ cuBLAS reading the narrower projections (q/k/v: N 6144, o: K 4096) at ~75% of ba
 following the split-K ones with a separate reduction kernel. This kernel gives each program
 BLOCK_N whole weight rows: it streams them once, multiplies by x (tiny, served from L1/L2) and
 keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. No split-K, no second
-kernel, no atomics. (Fetching the first weight tile before waiting on the kernel that writes
-x, to overlap it with that kernel under programmatic dependent launch, measured about twice as
-slow on the H200, likely because a tile held in registers outside the loop defeats its pipelining.) It is
-used only on the weight shapes listed in ``GEMV_SHAPES``, each with
+kernel, no atomics. It is used only on the weight shapes listed in ``GEMV_SHAPES``, each with
 the launch settings that beat cuBLAS there in bench/gemv_sweep.py on the H200; elsewhere, and
 for more than one row, cuBLAS stays.
 
@@ -24,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvship.kernels._triton import pdl_wait, tl, triton, use_pdl, use_triton
+from kvship.kernels._triton import tl, triton, use_triton
 from kvship.kernels.activation import silu_and_mul, silu_and_mul_torch, silu_mul
 
 DEFAULT_CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
@@ -49,31 +46,23 @@ def gemv_torch(
 
 
 @triton.jit
-def _gemv_input(x_ptr, kk, kmask, K, GATED: tl.constexpr):
-    """One BLOCK_K slice of the input vector as fp32 (SiLU-and-mul applied when GATED)."""
-    x = tl.load(x_ptr + kk, mask=kmask, other=0.0, eviction_policy="evict_last")
-    if GATED:  # x holds [gate | up]: silu(gate) * up, rounded as silu_and_mul's output is
-        up = tl.load(x_ptr + K + kk, mask=kmask, other=0.0, eviction_policy="evict_last")
-        x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    pdl_wait(PDL)  # x is written by the previous kernel
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < K
-        x = _gemv_input(x_ptr, kk, kmask, K, GATED)
+        x = tl.load(x_ptr + kk, mask=kmask, other=0.0, eviction_policy="evict_last")
+        if GATED:  # x holds [gate | up]: silu(gate) * up, rounded as silu_and_mul's output is
+            up = tl.load(x_ptr + K + kk, mask=kmask, other=0.0, eviction_policy="evict_last")
+            x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
+        x = x.to(tl.float32)
         w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")  # each weight byte is read once per step
         acc += w.to(tl.float32) * x[None, :]
@@ -93,11 +82,10 @@ def gemv_triton(
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     cfg = config or DEFAULT_CONFIG
-    pdl = use_pdl(x)
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
 

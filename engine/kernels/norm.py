@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvship.kernels._triton import next_pow2, pdl_wait, tl, triton, use_pdl, use_triton
+from kvship.kernels._triton import next_pow2, tl, triton, use_triton
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,9 +31,8 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    pdl_wait(PDL)  # before reading anything the previous kernels wrote
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -69,12 +68,11 @@ def _launch(x, residual, weight, eps):
     else:
         r2, res_out = x2, out
     if rows > 0:
-        pdl = use_pdl(x)
         _rms_norm_kernel[(rows,)](
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
         )
     if residual is not None:
         return out.view(shape), res_out.view(shape)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvship.kernels._triton import device_sms, next_pow2, pdl_wait, tl, triton, use_pdl, use_triton
+from kvship.kernels._triton import device_sms, next_pow2, tl, triton, use_triton
 
 
 def store_kv_torch(
@@ -176,9 +176,8 @@ def _decode_kernel(
     stride_bt, stride_ot, stride_oh,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
-    pdl_wait(PDL)  # before reading anything the previous kernels wrote
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -233,9 +232,7 @@ def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, cuq_ptr, out_ptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)  # before reading anything the previous kernels wrote
     b = tl.program_id(0)
     h = tl.program_id(1)
     q_row = tl.load(cuq_ptr + b)
@@ -387,20 +384,19 @@ def paged_attention_triton(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
             mid_lse.stride(0), mid_lse.stride(1),
         )
-        pdl = use_pdl(q)
         _decode_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
             qk_scale, *common, *mid_strides,
             GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, PDL=pdl,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=pdl,
+            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if num_splits > 1:
             _decode_reduce_kernel[(batch, num_q_heads)](
                 mid_o, mid_lse, cu_seqlens_q, out,
                 *mid_strides, out.stride(0), out.stride(1),
                 NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-                PDL=pdl, num_warps=4, launch_pdl=pdl,
+                num_warps=4,
             )
         return out
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvship.kernels._triton import next_pow2, pdl_wait, tl, triton, use_pdl, use_triton
+from kvship.kernels._triton import next_pow2, tl, triton, use_triton
 from kvship.kernels.paged_attention import store_kv_torch
 
 
@@ -79,9 +79,7 @@ def _rotary_store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)  # before reading anything the previous kernels wrote
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     dmask = offs_d < HALF
@@ -116,7 +114,6 @@ def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, 
     t, hq, d = q.shape
     hkv = k.shape[1]
     if t > 0:
-        pdl = use_pdl(q)
         _rotary_store_kv_kernel[(t,)](
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
@@ -124,7 +121,7 @@ def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, 
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             HQ=hq, HKV=hkv, HALF=d // 2, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
             BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv), BLOCK_HALF=next_pow2(d // 2), BLOCK_D=next_pow2(d),
-            PDL=pdl, num_warps=4, launch_pdl=pdl,
+            num_warps=4,
         )
     return q
 
