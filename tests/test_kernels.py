@@ -242,15 +242,22 @@ def test_argmax(b, v, dtype):
     assert got[0].item() == 5
 
 
-def test_linear_dispatch_only_on_listed_shapes(monkeypatch):
-    """gemv.linear sends one-row inputs of listed weight shapes to the kernel, nothing else."""
+def test_linear_dispatch_only_on_listed_shapes_in_graphs(monkeypatch):
+    """gemv.linear sends one-row inputs of listed weight shapes to the kernel while a CUDA graph
+    is captured, nothing else."""
     calls = []
+    capturing = [False]
     monkeypatch.setattr(gemv, "gemv_triton",
                         lambda x, w, b, cfg, gated=False: calls.append(cfg) or gemv.gemv_torch(x, w, b, gated))
     monkeypatch.setattr(gemv, "use_triton", lambda t: True)
+    monkeypatch.setattr(gemv.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setitem(gemv.GEMV_SHAPES, (8, 16), {"block_n": 8})
     w = torch.randn(8, 16)
     x1 = torch.randn(1, 16)
+    torch.testing.assert_close(gemv.linear(x1, w), x1 @ w.T)
+    gemv.silu_mul_linear(torch.randn(1, 32), w)
+    assert calls == []  # eager: cuBLAS, whose launch costs the host less
+    capturing[0] = True
     torch.testing.assert_close(gemv.linear(x1, w), x1 @ w.T)
     assert calls == [{"block_n": 8}]
     gemv.linear(torch.randn(3, 16), w)  # several rows: cuBLAS

@@ -5,9 +5,9 @@ cuBLAS reading the narrower projections (q/k/v: N 6144, o: K 4096) at ~75% of ba
 following the split-K ones with a separate reduction kernel. This kernel gives each program
 BLOCK_N whole weight rows: it streams them once, multiplies by x (tiny, served from L1/L2) and
 keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. No split-K, no second
-kernel, no atomics. It is used only on the weight shapes listed in ``GEMV_SHAPES``, each with
-the launch settings that beat cuBLAS there in bench/gemv_sweep.py on the H200; elsewhere, and
-for more than one row, cuBLAS stays.
+kernel, no atomics. It is used only in captured CUDA graphs, on the weight shapes listed in
+``GEMV_SHAPES``, each with the launch settings that beat cuBLAS there in bench/gemv_sweep.py on
+the H200; elsewhere, eagerly, and for more than one row, cuBLAS stays.
 
 With ``gated=True`` the input is the gate/up projection's output [1, 2K] and the kernel applies
 SiLU-and-mul on the fly (silu(gate) * up, rounded to the input dtype as the separate kernel
@@ -90,17 +90,28 @@ def gemv_triton(
     return y
 
 
+def _graph_config(x: torch.Tensor, weight: torch.Tensor) -> dict[str, int] | None:
+    """The kernel's launch settings when it should take x @ W^T, else None: one row, a listed
+    weight shape, and a CUDA graph being captured. Replayed from a graph a launch costs the
+    host nothing; run eagerly, a Triton launch costs more host time than the kernel saves on the
+    GPU (batch-1 eager 8B decode fell from 76.5 to 41.4 tok/s when the kernel ran eagerly)."""
+    if x.numel() != x.shape[-1] or not use_triton(x) or not torch.cuda.is_current_stream_capturing():
+        return None
+    return GEMV_SHAPES.get(tuple(weight.shape))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except one-row inputs on weight shapes listed in GEMV_SHAPES go to the kernel."""
-    config = GEMV_SHAPES.get(tuple(weight.shape)) if x.numel() == x.shape[-1] else None
-    if config is not None and use_triton(x):
+    """F.linear, except that while a CUDA graph is captured, one-row inputs on weight shapes
+    listed in GEMV_SHAPES go to the kernel."""
+    config = _graph_config(x, weight)
+    if config is not None:
         return gemv_triton(x, weight, bias, config)
     return F.linear(x, weight, bias)
 
 
 def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(silu_and_mul(h)): one kernel for one-row inputs on GEMV_SHAPES, two otherwise."""
-    config = GEMV_SHAPES.get(tuple(weight.shape)) if h.numel() == h.shape[-1] else None
-    if config is not None and use_triton(h):
+    """F.linear(silu_and_mul(h)): one kernel where ``linear`` would take the GEMV, two otherwise."""
+    config = _graph_config(h, weight)
+    if config is not None:
         return gemv_triton(h, weight, bias, config, gated=True)
     return F.linear(silu_and_mul(h), weight, bias)
