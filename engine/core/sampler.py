@@ -220,11 +220,7 @@ class Sampler:
         dev = logits.device
         greedy = [r.params.greedy for r in rows]
         lp_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if all(greedy) and not lp_rows and not any(r.params.uses_penalties for r in rows):
-            # The common greedy batch: no fp32 copy of the logits, one parallel argmax.
-            tokens = argmax(logits)
-            return PendingSample(tokens, [tokens], [], [])
-        raw = logits.to(torch.float32)  # never modified in place below
+        raw = logits.to(torch.float32)  # never modified in place below (no copy when already fp32)
 
         x = apply_penalties(raw, rows, self.prompt_cache)
         if all(greedy):

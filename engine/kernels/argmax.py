@@ -3,7 +3,7 @@
 torch's reduction gives each row to one block: at batch 1 that is one SM reading a 128k-entry
 row (27 us on the H200, for ~1 us of bytes). Here the row is cut into chunks reduced in
 parallel, then one small program per row picks the best chunk. Ties go to the lowest index,
-as torch's argmax does; any dtype works, so greedy batches skip the fp32 copy of the logits.
+as torch's argmax does; any float dtype works.
 
 ``argmax_torch`` is the reference; ``argmax_triton`` the kernels; ``argmax`` picks one.
 """

@@ -11,10 +11,9 @@ New token i of sequence b sits at position seq_lens[b] - q_len[b] + i and attend
 positions <= its own. Decode is the case q_len == 1 for every sequence.
 
 This file holds the plain-torch reference (CPU path, and the oracle for the Triton kernels),
-then the Triton kernels:
+then the Triton kernels (storing new keys/values on the GPU is fused with rotary, in
+kernels/rotary.py: ``rotary_store_kv``; ``store_kv_torch`` here is its reference half):
 
-Storing new keys/values on the GPU is fused with rotary (kernels/rotary.py: ``rotary_store_kv``);
-``store_kv_torch`` is its reference half.
 - ``paged_attention_triton``: when ``max_seqlen_q == 1`` (decode), a GQA-aware kernel — one
   program holds all query heads of one KV head (the group padded to a power of two >= 16 rows
   for ``tl.dot``), so each K/V tile is read once per KV head — split over the context

@@ -95,7 +95,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(_Linear):
     """Input features split across ranks; partial sums all-reduced. The bias is added once.
     With ``gated_input`` the layer takes a gate/up projection's output [T, 2 * in] and applies
-    SiLU-and-mul first (inside the GEMV kernel for one-row inputs)."""
+    SiLU-and-mul first (inside the GEMV kernel for one-row inputs in CUDA graphs)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, gated_input: bool = False):
         super().__init__(tp.shard(in_features, "input features"), out_features, bias, tp)
