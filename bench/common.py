@@ -94,12 +94,12 @@ def measure_ceilings() -> tuple[float, float]:
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     bw = 2 * n * 2 / _time_cuda(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # free them before the next allocation
     m = 8192
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     flops = 2 * m**3 / _time_cuda(lambda: a @ b)
-    del a, b
+    a = b = None
     torch.cuda.empty_cache()
     return bw, flops
 

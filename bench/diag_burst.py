@@ -18,12 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import write_shape_folder  # noqa: E402
-from serve import free_port, run_level, server_log_tail, start_server, wait_ready  # noqa: E402
-
-from kvship.config import EngineConfig  # noqa: E402
-from kvship.core.engine import LLMEngine  # noqa: E402
-from kvship.sampling_params import SamplingParams  # noqa: E402
+from common import write_shape_folder
+from kvship.config import EngineConfig
+from kvship.core.engine import LLMEngine
+from kvship.sampling_params import SamplingParams
+from serve import free_port, run_level, server_log_tail, start_server, wait_ready
 
 PROMPT, OUTPUT = 1024, 16
 

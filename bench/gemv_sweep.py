@@ -2,7 +2,7 @@
 slices: cuBLAS (F.linear) against the Triton GEMV kernel over a grid of launch settings, each
 timed from a CUDA graph that cycles through enough weight copies to overflow L2 (as in a real
 step, where each layer's weights come from HBM). Prints a table and the GEMV_SHAPES entries
-(engine/kernels/gemv.py) for the shapes where the best setting beats cuBLAS.
+(engine/kvship/kernels/gemv.py) for the shapes where the best setting beats cuBLAS.
 
     python bench/gemv_sweep.py [--quick]
 """
@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import header, measure_ceilings, table  # noqa: E402
-
-from kvship.kernels import gemv  # noqa: E402
+from common import header, measure_ceilings, table
+from kvship.kernels import gemv
 
 # (name, N, K): q/k/v, o, gate/up, down of Llama-3-8B at TP=1, then rank slices at TP=2.
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -79,13 +78,13 @@ def main() -> None:
                 continue
             if best is None or us < best[0]:
                 best = (us, cfg, err)
-        pct = lambda us: f"{100 * n * k * 2 / (us * 1e-6) / copy_bw:.0f}%"  # noqa: E731
+        pct = lambda us: f"{100 * n * k * 2 / (us * 1e-6) / copy_bw:.0f}%"
         rows.append([name, f"{n}x{k}", f"{cublas_us:.1f}", pct(cublas_us),
                      f"{best[0]:.1f}" if best else "-", pct(best[0]) if best else "-",
                      str(best[1]) if best else "-", f"{best[2]:.0e}" if best else "-"])
         if best and best[0] < 0.97 * cublas_us:
             best_table[(n, k)] = best[1]
-        del ws
+        ws = None
         torch.cuda.empty_cache()
     print(header("One-row GEMV (batch-1 decode projections): cuBLAS vs Triton, weights streamed from HBM"))
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (as the roofline in latency.py); % = weight bytes ÷ time ÷ that\n")

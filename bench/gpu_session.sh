@@ -9,9 +9,8 @@
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
-mkdir -p "$OUT" /tmp/p
-ln -sfn "$PWD/engine" /tmp/p/kvship
-export PYTHONPATH=/tmp/p${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/engine${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH

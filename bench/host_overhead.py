@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, table, write_shape_folder  # noqa: E402
-
-from kvship.llm import LLM  # noqa: E402
-from kvship.sampling_params import SamplingParams  # noqa: E402
+from common import SHAPES, table, write_shape_folder
+from kvship.llm import LLM
+from kvship.sampling_params import SamplingParams
 
 SHAPES.setdefault("tiny", dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
                                intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,

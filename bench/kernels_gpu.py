@@ -1,4 +1,4 @@
-"""GPU benchmark of the Triton kernels (engine/kernels) at Llama-3-8B sizes, bf16.
+"""GPU benchmark of the Triton kernels (engine/kvship/kernels) at Llama-3-8B sizes, bf16.
 
 Every case first checks the kernel against its torch reference on fresh random data, then
 times it with triton.testing.do_bench (median, after warm-up) and reports achieved GB/s
@@ -24,7 +24,8 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from kvship.kernels import activation, norm, paged_attention as pa, rotary
+from kvship.kernels import activation, norm, rotary
+from kvship.kernels import paged_attention as pa
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -92,12 +93,12 @@ def measure_ceilings():
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src), graph=False)  # eager: a captured memcpy runs on the copy engines
     copy_bw = 2 * n * 2 / (ms * 1e-3) / 1e9  # read + write
-    del src, dst
+    src = dst = None  # free them before the next allocation
     a = torch.randn(8192, 8192, device=DEV, dtype=DT)
     b = torch.randn(8192, 8192, device=DEV, dtype=DT)
     ms = bench(lambda: a @ b, graph=False)
     mm = 2 * 8192**3 / (ms * 1e-3) / 1e12
-    del a, b
+    a = b = None
     torch.cuda.empty_cache()
     return copy_bw, mm
 
@@ -130,13 +131,13 @@ def sdpa_contig(q, kc, vc, bt, batch, ctx, q_len):
     causal = q_len > 1
     if causal and q_len != ctx:
         return None
-    fn = lambda: F.scaled_dot_product_attention(qq, k, v, is_causal=causal, enable_gqa=True)  # noqa: E731
+    fn = lambda: F.scaled_dot_product_attention(qq, k, v, is_causal=causal, enable_gqa=True)
     try:
         ms = bench(fn)
     except Exception as e:  # backend without GQA support, say
         print(f"  (sdpa failed: {type(e).__name__}: {e})")
         ms = None
-    del k, v
+    k = v = None
     return ms
 
 
@@ -144,7 +145,7 @@ def decode_case(batch, ctx, copy_bw, label=None, with_sdpa=True):
     scale = D**-0.5
     q, kc, vc, bt, sl, cu = make_cache(batch, ctx, 1, ctx - 1)
     out = torch.empty_like(q)
-    fn = lambda: pa.paged_attention_triton(q, kc, vc, bt, sl, cu, scale, 1, out=out)  # noqa: E731
+    fn = lambda: pa.paged_attention_triton(q, kc, vc, bt, sl, cu, scale, 1, out=out)
     out.fill_(float("nan"))
     fn()
     err = check_subset(q, kc, vc, bt, sl, cu, out, scale, 1)
@@ -153,7 +154,7 @@ def decode_case(batch, ctx, copy_bw, label=None, with_sdpa=True):
     ref_ms = sdpa_contig(q, kc, vc, bt, batch, ctx, 1) if with_sdpa else None
     splits = pa.decode_num_splits(batch, HKV, bt.shape[1] * BS, torch.cuda.get_device_properties(0).multi_processor_count, pa.DECODE_CONFIG["block_n"])
     row(label or f"decode B={batch} ctx={ctx} (splits={splits})", ms, gbytes, copy_bw, err=err, ref_ms=ref_ms)
-    del q, kc, vc, bt
+    q = kc = vc = bt = None
     torch.cuda.empty_cache()
     return ms
 
@@ -163,7 +164,7 @@ def prefill_case(batch, q_len, prefix, copy_bw, mm_rate, label=None, with_sdpa=T
     ctx = prefix + q_len
     q, kc, vc, bt, sl, cu = make_cache(batch, ctx, q_len, prefix)
     out = torch.empty_like(q)
-    fn = lambda: pa.paged_attention_triton(q, kc, vc, bt, sl, cu, scale, q_len, out=out)  # noqa: E731
+    fn = lambda: pa.paged_attention_triton(q, kc, vc, bt, sl, cu, scale, q_len, out=out)
     out.fill_(float("nan"))
     fn()
     err = check_subset(q, kc, vc, bt, sl, cu, out, scale, q_len, n=2)
@@ -174,7 +175,7 @@ def prefill_case(batch, q_len, prefix, copy_bw, mm_rate, label=None, with_sdpa=T
     gbytes = (batch * ctx * HKV * D * 2 * 2 + 2 * q.numel() * 2) / 1e9
     ref_ms = sdpa_contig(q, kc, vc, bt, batch, ctx, q_len) if with_sdpa else None
     row(label or f"prefill B={batch} new={q_len} cached={prefix}", ms, gbytes, copy_bw, tflop, mm_rate, err, ref_ms)
-    del q, kc, vc, bt
+    q = kc = vc = bt = None
     torch.cuda.empty_cache()
     return ms
 
@@ -199,7 +200,7 @@ def small_kernels(copy_bw, t=4096):
     ms = bench(lambda: activation.silu_and_mul_triton(xg))
     ref_ms = bench(lambda: activation.silu_and_mul_torch(xg))
     row(f"silu_and_mul T={t} I={INTER}", ms, 1.5 * xg.numel() * 2 / 1e9, copy_bw, err=err, ref_ms=ref_ms)
-    del xg
+    xg = None
 
     cache = rotary.build_cos_sin_cache(8192, D, base=500000.0, device=DEV)
     pos = torch.randint(0, 8192, (t,), device=DEV)

@@ -15,10 +15,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (SHAPES, _time_cuda, header, kv_bytes_per_token, measure_batch1, measure_ceilings, param_count,  # noqa: E402
-                    table, write_shape_folder)
-
-from kvship.llm import LLM  # noqa: E402
+from common import (
+    SHAPES,
+    _time_cuda,
+    header,
+    kv_bytes_per_token,
+    measure_batch1,
+    measure_ceilings,
+    param_count,
+    table,
+    write_shape_folder,
+)
+from kvship.llm import LLM
 
 
 def kvship_latency(folder: str, prompt_len: int, out_len: int, eager: bool) -> tuple[float, float, float | None]:

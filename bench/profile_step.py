@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, header, table, write_shape_folder  # noqa: E402
-
-from kvship.llm import LLM  # noqa: E402
-from kvship.sampling_params import SamplingParams  # noqa: E402
+from common import SHAPES, header, table, write_shape_folder
+from kvship.llm import LLM
+from kvship.sampling_params import SamplingParams
 
 
 def main() -> None:

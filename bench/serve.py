@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, header, kv_bytes_per_token, param_count, table, write_shape_folder  # noqa: E402
+from common import SHAPES, header, kv_bytes_per_token, param_count, table, write_shape_folder
 
 
 def free_port() -> int:

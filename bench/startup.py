@@ -18,8 +18,8 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, header, table, write_shape_folder  # noqa: E402
-from serve import free_port, popen_logged, wait_ready  # noqa: E402
+from common import SHAPES, header, table, write_shape_folder
+from serve import free_port, popen_logged, wait_ready
 
 
 def write_checkpoint(shape: str, root: str, shard_bytes: int = 4 << 30) -> str:

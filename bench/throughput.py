@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, header, kv_bytes_per_token, measure_ceilings, param_count, table, write_shape_folder  # noqa: E402
-
-from kvship.llm import LLM  # noqa: E402
-from kvship.sampling_params import SamplingParams  # noqa: E402
+from common import SHAPES, header, kv_bytes_per_token, measure_ceilings, param_count, table, write_shape_folder
+from kvship.llm import LLM
+from kvship.sampling_params import SamplingParams
 
 
 def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
@@ -64,7 +63,7 @@ def run_kvship(folder, prompts, outs, max_num_seqs: int) -> tuple[float, int, fl
     llm.generate(prompts[:4], params[:4])  # warm-up
     spans: list = []
     time_gpu_work(llm.engine.runner, "run", spans)
-    time_gpu_work(llm.engine.sampler, "launch", spans)
+    time_gpu_work(llm.engine.runner.sampler, "launch", spans)
     torch.cuda.synchronize()
     t0 = time.monotonic()
     res = llm.generate(prompts, params)

@@ -7,11 +7,70 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
+import faulthandler
+import importlib.util
+import json
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
+
+# Once the tests are done, the interpreter must exit: if anything still holds it (a thread that
+# never ends, an atexit hook that waits) this long, every thread's stack is printed and the
+# process ends with a failure instead of hanging CI.
+EXIT_GUARD_S = 120
+# A thread or child process a test started must be gone this long after its teardown.
+LEAK_GRACE_S = 10.0
+
+
+def pytest_unconfigure(config):
+    faulthandler.dump_traceback_later(EXIT_GUARD_S, exit=True)
+
+
+def _children() -> set[int]:
+    """Live child processes of this one (Linux /proc)."""
+    pids: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+        try:
+            pids.update(int(p) for p in (task / "children").read_text().split())
+        except OSError:
+            pass
+    return {p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"}
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def _stacks(threads) -> str:
+    frames = sys._current_frames()
+    return "\n".join(f"--- {t.name} (daemon={t.daemon})\n" + "".join(traceback.format_stack(frames[t.ident]))
+                     for t in threads if t.ident in frames)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_threads_or_processes():
+    """Nothing a test starts may outlive it: after its function-scoped fixtures are torn down
+    (module and session fixtures are set up before this snapshot and torn down later), every
+    thread and child process it started must have ended."""
+    threads_before, children_before = set(threading.enumerate()), _children()
+    yield
+    deadline = time.monotonic() + LEAK_GRACE_S
+    while True:
+        threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+        children = _children() - children_before
+        if not threads and not children or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not threads and not children, (
+        f"left running by the test: threads {[t.name for t in threads]}, child processes {sorted(children)}\n"
+        + _stacks(threads))
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

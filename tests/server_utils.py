@@ -103,3 +103,17 @@ def start_server(*args: str, env: dict[str, str] | None = None) -> ServerProcess
         server.stop(5)
         raise
     return server
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = "ANY") -> dict:
+    """An OpenAI-shaped error with this status (and `param`, unless "ANY"); its `error` object."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param != "ANY":
+        assert err["param"] == param, err
+    return err

@@ -38,9 +38,17 @@ def test_invalid_request_raises_in_caller(engine):
         async for _ in engine.generate(list(range(600)), SamplingParams(), "too-long"):
             pass
 
-    with pytest.raises(InvalidParamsError, match="maximum context length"):
+    with pytest.raises(InvalidParamsError, match="maximum context length") as e:
         asyncio.run(asyncio.wait_for(go(), timeout=60))
+    assert e.value.param == "prompt"  # the engine knows prompts only, whatever the API called them
     assert engine.is_alive()
+
+
+def test_async_engine_is_the_servers_engine_client(engine):
+    from kvship.server.engine_client import EngineClient
+
+    assert isinstance(engine, EngineClient)
+    assert engine.max_model_len == 512 and engine.config.max_num_seqs >= 1
 
 
 def test_consumer_leaving_aborts(engine):
@@ -56,3 +64,46 @@ def test_consumer_leaving_aborts(engine):
             break
         asyncio.run(asyncio.sleep(0.05))
     assert engine.stats().num_kv_blocks_used == 0
+
+
+def test_queue_time_and_ttft_count_the_wait_for_the_engine_thread(engine):
+    """A request submitted while the engine thread is busy in a step waits in the inbox; its
+    arrival is when it was submitted, so its queue time and time to first token include that
+    wait (the latency histograms and the autoscaler read these)."""
+    import threading
+    import time
+
+    ids = engine.tokenizer.encode("Hello there")
+    inner, entered, release = engine.engine.step, threading.Event(), threading.Event()
+
+    def held_step():  # the engine thread is busy in this step until the test releases it
+        entered.set()
+        release.wait(30)
+        return inner()
+
+    async def first(request_id: str):
+        async for out in engine.generate(ids, SamplingParams(max_tokens=2, ignore_eos=True), request_id):
+            if out.finished:
+                return out
+
+    async def go():
+        busy = asyncio.ensure_future(first("keeps-the-loop-busy"))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
+        t_submit = time.monotonic()
+        waiting = asyncio.ensure_future(first("waits-in-the-inbox"))
+        await asyncio.sleep(0.5)
+        assert engine.stats().num_requests_waiting >= 1  # counted as waiting meanwhile
+        engine.engine.step = inner
+        release.set()
+        return t_submit, await waiting, await busy
+
+    engine.engine.step = held_step
+    try:
+        t_submit, out, _ = asyncio.run(asyncio.wait_for(go(), timeout=60))
+    finally:
+        engine.engine.step = inner
+        release.set()
+    # arrival: when generate() took the request (within 50 ms of the client's clock)
+    assert abs(out.arrival_time - t_submit) < 0.05, (out.arrival_time, t_submit)
+    assert out.first_scheduled_time - out.arrival_time >= 0.45
+    assert out.first_token_time - out.arrival_time >= 0.45

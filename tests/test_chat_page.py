@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from server_utils import start_server
 
 CHROMIUM = os.environ.get("KVSHIP_TEST_CHROMIUM", "/usr/bin/chromium")
@@ -44,6 +45,12 @@ def browser():
         # Playwright gives every launch a fresh, empty user-data dir; headless is its default.
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
+            # Writing a screenshot starts a worker thread in Playwright's event loop, which lives
+            # as long as this fixture: start it here, not inside the first test that saves one.
+            warm = b.new_page()
+            warm.set_content("<p>warm-up</p>")
+            warm.screenshot(path=str(Path(tempfile.mkdtemp(prefix="kvship-chat-")) / "warm.png"))
+            warm.close()
             yield b
         finally:
             b.close()

@@ -209,18 +209,20 @@ def test_repetition_penalty_matches_transformers(llm, prompts, smollm2_hf):
 
 
 def test_decode_inputs_come_from_the_device_and_are_aligned(llm, prompts):
-    """After a prefill step the sampled tokens are placeholders on the host; the next step's
-    inputs are filled from the device-side sample, and every packed input view starts on a
-    16-byte boundary (Triton specializes kernels on pointer alignment)."""
+    """After a prefill step the sampled tokens are not known on the host (the sequences hold
+    only their prompts); the next step's inputs are filled from the device-side sample, and
+    every packed input view starts on a 16-byte boundary (Triton specializes kernels on pointer
+    alignment)."""
     eng = llm.engine
     for i, p in enumerate(prompts[:3]):
         eng.add_request(f"inputs-{i}", p, SamplingParams(temperature=0.0, max_tokens=4))
     eng.step()  # the three prompts, prefilled; their first tokens are still on the device
-    batch = eng.scheduler.schedule()
-    assert all(s.token_ids[-1] == -1 for s in batch.seqs)  # placeholders
-    ids, pos, meta = eng.runner.prepare(batch, eng._inflight.tokens)
-    sampled = eng._inflight.sample.result().token_ids
-    assert ids.tolist() == [sampled[s.sample_row] for s in batch.seqs]
+    step = eng.in_flight
+    batch = eng.scheduler.schedule(step.rows)
+    assert [s.token_ids for s in batch.seqs] == prompts[:3]  # the sampled tokens are still in flight
+    ids, pos, meta = eng.runner.prepare(batch, step)
+    sampled = step.result().token_ids
+    assert ids.tolist() == [sampled[step.rows[s]] for s in batch.seqs]
     assert pos.tolist() == [len(p) for p in prompts[:3]]
     views = [ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, meta.logits_indices]
     assert all(t.data_ptr() % 16 == 0 for t in views)

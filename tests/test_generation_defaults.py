@@ -1,11 +1,12 @@
 """Requests that leave sampling fields out get the model's generation_config.json values."""
 import json
 import shutil
+from types import SimpleNamespace
 
-from kvship.core.engine import LLMEngine, sampling_defaults
 from kvship.config import EngineConfig
+from kvship.core.engine import LLMEngine, sampling_defaults
+from kvship.server.params import sampling_params
 from kvship.server.protocol import CompletionRequest
-from kvship.server.serving import build_sampling_params
 
 
 def test_defaults_taken_from_generation_config():
@@ -14,13 +15,20 @@ def test_defaults_taken_from_generation_config():
     assert sampling_defaults({"do_sample": False, "temperature": 0.6}) == {}
 
 
+class _Limits:
+    """The parts of an engine client that sampling_params reads."""
+
+    def __init__(self, defaults: dict[str, float]):
+        self.sampling_defaults = defaults
+        self.config = EngineConfig(max_num_seqs=8)
+        self.tokenizer = SimpleNamespace(vocab_size=49152)  # stop_token_ids / logit_bias are checked against it
+
+
 def test_request_fields_override_defaults():
-    defaults = {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1}
-    left_out = build_sampling_params(CompletionRequest(model="m", prompt="x"), max_tokens=4, logprobs=None,
-                                     max_num_seqs=8, defaults=defaults)
+    engine = _Limits({"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1})
+    left_out = sampling_params(CompletionRequest(model="m", prompt="x", max_tokens=4), engine)
     assert (left_out.temperature, left_out.top_p, left_out.repetition_penalty) == (0.6, 0.9, 1.1)
-    given = build_sampling_params(CompletionRequest(model="m", prompt="x", temperature=0.0, top_p=1.0),
-                                  max_tokens=4, logprobs=None, max_num_seqs=8, defaults=defaults)
+    given = sampling_params(CompletionRequest(model="m", prompt="x", max_tokens=4, temperature=0.0, top_p=1.0), engine)
     assert (given.temperature, given.top_p, given.repetition_penalty) == (0.0, 1.0, 1.1)
 
 

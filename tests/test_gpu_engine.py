@@ -5,9 +5,9 @@ Real-size bf16 paths are exercised by bench/latency.py and bench/throughput.py."
 import pytest
 import torch
 
-from kvship.core.scheduler import ScheduledBatch
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
+from kvship.sequence import Batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -47,13 +47,13 @@ def test_cuda_graph_replay_equals_eager(tiny_models):
     for i, p in enumerate(ps):
         eng.add_request(f"g{i}", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     eng.step()  # all prompts prefilled (well within the token budget): the next step is pure decode
-    batch = eng.scheduler.schedule()
+    prev = eng.in_flight  # the first tokens, still on the GPU: this step's inputs
+    batch = eng.scheduler.schedule(prev.rows)
     assert set(batch.num_new_tokens) == {1} and len(batch) == len(ps)
     graphs = runner.graphs
-    prev = eng._inflight.tokens  # the first tokens, still on the GPU: this step's inputs
     with_graph = runner.run(batch, prev)
     runner.graphs = None
-    eager = runner.run(ScheduledBatch(batch.seqs, batch.num_new_tokens), prev)
+    eager = runner.run(Batch(batch.seqs, batch.num_new_tokens), prev)
     runner.graphs = graphs
     torch.testing.assert_close(with_graph, eager, atol=2e-2, rtol=2e-2)
 

@@ -12,7 +12,9 @@ import sys
 import pytest
 import torch
 
-from kvship.kernels import activation, argmax, gemv, norm, paged_attention as pa, rotary
+from kvship.kernels import activation, argmax, gemv, norm, rotary
+from kvship.kernels import allreduce_norm as arn
+from kvship.kernels import paged_attention as pa
 from kvship.kernels._triton import HAS_TRITON
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -153,6 +155,36 @@ def test_rms_norm(hidden, dtype):
     close(r_got, r_ref, dtype, "fused residual")
     # 3-D input
     close(norm.rms_norm_triton(x.view(1, t, hidden), w, 1e-5), norm.rms_norm_torch(x, w, 1e-5).view(1, t, hidden), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 4096), (3, 576)] if GPU else [(1, 64), (3, 40)])
+def test_allreduce_add_rms_norm_two_ranks(rows, hidden, dtype):
+    """Both ranks' kernels run one after the other on one device: rank 1's flag for rank 0 is
+    raised by hand first (as if rank 1 had already arrived); after both calls every flag is back
+    where it started, and both ranks hold the reference result, bit for bit the same."""
+    g = torch.Generator().manual_seed(rows * hidden)
+    parts = [torch.randn(rows, hidden, generator=g).to(dtype).to(DEV) for _ in range(2)]
+    res = torch.randn(rows, hidden, generator=g).to(dtype).to(DEV)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEV)
+    bufs = [torch.full((rows * hidden + 5,), float("nan"), dtype=dtype, device=DEV) for _ in range(2)]
+    flags = [torch.zeros(8, dtype=torch.int32, device=DEV) for _ in range(2)]
+    bufs[0][: rows * hidden].copy_(parts[1].reshape(-1))  # rank 1 has stored its rows in rank 0's slot ...
+    flags[0][:rows] = 1  # ... and signalled rank 0
+    got = []
+    for rank in (0, 1):
+        peer = 1 - rank
+        got.append(arn.allreduce_add_rms_norm_triton(parts[rank], res, w, 1e-5, bufs[rank], bufs[peer],
+                                                     flags[peer], flags[rank]))
+        if rank == 0:
+            assert flags[1][:rows].tolist() == [1] * rows and flags[0].tolist() == [0] * 8
+    assert flags[0][:rows].tolist() == [1] * rows and flags[1].tolist() == [0] * 8
+    n_ref, r_ref = arn.allreduce_add_rms_norm_torch(parts, res, w, 1e-5)
+    for n_got, r_got in got:
+        close(n_got, n_ref, dtype, "normed")
+        close(r_got, r_ref, dtype, "residual")
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    torch.testing.assert_close(got[0][1], r_ref, atol=0, rtol=0)  # the same roundings as NCCL + add
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

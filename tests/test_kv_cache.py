@@ -2,8 +2,8 @@
 import pytest
 
 from kvship.core.kv_cache_manager import KVCacheManager
-from kvship.core.sequence import Sequence
 from kvship.sampling_params import SamplingParams
+from kvship.sequence import Sequence
 
 
 def seq(tokens):

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-from gguf import quants  # noqa: E402
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
 
-from kvship.loader import ModelSourceError, resolve_model  # noqa: E402
-from kvship.loader.gguf import GGUFFile, dequantize, gguf_model_name  # noqa: E402
+from kvship.loader import ModelSourceError, resolve_model
+from kvship.loader.gguf import GGUFFile, dequantize, gguf_model_name
 
 ALL_TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
              QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
@@ -175,7 +175,7 @@ def _qwen_meta(arch):
 
 def test_synthetic_qwen2_f16_bf16_biases_no_permutation(tmp_path):
     rng = np.random.default_rng(2)
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
     tensors = {
         "token_embd.weight": (f(32, 64), QT.F16),
         "blk.0.attn_q.weight": (f(64, 64), QT.BF16),

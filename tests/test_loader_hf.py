@@ -9,8 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvship.loader import ModelSourceError, bundled_model_path, resolve_model  # noqa: E402
-from kvship.loader.hub import download  # noqa: E402
+from kvship.loader import ModelSourceError, bundled_model_path, resolve_model
+from kvship.loader.hub import download
 
 
 def _tiny_llama(tie: bool, dtype=torch.float32):
@@ -85,7 +85,7 @@ def test_rope_parameters_config_and_generation_eos(tmp_path, hf_tokenizer):
 
 
 def _tiny_tokenizer_json() -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     t = Tokenizer(models.BPE({chr(i): i - 97 for i in range(97, 123)} | {"<s>": 26, "</s>": 27}, []))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

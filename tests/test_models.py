@@ -3,16 +3,14 @@ architecture feature: GQA, tied/untied embeddings, qkv bias, q/k norm, llama3 ro
 import pytest
 import torch
 
+from conftest import TINY_ARCHS
 from kvship.config import EngineConfig
 from kvship.core.kv_cache_manager import KVCacheManager
-from kvship.core.model_runner import ModelRunner
-from kvship.core.scheduler import ScheduledBatch
-from kvship.core.sequence import Sequence
 from kvship.loader import resolve_model
 from kvship.models.config import ModelConfig, UnsupportedModelError
+from kvship.runner.model_runner import ModelRunner
 from kvship.sampling_params import SamplingParams
-
-from conftest import TINY_ARCHS
+from kvship.sequence import Batch, Sequence
 
 # fp32 on both sides; differences come only from summation order (on the GPU, also from the
 # Triton kernels' tf32 tensor-core dots).
@@ -26,15 +24,15 @@ def our_logits(folder, prompts: list[list[int]], block_size: int = 4, chunk: int
     """All-position logits for each prompt, run as one batch (or in chunks of `chunk` tokens)."""
     source = resolve_model(str(folder))
     cfg = EngineConfig(model=str(folder), device=device, dtype="float32", block_size=block_size, num_kv_blocks=256,
-                       enforce_eager=True)
+                       enforce_eager=True, max_model_len=256)
     mc = ModelConfig.from_hf(source.hf_config)
-    runner = ModelRunner(cfg, mc, source.hf_config, source.weights(), 256)
+    runner = ModelRunner(cfg, mc, source.weights())
     kv = KVCacheManager(runner.num_blocks, block_size)
     seqs = [Sequence(f"r{i}", 0, list(p), SamplingParams()) for i, p in enumerate(prompts)]
     results = [[] for _ in seqs]
     step = chunk or max(len(p) for p in prompts)
     while any(s.num_computed_tokens < s.num_tokens for s in seqs):
-        batch = ScheduledBatch()
+        batch = Batch()
         for s in seqs:
             n = min(step, s.num_tokens - s.num_computed_tokens)
             if n:

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from server_utils import start_server
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from kvship.core.sampler import Sampler, SamplerRow, apply_penalties, apply_top_k_top_p_min_p
+from kvship.runner.sampler import Sampler, SamplerRow, apply_penalties, apply_top_k_top_p_min_p
 from kvship.sampling_params import SamplingParams
 
 V = 64
@@ -295,3 +295,40 @@ def test_cuda_matches_cpu_for_greedy_and_seeded_rows_are_batch_invariant():
     assert run(3, 1) == ref
     assert run(7, 6) == ref
     assert len(set(ref)) > 3
+
+
+def test_logit_bias_matches_adding_it_to_the_logits():
+    from kvship.runner.sampler import apply_logit_bias
+
+    logits = logits_for(11, b=3)
+    rows = [row(logit_bias={5: 3.5, 7: -100.0}), row(), row(logit_bias={0: 100.0, V + 3: 50.0})]  # V+3: dropped
+    want = logits.clone()
+    want[0, 5] += 3.5
+    want[0, 7] -= 100.0
+    want[2, 0] += 100.0
+    assert torch.equal(apply_logit_bias(logits, rows), want)
+    assert apply_logit_bias(logits, [row(), row(), row()]) is logits
+
+
+def test_logit_bias_bans_and_forces_tokens_greedy_and_sampled():
+    logits = logits_for(12, b=4)
+    top = logits.argmax(-1).tolist()
+    rows = [row(temperature=0.0, logit_bias={top[0]: -100.0}),
+            row(temperature=0.0, logit_bias={9: 100.0}),
+            row(temperature=0.9, seed=1, logit_bias={top[2]: -100.0}),
+            row(temperature=0.9, seed=2, logit_bias={9: 100.0})]
+    out = Sampler()(logits, rows)
+    masked = logits.clone()
+    masked[0, top[0]] = float("-inf")
+    assert out.token_ids[0] == masked[0].argmax().item() and out.token_ids[1] == 9
+    assert out.token_ids[2] != top[2] and out.token_ids[3] == 9
+    assert torch.equal(logits, logits_for(12, b=4))  # the caller's logits are left alone
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {1: -101.0}, {1: float("nan")}, {-1: 1.0}])
+def test_logit_bias_out_of_range_is_refused(bias):
+    from kvship.sampling_params import InvalidParamsError
+
+    with pytest.raises(InvalidParamsError) as e:
+        SamplingParams(logit_bias=bias)
+    assert e.value.param == "logit_bias"

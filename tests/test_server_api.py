@@ -9,7 +9,8 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import start_server
+
+from server_utils import assert_error, start_server
 
 MAX_MODEL_LEN = 512
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -35,19 +36,6 @@ def model(client) -> str:
 
 def sse_events(response: httpx.Response) -> list[str]:
     return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
-
-
-def assert_error(resp: httpx.Response, status: int, param: str | None = "ANY") -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str) and err["type"]
-    if param != "ANY":
-        assert err["param"] == param, err
-    return err
 
 
 # ------------------------------------------------------------------ basics
@@ -335,6 +323,22 @@ def test_invalid_parameters_are_400(server, path, body, param):
     assert err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "word " * 600},
+        {"prompt": [7] * 600},  # token ids
+        {"prompt": [[7, 8], [7] * 600]},
+        {"prompt": ["hi", "word " * 600], "stream": True},
+        {"prompt": "word " * 600, "max_tokens": None},
+    ],
+)
+def test_over_long_completion_prompt_names_prompt(server, body):
+    """/v1/completions has no `messages`: an over-long prompt is reported as `prompt`."""
+    err = assert_error(httpx.post(server.url + "/v1/completions", json=body, timeout=30), 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+
+
 def test_malformed_json_and_non_object_are_400(server):
     for content in (b'{"messages": [', b"not json", b"[1, 2]", b""):
         assert_error(
@@ -390,7 +394,7 @@ def test_metrics_exposed(server):
                  "kvship:num_kv_blocks_used", "kvship:num_kv_blocks_free"):
         assert f"# TYPE {name} gauge" in text, name
     m = server.metrics()
-    assert m["kvship:num_kv_blocks_used"] + m["kvship:num_kv_blocks_free"] == m["kvship:num_kv_blocks_total"]
+    assert m["kvship:num_kv_blocks_used"] + m["kvship:num_kv_blocks_free"] == m["kvship:num_kv_blocks"]
 
 
 def test_cancelled_stream_frees_its_blocks(server, client, model):

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from kvship.distributed.launch import TensorParallelError, resolve_placement
 from kvship.llm import LLM
+from kvship.runner.tp.launch import TensorParallelError, resolve_placement
 from kvship.sampling_params import SamplingParams
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [7, 8, 9], [40, 41]]

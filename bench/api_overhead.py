@@ -1,0 +1,131 @@
+"""API overhead on the CPU: requests/s of max_tokens=1 chat completions through `kvship serve`
+(HTTP, JSON, chat template, tokenising, the engine thread hand-off, the response) against the
+engine's own rate for the same requests added to it directly, in the same run. The model is a
+tiny one with random weights, so the forward pass costs almost nothing and what is left is the
+request path: a slow one shows up as a ratio far below 1.
+
+    python bench/api_overhead.py [--requests 400] [--concurrency 1 8 32]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import SHAPES, table, write_shape_folder
+from kvship.llm import LLM
+from kvship.sampling_params import SamplingParams
+
+SHAPES.setdefault("tiny", dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+                               intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, vocab_size=512, max_position_embeddings=4096,
+                               rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1))
+MESSAGES = [{"role": "user", "content": " ".join(f"w{i}" for i in range(2, 34))}]  # 32 words: 32 tokens
+
+
+def tiny_chat_model(root: str) -> str:
+    folder = write_shape_folder("tiny", root)
+    cfg_path = Path(folder) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    cfg_path.write_text(json.dumps(cfg))
+    return folder
+
+
+def engine_rate(folder: str, n: int, concurrency: int) -> float:
+    """Requests/s of the engine alone: `concurrency` requests in flight, added and stepped
+    directly (what the server's requests cost the engine, without the server)."""
+    llm = LLM(folder, load_format="dummy", device="cpu", max_num_seqs=max(concurrency, 1), max_model_len=256)
+    eng = llm.engine
+    ids = eng.tokenizer.encode(MESSAGES[0]["content"] + " ", add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def run(count: int, tag: str) -> float:
+        added = done = 0
+        t0 = time.perf_counter()
+        while done < count:
+            while added < count and added - done < concurrency:
+                eng.add_request(f"{tag}{added}", ids, params)
+                added += 1
+            done += sum(1 for out in eng.step() if out.finished)
+        return count / (time.perf_counter() - t0)
+
+    run(max(8, concurrency), "warm")  # first steps allocate and warm caches, as the server's warm-up does
+    return run(n, "r")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def api_rate(url: str, n: int, concurrency: int) -> float:
+    body = {"messages": MESSAGES, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        left = n
+
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                r = await client.post("/v1/chat/completions", json=body)
+                r.raise_for_status()
+
+        await asyncio.gather(*(worker() for _ in range(4)))  # warm-up
+        left = n
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = tiny_chat_model(tmp)
+        port = free_port()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kvship.cli", "serve", folder, "--load-format", "dummy", "--device", "cpu",
+             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--no-chat-page",
+             "--max-num-seqs", str(max(args.concurrency)), "--log-level", "warning"],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("the server did not start")
+                time.sleep(0.5)
+            rows = []
+            for c in args.concurrency:
+                api = asyncio.run(api_rate(url, args.requests, c))
+                direct = engine_rate(folder, args.requests, c)
+                rows.append([c, f"{api:.0f}", f"{direct:.0f}", f"{api / direct:.2f}"])
+        finally:
+            server.terminate()
+            server.wait(30)
+    print(f"max_tokens=1 chat completions, tiny random model on CPU, {args.requests} requests per row\n")
+    print(table(rows, ["concurrency", "API requests/s", "engine alone requests/s", "API / engine"]))
+
+
+if __name__ == "__main__":
+    main()

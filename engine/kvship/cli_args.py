@@ -1,0 +1,95 @@
+"""The `kvship serve` arguments, on their own: standard library only (no torch), so that the
+operator checks an LLMDeployment's `engine.args` with the very parser the engine uses."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MiB', '2e9', '1073741824' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 2000000000)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError("must be in (0, 1]")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return v
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("model", nargs="?", default=None,
+                   help="hub id, local folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--model", dest="model_opt", default=None, metavar="MODEL", help="same as the positional MODEL")
+    g.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+    g.add_argument("--download-dir", default=None, help="where hub downloads go")
+    g.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model's own)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"],
+                   help="weights and activations dtype")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shapes (benchmarks; a config-only folder is enough)")
+    g.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed draw from it)")
+    g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
+                   help="auto: requests that leave out temperature/top_p/top_k/min_p/repetition_penalty get the "
+                        "model's generation_config.json values; none: the OpenAI defaults")
+
+    g = p.add_argument_group("scheduling and memory")
+    g.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most sequences in a batch")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, help="token budget per step")
+    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block (power of two)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.90,
+                   help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="bytes for the KV cache, e.g. 4GiB (overrides --gpu-memory-utilization)")
+    g.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="exact number of KV-cache blocks")
+    g.add_argument("--max-waiting-requests", type=_positive_int, default=1024,
+                   help="queue length beyond which requests get 503 + Retry-After")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, help="GPUs to shard the model over")
+    g.add_argument("--tp-all-reduce", choices=["nccl", "one-shot", "fused"], default="fused",
+                   help="all-reduce for small tensors between GPUs (fused: at TP=2 on one host the reduction, "
+                        "residual add and RMSNorm in one kernel, NCCL otherwise; one-shot: peer loads over NVLink)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="paged attention: torch forces the plain-torch reference kernels everywhere; auto "
+                        "(default) and triton run the Triton kernels on a GPU (when triton is installed) and the "
+                        "torch reference on a CPU")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    g.add_argument("--api-key", default=os.environ.get("KVSHIP_API_KEY"),
+                   help="require this key as 'Authorization: Bearer KEY' on /v1/* (default: $KVSHIP_API_KEY)")
+    g.add_argument("--no-chat-page", "--disable-chat-page", dest="chat_page", action="store_false",
+                   help="do not serve the built-in chat page")
+    g.add_argument("--max-prompts-per-request", type=_positive_int, default=256,
+                   help="most prompts one /v1/completions request may carry (default: 256); a request is "
+                        "admitted to the queue whole or refused whole")
+    g.add_argument("--max-request-body-size", type=parse_size, default=8 * 2**20, metavar="SIZE",
+                   help="largest request body accepted, e.g. 8MiB (default); larger ones get 413")
+    g.add_argument("--shutdown-timeout", type=float, default=20.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="how much the server logs (default: info)")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")

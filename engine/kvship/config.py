@@ -1,0 +1,48 @@
+"""The one configuration object: built from the CLI (or the operator's args) and passed down."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # hub id, folder, or .gguf file; None -> bundled SmolLM2
+    revision: str | None = None
+    download_dir: str | None = None
+    served_model_name: str | None = None
+    load_format: str = "auto"  # auto | dummy (random weights of the model's shapes; benchmarks)
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0
+    # Sampling defaults from the model's generation_config.json (temperature, top_p, top_k, min_p,
+    # repetition_penalty) for requests that leave them out, as model authors intend.
+    generation_defaults: bool = True
+
+    max_model_len: int | None = None  # None -> the model's own limit
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # token budget per step (chunked prefill)
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    gpu_memory_utilization: float = 0.90
+    kv_cache_memory: int | None = None  # bytes for KV; overrides the utilisation rule
+    num_kv_blocks: int | None = None  # exact block count (tests, benchmarks)
+
+    tensor_parallel_size: int = 1
+    tp_all_reduce: str = "fused"  # fused | one-shot | nccl (symmetric memory on GPUs; NCCL the fallback)
+    enforce_eager: bool = False  # no CUDA graphs
+    attention_backend: str = "auto"  # auto | torch | triton
+
+    max_waiting_requests: int = 1024  # beyond this the server answers 503
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.tp_all_reduce not in ("nccl", "one-shot", "fused"):
+            raise ValueError(f"tp_all_reduce must be nccl, one-shot or fused, got {self.tp_all_reduce!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -1,0 +1,197 @@
+"""The engine for serving: its step loop runs in its own thread, off the asyncio event loop.
+
+The server talks to it only through generate() (an async stream of outputs), abort() and
+stats(). Moving the loop into its own process would change only this file.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvship.config import EngineConfig
+from kvship.core.engine import LLMEngine
+from kvship.outputs import RequestOutput
+from kvship.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+@dataclass
+class _Rejected:
+    """add_request refused the request (a client mistake); re-raised in the caller."""
+
+    error: Exception
+
+
+class _Stream:
+    """Outputs of one request, handed from the engine thread to the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | _Rejected | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | _Rejected | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.config = engine.config
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.sampling_defaults = engine.sampling_defaults
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self._error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._pending = 0  # submitted but not yet seen by the loop (counts as waiting)
+        self._thread = threading.Thread(target=self._loop, name="kvship-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(LLMEngine(config))
+
+    # -- client side -------------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come. ``arrival_time`` (time.monotonic()): when the
+        server accepted it, before tokenizing; default now. Queue time, TTFT and latency count
+        from there, so they include the wait for the engine thread and the server's own work."""
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError("the engine has stopped") from self._error
+        if self.stats().num_requests_waiting >= self.config.max_waiting_requests:
+            raise QueueFullError(f"the server has {self.config.max_waiting_requests} requests waiting; retry later")
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            self._streams[request_id] = stream
+            self._pending += 1
+        self._inbox.put(("add", (request_id, list(prompt_token_ids), params, arrival_time)))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, _Rejected):
+                    finished = True
+                    raise item.error
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("the engine stopped while serving this request") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        e, kv = self.engine, self.engine.kv
+        sched = e.scheduler
+        return EngineStats(
+            num_requests_running=len({s.request_id for s in list(sched.running)}),
+            num_requests_waiting=len({s.request_id for s in list(sched.waiting)}) + self._pending,
+            num_kv_blocks_total=kv.num_blocks,
+            num_kv_blocks_used=kv.num_used_blocks,
+            num_kv_blocks_free=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=sched.num_preemptions,
+            prompt_tokens_total=e.prompt_tokens_total,
+            generation_tokens_total=e.generation_tokens_total,
+        )
+
+    def is_alive(self) -> bool:
+        return self._error is None and self._thread.is_alive()
+
+    def add_death_callback(self, fn: Callable[[BaseException], None]) -> None:
+        self._death_callbacks.append(fn)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+        if not self._thread.is_alive() and hasattr(self.engine, "shutdown"):  # TP ranks stop once no step runs
+            self.engine.shutdown()
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                request_id, ids, params, arrival_time = arg
+                with self._lock:
+                    self._pending -= 1
+                    stream = self._streams.get(request_id)
+                try:
+                    self.engine.add_request(request_id, ids, params, arrival_time)
+                except Exception as e:  # a client mistake: hand it back to the caller
+                    if stream is not None:
+                        stream.put(_Rejected(e))
+            elif kind == "abort":
+                final = self.engine.abort(arg)
+                with self._lock:
+                    stream = self._streams.get(arg)
+                if final is not None and stream is not None:  # a reader is still waiting: end its stream
+                    stream.put(final)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain(block=not self.engine.has_work())
+                if not self.engine.has_work():
+                    continue
+                for out in self.engine.step():
+                    with self._lock:
+                        stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+        except BaseException as e:  # noqa: BLE001 - any failure kills serving; report it
+            log.exception("engine loop died")
+            self._error = e
+            with self._lock:
+                streams = list(self._streams.values())
+            for s in streams:
+                s.put(e)
+            for fn in self._death_callbacks:
+                fn(e)

@@ -1,0 +1,225 @@
+"""The synchronous engine: requests in, one step at a time, outputs out. Used directly by `LLM`
+(offline) and driven from a thread by `AsyncEngine` (serving).
+
+A step overlaps the host with the device: it schedules and launches step N+1, then, while the
+device computes it, reads step N's tokens and turns them into outputs. So a decode's input is
+the token step N sampled, still on the device; the scheduler and the runner are told which
+sequences have one in flight (the previous step, passed as a value), and a sequence only ever
+holds tokens whose values the host knows.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kvship.config import EngineConfig
+from kvship.core.kv_cache_manager import KVCacheManager
+from kvship.core.output_processor import Accepted, OutputProcessor
+from kvship.core.scheduler import Scheduler
+from kvship.outputs import RequestOutput
+from kvship.parallel import SINGLE
+from kvship.runner.model_runner import InFlightStep, ModelRunner, load_model
+from kvship.runner.tp.launch import TPRuntime
+from kvship.sampling_params import InvalidParamsError, SamplingParams
+from kvship.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        source, self.model_config = load_model(config)
+        self.tokenizer = source.tokenizer
+        self.model_name = config.served_model_name or source.name
+        self.max_model_len = config.max_model_len
+        self.tp_runtime = TPRuntime.start(config) if config.tensor_parallel_size > 1 else None  # we are rank 0
+        try:
+            self.runner = ModelRunner(config, self.model_config,
+                                      None if config.load_format == "dummy" else source.weights(),
+                                      self.tp_runtime.ctx if self.tp_runtime else SINGLE)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.tp_runtime:
+            self.tp_runtime.ready = True
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.outputs = OutputProcessor(self.tokenizer)
+        eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
+        eos |= set(_as_list(source.generation_config.get("eos_token_id")))
+        self.eos_token_ids = eos
+        self.sampling_defaults = sampling_defaults(source.generation_config) if config.generation_defaults else {}
+        if self.sampling_defaults:
+            log.info("sampling defaults from the model's generation config: %s", self.sampling_defaults)
+        self.in_flight: InFlightStep | None = None  # the last launched step, its tokens not read yet
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """``arrival_time`` (time.monotonic()): when the request was accepted, if earlier than now
+        (a server stamps it before the request waits for the engine)."""
+        if request_id in self.outputs.requests:
+            raise InvalidParamsError(f"request id {request_id!r} is already in use", "request_id")
+        n_prompt = len(prompt_token_ids)
+        if n_prompt == 0:
+            raise InvalidParamsError("the prompt is empty", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidParamsError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if n_prompt >= self.max_model_len:
+            raise InvalidParamsError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n_prompt} tokens, "
+                "leaving no room for a completion. Shorten the prompt.", "prompt")
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise InvalidParamsError("prompt logprobs are not available with tensor parallelism", "logprobs")
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if n_prompt + 1 > capacity:
+            raise InvalidParamsError(
+                f"the prompt ({n_prompt} tokens) does not fit in the KV cache ({capacity} tokens)", "prompt")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seq = Sequence(request_id, i, list(prompt_token_ids), params, leader=seqs[0] if seqs else None,
+                           arrival_time=arrival)
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+            seqs.append(seq)
+        self.outputs.add(request_id, prompt_token_ids, params, seqs, arrival)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop the request and free its blocks; returns its final output (finish_reason "abort"
+        for the choices still running), or None if it is unknown or already finished. A token
+        of it still in flight is dropped when read."""
+        req = self.outputs.requests.get(request_id)
+        if req is None:
+            return None
+        for c in req.choices:
+            if not c.seq.finished:
+                self.scheduler.finish(c.seq, "abort")
+            if c.out.finish_reason is None:
+                c.seq.finish_reason = "abort"  # also for one ended at launch whose last token is in flight
+        if self.in_flight is not None and not any(map(_expects, self.in_flight.sampled, self.in_flight.positions)):
+            self.in_flight = None  # nothing in it is wanted: no need to read it
+        return self.outputs.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self.in_flight is not None
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (no-op with one rank)."""
+        if getattr(self, "tp_runtime", None) is not None:
+            if getattr(self, "runner", None) is not None:
+                self.runner.release_graphs()  # graphs hold NCCL work: drop them before the communicators
+            self.tp_runtime.shutdown()
+
+    # -- one step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        previous, outputs = self.in_flight, []
+        if previous is not None and any(s.params.uses_penalties for s in previous.sampled):
+            outputs, previous = self._finish(previous), None  # penalties count the last token: read it first
+        batch = self.scheduler.schedule(previous.rows if previous is not None else ())
+        self.in_flight = self.runner.launch(batch, previous) if batch else None  # the device starts step N+1
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        if self.in_flight is not None:
+            self._end_at_length(self.in_flight)
+        if previous is not None:
+            outputs += self._finish(previous)  # the host finishes step N meanwhile
+        for seq in batch.seqs:
+            self.kv.cache_full_blocks(seq)  # after the read: a block's hash needs its tokens' values
+        if not batch:
+            outputs += self._unblock()
+        if log.isEnabledFor(logging.DEBUG):  # what serving latency is made of, step by step
+            log.debug("step: %d seqs, %d new tokens, %d waiting, %.1f ms", len(batch), batch.num_tokens,
+                      len(self.scheduler.waiting), (time.perf_counter() - t0) * 1e3)
+        return outputs
+
+    def _end_at_length(self, step: InFlightStep) -> None:
+        """At launch: a sampled token is its sequence's last when it reaches max_tokens or the
+        context limit, whatever its value; the sequence leaves the schedule now."""
+        for i, (seq, pos) in enumerate(zip(step.sampled, step.positions)):
+            max_tokens = seq.params.max_tokens
+            if (max_tokens is not None and pos + 1 - seq.num_prompt_tokens >= max_tokens) or pos + 1 >= self.max_model_len:
+                step.last[i] = True
+                self.scheduler.finish(seq, "length")
+
+    def _finish(self, step: InFlightStep) -> list[RequestOutput]:
+        """Read a step's tokens (waiting for their copy to the host), accept each into its
+        sequence, and turn them into outputs."""
+        result = step.result()
+        if result is None:
+            return []
+        now = time.monotonic()
+        accepted = []
+        for seq, pos, last, token, lp in zip(step.sampled, step.positions, step.last, result.token_ids,
+                                             result.logprobs):
+            if _expects(seq, pos):
+                accepted.append(self._accept(seq, token, lp, now, last))
+        outputs, stopped = self.outputs.process(accepted)
+        for seq in stopped:
+            if not seq.finished:
+                self.scheduler.finish(seq, "stop")
+        return outputs
+
+    def _accept(self, seq: Sequence, token: int, lp, now: float, last: bool) -> Accepted:
+        """What the next schedule depends on: a sequence that ends on eos or a stop token leaves
+        the schedule now (a token launched after this one is dropped when read)."""
+        params = seq.params
+        seq.token_ids.append(token)
+        n_out = seq.num_output_tokens
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self.generation_tokens_total += 1
+        if n_out == 1:
+            self.prompt_tokens_total += seq.num_prompt_tokens
+        if n_out >= params.min_tokens and (
+                token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)):
+            if not seq.finished:
+                self.scheduler.finish(seq, "stop")
+            seq.finish_reason = "stop"  # "stop" even when max_tokens also ended it on this token
+            seq.stop_reason = token if token in params.stop_token_ids else None
+            last = True
+        return Accepted(seq, token, lp, n_out, last)
+
+    def _unblock(self) -> list[RequestOutput]:
+        """Nothing could be scheduled although work is waiting: the head sequence cannot fit in
+        the KV cache even alone. Finish it rather than spin."""
+        if not self.scheduler.running and self.scheduler.waiting:
+            seq = next((s for s in self.scheduler.waiting if not s.gated), None)
+            if seq is not None:
+                log.warning("request %s outgrew the KV cache; finishing it with reason 'length'", seq.request_id)
+                self.scheduler.finish(seq, "length")
+                out = self.outputs.end_without_token(seq, "length")
+                return [out] if out is not None else []
+        return []
+
+
+def _expects(seq: Sequence, pos: int) -> bool:
+    """Whether seq still wants the token launched for position pos: not when it was aborted, or
+    ended on an earlier token (eos, a stop token or string) after this one was launched."""
+    return seq.finish_reason in (None, "length") and len(seq.token_ids) == pos
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """The sampling settings a model's generation_config.json recommends (only when it samples:
+    do_sample=false configs describe greedy decoding, which is already each field's default)."""
+    if generation_config.get("do_sample") is False:
+        return {}
+    return {k: generation_config[k] for k in SAMPLING_DEFAULT_KEYS if generation_config.get(k) is not None}
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [x] if isinstance(x, int) else list(x)

@@ -1,0 +1,218 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the special-token facts and chat template that
+serving needs. Built from an HF folder (tokenizer.json and friends) or from GGUF metadata."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
+
+from .chat_template import ChatTemplateError, render_chat_template
+from .errors import ModelSourceError
+
+__all__ = ["Tokenizer", "ChatTemplateError"]
+
+# GGUF token types (llama.cpp's llama_token_type)
+_TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
+
+# Tokens that end an assistant turn in common chat formats; a GGUF's control token with one of
+# these names stops generation when the chat template uses it (llama.cpp does the same).
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+
+def _token_content(tok: Any) -> str | None:
+    if tok is None:
+        return None
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return str(tok)
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelSourceError(f"cannot read {path!r}: {e}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _as_id_list(v: Any) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, (list, tuple)):
+        return [int(x) for x in v if x is not None]
+    return [int(v)]
+
+
+class Tokenizer:
+    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token: str | None = None,
+                 eos_token: str | None = None, unk_token: str | None = None, pad_token: str | None = None,
+                 extra_eos_ids: list[int] | tuple[int, ...] = (), chat_template: str | None = None,
+                 add_bos_token: bool = False) -> None:
+        self._tok = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token, self.eos_token, self.unk_token, self.pad_token = bos_token, eos_token, unk_token, pad_token
+        self.bos_token_id: int | None = backend.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id: int | None = backend.token_to_id(eos_token) if eos_token else None
+        self.unk_token_id = backend.token_to_id(unk_token) if unk_token else None
+        self.pad_token_id = backend.token_to_id(pad_token) if pad_token else None
+        self.eos_token_ids: set[int] = set(extra_eos_ids)
+        if self.eos_token_id is not None:
+            self.eos_token_ids.add(self.eos_token_id)
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        special |= {i for i in (self.bos_token_id, self.eos_token_id, self.unk_token_id, self.pad_token_id)
+                    if i is not None}
+        self.all_special_ids: set[int] = special
+        self.chat_template = chat_template
+        # Prepend BOS ourselves when the config asks for it but the post-processor does not.
+        self._prepend_bos = False
+        if add_bos_token and self.bos_token_id is not None:
+            probe = backend.encode("a", add_special_tokens=True).ids
+            self._prepend_bos = not probe or probe[0] != self.bos_token_id
+
+    # -- encoding / decoding
+    # `tokenizers` holds the interpreter's lock through encode() but lets go of it in
+    # encode_batch(): for a long text (seconds of work) that is the difference between a server
+    # whose other threads (event loop, engine loop) keep running and one that freezes.
+    RELEASE_GIL_CHARS = 8192
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > self.RELEASE_GIL_CHARS:
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_str(self, token_id: int) -> str:
+        """Display form of one token: the text that token decodes to on its own."""
+        return self._tok.decode([int(token_id)], skip_special_tokens=False)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The raw vocabulary entry (e.g. byte-level form 'Ġhello')."""
+        return self._tok.id_to_token(int(token_id))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters: no token covers more of a text than
+        this (byte-level entries spell one byte per character, so a multi-byte character
+        costs several), which bounds a text's token count from below without tokenising it."""
+        return max(len(self._tok.id_to_token(i) or "") for i in range(self.vocab_size)) or 1
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        return self._tok
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    # -- chat
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        template = kwargs.pop("chat_template", None) or self.chat_template
+        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   "unk_token": self.unk_token, "pad_token": self.pad_token}
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                    special_tokens=special, **kwargs)
+
+    # -- construction
+    @classmethod
+    def from_hf_folder(cls, path: str, generation_config: dict | None = None) -> "Tokenizer":
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tj):
+            raise ModelSourceError(
+                f"{path!r} has no tokenizer.json; only models with a fast (tokenizers) tokenizer "
+                "are supported. Save one with transformers' tokenizer.save_pretrained().")
+        try:
+            backend = tokenizers.Tokenizer.from_file(tj)
+        except Exception as e:  # the library raises a bare Exception on malformed files
+            raise ModelSourceError(f"cannot read {tj!r}: {e}") from None
+        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        smap = _read_json(os.path.join(path, "special_tokens_map.json"))
+        if generation_config is None:
+            generation_config = _read_json(os.path.join(path, "generation_config.json"))
+
+        def special(name: str) -> str | None:
+            return _token_content(cfg.get(name)) or _token_content(smap.get(name))
+
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if not template and os.path.isfile(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        if not template:
+            ct = _read_json(os.path.join(path, "chat_template.json"))
+            template = ct.get("chat_template")
+        extra = _as_id_list(generation_config.get("eos_token_id"))
+        return cls(backend, bos_token=special("bos_token"), eos_token=special("eos_token"),
+                   unk_token=special("unk_token"), pad_token=special("pad_token"), extra_eos_ids=extra,
+                   chat_template=template or None, add_bos_token=bool(cfg.get("add_bos_token", False)))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        if kind != "gpt2":
+            raise ModelSourceError(
+                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
+                "use the model's HF folder instead.")
+        types = meta.get("tokenizer.ggml.token_type") or [_TT_NORMAL] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        vocab = {t: i for i, t in enumerate(tokens)}
+
+        def tok(key: str) -> str | None:
+            i = meta.get(key)
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        unk = tok("tokenizer.ggml.unknown_token_id")
+        bos, eos, pad = tok("tokenizer.ggml.bos_token_id"), tok("tokenizer.ggml.eos_token_id"), \
+            tok("tokenizer.ggml.padding_token_id")
+        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True,
+                                                  byte_fallback=True))
+        backend.normalizer = normalizers.Sequence([])
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False,
+                                                         use_regex=True)
+        backend.decoder = decoders.ByteLevel()
+        specials = [AddedToken(tokens[i], normalized=False, special=True)
+                    for i, t in enumerate(types) if t == _TT_CONTROL]
+        if specials:
+            backend.add_special_tokens(specials)
+        user = [AddedToken(tokens[i], normalized=False, special=False)
+                for i, t in enumerate(types) if t == _TT_USER_DEFINED]
+        if user:
+            backend.add_tokens(user)
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+        single, pair, sp = ["$A:0"], ["$A:0", "$B:1"], []
+        if add_bos:
+            single, pair = [f"{bos}:0"] + single, [f"{bos}:0", "$A:0", f"{bos}:1", "$B:1"]
+            sp.append((bos, vocab[bos]))
+        if add_eos:
+            single, pair = single + [f"{eos}:0"], pair + [f"{eos}:1"]
+            if (eos, vocab[eos]) not in sp:
+                sp.append((eos, vocab[eos]))
+        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=sp)
+        template = meta.get("tokenizer.chat_template")
+        extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+        if template:
+            for name in _END_OF_TURN:
+                i = vocab.get(name)
+                if i is not None and name in template and types[i] == _TT_CONTROL:
+                    extra.append(i)
+        return cls(backend, bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad, extra_eos_ids=extra,
+                   chat_template=template)

@@ -1,0 +1,93 @@
+"""Model hyper-parameters, parsed from a Hugging Face config.json-shaped dict."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+# HF architecture name -> family (the model file that runs it, see registry.py)
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def family_of(cfg: dict[str, Any]) -> str:
+    """The family ("llama", "qwen2", "qwen3") of an HF config dict."""
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in FAMILIES:
+            return FAMILIES[a]
+    if not archs and cfg.get("model_type") in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[cfg["model_type"]]
+    got = ", ".join(archs) or cfg.get("model_type") or "unknown"
+    raise UnsupportedModelError(f"unsupported model architecture {got}; kvship supports: {', '.join(sorted(FAMILIES))}")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        arch = family_of(cfg)
+        # transformers >= 5 writes rope settings under rope_parameters.
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_scaling = cfg.get("rope_scaling") or None
+        theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if rope_scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
+            rope_scaling = rope_params
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if kind == "default":
+                rope_scaling = None
+            else:
+                rope_scaling["rope_type"] = kind
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            architecture=arch,
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos_list,
+        )

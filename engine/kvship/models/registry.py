@@ -1,0 +1,17 @@
+"""The model class for each family (ModelConfig.architecture). Qwen2 and Qwen3 are the Llama
+block with switches that ModelConfig sets (q/k/v biases, per-head q/k norms); a family with
+layers of its own gets its own file and its own entry here."""
+from __future__ import annotations
+
+from kvship.models.config import ModelConfig
+from kvship.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    return MODEL_CLASSES[config.architecture]

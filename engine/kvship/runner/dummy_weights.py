@@ -1,0 +1,55 @@
+"""Random weights (load_format="dummy", for benchmarks of model shapes without checkpoints)
+that do not depend on the tensor-parallel size.
+
+Every rank draws the same full-size tensors, in the order of the single-rank model's
+parameters, from one seeded generator (never zero: kernels see realistic data; norms are 1),
+names them as a checkpoint would, and keeps its own slice through the layers' weight loaders
+like any checkpoint: a model sharded over N ranks holds exactly the weights the single-rank
+model would, so TP=N and TP=1 outputs can be compared."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from kvship.loader.source import WeightRef, apply_slices
+from kvship.models.config import ModelConfig
+from kvship.parallel import SINGLE
+
+
+def _ref(t: torch.Tensor) -> WeightRef:
+    return WeightRef(t.shape, t.dtype, lambda slices: apply_slices(t, slices))
+
+
+@torch.no_grad()
+def dummy_weights(build, model_config: ModelConfig, max_model_len: int, backend: str, seed: int,
+                  dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, WeightRef]]:
+    """(checkpoint name, tensor) for the single-rank model ``build(...)`` would make."""
+    with torch.device("meta"):
+        full = build(model_config, max_model_len, SINGLE, backend)
+    modules = dict(full.named_modules())
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def weights():
+        for name, p in full.named_parameters():
+            if "norm" in name:
+                t = torch.ones(p.shape, dtype=dtype, device=device)
+            else:
+                t = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=g)
+            mod_name, _, leaf = name.rpartition(".")
+            mod = modules[mod_name]
+            if isinstance(mod, QKVParallelLinear):
+                q, kv = mod.num_heads * mod.head_dim, mod.num_kv_heads * mod.head_dim
+                base = mod_name.rpartition(".")[0]
+                for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
+                    yield f"{base}.{part}.{leaf}", _ref(piece)
+            elif isinstance(mod, MergedColumnParallelLinear):
+                base = mod_name.rpartition(".")[0]
+                for part, piece in zip(("gate_proj", "up_proj"), t.split(mod.out_sizes)):
+                    yield f"{base}.{part}.{leaf}", _ref(piece)
+            else:
+                yield name, _ref(t)
+            del t
+
+    return weights()

@@ -1,0 +1,345 @@
+"""Runs the model on a batch: packs it into flat tensors, runs the forward pass and launches the
+sampling of the sequences whose prompt is complete. The step's result stays on the device (an
+InFlightStep) while the host goes on; the next step can take its tokens as inputs there."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
+
+from kvship.config import EngineConfig
+from kvship.kernels._triton import HAS_TRITON
+from kvship.layers.attention import AttentionMetadata
+from kvship.loader import ModelSource, resolve_model
+from kvship.models.config import ModelConfig
+from kvship.models.registry import model_class
+from kvship.outputs import TokenLogprob
+from kvship.parallel import SINGLE, TPContext
+from kvship.runner.cuda_graph import DecodeGraphs
+from kvship.runner.dummy_weights import dummy_weights
+from kvship.runner.sampler import PendingSample, Sampler, SamplerOutput, SamplerRow
+from kvship.sequence import Batch, Sequence
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, model_dtype: str | None) -> torch.dtype:
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow and less accurate
+    return torch.float16 if model_dtype == "float16" else torch.bfloat16
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """"torch" forces the reference attention; otherwise kernels dispatch on the tensors' device
+    (Triton on CUDA when installed, torch on CPU)."""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+    if name != "torch" and device.type == "cuda":
+        if not HAS_TRITON:
+            log.warning("triton is not installed: the GPU runs the (slow) torch reference kernels")
+    return name
+
+
+def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
+    """The model's source (tokenizer, generation config, lazy weights) and its parsed config.
+    Fills in config.max_model_len (the model's limit when unset) and refuses a larger one.
+    Rank 0 and every other tensor-parallel rank load the model through here."""
+    source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir,
+                           require_weights=config.load_format != "dummy")
+    model_config = ModelConfig.from_hf(source.hf_config)
+    limit = model_config.max_position_embeddings
+    if config.max_model_len and config.max_model_len > limit:
+        raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's limit of {limit} positions")
+    config.max_model_len = config.max_model_len or limit
+    return source, model_config
+
+
+@dataclass(eq=False)
+class InFlightStep:
+    """A launched step: the sequences that sample a token in it, where each token will go in its
+    sequence, and the sample, still on the device until ``result()``."""
+
+    batch: Batch
+    sampled: list[Sequence]
+    positions: list[int]  # index in seq.token_ids that each sampled token will take
+    sample: PendingSample | None  # None: no sequence completed its prompt in this step
+
+    def __post_init__(self) -> None:
+        self.rows = {seq: i for i, seq in enumerate(self.sampled)}  # sequence -> row of the sample
+        self.last = [False] * len(self.sampled)  # the token ends its sequence (set by the engine at launch)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The sampled tokens on the device (the next step's decode inputs)."""
+        return self.sample.tokens
+
+    def result(self) -> SamplerOutput | None:
+        """Waits for the copy of the sampled tokens (and logprobs) to the host."""
+        return None if self.sample is None else self.sample.result()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, tp: TPContext = SINGLE):
+        """``weights``: the checkpoint's (name, lazy tensor) pairs; None for random weights
+        (config.load_format "dummy"), the same ones at every tensor-parallel size."""
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
+        self.backend = resolve_backend(config.attention_backend, self.device)
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len = config.max_model_len
+        self.tp = tp
+
+        torch.manual_seed(config.seed)
+        build = model_class(model_config)
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = build(model_config, max_model_len, tp, self.backend)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        if weights is None:
+            weights = dummy_weights(build, model_config, max_model_len, self.backend, config.seed, self.dtype, self.device)
+        else:
+            weights = tqdm(weights, desc="Loading weights", unit=" tensors", leave=False)
+        self.model.load_weights(weights)
+        self.model.eval()
+        self.sampler = Sampler()
+        self.num_blocks = self._allocate_kv_cache()
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, 512),
+                                       -(-max_model_len // self.block_size), self.device)
+            self.graphs.capture()
+
+    def release_graphs(self) -> None:
+        """Drop the CUDA graphs (before tearing down the communicators captured in them)."""
+        if self.graphs is not None:
+            self.graphs = None
+            torch.cuda.synchronize(self.device)
+
+    # -- KV cache ----------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        attn = self.model.attention_layers()[0]
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.model.attention_layers()) * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+
+    def _num_blocks_to_allocate(self) -> int:
+        c = self.config
+        if c.num_kv_blocks:
+            return c.num_kv_blocks
+        per_block = self.kv_bytes_per_block()
+        if c.kv_cache_memory:
+            return max(1, c.kv_cache_memory // per_block)
+        if self.device.type == "cuda":
+            return self._blocks_that_fit_on_gpu(per_block)
+        # CPU: enough for max_num_seqs full contexts, capped at 1 GiB.
+        want = c.max_num_seqs * -(-self.max_model_len // self.block_size)
+        return max(1, min(want, (1 << 30) // per_block))
+
+    @torch.inference_mode()
+    def _blocks_that_fit_on_gpu(self, per_block: int) -> int:
+        """Run the largest step we will ever run (a full token budget) against a throw-away
+        cache, measure the peak, and give KV what --gpu-memory-utilization leaves."""
+        c, dev = self.config, self.device
+        tokens = min(c.max_num_batched_tokens, self.max_model_len * c.max_num_seqs)
+        seq_len = min(tokens, self.max_model_len)
+        num_seqs = -(-tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        self._bind_kv_cache(num_seqs * blocks_per_seq)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        ids = torch.randint(0, self.model_config.vocab_size, (num_seqs * seq_len,), device=dev)
+        pos = torch.arange(seq_len, device=dev).repeat(num_seqs)
+        tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=dev).view(num_seqs, -1)
+        slots = (tables.long().repeat_interleave(self.block_size, 1) * self.block_size
+                 + torch.arange(self.block_size, device=dev).repeat(blocks_per_seq))[:, :seq_len].reshape(-1)
+        meta = AttentionMetadata(slots, tables, torch.full((num_seqs,), seq_len, dtype=torch.int32, device=dev),
+                                 torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device=dev),
+                                 seq_len, torch.arange(num_seqs, device=dev) * seq_len + seq_len - 1)
+        self.model.compute_logits(self.model(ids, pos, meta)[meta.logits_indices])
+        # Sampling of a full batch: float32 logits plus a few temporaries of that size.
+        sampler_bytes = 4 * c.max_num_seqs * self.model_config.vocab_size * 4
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        self._bind_kv_cache(0)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        others = total - free - torch.cuda.memory_allocated(dev)  # other processes, CUDA context
+        graph_reserve = 0 if c.enforce_eager else 512 << 20
+        budget = total * c.gpu_memory_utilization - others - peak - sampler_bytes - graph_reserve
+        if budget < per_block:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: weights and activations take {peak / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB; raise --gpu-memory-utilization, lower --max-num-batched-tokens, "
+                "or use more GPUs (--tensor-parallel-size)")
+        return int(budget // per_block)
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
+        for attn in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _allocate_kv_cache(self) -> int:
+        n = self.tp.min_int(self._num_blocks_to_allocate())  # every rank holds the same block count
+        self._bind_kv_cache(n)
+        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)", n, self.block_size,
+                 n * self.block_size, n * self.kv_bytes_per_block() / 2**30)
+        return n
+
+    # -- one step ----------------------------------------------------------------------------
+    def launch(self, batch: Batch, previous: InFlightStep | None = None) -> InFlightStep:
+        """Start the step on the device and return at once: the forward pass, then the sampling
+        of every sequence whose prompt is complete after this step. A sampling row's penalties
+        count the sequence's known tokens, so the caller reads ``previous`` first for those."""
+        logits = self.run(batch, previous)
+        sampled, positions = [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            end = seq.num_computed_tokens + n
+            if end >= seq.num_tokens:  # every token is computed (a decode's input may be in flight)
+                sampled.append(seq)
+                positions.append(end)
+        if not sampled:
+            return InFlightStep(batch, [], [], None)
+        rows = [SamplerRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, (s.request_id, s.index))
+                if s.params.uses_penalties else SamplerRow(s.params, (), (), s.generator) for s in sampled]
+        return InFlightStep(batch, sampled, positions, self.sampler.launch(logits, rows))
+
+    def prepare(self, batch: Batch, previous: InFlightStep | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The batch as flat device tensors, sent in two copies (one int64, one int32 buffer).
+        A decode input the host does not know yet (sampled by ``previous``) is taken from
+        previous's tokens on the device."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        fix_at: list[int] = []
+        fix_rows: list[int] = []
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            new = seq.token_ids[start:end]
+            if end > seq.num_tokens:  # only a decode's single input can be in flight
+                fix_at.append(cu[-1] + n - 1)
+                fix_rows.append(previous.rows[seq])
+                new.append(0)
+            input_ids += new
+            table = seq.block_table
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end)
+                positions += pos.tolist()
+                slots += (np.asarray(table)[pos // bs] * bs + pos % bs).tolist()
+            cu.append(cu[-1] + n)
+            seq_lens.append(end)
+            if end >= seq.num_tokens:  # every token is computed: sample the next one
+                logits_indices.append(cu[-1] - 1)
+        num_seqs = len(batch.seqs)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = np.zeros((num_seqs, width), dtype=np.int32)
+        for i, s in enumerate(batch.seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+
+        dev = self.device
+        pin = dev.type == "cuda"
+        longs = _packed([input_ids, positions, slots, logits_indices, fix_at, fix_rows], np.int64, pin, dev)
+        ints = _packed([seq_lens, cu, tables.reshape(-1)], np.int32, pin, dev)
+        ids, pos_t, slot_t, logit_t, fix_at_t, fix_rows_t = longs
+        lens_t, cu_t, tables_t = ints
+        if fix_at:
+            ids = ids.index_put((fix_at_t,), previous.tokens.index_select(0, fix_rows_t))
+        meta = AttentionMetadata(slot_mapping=slot_t, block_tables=tables_t.view(num_seqs, width), seq_lens=lens_t,
+                                 cu_seqlens_q=cu_t, max_seqlen_q=max(batch.num_new_tokens), logits_indices=logit_t)
+        return ids, pos_t, meta
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, previous: InFlightStep | None = None) -> torch.Tensor:
+        """Float32 logits [num_sampled, vocab] for the sequences whose prompt is complete (and,
+        for sequences that asked, prompt logprobs appended to seq.prompt_logprobs)."""
+        input_ids, positions, meta = self.prepare(batch, previous)
+        wanted = self._prompt_logprob_rows(batch)
+        if wanted:
+            return self._forward_with_prompt_logprobs(input_ids, positions, meta, wanted)
+        if self.tp.runtime is not None:  # the other ranks run the same forward on what rank 0 sends
+            with self.tp.runtime.guard():
+                self.tp.runtime.send_step(input_ids, positions, meta)
+                return self.forward(input_ids, positions, meta)
+        return self.forward(input_ids, positions, meta)
+
+    @staticmethod
+    def _prompt_logprob_rows(batch: Batch) -> list[tuple[object, list[int], list[int]]]:
+        """(sequence, flat rows, target tokens) for prompt positions whose logprob is still owed:
+        row p's logits score prompt token p + 1."""
+        out, offset = [], 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None:
+                first = max(start, len(seq.prompt_logprobs))
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if first < last:
+                    out.append((seq, [offset + p - start for p in range(first, last)], seq.token_ids[first + 1:last + 1]))
+            offset += n
+        return out
+
+    def _forward_with_prompt_logprobs(self, input_ids, positions, meta, wanted) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, meta)
+        rows = torch.tensor([r for _, rs, _ in wanted for r in rs], device=hidden.device)
+        targets = torch.tensor([t for _, _, ts in wanted for t in ts], device=hidden.device)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
+        k = max(seq.params.prompt_logprobs for seq, _, _ in wanted)
+        top = torch.topk(logprobs, k, dim=-1) if k else None
+        top_ids, top_vals = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+        i = 0
+        for seq, _, ts in wanted:
+            kk = seq.params.prompt_logprobs
+            for t in ts:
+                alts = [TokenLogprob(a, v) for a, v in zip(top_ids[i][:kk], top_vals[i][:kk])] if kk else []
+                seq.prompt_logprobs.append((TokenLogprob(t, chosen[i]), alts))
+                i += 1
+        return self.model.compute_logits(hidden[meta.logits_indices]).float()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(meta.seq_lens.shape[0], meta.max_seqlen_q,
+                                                           meta.block_tables.shape[1]):
+            return self.graphs.run(input_ids, positions, meta).float()
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[meta.logits_indices]).float()
+
+
+def _packed(parts: list, dtype, pin: bool, device: torch.device) -> list[torch.Tensor]:
+    """The parts as views of one device tensor, sent in one copy. Each part starts on a 16-byte
+    boundary: Triton specializes kernels on pointer alignment, so unaligned views would compile
+    new kernel variants (a second or more each) as batch sizes vary."""
+    per16 = 16 // np.dtype(dtype).itemsize
+    sizes = [len(p) for p in parts]
+    starts = np.cumsum([0] + [-(-n // per16) * per16 for n in sizes])
+    flat = np.zeros(int(starts[-1]), dtype=dtype)
+    for start, p, n in zip(starts, parts, sizes):
+        flat[start:start + n] = p
+    t = torch.from_numpy(flat)
+    t = (t.pin_memory() if pin else t).to(device, non_blocking=True)
+    return [t[start:start + n] for start, n in zip(starts, sizes)]

@@ -1,0 +1,96 @@
+"""A sequence (one choice of one request, with its tokens and KV blocks) and a batch (what
+the scheduler hands the model runner for one step)."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvship.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # choice index within the request (0..n-1)
+    token_ids: list[int]  # prompt + generated tokens whose values are known on the host
+    params: SamplingParams
+    num_prompt_tokens: int = 0
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks, grown as they fill
+    num_cached_upto: int = 0  # blocks of block_table already offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    leader: "Sequence | None" = None  # n > 1: wait until the leader's prompt is cached, then share it
+    generator: torch.Generator | None = None
+    prompt_logprobs: list = field(default_factory=list)  # filled by the model runner when asked for
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def gated(self) -> bool:
+        """A sibling waits until its leader has computed (and cached) the prompt."""
+        lead = self.leader
+        return lead is not None and not lead.finished and lead.num_computed_tokens < lead.num_prompt_tokens
+
+
+@dataclass
+class Batch:
+    """One step's work: each sequence with the number of its tokens to compute. A decode's one
+    new token may still be in flight (sampled by the step before, not read yet): the runner then
+    takes it from that step's tokens on the device."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)

@@ -1,0 +1,78 @@
+"""The request body as a pydantic model, and the checks every generating endpoint starts with
+(the model's name, the engine being there to serve)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from kvship.server.engine_client import EngineClient
+from kvship.server.errors import APIError, bad_request, validation_error
+from kvship.server.state import ServerState
+
+# Parsing and validating a body takes about 10 ms per MB, longer for long lists of token ids:
+# larger ones are parsed in a worker thread so that the event loop keeps serving meanwhile.
+OFFLOAD_BYTES = 1 << 20
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def accept(raw_request: Request, model: type[M]) -> tuple[M, ServerState, EngineClient]:
+    """The parsed body, the server state and the engine, for an endpoint that uses the model
+    (404 for another model's name, 503 while the engine is not serving)."""
+    state: ServerState = raw_request.app.state.kvship
+    body = await parse_body(raw_request, model, state.max_body_bytes)
+    state.check_model(getattr(body, "model", None))
+    return body, state, state.engine_or_503()
+
+
+async def parse_body(request: Request, model: type[M], limit: int | None = None) -> M:
+    """The JSON body as `model`, whatever the Content-Type says (curl -d sends form encoding);
+    malformed JSON and wrong types become OpenAI-shaped 400s, a body over `limit` bytes a 413."""
+    raw = await read_body(request, limit)
+    if len(raw) > OFFLOAD_BYTES:
+        return await asyncio.to_thread(_decode, raw, model)
+    return _decode(raw, model)
+
+
+def _too_large(limit: int) -> APIError:
+    # The rest of the body is not read: the connection cannot carry another request after it.
+    return APIError(413, f"The request body is larger than this server's limit of {limit} bytes "
+                         "(kvship serve --max-request-body-size).", code="request_too_large",
+                    headers={"Connection": "close"})
+
+
+async def read_body(request: Request, limit: int | None) -> bytes:
+    """The body, refused (413) as soon as it is known to exceed `limit`: from Content-Length
+    before reading anything, else while it streams in."""
+    if limit is None:
+        return await request.body()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(raw: bytes, model: type[M]) -> M:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise validation_error([{"type": "json_invalid", "loc": ("body",), "msg": "invalid JSON"}]) from None
+    except RecursionError:  # json's decoder stops at the interpreter's recursion limit
+        raise bad_request("The JSON body is nested too deeply.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = [dict(e, loc=("body", *e.get("loc", ()))) for e in exc.errors()]
+        raise validation_error(errors) from None

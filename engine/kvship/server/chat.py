@@ -1,0 +1,124 @@
+"""POST /v1/chat/completions: chat template, then one engine request with n choices; answered as
+one JSON body or as Server-Sent Events in OpenAI's chunk format."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvship.outputs import RequestOutput, TokenLogprob
+from kvship.server.body import accept
+from kvship.server.generation import ClientDisconnected, GenerationStream, final_outputs, first_output
+from kvship.server.metrics import observe_request
+from kvship.server.params import fit_to_context, sampling_params
+from kvship.server.prompts import chat_prompt_ids, chat_size, check_text_fits, run_tokenizer
+from kvship.server.protocol import ChatCompletionRequest
+from kvship.server.responses import Envelope, TokenText, finish_reason, new_id, safe_logprob, usage_json
+from kvship.server.sse import sse, sse_response
+
+router = APIRouter()
+
+
+def _logprobs_json(choice_logprobs: list[tuple[TokenLogprob, list[TokenLogprob]]] | None,
+                   token_text: TokenText) -> dict[str, Any] | None:
+    if choice_logprobs is None:
+        return None
+    content = []
+    for sampled, top in choice_logprobs:
+        tok = token_text(sampled.token_id)
+        content.append(
+            {
+                "token": tok,
+                "logprob": safe_logprob(sampled.logprob),
+                "bytes": list(tok.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": (t := token_text(alt.token_id)), "logprob": safe_logprob(alt.logprob), "bytes": list(t.encode("utf-8"))}
+                    for alt in top
+                ],
+            }
+        )
+    return {"content": content, "refusal": None}
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(raw_request: Request) -> Response:
+    arrival = time.monotonic()  # queue time and TTFT count from here, the server's own work included
+    body, state, engine = await accept(raw_request, ChatCompletionRequest)
+    params = sampling_params(body, engine)
+    check_text_fits(engine.tokenizer, chat_size(body.messages), engine.max_model_len, "messages")
+    prompt_ids = await run_tokenizer(chat_prompt_ids, engine.tokenizer, body.messages,
+                                     body.add_generation_prompt is not False, size=chat_size(body.messages))
+    params = fit_to_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
+
+    request_id = new_id("chatcmpl")
+    observer = observe_request(raw_request, request_id, params)
+    state.admission.reserve(engine, 1)
+    stream = GenerationStream(engine, [prompt_ids], params, request_id, state.active, observer, state.admission,
+                              arrival_time=arrival)
+    token_text = TokenText(engine.tokenizer)
+    if body.stream:
+        try:
+            _, first = await first_output(raw_request, stream)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        envelope = Envelope(request_id, "chat.completion.chunk", state.model_name, with_usage=include_usage)
+        return sse_response(stream, request_id, _stream_chunks(stream, first, envelope, params.n, token_text))
+
+    try:
+        finals = await final_outputs(raw_request, stream, 1)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    await stream.aclose()
+    final = finals[0]
+    choices = []
+    for c in sorted(final.outputs, key=lambda c: c.index):
+        choices.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": _logprobs_json(c.logprobs, token_text) if params.logprobs is not None else None,
+                "finish_reason": finish_reason(c),
+            }
+        )
+    completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+    prompt_tokens = len(final.prompt_token_ids) if final.prompt_token_ids else len(prompt_ids)
+    envelope = Envelope(request_id, "chat.completion", state.model_name)
+    return JSONResponse(envelope.body(choices, usage=usage_json(prompt_tokens, completion_tokens)))
+
+
+async def _stream_chunks(stream: GenerationStream, first: RequestOutput, envelope: Envelope, n: int,
+                         token_text: TokenText) -> AsyncIterator[str]:
+    finished = [False] * n
+    last = first
+    for i in range(n):
+        yield sse(envelope.body([{"index": i, "delta": {"role": "assistant", "content": "", "refusal": None},
+                                  "logprobs": None, "finish_reason": None}]))
+    out: RequestOutput | None = first
+    while out is not None:
+        last = out
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            if finished[c.index]:
+                continue
+            lp = c.logprobs_delta
+            if c.text_delta or lp:
+                yield sse(envelope.body([{
+                    "index": c.index,
+                    "delta": {"content": c.text_delta},
+                    "logprobs": _logprobs_json(lp, token_text) if lp is not None else None,
+                    "finish_reason": None,
+                }]))
+            if c.finish_reason is not None:
+                finished[c.index] = True
+                yield sse(envelope.body([{"index": c.index, "delta": {}, "logprobs": None,
+                                          "finish_reason": finish_reason(c)}]))
+        try:
+            _, out = await stream.__anext__()
+        except StopAsyncIteration:
+            out = None
+    if envelope.with_usage:
+        yield sse(envelope.body([], usage=usage_json(len(last.prompt_token_ids),
+                                                     sum(len(c.token_ids) for c in last.outputs))))

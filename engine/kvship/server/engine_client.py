@@ -1,0 +1,39 @@
+"""What the server needs from the engine, as one typed protocol.
+
+`kvship.core.async_engine.AsyncEngine` implements it (its step loop in a thread of this
+process); an engine in another process would implement the same surface, and the server would
+not change. Nothing here imports FastAPI: the protocol is the seam between the two.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
+
+from kvship.config import EngineConfig
+from kvship.core.async_engine import EngineStats
+from kvship.loader.tokenizer import Tokenizer
+from kvship.outputs import RequestOutput
+from kvship.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    model_name: str
+    max_model_len: int
+    config: EngineConfig  # limits the server enforces before submitting (max_num_seqs)
+    tokenizer: Tokenizer
+    sampling_defaults: dict[str, float]  # the model's own values for fields a request leaves out
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                 arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request and stream its outputs; closing the iterator early aborts it.
+        ``arrival_time`` (time.monotonic()): when the server accepted it; latency metrics count
+        from there (default: now).
+        Raises QueueFullError / EngineDeadError / InvalidParamsError on its first read."""
+        ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def is_alive(self) -> bool: ...

@@ -1,0 +1,132 @@
+"""Request -> SamplingParams: the one place where a request's sampling fields get their
+defaults and are checked, so that every refusal names the request's own `param`.
+
+Two steps, because the prompt's length is known only once it is tokenised, and tokenising a
+long prompt costs more than checking the fields: `sampling_params` checks every field before
+any tokenising happens, `fit_to_context` then checks the prompts against the context window
+and fills in an open `max_tokens`. The engine's own checks in `add_request` stay as a safety
+net for other callers (the offline `LLM`), not as part of this path.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from kvship.sampling_params import MAX_LOGPROBS, InvalidParamsError, SamplingParams
+from kvship.server.engine_client import EngineClient
+from kvship.server.errors import APIError, bad_request
+from kvship.server.prompts import check_token_ids
+from kvship.server.protocol import ChatCompletionRequest, CompletionRequest
+
+MAX_N = 128  # upper bound on `n` (also bounded by the engine's max_num_seqs)
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+
+
+def _opt(value: object, default: object) -> object:
+    return default if value is None else value
+
+
+def _unsupported(param: str, what: str) -> APIError:
+    return APIError(400, f"{what} is not supported by this server.", param=param, code="unsupported_parameter")
+
+
+def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """A 400 naming the first field that asks for something not implemented. Values that ask for
+    nothing (tools: [], tool_choice: "none", response_format: {"type": "text"}, best_of == n)
+    pass: clients send them as defaults."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.tools:
+            raise _unsupported("tools", "Tool calling (`tools`)")
+        if body.tool_choice not in (None, "none", "auto"):
+            raise _unsupported("tool_choice", "Tool calling (`tool_choice`)")
+        if body.functions:
+            raise _unsupported("functions", "Function calling (`functions`)")
+        if body.function_call not in (None, "none", "auto"):
+            raise _unsupported("function_call", "Function calling (`function_call`)")
+        if body.response_format is not None and body.response_format.get("type", "text") != "text":
+            kind = body.response_format.get("type")
+            raise _unsupported("response_format", f"Structured output (`response_format` of type {kind!r})")
+    elif body.best_of is not None and body.best_of != (body.n or 1):
+        raise _unsupported("best_of", "`best_of` other than `n`")
+    if isinstance(body, CompletionRequest) and body.suffix:
+        raise _unsupported("suffix", "`suffix`")
+
+
+def sampling_params(body: ChatCompletionRequest | CompletionRequest, engine: EngineClient) -> SamplingParams:
+    """The request's SamplingParams, every field checked (a 400 naming the field otherwise).
+    Fields the request leaves out get the model's recommended values (`engine.sampling_defaults`),
+    then OpenAI's. `max_tokens` stays None where the request leaves it open: `fit_to_context`
+    fills it in once the prompt's length is known."""
+    refuse_unsupported(body)
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                raise bad_request("logprobs must be set to true when top_logprobs is used.", param="top_logprobs")
+            if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {body.top_logprobs}.",
+                                  param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        prompt_logprobs = None
+    else:
+        logprobs = body.logprobs
+        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        prompt_logprobs = body.logprobs if body.echo else None  # echo scores the prompt's tokens too
+
+    defaults = engine.sampling_defaults or {}
+    n = _opt(body.n, 1)
+    max_n = min(MAX_N, engine.config.max_num_seqs)
+    if n > max_n:
+        raise bad_request(f"n must be at most {max_n}, got {n}.", param="n")
+    check_token_ids(body.stop_token_ids or [], engine.tokenizer.vocab_size, "stop_token_ids")
+    check_token_ids(list(body.logit_bias or {}), engine.tokenizer.vocab_size, "logit_bias")
+    stop = body.stop
+    if isinstance(stop, str):
+        stop = [stop]
+    try:
+        return SamplingParams(
+            n=n,
+            temperature=_opt(body.temperature, defaults.get("temperature", 1.0)),
+            top_p=_opt(body.top_p, defaults.get("top_p", 1.0)),
+            top_k=_opt(body.top_k, defaults.get("top_k", -1)),
+            min_p=_opt(body.min_p, defaults.get("min_p", 0.0)),
+            presence_penalty=_opt(body.presence_penalty, 0.0),
+            frequency_penalty=_opt(body.frequency_penalty, 0.0),
+            repetition_penalty=_opt(body.repetition_penalty, defaults.get("repetition_penalty", 1.0)),
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=_opt(body.min_tokens, 0),
+            stop=list(stop or []),
+            stop_token_ids=list(body.stop_token_ids or []),
+            ignore_eos=bool(body.ignore_eos),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=_opt(body.skip_special_tokens, True),
+            logit_bias=dict(body.logit_bias or {}),
+        )
+    except InvalidParamsError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+
+
+def fit_to_context(params: SamplingParams, prompt_lens: list[int], max_model_len: int, param: str) -> SamplingParams:
+    """Check every prompt (and prompt + max_tokens) against the context window; `param` names
+    the prompt's field (`messages` or `prompt`). Returns `params` with max_tokens filled in when
+    it was left open (the room the longest prompt leaves)."""
+    longest = max(prompt_lens)
+    if longest >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{longest} tokens, leaving no room for the completion. Please reduce the length of the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if params.max_tokens is None:
+        return dataclasses.replace(params, max_tokens=max_model_len - longest)
+    if longest + params.max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{longest + params.max_tokens} tokens ({longest} in the prompt, {params.max_tokens} for the "
+            f"completion). Please reduce the length of the prompt or the completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return params

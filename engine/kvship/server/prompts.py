@@ -1,0 +1,113 @@
+"""Request -> prompt token ids: the chat template over messages, or a completion's prompt(s)
+as text or token ids. Long inputs are tokenised in a worker thread, off the event loop."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
+from kvship.loader.tokenizer import Tokenizer
+from kvship.server.errors import bad_request
+from kvship.server.protocol import ChatMessage
+
+T = TypeVar("T")
+
+# Tokenizing a long prompt takes milliseconds; above this many characters it runs in a worker
+# thread so that the event loop keeps streaming other requests' tokens meanwhile.
+OFFLOAD_CHARS = 8192
+
+
+async def run_tokenizer(fn: Callable[..., T], *args: object, size: int) -> T:
+    if size > OFFLOAD_CHARS:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+# A normalizer may shorten a text before it is split into tokens (NFKC folds some sequences;
+# some normalizers strip whitespace): the bound on tokens from characters allows for that.
+NORMALIZER_SLACK = 4
+
+
+def check_text_fits(tokenizer: Tokenizer, chars: int, max_model_len: int, param: str) -> None:
+    """Refuse, without tokenising it, a text whose length alone proves that it has more tokens
+    than the context holds: tokenising megabytes only to find that out takes seconds."""
+    at_least = chars // (tokenizer.max_token_chars * NORMALIZER_SLACK)
+    if at_least >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has at "
+            f"least {at_least} tokens ({chars} characters), leaving no room for the completion. Please reduce "
+            "the length of the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise bad_request(f"Token id {t} is out of range [0, {vocab_size}).", param=param)
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """Token ids of the chat template rendered over `messages`."""
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        rendered = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+    except ValueError as exc:  # ChatTemplateError included
+        raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
+    if isinstance(rendered, str):
+        # The template already carries the special tokens (BOS etc.).
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return list(rendered)
+
+
+def chat_size(messages: list[ChatMessage]) -> int:
+    return sum(len(m.text()) for m in messages)
+
+
+CompletionPrompt = str | list[str] | list[int] | list[list[int]]
+
+
+def check_prompt_count(prompt: CompletionPrompt, limit: int) -> int:
+    """How many prompts a completion request carries (a 400 past `limit`), counted before
+    anything is tokenised."""
+    count = 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+    if count > limit:
+        raise bad_request(f"A request may carry at most {limit} prompts, got {count}. Split it, or raise the "
+                          "server's --max-prompts-per-request.", param="prompt")
+    return count
+
+
+def completion_prompts(tokenizer: Tokenizer, prompt: CompletionPrompt) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids of each prompt, and its text when it came as text (for echo)."""
+    items: list = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not items:
+        raise bad_request("prompt must not be empty.", param="prompt")
+    if isinstance(items[0], int):
+        items = [items]
+    ids: list[list[int]] = []
+    texts: list[str | None] = []
+    for p in items:
+        if isinstance(p, str):
+            ids.append(list(tokenizer.encode(p, add_special_tokens=True)))
+            texts.append(p)
+        else:
+            check_token_ids(p, tokenizer.vocab_size, "prompt")
+            ids.append(list(p))
+            texts.append(None)
+        if not ids[-1]:
+            raise bad_request("prompt must not be empty.", param="prompt")
+    return ids, texts
+
+
+def completion_size(prompt: CompletionPrompt) -> int:
+    """Characters of text and token ids given: the work tokenising and checking the prompts costs."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
+
+
+def completion_texts(prompt: CompletionPrompt) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    return [p for p in prompt if isinstance(p, str)]

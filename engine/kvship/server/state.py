@@ -1,0 +1,91 @@
+"""What every handler shares, kept on `app.state.kvship` (no module globals): the engine (or
+None while it loads), its configuration, the API key, the drain flag and the generations in
+flight."""
+from __future__ import annotations
+
+import time
+
+from kvship.config import EngineConfig
+from kvship.server.engine_client import EngineClient
+from kvship.server.errors import APIError, ServerShuttingDown, queue_full
+from kvship.server.generation import GenerationStream
+
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any prompt that fits a 128k-token context
+
+
+class Admission:
+    """Room in the engine's waiting queue, held for a request's prompts from the moment the
+    request is admitted until each prompt is submitted, so that a multi-prompt request is
+    admitted whole or refused whole: checked against the queue prompt by prompt, it used to
+    fill the queue (and refuse everyone else) before being refused itself."""
+
+    def __init__(self) -> None:
+        self.reserved = 0  # prompts admitted, not yet submitted (not yet counted by the engine)
+
+    def reserve(self, engine: EngineClient, n: int) -> None:
+        limit = engine.config.max_waiting_requests
+        if engine.stats().num_requests_waiting + self.reserved + n > limit:
+            raise queue_full()
+        self.reserved += n
+
+    def release(self, n: int = 1) -> None:
+        self.reserved -= n
+
+
+class ServerState:
+    def __init__(self, engine: EngineClient | None, config: EngineConfig | None, api_key: str | None = None,
+                 max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.engine = engine
+        self.config = config
+        self.api_key = api_key
+        self.draining = False  # set on SIGTERM: /health turns 503, new work is refused
+        self.drain_scheduled = False
+        self.created = int(time.time())
+        self.active: set[GenerationStream] = set()  # in-flight generations
+        self.admission = Admission()
+        self.max_prompts_per_request = max_prompts_per_request
+        self.max_body_bytes = max_body_bytes
+
+    def interrupt_all(self) -> int:
+        """Abort every in-flight generation (end of the drain period); how many there were."""
+        streams = list(self.active)
+        for s in streams:
+            s.interrupt(ServerShuttingDown())
+        return len(streams)
+
+    @property
+    def model_name(self) -> str:
+        if self.engine is not None:
+            return self.engine.model_name
+        return (self.config.served_model_name or self.config.model or "kvship") if self.config else "kvship"
+
+    @property
+    def max_model_len(self) -> int | None:
+        if self.engine is not None:
+            return self.engine.max_model_len
+        return self.config.max_model_len if self.config is not None else None
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and not self.draining and self.engine.is_alive()
+
+    def engine_or_503(self) -> EngineClient:
+        if self.engine is None:
+            raise APIError(503, "The model is still loading.", code="not_ready", headers={"Retry-After": "5"})
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", code="shutting_down")
+        if not self.engine.is_alive():
+            raise APIError(503, "The inference engine has stopped.", code="engine_dead")
+        return self.engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is None or model == self.model_name:
+            return
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist.",
+            param="model",
+            code="model_not_found",
+        )
