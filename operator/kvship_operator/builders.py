@@ -45,8 +45,35 @@ class Owner:
 # names and labels
 
 
+ROLE_LABEL = "kvship.io/role"
+GROUP_LABEL = "kvship.io/group"
+RENDEZVOUS_PORT = 29500  # MASTER_PORT: where a group's leader (rank 0) listens for its workers
+
+
+def multi_node(spec: s.LLMDeploymentSpec) -> bool:
+    return spec.nodes_per_replica > 1
+
+
 def selector_labels(owner: Owner) -> dict[str, str]:
     return {"app.kubernetes.io/name": "kvship-engine", INSTANCE_LABEL: owner.name}
+
+
+def traffic_labels(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, str]:
+    """The pods that serve: every replica, or the leaders of multi-node groups."""
+    return {**selector_labels(owner), ROLE_LABEL: "leader"} if multi_node(spec) else selector_labels(owner)
+
+
+def worker_labels(owner: Owner, leader: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvship-engine-worker",  # never matched by the leaders' selectors
+        INSTANCE_LABEL: owner.name,
+        GROUP_LABEL: leader,
+        ROLE_LABEL: "worker",
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/component": "engine-worker",
+        "app.kubernetes.io/part-of": "kvship",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
 
 
 def labels(owner: Owner) -> dict[str, str]:
@@ -84,7 +111,9 @@ def endpoint(owner: Owner, spec: s.LLMDeploymentSpec) -> str:
 
 
 def gpu_count(spec: s.LLMDeploymentSpec) -> int:
-    return spec.tensor_parallel_size if spec.gpu.count is None else spec.gpu.count
+    """Accelerators per pod (a multi-node replica's are spread over its pods)."""
+    per_replica = spec.tensor_parallel_size if spec.gpu.count is None else spec.gpu.count
+    return per_replica // spec.nodes_per_replica
 
 
 def _meta(owner: Owner, name: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -167,9 +196,68 @@ def fetch_container(spec: s.LLMDeploymentSpec) -> dict[str, Any] | None:
     }
 
 
+# Before the engine gets SIGTERM, preStop waits this long while it still serves: Services and
+# load balancers take a few seconds to drop a terminating pod from their endpoints, and
+# requests routed to it meanwhile must not fail. Then the engine drains (readiness false, no
+# new work, in-flight requests get spec.shutdownTimeoutSeconds).
+PRESTOP_SECONDS = 10
+GRACE_MARGIN_SECONDS = 15
+GiB = 1 << 30
+
+
+def termination_grace_seconds(spec: s.LLMDeploymentSpec) -> int:
+    return PRESTOP_SECONDS + spec.shutdown_timeout_seconds + GRACE_MARGIN_SECONDS
+
+
+def quantity_bytes(q: str) -> float:
+    """A quantity ("16Gi", "500M", "1.5e9", "100m") as a number of base units."""
+    text = str(q).strip()
+    for suffix, factor in (("Ki", 1 << 10), ("Mi", 1 << 20), ("Gi", 1 << 30), ("Ti", 1 << 40), ("Pi", 1 << 50),
+                           ("Ei", 1 << 60), ("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12), ("P", 1e15),
+                           ("E", 1e18), ("m", 1e-3), ("n", 1e-9), ("u", 1e-6)):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * factor
+    return float(text)
+
+
+def default_requests(spec: s.LLMDeploymentSpec) -> dict[str, str]:
+    """CPU and memory requests when the spec gives neither a request nor a limit for them:
+    a replica needs host memory for the weights while it loads them (plus the runtime) and a
+    few cores for the HTTP server, tokenizing and the engine loop."""
+    gpus = gpu_count(spec)
+    if spec.model.size_hint is not None:
+        share = quantity_bytes(spec.model.size_hint) / spec.nodes_per_replica  # each pod loads its shard
+        memory = math.ceil((share * 1.25 + 4 * GiB) / GiB)
+    else:
+        memory = 16 * gpus if gpus else 8
+    return {"cpu": str(2 + gpus if gpus else 4), "memory": f"{memory}Gi"}
+
+
+def group_env(owner: Owner, spec: s.LLMDeploymentSpec, leader: str | None) -> list[dict[str, Any]]:
+    """The engine's cross-host tensor-parallel environment (docs/tensor-parallel.md) for a pod
+    of a multi-node group: the leader (``leader`` None) is host 0 and listens at its own
+    address; a worker finds it through the headless Service and takes its host rank from its
+    pod ordinal (see worker_container)."""
+    if not multi_node(spec):
+        return []
+    dns = f"{headless_name(owner)}.{owner.namespace}.svc"
+    out: list[dict[str, Any]] = [{"name": "KVSHIP_NNODES", "value": str(spec.nodes_per_replica)},
+                                 {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)}]
+    if leader is None:
+        out = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+               {"name": "MASTER_ADDR", "value": f"$(POD_NAME).{dns}"},
+               {"name": "KVSHIP_NODE_RANK", "value": "0"}, *out]
+    else:
+        out = [{"name": "MASTER_ADDR", "value": f"{leader}.{dns}"}, *out]
+    return out
+
+
 def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
     requests = dict(spec.resources.requests)
     limits = dict(spec.resources.limits)
+    for key, value in default_requests(spec).items():
+        if key not in requests and key not in limits:  # a limit alone makes the request equal to it
+            requests[key] = value
     gpus = gpu_count(spec)
     if gpus > 0:
         # quantities as strings: server-side apply's typed patch refuses numbers here
@@ -182,13 +270,16 @@ def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
         resources["limits"] = limits
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     startup_period = 10
-    mounts = [
-        {"name": "model-cache", "mountPath": CACHE_MOUNT, "readOnly": spec.model.pvc is None},
+    # `readOnly: false` is left out, never written: the server does not store a false
+    # boolean here, so an object that says it would never match what the server keeps
+    mounts: list[dict[str, Any]] = [
+        {"name": "model-cache", "mountPath": CACHE_MOUNT},
         {"name": "shm", "mountPath": "/dev/shm"},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
-    if spec.model.pvc is not None:
-        mounts[0]["readOnly"] = False
+    if spec.model.pvc is None:
+        mounts[0]["readOnly"] = True
+    else:
         mounts.append({"name": "model-source", "mountPath": SOURCE_MOUNT, "readOnly": True})
     env = [
         {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
@@ -197,6 +288,7 @@ def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
         {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
         *_token_env(spec),
+        *group_env(owner, spec, None),
         *[to_dict(e) for e in spec.engine.env],
     ]
     container = {
@@ -215,9 +307,12 @@ def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
             served_model_name(owner, spec),
             "--tensor-parallel-size",
             str(spec.tensor_parallel_size),
+            "--shutdown-timeout",
+            str(spec.shutdown_timeout_seconds),
             *spec.engine.args,
         ],
-        "ports": [{"name": "http", "containerPort": s.ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": s.ENGINE_PORT, "protocol": "TCP"}]
+        + ([{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}] if multi_node(spec) else []),
         "env": env,
         "startupProbe": {
             **probe,
@@ -227,6 +322,7 @@ def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
         },
         "readinessProbe": {**probe, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {**probe, "periodSeconds": 15, "timeoutSeconds": 10, "failureThreshold": 4},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
         "volumeMounts": mounts,
         "securityContext": _container_security(),
     }
@@ -235,15 +331,25 @@ def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
     return container
 
 
+def per_replica_cache(spec: s.LLMDeploymentSpec) -> bool:
+    return spec.model_cache.enabled and not spec.model_cache.shared
+
+
+def per_replica_claim_prefix(owner: Owner) -> str:
+    """Claims of volumeClaimTemplates are named "<template>-<statefulset>-<ordinal>"."""
+    return f"model-cache-{owner.name}-"
+
+
 def volumes(owner: Owner, spec: s.LLMDeploymentSpec) -> list[dict[str, Any]]:
     cache = spec.model_cache
+    out: list[dict[str, Any]] = []
     if not cache.enabled:
-        cache_volume: dict[str, Any] = {"name": "model-cache", "emptyDir": {}}
-    else:
+        out.append({"name": "model-cache", "emptyDir": {}})
+    elif cache.shared:
         claim = cache.existing_claim or cache_claim_name(owner)
-        cache_volume = {"name": "model-cache", "persistentVolumeClaim": {"claimName": claim}}
-    out = [
-        cache_volume,
+        out.append({"name": "model-cache", "persistentVolumeClaim": {"claimName": claim}})
+    # (per replica: the claim comes from the StatefulSet's volumeClaimTemplates)
+    out += [
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}},
         {"name": "tmp", "emptyDir": {}},
     ]
@@ -254,16 +360,20 @@ def volumes(owner: Owner, spec: s.LLMDeploymentSpec) -> list[dict[str, Any]]:
     return out
 
 
-def statefulset(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
+def statefulset(owner: Owner, spec: s.LLMDeploymentSpec, replicas: int | None = None) -> dict[str, Any]:
+    """``replicas``: what the rollout needs now (spec.replicas, + 1 while pods of an older
+    spec are being replaced: see rollout.py)."""
     pod_spec: dict[str, Any] = {
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": UID,
             "runAsGroup": UID,
             "fsGroup": UID,
+            # a large cache is not walked to change ownership at every start, only when its root differs
+            "fsGroupChangePolicy": "OnRootMismatch",
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "containers": [engine_container(owner, spec)],
         "volumes": volumes(owner, spec),
     }
@@ -273,16 +383,16 @@ def statefulset(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+        pod_spec["tolerations"] = to_dict(spec.tolerations)
     if spec.affinity:
-        pod_spec["affinity"] = dict(spec.affinity)
+        pod_spec["affinity"] = to_dict(spec.affinity)
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": r.name} for r in spec.image_pull_secrets]
     if spec.priority_class_name:
         pod_spec["priorityClassName"] = spec.priority_class_name
-    template_meta: dict[str, Any] = {"labels": labels(owner)}
+    template_meta: dict[str, Any] = {"labels": {**labels(owner), **traffic_labels(owner, spec)}}
     if spec.pod_annotations:
         template_meta["annotations"] = dict(spec.pod_annotations)
     return {
@@ -290,12 +400,61 @@ def statefulset(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
         "kind": "StatefulSet",
         "metadata": _meta(owner, owner.name),
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": spec.replicas if replicas is None else replicas,
             "serviceName": headless_name(owner),
             "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate"},
+            # the operator replaces pods itself, surging first (rollout.py): a rolling update
+            # by the StatefulSet controller would delete the only ready replica first
+            "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": selector_labels(owner)},
             "template": {"metadata": template_meta, "spec": pod_spec},
+            **({"volumeClaimTemplates": claim_templates(owner, spec)} if per_replica_cache(spec) else {}),
+        },
+    }
+
+
+def worker_container(owner: Owner, spec: s.LLMDeploymentSpec, leader: str) -> dict[str, Any]:
+    """A group worker: the leader's command and arguments (each host loads its shard), no
+    HTTP traffic or probes (the leader's readiness covers the group: it serves only once
+    every rank has joined), its host rank from its pod ordinal: worker i is host i + 1."""
+    c = engine_container(owner, spec)
+    env = [e for e in c["env"] if e["name"] not in ("POD_NAME", "MASTER_ADDR", "KVSHIP_NODE_RANK")]
+    keep = [e for e in env if e["name"] not in ("KVSHIP_NNODES", "MASTER_PORT")]
+    c["env"] = [*keep, *group_env(owner, spec, leader)]
+    c["command"] = ["sh", "-c", 'KVSHIP_NODE_RANK=$(( ${HOSTNAME##*-} + 1 )) exec kvship "$@"', "kvship"]
+    c["ports"] = [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}]
+    for key in ("startupProbe", "readinessProbe", "livenessProbe", "lifecycle"):
+        c.pop(key, None)
+    return c
+
+
+def worker_statefulset(owner: Owner, spec: s.LLMDeploymentSpec, leader_pod: dict[str, Any]) -> dict[str, Any]:
+    """The workers of the group whose leader is ``leader_pod``, owned by that pod (as in
+    LeaderWorkerSet): they go when the leader goes (scale-down, a rollout replacing it, a
+    restart of the group), and a new leader gets new workers built from the current spec."""
+    leader = leader_pod["metadata"]["name"]
+    sts = statefulset(owner, spec)
+    pod = sts["spec"]["template"]["spec"]
+    pod["containers"] = [worker_container(owner, spec, leader)]
+    name = f"{leader}-w"
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {
+            "name": name,
+            "namespace": owner.namespace,
+            "labels": worker_labels(owner, leader),
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": leader,
+                                 "uid": leader_pod["metadata"]["uid"], "controller": True,
+                                 "blockOwnerDeletion": True}],
+        },
+        "spec": {
+            **sts["spec"],
+            "replicas": spec.nodes_per_replica - 1,
+            "selector": {"matchLabels": {k: v for k, v in worker_labels(owner, leader).items()
+                                         if k in ("app.kubernetes.io/name", INSTANCE_LABEL, GROUP_LABEL)}},
+            "template": {"metadata": {**sts["spec"]["template"]["metadata"], "labels": worker_labels(owner, leader)},
+                         "spec": pod},
         },
     }
 
@@ -308,7 +467,7 @@ def service(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
         "metadata": _meta(owner, owner.name, extra),
         "spec": {
             "type": spec.service.type,
-            "selector": selector_labels(owner),
+            "selector": traffic_labels(owner, spec),
             "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -329,25 +488,47 @@ def headless_service(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
 
 
 def pod_disruption_budget(owner: Owner, spec: s.LLMDeploymentSpec, api_version: str = "policy/v1") -> dict[str, Any]:
-    """At most one replica voluntarily disrupted at a time (model loads are slow)."""
+    """At most one replica voluntarily disrupted at a time (model loads are slow), and never
+    the last one serving: a node drain waits rather than take the endpoint down."""
     return {
         "apiVersion": api_version,
         "kind": "PodDisruptionBudget",
         "metadata": _meta(owner, owner.name),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner)}},
+        "spec": {"minAvailable": min_available(spec), "selector": {"matchLabels": traffic_labels(owner, spec)}},
     }
 
 
-def cache_claim(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any] | None:
+def min_available(spec: s.LLMDeploymentSpec) -> int:
+    return max(1, spec.replicas - 1) if spec.replicas > 0 else 0
+
+
+def _claim_spec(spec: s.LLMDeploymentSpec) -> dict[str, Any]:
     cache = spec.model_cache
-    if not cache.enabled or cache.existing_claim:
-        return None
     claim_spec: dict[str, Any] = {
-        "accessModes": [cache.access_mode],
+        "accessModes": [cache.effective_access_mode],
         "resources": {"requests": {"storage": cache.size}},
     }
     if cache.storage_class_name is not None:
         claim_spec["storageClassName"] = cache.storage_class_name
+    return claim_spec
+
+
+def claim_templates(owner: Owner, spec: s.LLMDeploymentSpec) -> list[dict[str, Any]]:
+    """The per-replica cache claim (volumeClaimTemplates); the operator gives each created
+    claim an owner reference to the LLMDeployment, so that they go away with it."""
+    if not per_replica_cache(spec):
+        return []
+    return [{
+        "metadata": {"name": "model-cache", "labels": labels(owner)},
+        "spec": {**_claim_spec(spec), "volumeMode": "Filesystem"},
+    }]
+
+
+def cache_claim(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any] | None:
+    cache = spec.model_cache
+    if not cache.enabled or cache.existing_claim or not cache.shared:
+        return None
+    claim_spec = _claim_spec(spec)
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -447,7 +628,8 @@ def autoscaling_object(owner: Owner, spec: s.LLMDeploymentSpec, *,
     return scaled_object(owner, spec)
 
 
-def build(owner: Owner, spec: s.LLMDeploymentSpec, *, pdb_api_version: str = "policy/v1") -> list[dict[str, Any]]:
+def build(owner: Owner, spec: s.LLMDeploymentSpec, *, pdb_api_version: str = "policy/v1",
+          replicas: int | None = None) -> list[dict[str, Any]]:
     """All children, in apply order (claim before the pods that mount it)."""
     out = []
     claim = cache_claim(owner, spec)
@@ -457,6 +639,6 @@ def build(owner: Owner, spec: s.LLMDeploymentSpec, *, pdb_api_version: str = "po
         headless_service(owner, spec),
         service(owner, spec),
         pod_disruption_budget(owner, spec, pdb_api_version),
-        statefulset(owner, spec),
+        statefulset(owner, spec, replicas),
     ]
     return out

@@ -10,6 +10,8 @@ can put it in the LLMDeployment's ModelCached condition.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -102,6 +104,19 @@ def fetch_url(url: str, dest: Path) -> Path:
     return dest
 
 
+@contextlib.contextmanager
+def download_lock(dest: Path):
+    """An exclusive lock (flock; NFS clients map it to a POSIX lock) beside ``dest``, held
+    while it is downloaded; waiting for it counts against the download's time limit."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _fail(message: str) -> int:
     print(f"kvship fetch: {message}", file=sys.stderr)
     try:
@@ -128,10 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(max(1, args.timeout))
     try:
-        if args.hub:
-            path = fetch_hub(args.hub, args.revision, Path(args.dest))
-        else:
-            path = fetch_url(args.url, Path(args.dest))
+        # replicas sharing one cache (modelCache.mode Shared) download one at a time: the
+        # first one downloads, the others wait here and then find it complete
+        with download_lock(Path(args.dest)):
+            if args.hub:
+                path = fetch_hub(args.hub, args.revision, Path(args.dest))
+            else:
+                path = fetch_url(args.url, Path(args.dest))
     except FetchError as e:
         return _fail(str(e))
     except OSError as e:

@@ -1,14 +1,17 @@
 """kopf handlers: thin glue between events and the pure builders / status code.
 
 The registry is explicit (``registry``) so that tests and ``main`` run exactly these
-handlers. The ``memo`` given to ``kopf.operator`` may carry ``kubeconfig`` (a path) to pick
-credentials; otherwise in-cluster or $KUBECONFIG.
+handlers. The ``memo`` given to ``kopf.operator`` (see main.operate) carries ``kubeconfig`` (a path, or
+None for in-cluster or $KUBECONFIG) and ``pod_address`` (where the autoscaler scrapes a pod).
 """
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import logging
+import re
+import threading
 import time
 from typing import Any
 
@@ -17,17 +20,15 @@ from kubernetes.client.exceptions import ApiException
 
 from . import autoscaler as asc
 from . import builders as b
-from . import metrics_client
+from . import engine_args, metrics_client, rollout, tracing
 from . import spec as s
 from . import status as st
-from . import tracing
 from .kube import Kube, bearer_token
 from .schema import SpecError, parse
 
 registry = kopf.OperatorRegistry()
 RESOURCE = (s.GROUP, s.VERSION, s.PLURAL)
 CHILD_LABELS = {"app.kubernetes.io/managed-by": b.MANAGED_BY, b.INSTANCE_LABEL: kopf.PRESENT}
-RETRY_DELAY = 30
 
 
 @kopf.on.startup(registry=registry)
@@ -55,6 +56,7 @@ def cleanup(**_: Any) -> None:
 @kopf.on.login(registry=registry)
 def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     kube = Kube.connect(getattr(memo, "kubeconfig", None))
+    kube.pod_address = getattr(memo, "pod_address", None)
     memo.kube = kube
     memo.pdb_api_version = kube.pdb_api_version()
     memo.hpa_api_version = kube.hpa_api_version()
@@ -68,6 +70,15 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
         certificate_path=cfg.cert_file,
         private_key_path=cfg.key_file,
     )
+
+
+def valid_spec(cr: dict) -> s.LLMDeploymentSpec:
+    """The parsed spec, after every check the CRD cannot make on every server (CEL rules,
+    the name, engine.args against the engine's own parser); SpecError otherwise."""
+    parsed = parse(s.LLMDeploymentSpec, dict(cr.get("spec") or {}))
+    s.check_name(cr["metadata"]["name"])
+    engine_args.check(parsed.engine.args)
+    return parsed
 
 
 def contains(actual: Any, desired: Any) -> bool:
@@ -86,17 +97,19 @@ def _api_message(e: ApiException) -> str:
         return f"{e.status} {e.reason}"
 
 
-def refresh_status(kube: Kube, namespace: str, name: str, *, generation: int | None = None) -> dict | None:
+def refresh_status(kube: Kube, namespace: str, name: str, *, generation: int | None = None,
+                   apply_errors: list[str] | None = None) -> dict | None:
     """Recompute status from the children; patch only when it changed. With ``generation``
-    the status is stamped as observing that spec generation. Status writes carry the
-    resourceVersion they were computed from and are redone on a conflict."""
+    the status is stamped as observing that spec generation; with ``apply_errors`` (from a
+    reconcile) the Synced condition says which children were refused. Status writes carry
+    the resourceVersion they were computed from and are redone on a conflict."""
     for _attempt in range(5):
         cr = kube.get_llmd(namespace, name)
         if cr is None:
             return None
         previous = cr.get("status") or {}
         try:
-            parsed = parse(s.LLMDeploymentSpec, cr.get("spec") or {})
+            parsed = valid_spec(cr)
         except SpecError:
             return previous  # the reconcile handler reports it
         owner = b.Owner(name, namespace, cr["metadata"]["uid"])
@@ -105,7 +118,9 @@ def refresh_status(kube: Kube, namespace: str, name: str, *, generation: int | N
         observed = previous.get("observedGeneration")
         if generation is not None and (observed is None or generation > observed):
             observed = generation
-        new = st.compute(owner, parsed, sts=sts, pods=pods, previous=previous, observed_generation=observed)
+        served = metrics_client.served_models(pods, kube.pod_address)
+        new = st.compute(owner, parsed, sts=sts, pods=pods, previous=previous, observed_generation=observed,
+                         apply_errors=apply_errors, served=served)
         if all(previous.get(k) == v for k, v in new.items()):
             return new
         try:
@@ -128,14 +143,120 @@ def _report_failure(kube: Kube, cr: Any, previous: dict, reason: str, message: s
     return True
 
 
-def ensure_children(kube: Kube, cr: Any, pdb_api_version: str, logger: logging.Logger) -> bool:
+def _quantity_bytes(q: Any) -> float:
+    """A storage quantity in bytes (enough to compare claim sizes)."""
+    m = re.fullmatch(r"([0-9.]+)([KMGTPE]i?|[eE][0-9]+)?", str(q).strip())
+    if not m:
+        return float("nan")
+    number, unit = float(m.group(1)), m.group(2) or ""
+    if unit[:1] in "eE" and unit:
+        return number * 10 ** int(unit[1:])
+    powers = "KMGTPE"
+    if unit.endswith("i"):
+        return number * 1024 ** (powers.index(unit[0]) + 1)
+    return number * 1000 ** (powers.index(unit) + 1) if unit else number
+
+
+def claim_change_refused(kube: Kube, before: dict, wanted: dict) -> str | None:
+    """Why an existing claim cannot take the spec's change (None: it can). Only growing the
+    size is possible, and only through a StorageClass with allowVolumeExpansion."""
+    spec_before, spec_wanted = before.get("spec") or {}, wanted["spec"]
+    if sorted(spec_before.get("accessModes") or []) != sorted(spec_wanted["accessModes"]):
+        return (f"modelCache.accessMode cannot change on the existing claim {wanted['metadata']['name']} "
+                f"({spec_before.get('accessModes')} -> {spec_wanted['accessModes']}): delete the claim to re-create it")
+    if "storageClassName" in spec_wanted and spec_before.get("storageClassName") != spec_wanted["storageClassName"]:
+        return (f"modelCache.storageClassName cannot change on the existing claim {wanted['metadata']['name']}: "
+                "delete the claim to re-create it")
+    old = ((spec_before.get("resources") or {}).get("requests") or {}).get("storage")
+    new = spec_wanted["resources"]["requests"]["storage"]
+    if old is None or _quantity_bytes(new) == _quantity_bytes(old):
+        return None
+    where = f"modelCache.size cannot change from {old} to {new}"
+    if _quantity_bytes(new) < _quantity_bytes(old):
+        return f"{where}: a claim cannot shrink"
+    sc_name = spec_before.get("storageClassName")
+    sc = kube.get_storage_class(sc_name) if sc_name else None
+    if sc is None or not sc.get("allowVolumeExpansion"):
+        which = f"StorageClass {sc_name}" if sc_name else "the claim's (missing) StorageClass"
+        return f"{where}: {which} does not allow volume expansion (allowVolumeExpansion)"
+    return None
+
+
+def backoff(retry: int) -> float:
+    """Seconds before retrying a failed apply: 5, 10, 20, 40, then every 60."""
+    return float(min(60, 5 * 2 ** max(0, retry)))
+
+
+APPLIED_ANNOTATION = "kvship.io/applied"
+
+
+def applied_digest(obj: dict) -> str:
+    """A digest of what the operator applies to a child, kept on it: a child that still holds
+    every field of the same applied object needs no write. (Applying an unchanged object is
+    not always free: a 1.20 server rewrites a StatefulSet with volumeClaimTemplates on every
+    server-side apply.) A changed spec changes the digest, so fields no longer wanted are
+    still removed by the apply."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def apply_children(kube: Kube, owner: b.Owner, parsed: s.LLMDeploymentSpec, pdb_api_version: str,
+                   logger: logging.Logger, replicas: int | None = None) -> tuple[list[str], dict[str, str], bool]:
+    """Server-side apply every child, each on its own: one refused child never keeps the
+    others from their update. Returns (changes, {"Kind name": error}, namespace_terminating)."""
+    changes: list[str] = []
+    errors: dict[str, str] = {}
+    for obj in b.build(owner, parsed, pdb_api_version=pdb_api_version, replicas=replicas):
+        kind, child = obj["kind"], obj["metadata"]["name"]
+        try:
+            before = kube.get(obj["apiVersion"], kind, owner.namespace, child)
+            if kind == "PersistentVolumeClaim" and before is not None:
+                if contains(before, obj):
+                    continue  # claims are nearly immutable, and re-applying one writes even when unchanged
+                refused = claim_change_refused(kube, before, obj)
+                if refused:
+                    errors[f"{kind} {child}"] = refused
+                    continue
+            digest = applied_digest(obj)
+            if before is not None and contains(before, obj) and \
+                    ((before["metadata"].get("annotations") or {}).get(APPLIED_ANNOTATION)) == digest:
+                continue  # applied before and unchanged since: write nothing
+            obj = {**obj, "metadata": {**obj["metadata"], "annotations": {
+                **(obj["metadata"].get("annotations") or {}), APPLIED_ANNOTATION: digest}}}
+            if kind == "StatefulSet" and before is not None and not contains(
+                    (before.get("spec") or {}).get("volumeClaimTemplates") or [],
+                    obj["spec"].get("volumeClaimTemplates") or []):
+                # volumeClaimTemplates cannot change: re-create the StatefulSet, leaving its
+                # pods running (orphaned, then adopted by the new one and replaced by the rollout)
+                kube.delete_orphaning("apps/v1", kind, owner.namespace, child)
+                changes.append(f"re-created StatefulSet {child} (model cache claims changed)")
+                before = None
+            after = kube.apply(obj)
+        except ApiException as e:
+            detail = _api_message(e)
+            if e.status == 403 and "being terminated" in detail:
+                logger.info(f"namespace {owner.namespace} is being deleted; not applying {kind} {child}")
+                return changes, errors, True
+            errors[f"{kind} {child}"] = f"applying {kind} {child} failed: {detail}"
+            continue
+        if before is None:
+            changes.append(f"created {kind} {child}")
+        elif before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
+            changes.append(f"updated {kind} {child}")
+    return changes, errors, False
+
+
+def ensure_children(kube: Kube, cr: Any, pdb_api_version: str, logger: logging.Logger, retry: int = 0) -> bool:
     """Build and server-side apply every child of ``cr``; write status. False when the spec
-    is invalid (reported in status and as an event); raises kopf errors to retry."""
+    is invalid (reported in status and as an event). A child the server refuses is reported
+    in status (condition Synced, and Ready when no StatefulSet exists) and as an event while
+    the other children are applied; then a TemporaryError retries with backoff."""
     meta = cr["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     previous = dict(cr.get("status") or {})
     try:
-        parsed = parse(s.LLMDeploymentSpec, dict(cr.get("spec") or {}))
+        parsed = valid_spec(cr)
     except SpecError as e:
         message = f"invalid spec: {e}"
         logger.warning(message)
@@ -144,71 +265,196 @@ def ensure_children(kube: Kube, cr: Any, pdb_api_version: str, logger: logging.L
         return False  # nothing to retry until the spec changes
 
     owner = b.Owner(name, namespace, meta["uid"])
-    changes = []
-    for obj in b.build(owner, parsed, pdb_api_version=pdb_api_version):
-        kind, child = obj["kind"], obj["metadata"]["name"]
-        try:
-            before = kube.get(obj["apiVersion"], kind, namespace, child)
-            if kind == "PersistentVolumeClaim" and before is not None and contains(before, obj):
-                continue  # claims are nearly immutable, and re-applying one writes even when unchanged
-            after = kube.apply(obj)
-        except ApiException as e:
-            detail = _api_message(e)
-            if e.status == 403 and "being terminated" in detail:
-                logger.info(f"namespace {namespace} is being deleted; not applying {kind} {child}")
-                return False
-            message = f"applying {kind} {child} failed: {detail}"
-            if _report_failure(kube, cr, previous, "ApplyFailed", message, generation):
-                kopf.warn(cr, reason="ApplyFailed", message=message)
-            # the object we build is refused (older servers answer 500 for a schema mismatch
-            # in server-side apply): retrying will not help, a spec change will
-            if e.status in (400, 422) or "failed to create typed patch object" in detail:
-                raise kopf.PermanentError(message) from e
-            raise kopf.TemporaryError(message, delay=RETRY_DELAY) from e
-        if before is None:
-            changes.append(f"created {kind} {child}")
-        elif before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
-            changes.append(f"updated {kind} {child}")
+    with _lock(namespace, name):
+        step = rollout_plan(kube, owner, parsed)
+        changes, errors, terminating = apply_children(kube, owner, parsed, pdb_api_version, logger, step.replicas)
+        if terminating:
+            return False
+        changes += replace_pods(kube, owner, step, logger)
     changes += ensure_autoscaling_object(kube, cr, owner, parsed, logger)
     if changes:
         message = "; ".join(changes)
         logger.info(message)
         kopf.info(cr, reason="Applied", message=message)
-    refresh_status(kube, namespace, name, generation=generation)
-    return True
+    new = refresh_status(kube, namespace, name, generation=generation, apply_errors=list(errors.values()))
+    if errors:
+        message = "; ".join(errors.values())
+        logger.warning(message)
+        was = st.get_condition(previous, st.SYNCED)
+        if not was or was.get("status") != "False" or was.get("message") != message:
+            kopf.warn(cr, reason="ApplyFailed", message=message[:1000])
+        raise kopf.TemporaryError(message, delay=backoff(retry))
+    return new is not None
 
 
 @kopf.on.resume(*RESOURCE, registry=registry)
 @kopf.on.create(*RESOURCE, registry=registry)
 @kopf.on.update(*RESOURCE, registry=registry)
-def reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger, reason: Any = None, **_: Any) -> None:
+def reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger, reason: Any = None, retry: int = 0,
+              **_: Any) -> None:
     cr = dict(body)
     meta = cr["metadata"]
     attrs = tracing.reconcile_attributes(s.KIND, meta["namespace"], meta["name"], meta.get("generation"), str(reason or ""))
     with tracing.span("reconcile LLMDeployment", attrs) as sp:
-        ok = ensure_children(memo.kube, cr, memo.pdb_api_version, logger)
+        ok = ensure_children(memo.kube, cr, memo.pdb_api_version, logger, retry=retry)
         if sp is not None:
             sp.set_attribute("kvship.reconcile.valid_spec", ok)
 
 
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock(namespace: str, name: str) -> threading.Lock:
+    """One rollout step at a time per LLMDeployment: events of several pods are handled in
+    parallel, and two steps planned from the same state would replace two pods at once."""
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+def rollout_plan(kube: Kube, owner: b.Owner, parsed: s.LLMDeploymentSpec) -> rollout.Plan:
+    sts = kube.get("apps/v1", "StatefulSet", owner.namespace, owner.name)
+    pods = kube.list_pods(owner.namespace, b.selector_string(owner))
+    current = ((sts or {}).get("spec") or {}).get("replicas")
+    return rollout.plan(parsed.replicas, rollout.update_revision(sts), [rollout.pod_view(p) for p in pods], current)
+
+
+def replace_pods(kube: Kube, owner: b.Owner, step: rollout.Plan, logger: logging.Logger) -> list[str]:
+    """Delete the pods a rollout step replaces (the StatefulSet re-creates them on the
+    current spec)."""
+    done = []
+    for pod in step.delete:
+        if kube.delete_pod(owner.namespace, pod.name, pod.uid):
+            logger.info(f"rollout: {step.message}")
+            state = "ready" if pod.ready else "not ready"
+            done.append(f"replaced pod {pod.name} ({state}) with one of the current spec")
+    return done
+
+
+def advance_rollout(kube: Kube, cr: dict, logger: logging.Logger) -> bool:
+    """Whether the rollout has a step to take now (the StatefulSet's replicas to change, or
+    a pod to replace): then a reconcile takes it."""
+    try:
+        parsed = valid_spec(cr)
+    except SpecError:
+        return False
+    owner = b.Owner(cr["metadata"]["name"], cr["metadata"]["namespace"], cr["metadata"]["uid"])
+    sts = kube.get("apps/v1", "StatefulSet", owner.namespace, owner.name)
+    if sts is None:
+        return False
+    step = rollout_plan(kube, owner, parsed)
+    return bool(step.delete) or step.replicas != (sts.get("spec") or {}).get("replicas")
+
+
+def ensure_workers(kube: Kube, cr: dict, leader_pod: dict, logger: logging.Logger) -> None:
+    """A multi-node group's workers: a StatefulSet per leader pod, owned by it. Made once per
+    leader (a new leader, after a rollout or a restart of its group, gets a new one built
+    from the spec then); one still owned by a previous leader is left to garbage collection,
+    and its deletion brings us back here."""
+    try:
+        parsed = valid_spec(cr)
+    except SpecError:
+        return
+    meta = leader_pod["metadata"]
+    if not b.multi_node(parsed) or meta.get("deletionTimestamp"):
+        return
+    owner = b.Owner(cr["metadata"]["name"], cr["metadata"]["namespace"], cr["metadata"]["uid"])
+    wanted = b.worker_statefulset(owner, parsed, leader_pod)
+    if kube.get("apps/v1", "StatefulSet", owner.namespace, wanted["metadata"]["name"]) is not None:
+        return
+    kube.apply(wanted)
+    logger.info(f"created StatefulSet {wanted['metadata']['name']} (the workers of {meta['name']})")
+
+
+def drifted(kube: Kube, cr: dict, kind: str, child: str, event_type: str | None, pdb_api_version: str) -> str | None:
+    """Why the child ``kind``/``child`` no longer matches what the spec builds (None: it
+    does, or it is not a child the spec builds)."""
+    try:
+        parsed = valid_spec(cr)
+    except SpecError:
+        return None  # the reconcile handler reports it
+    owner = b.Owner(cr["metadata"]["name"], cr["metadata"]["namespace"], cr["metadata"]["uid"])
+    replicas = rollout_plan(kube, owner, parsed).replicas if kind == "StatefulSet" else None
+    wanted = next((o for o in b.build(owner, parsed, pdb_api_version=pdb_api_version, replicas=replicas)
+                   if o["kind"] == kind and o["metadata"]["name"] == child), None)
+    if wanted is None:
+        return None
+    if event_type == "DELETED":
+        return "deleted"
+    live = kube.get(wanted["apiVersion"], kind, owner.namespace, child)
+    if live is None:
+        return "deleted"
+    if kind == "PersistentVolumeClaim" and claim_change_refused(kube, live, wanted):
+        return None  # reported by the reconcile; re-applying cannot fix it
+    return None if contains(live, wanted) else "changed"
+
+
 def _child_event(body: Any, type: str | None, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    """Status follows the children; a child deleted behind our back is put back."""
-    name = (body.get("metadata", {}).get("labels") or {}).get(b.INSTANCE_LABEL)
+    """Status follows the children; a child deleted or edited behind our back is put back
+    (re-applying every child: server-side apply restores the fields we own)."""
+    meta = body.get("metadata") or {}
+    name = (meta.get("labels") or {}).get(b.INSTANCE_LABEL)
     kube: Kube | None = getattr(memo, "kube", None)
     if not name or kube is None:
         return
-    namespace = body["metadata"]["namespace"]
-    if type == "DELETED" and body.get("kind") == "StatefulSet":
+    namespace, kind = meta["namespace"], body.get("kind")
+    role = (meta.get("labels") or {}).get(b.ROLE_LABEL)
+    if role in ("leader", "worker"):
+        leader = meta["name"] if role == "leader" and kind == "Pod" else (meta.get("labels") or {}).get(b.GROUP_LABEL)
         cr = kube.get_llmd(namespace, name)
-        if cr is not None and not cr["metadata"].get("deletionTimestamp"):
-            logger.info(f"StatefulSet {name} was deleted; re-creating it")
-            ensure_children(kube, cr, memo.pdb_api_version, logger)
+        pod = kube.get("v1", "Pod", namespace, leader) if leader else None
+        if cr is not None and pod is not None and not cr["metadata"].get("deletionTimestamp"):
+            ensure_workers(kube, cr, pod, logger)
+        if role == "worker":
+            return  # the group's state shows in its leader
+    if kind in ("Pod", "StatefulSet"):
+        cr = kube.get_llmd(namespace, name)
+        if cr is not None and not cr["metadata"].get("deletionTimestamp") and advance_rollout(kube, cr, logger):
+            try:
+                ensure_children(kube, cr, memo.pdb_api_version, logger)
+            except kopf.TemporaryError as e:
+                logger.warning(f"rollout step: {e}")  # the reconcile handler retries
+            return
+    if kind != "Pod":
+        cr = kube.get_llmd(namespace, name)
+        refs = meta.get("ownerReferences") or []
+        if cr is None and kind == "PersistentVolumeClaim" and type != "DELETED" and not refs \
+                and meta["name"].startswith(f"model-cache-{name}-") and not meta.get("deletionTimestamp"):
+            # a per-replica claim made just before its LLMDeployment went, too late to be
+            # adopted: nothing else would ever delete it
+            logger.info(f"PersistentVolumeClaim {meta['name']}: LLMDeployment {name} is gone; deleting it")
+            kube.delete("v1", kind, namespace, meta["name"])
+            return
+        if cr is None or cr["metadata"].get("deletionTimestamp"):
+            return
+        owner = b.Owner(name, namespace, cr["metadata"]["uid"])
+        if kind == "PersistentVolumeClaim" and type != "DELETED" and not refs \
+                and meta["name"].startswith(b.per_replica_claim_prefix(owner)):
+            # a per-replica cache claim made by the StatefulSet controller: it goes away with
+            # the LLMDeployment (StatefulSets keep their claims otherwise)
+            kube.set_owner("v1", kind, namespace, meta["name"], owner.reference())
+            logger.info(f"PersistentVolumeClaim {meta['name']} now belongs to LLMDeployment {name}")
+            return
+        if not any(r.get("uid") == cr["metadata"]["uid"] for r in refs):
+            return  # not ours (a look-alike, or one left by a deleted namesake)
+        why = drifted(kube, cr, kind, meta["name"], type, memo.pdb_api_version)
+        if why:
+            logger.info(f"{kind} {meta['name']} was {why} outside the operator; re-applying")
+            try:
+                ensure_children(kube, cr, memo.pdb_api_version, logger)
+            except kopf.TemporaryError as e:
+                logger.warning(f"re-applying after drift: {e}")  # the reconcile handler retries
+            return
+        if kind != "StatefulSet":
             return
     refresh_status(kube, namespace, name)
 
 
-kopf.on.event("apps", "v1", "statefulsets", labels=CHILD_LABELS, registry=registry)(_child_event)
-kopf.on.event("", "v1", "pods", labels=CHILD_LABELS, registry=registry)(_child_event)
+for _group, _version, _plural in [("apps", "v1", "statefulsets"), ("", "v1", "pods"), ("", "v1", "services"),
+                                  ("", "v1", "persistentvolumeclaims"), ("policy", None, "poddisruptionbudgets")]:
+    # a versionless selector watches the server's preferred version (policy/v1 or v1beta1)
+    _args = (_group, _version, _plural) if _version else (_group, _plural)
+    kopf.on.event(*_args, labels=CHILD_LABELS, registry=registry)(_child_event)
 
 
 # ---------------------------------------------------------------------------------------
@@ -294,20 +540,21 @@ EVENT_REASONS = {"ScaleUp": "ScaledUp", "ScaleDown": "ScaledDown", "OutOfBounds"
 
 
 def autoscale_once(kube: Kube, namespace: str, name: str, state: asc.Autoscaler, logger: logging.Logger,
-                   *, clock=time.monotonic) -> float:
+                   *, clock=time.monotonic, pod_address: metrics_client.PodAddress = metrics_client.pod_ip_address,
+                   ) -> float:
     """One poll of the built-in autoscaler: scrape, decide, act, report. Returns the
     seconds until the next poll."""
     cr = kube.get_llmd(namespace, name)
     if cr is None or cr["metadata"].get("deletionTimestamp"):
         return 5.0
     try:
-        spec = parse(s.LLMDeploymentSpec, dict(cr.get("spec") or {}))
+        spec = valid_spec(cr)
     except SpecError:
         return 15.0  # the reconcile handler reports it
     a = spec.autoscaling
     owner = b.Owner(name, namespace, cr["metadata"]["uid"])
     pods = kube.list_pods(namespace, b.selector_string(owner))
-    scrape = metrics_client.scrape(pods)
+    scrape = metrics_client.scrape(pods, pod_address=pod_address)
     now = clock()
     state.observe(now, scrape.total)
     starting = starting_pods(pods, spec.startup_timeout_seconds)
@@ -345,23 +592,29 @@ def autoscale_once(kube: Kube, namespace: str, name: str, state: asc.Autoscaler,
     return float(a.interval_seconds)
 
 
-@kopf.daemon(*RESOURCE, registry=registry, when=_builtin_autoscaling, cancellation_timeout=10)
-def autoscale(stopped: kopf.DaemonStopped, body: Any, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+@kopf.daemon(*RESOURCE, registry=registry, when=_builtin_autoscaling, cancellation_timeout=5)
+async def autoscale(stopped: kopf.DaemonStopped, body: Any, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """The built-in autoscaler: a loop per LLMDeployment with builtin autoscaling enabled,
     polling every spec.autoscaling.intervalSeconds (kopf stops it when autoscaling is turned
     off or the provider changes, and when the resource goes away). Its window of samples
     lives in memory: after a restart it scales up at once but waits a whole scale-down window
-    before scaling down."""
+    before scaling down.
+
+    An async daemon on purpose: kopf can cancel a task wherever it waits, while a sync daemon's
+    thread only ends when it looks at its stop flag, and a thread that misses it keeps the
+    process from exiting. Each poll's blocking calls run in a worker thread and are bounded by
+    their own time limits (API requests, scrapes)."""
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     state = asc.Autoscaler()
     while not stopped:
         try:
-            delay = autoscale_once(memo.kube, namespace, name, state, logger)
+            delay = await asyncio.to_thread(autoscale_once, memo.kube, namespace, name, state, logger,
+                                            pod_address=memo.pod_address)
         except ApiException as e:
             logger.warning(f"autoscaler: API call failed: {_api_message(e)}")
             delay = 5.0
         except Exception:  # noqa: BLE001 - one bad poll must not end the loop
             logger.exception("autoscaler: poll failed")
             delay = 5.0
-        stopped.wait(delay)
+        await stopped.wait(delay)

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import kubernetes
 from kubernetes.client import ApiClient, Configuration
 from kubernetes.client.exceptions import ApiException
 
-from .builders import FIELD_MANAGER
 from . import spec as s
+from .builders import FIELD_MANAGER
 
 # plural names of the kinds the operator applies
 PLURALS = {
@@ -24,6 +24,7 @@ PLURALS = {
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ConfigMap": "configmaps",
     "ScaledObject": "scaledobjects",
+    "Pod": "pods",
 }
 
 
@@ -82,6 +83,9 @@ def request(api: ApiClient, method: str, path: str, *, body: Any = None, query: 
 @dataclass
 class Kube:
     api: ApiClient
+    # where a pod's engine answers (metrics_client.pod_ip_address in a cluster; tests point
+    # pods at servers on loopback): status asks each ready pod what it serves
+    pod_address: Optional[Callable[[dict[str, Any]], Optional[str]]] = None
 
     @classmethod
     def connect(cls, kubeconfig: str | None = None) -> "Kube":
@@ -163,6 +167,46 @@ class Kube:
             body={"spec": {"replicas": replicas}},
             content_type="application/merge-patch+json",
         )
+
+    def delete_orphaning(self, api_version: str, kind: str, namespace: str, name: str, wait: float = 30) -> None:
+        """Delete an object leaving its dependents in place, and wait until it is gone."""
+        import time
+
+        stub = {"apiVersion": api_version, "kind": kind, "metadata": {"namespace": namespace, "name": name}}
+        try:
+            self._call("DELETE", object_path(stub), body={"propagationPolicy": "Orphan"})
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        deadline = time.monotonic() + wait
+        while self.get(api_version, kind, namespace, name) is not None:
+            if time.monotonic() > deadline:
+                raise ApiException(status=409, reason=f"{kind} {name} still being deleted")
+            time.sleep(0.2)
+
+    def set_owner(self, api_version: str, kind: str, namespace: str, name: str, reference: dict[str, Any]) -> None:
+        stub = {"apiVersion": api_version, "kind": kind, "metadata": {"namespace": namespace, "name": name}}
+        self._call("PATCH", object_path(stub), body={"metadata": {"ownerReferences": [reference]}},
+                   query=[("fieldManager", FIELD_MANAGER)], content_type="application/merge-patch+json")
+
+    def delete_pod(self, namespace: str, name: str, uid: str) -> bool:
+        """Delete one pod, only if it is still that pod (uid); False when it was not there."""
+        try:
+            self._call("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
+                       body={"preconditions": {"uid": uid}})
+            return True
+        except ApiException as e:
+            if e.status in (404, 409):
+                return False
+            raise
+
+    def get_storage_class(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", f"/apis/storage.k8s.io/v1/storageclasses/{name}")
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
 
     def has_crd(self, name: str) -> bool:
         return self._succeeds("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")

@@ -3,29 +3,21 @@
 The load of a pod is ``kvship:num_requests_waiting + kvship:num_requests_running`` (summed
 over label sets). A pod is scraped at ``http://<podIP>:8000/metrics`` with a short time
 limit; a pod that does not answer is left out of the sum (and reported), never guessed.
-
-**For tests only**: the environment variable ``KVSHIP_AUTOSCALER_POD_ADDRESSES`` (a JSON
-object ``{"<namespace>/<pod>": "host:port", ...}``) sends the scrape for those pods to
-another address instead of the pod IP. The operator tests run without kubelets, so no pod
-has an IP; real `kvship serve` processes on loopback stand in for them through this map.
-It may also name a file (``@/path/to/map.json``), re-read on every scrape so a test can add
-pods as they appear. Leave it unset in a real cluster.
+Where a pod is reached is a function passed in (``pod_ip_address`` in a cluster), so that
+tests without kubelets can point pods at servers on loopback.
 """
 from __future__ import annotations
 
-import json
-import os
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Optional
 
 from . import spec as s
 
 WAITING = "kvship:num_requests_waiting"
 RUNNING = "kvship:num_requests_running"
-ADDRESS_OVERRIDE_ENV = "KVSHIP_AUTOSCALER_POD_ADDRESSES"
 DEFAULT_TIMEOUT = 2.0
 
 
@@ -48,24 +40,6 @@ def parse_load(text: str) -> Optional[float]:
     return total if seen else None
 
 
-def address_overrides(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test-only pod -> host:port map (see the module docstring)."""
-    raw = (os.environ if env is None else env).get(ADDRESS_OVERRIDE_ENV, "").strip()
-    if not raw:
-        return {}
-    if raw.startswith("@"):
-        try:
-            with open(raw[1:], encoding="utf-8") as f:
-                raw = f.read()
-        except OSError:
-            return {}
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return {}
-    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
-
-
 def is_ready(pod: dict[str, Any]) -> bool:
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
         return False
@@ -75,13 +49,13 @@ def is_ready(pod: dict[str, Any]) -> bool:
     return False
 
 
-def pod_address(pod: dict[str, Any], overrides: Mapping[str, str]) -> Optional[str]:
-    meta = pod.get("metadata") or {}
-    key = f"{meta.get('namespace')}/{meta.get('name')}"
-    if key in overrides:
-        return overrides[key]
+def pod_ip_address(pod: dict[str, Any]) -> Optional[str]:
+    """host:port of a pod's engine in a cluster; None before the pod has an IP."""
     ip = (pod.get("status") or {}).get("podIP")
     return f"{ip}:{s.ENGINE_PORT}" if ip else None
+
+
+PodAddress = Callable[[dict[str, Any]], Optional[str]]
 
 
 @dataclass
@@ -106,14 +80,13 @@ def fetch_load(address: str, timeout: float = DEFAULT_TIMEOUT) -> float:
 
 
 def scrape(pods: list[dict[str, Any]], *, timeout: float = DEFAULT_TIMEOUT,
-           overrides: Mapping[str, str] | None = None) -> Scrape:
+           pod_address: PodAddress = pod_ip_address) -> Scrape:
     """Load of every ready pod, scraped in parallel."""
-    overrides = address_overrides() if overrides is None else overrides
     ready = [p for p in pods if is_ready(p)]
     out = Scrape(total=None)
     if not ready:
         return out
-    targets: dict[str, Optional[str]] = {p["metadata"]["name"]: pod_address(p, overrides) for p in ready}
+    targets: dict[str, Optional[str]] = {p["metadata"]["name"]: pod_address(p) for p in ready}
 
     def one(item: tuple[str, Optional[str]]) -> tuple[str, Any]:
         name, address = item
@@ -133,3 +106,45 @@ def scrape(pods: list[dict[str, Any]], *, timeout: float = DEFAULT_TIMEOUT,
     if out.per_pod:
         out.total = sum(out.per_pod.values())
     return out
+
+
+def fetch_models(address: str, timeout: float = DEFAULT_TIMEOUT) -> list[str]:
+    """The model names an engine serves (its OpenAI /v1/models)."""
+    import json
+
+    with urllib.request.urlopen(f"http://{address}/v1/models", timeout=timeout) as resp:  # noqa: S310
+        data = json.loads(resp.read().decode("utf-8", "replace"))
+    return [str(m["id"]) for m in data.get("data") or [] if m.get("id")]
+
+
+def served_models(pods: list[dict[str, Any]], pod_address: Optional[PodAddress],
+                  timeout: float = DEFAULT_TIMEOUT) -> dict[str, str]:
+    """pod name -> the model it serves, for every ready pod: what the engine answers on
+    /v1/models, else (not reachable from here) the --served-model-name it was started with."""
+    ready = [p for p in pods if is_ready(p)]
+
+    def one(pod: dict[str, Any]) -> tuple[str, str]:
+        name = pod["metadata"]["name"]
+        address = pod_address(pod) if pod_address else None
+        if address:
+            try:
+                models = fetch_models(address, timeout)
+                if models:
+                    return name, ",".join(models)
+            except (OSError, ValueError, KeyError, urllib.error.URLError):
+                pass
+        return name, started_with(pod) or "unknown"
+
+    if not ready:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(ready))) as pool:
+        return dict(pool.map(one, ready))
+
+
+def started_with(pod: dict[str, Any]) -> Optional[str]:
+    """The --served-model-name in a pod's engine arguments."""
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        args = list(c.get("args") or [])
+        if c.get("name") == "engine" and "--served-model-name" in args[:-1]:
+            return args[args.index("--served-model-name") + 1]
+    return None

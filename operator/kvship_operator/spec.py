@@ -6,10 +6,11 @@ the operator (which also guards clusters too old for CEL).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .schema import Quantity, RawObject, Rule, field
+from .schema import Quantity, RawObject, Rule, SpecError, field
 
 GROUP = "kvship.io"
 VERSION = "v1alpha1"
@@ -21,10 +22,28 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 DEFAULT_ENGINE_IMAGE = "kvship/engine:0.1.0"
 ENGINE_PORT = 8000
-OPERATOR_OWNED_ARGS = ("--host", "--port", "--tensor-parallel-size", "--served-model-name")
+OPERATOR_OWNED_ARGS = ("--host", "--port", "--tensor-parallel-size", "--served-model-name", "--shutdown-timeout")
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+# The LLMDeployment's own name: every child name derives from it, and the tightest are DNS-1035
+# labels (Services: a letter first, no dots, at most 63 characters) and the label values the
+# StatefulSet controller derives from its StatefulSet (`controller-revision-hash`:
+# "<statefulset>-<hash of up to 10>", pod names "<statefulset>-<ordinal>"), for StatefulSets
+# named "<name>" and, for multi-node groups, "<name>-<group>-workers". 42 leaves every one of
+# them valid (tests/operator/test_operator_builders.py checks them all at this length).
+RESOURCE_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_NAME_LENGTH = 42
 LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+
+def check_name(name: str) -> None:
+    """The rule the CRD's metadata schema states, for names stored before it existed."""
+    if len(name) > MAX_NAME_LENGTH:
+        raise SpecError("metadata.name", f"may not be longer than {MAX_NAME_LENGTH} (child names derive from it)")
+    if not re.match(RESOURCE_NAME_PATTERN, name):
+        raise SpecError("metadata.name", f"should match '{RESOURCE_NAME_PATTERN}' (a DNS-1035 label: "
+                        "lower-case letters, digits and '-', starting with a letter; no dots)")
 
 
 @dataclass
@@ -83,6 +102,11 @@ class ModelSource:
     token_secret: Optional[SecretKeyRef] = field(
         None, description="Secret key holding the hub token (HF_TOKEN) or a bearer token for the URL."
     )
+    size_hint: Optional[Quantity] = field(
+        None,
+        description="Approximate size of the weights (e.g. 16Gi for an 8B model in bf16): sizes the default memory "
+        "request (weights + 25% + 4Gi). Without it: 16Gi per GPU, 8Gi on CPU.",
+    )
 
 
 @dataclass
@@ -108,11 +132,14 @@ class Engine:
 
     __rules__ = [
         Rule(
+            # a first line of defence on servers with CEL; the operator checks every spelling and
+            # abbreviation with the engine's own parser (engine_args.py)
             cel="self.args.all(a, !a.startsWith('--host') && !a.startsWith('--port') && "
-            "!a.startsWith('--tensor-parallel-size') && !a.startsWith('--served-model-name'))",
-            message="engine.args may not set --host, --port, --tensor-parallel-size or --served-model-name "
-            "(the operator sets them from the spec)",
-            check=lambda e: not any(a.startswith(OPERATOR_OWNED_ARGS) for a in e.args),
+            "!a.startsWith('--tensor-parallel-size') && !a.startsWith('-tp') && "
+            "!a.startsWith('--served-model-name') && !a.startsWith('--shutdown-timeout'))",
+            message="engine.args may not set --host, --port, --tensor-parallel-size (-tp), --served-model-name or "
+            "--shutdown-timeout (the operator sets them from the spec)",
+            check=lambda e: not any(a.startswith((*OPERATOR_OWNED_ARGS, "-tp")) for a in e.args),
         )
     ]
 
@@ -185,10 +212,138 @@ class Autoscaling:
     )
 
 
+# ---------------------------------------------------------------------------------------
+# Scheduling: core/v1 Toleration and Affinity with their real schemas (a typo such as `efect`
+# is refused by kubectl's validation and by servers doing strict field validation; a wrong
+# enum value by every server). Every field is optional without a default, so that what is
+# built is exactly what the user wrote.
+
+
+@dataclass
+class Toleration:
+    """A core/v1 Toleration."""
+
+    key: Optional[str] = field(
+        None, description="Taint key to tolerate (empty with Exists: every taint).", max_length=316
+    )
+    operator: Optional[str] = field(None, description="Equal (default) or Exists.", enum=["Exists", "Equal"])
+    value: Optional[str] = field(None, description="Taint value to match (Equal).", max_length=63)
+    effect: Optional[str] = field(
+        None, description="Taint effect to match (empty: all).", enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]
+    )
+    toleration_seconds: Optional[int] = field(None, description="How long a NoExecute taint is tolerated.")
+
+
+@dataclass
+class NodeSelectorRequirement:
+    """A core/v1 NodeSelectorRequirement."""
+
+    key: str = field(description="Node label key (or field, in matchFields).", max_length=316)
+    operator: str = field(
+        description="How the values apply.", enum=["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"]
+    )
+    values: Optional[list[str]] = field(None, description="Values (In/NotIn: one or more; Gt/Lt: one integer).")
+
+
+@dataclass
+class NodeSelectorTerm:
+    """A core/v1 NodeSelectorTerm (requirements ANDed)."""
+
+    match_expressions: Optional[list[NodeSelectorRequirement]] = field(None, description="Requirements on node labels.")
+    match_fields: Optional[list[NodeSelectorRequirement]] = field(None, description="Requirements on node fields.")
+
+
+@dataclass
+class NodeSelector:
+    """A core/v1 NodeSelector (terms ORed)."""
+
+    node_selector_terms: list[NodeSelectorTerm] = field(description="Terms, any of which may match.")
+
+
+@dataclass
+class PreferredSchedulingTerm:
+    """A core/v1 PreferredSchedulingTerm."""
+
+    weight: int = field(description="Weight (1-100).", minimum=1, maximum=100)
+    preference: NodeSelectorTerm = field(description="The preferred nodes.")
+
+
+@dataclass
+class NodeAffinity:
+    """A core/v1 NodeAffinity."""
+
+    required_during_scheduling_ignored_during_execution: Optional[NodeSelector] = field(
+        None, description="Nodes the pods must run on."
+    )
+    preferred_during_scheduling_ignored_during_execution: Optional[list[PreferredSchedulingTerm]] = field(
+        None, description="Nodes the pods should run on."
+    )
+
+
+@dataclass
+class LabelSelectorRequirement:
+    """A metav1 LabelSelectorRequirement."""
+
+    key: str = field(description="Label key.", max_length=316)
+    operator: str = field(description="How the values apply.", enum=["In", "NotIn", "Exists", "DoesNotExist"])
+    values: Optional[list[str]] = field(None, description="Values (In/NotIn).")
+
+
+@dataclass
+class LabelSelector:
+    """A metav1 LabelSelector."""
+
+    match_labels: Optional[dict[str, str]] = field(None, description="Labels that must all match.")
+    match_expressions: Optional[list[LabelSelectorRequirement]] = field(None, description="Requirements, ANDed.")
+
+
+@dataclass
+class PodAffinityTerm:
+    """A core/v1 PodAffinityTerm."""
+
+    topology_key: str = field(description="Node label whose value defines co-location (e.g. kubernetes.io/hostname).",
+                              min_length=1, max_length=316)
+    label_selector: Optional[LabelSelector] = field(None, description="The pods this term is about.")
+    namespaces: Optional[list[str]] = field(None, description="Namespaces of those pods (default: this one).")
+    namespace_selector: Optional[LabelSelector] = field(None, description="Namespaces of those pods, by label.")
+
+
+@dataclass
+class WeightedPodAffinityTerm:
+    """A core/v1 WeightedPodAffinityTerm."""
+
+    weight: int = field(description="Weight (1-100).", minimum=1, maximum=100)
+    pod_affinity_term: PodAffinityTerm = field(description="The term.")
+
+
+@dataclass
+class PodAffinity:
+    """A core/v1 PodAffinity or PodAntiAffinity."""
+
+    required_during_scheduling_ignored_during_execution: Optional[list[PodAffinityTerm]] = field(
+        None, description="Terms that must hold."
+    )
+    preferred_during_scheduling_ignored_during_execution: Optional[list[WeightedPodAffinityTerm]] = field(
+        None, description="Terms that should hold."
+    )
+
+
+@dataclass
+class Affinity:
+    """A core/v1 Affinity."""
+
+    node_affinity: Optional[NodeAffinity] = field(None, description="Node affinity.")
+    pod_affinity: Optional[PodAffinity] = field(None, description="Pod affinity.")
+    pod_anti_affinity: Optional[PodAffinity] = field(None, description="Pod anti-affinity.")
+
+
 @dataclass
 class ModelCache:
-    """Where downloaded models are kept. Created claims belong to the LLMDeployment and go
-    away with it; an existing claim is only mounted."""
+    """Where downloaded models are kept. mode PerReplica (the default): a claim per replica
+    (volumeClaimTemplates), which any ReadWriteOnce storage provides and no two replicas
+    write at once; Shared: one claim mounted by every replica (ReadWriteMany, so replicas on
+    several nodes can mount it), downloads serialised by a lock in the cache. Created claims
+    belong to the LLMDeployment and go away with it; an existing claim is only mounted."""
 
     __rules__ = [
         Rule(
@@ -196,7 +351,27 @@ class ModelCache:
             message="modelCache.storageClassName applies only to a claim the operator creates (not with existingClaim)",
             check=lambda c: c.existing_claim is None or c.storage_class_name is None,
         ),
+        Rule(
+            cel="!has(self.existingClaim) || !has(self.mode) || self.mode == 'Shared'",
+            message="modelCache.existingClaim is one claim shared by every replica: mode must be Shared",
+            check=lambda c: c.existing_claim is None or c.mode in (None, "Shared"),
+        ),
+        Rule(
+            cel="!has(self.mode) || self.mode != 'Shared' || has(self.existingClaim) || !has(self.accessMode) "
+            "|| self.accessMode == 'ReadWriteMany'",
+            message="a Shared model cache is mounted by replicas on several nodes: accessMode must be ReadWriteMany "
+            "(or use mode PerReplica)",
+            check=lambda c: c.mode != "Shared" or c.existing_claim is not None
+            or c.access_mode in (None, "ReadWriteMany"),
+        ),
     ]
+
+    mode: Optional[str] = field(
+        None,
+        description="PerReplica (default): a claim per replica; Shared: one ReadWriteMany claim for all "
+        "(the default with existingClaim).",
+        enum=["PerReplica", "Shared"],
+    )
 
     enabled: bool = field(True, description="Keep models on a PVC; false uses an emptyDir per pod.")
     existing_claim: Optional[str] = field(
@@ -204,11 +379,19 @@ class ModelCache:
     )
     size: Quantity = field(Quantity("50Gi"), description="Size of the created PVC.")
     storage_class_name: Optional[str] = field(None, description="StorageClass of the created PVC.", max_length=253)
-    access_mode: str = field(
-        "ReadWriteOnce",
-        description="Access mode of the created PVC (ReadWriteMany to share it across nodes).",
+    access_mode: Optional[str] = field(
+        None,
+        description="Access mode of the created claims (default: ReadWriteOnce per replica, ReadWriteMany shared).",
         enum=["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod"],
     )
+
+    @property
+    def shared(self) -> bool:
+        return self.mode == "Shared" or (self.mode is None and self.existing_claim is not None)
+
+    @property
+    def effective_access_mode(self) -> str:
+        return self.access_mode or ("ReadWriteMany" if self.shared else "ReadWriteOnce")
 
 
 @dataclass
@@ -248,6 +431,17 @@ class LLMDeploymentSpec:
             check=lambda s: s.gpu.count is None or s.gpu.count != 0 or s.tensor_parallel_size == 1,
         ),
         Rule(
+            cel="self.tensorParallelSize % self.nodesPerReplica == 0",
+            message="tensorParallelSize must be a multiple of nodesPerReplica (each pod of a group runs "
+            "tensorParallelSize / nodesPerReplica ranks)",
+            check=lambda s: s.tensor_parallel_size % s.nodes_per_replica == 0,
+        ),
+        Rule(
+            cel="!has(self.gpu.count) || self.gpu.count % self.nodesPerReplica == 0",
+            message="gpu.count (per replica) must be a multiple of nodesPerReplica",
+            check=lambda s: s.gpu.count is None or s.gpu.count % s.nodes_per_replica == 0,
+        ),
+        Rule(
             cel="!self.autoscaling.enabled || (self.replicas >= self.autoscaling.minReplicas && "
             "self.replicas <= self.autoscaling.maxReplicas)",
             message="replicas must lie within autoscaling.minReplicas..maxReplicas when autoscaling is enabled",
@@ -265,16 +459,31 @@ class LLMDeploymentSpec:
     )
     engine: Engine = field({}, description="Engine container.")
     tensor_parallel_size: int = field(1, description="Tensor-parallel degree (GPUs per replica).", minimum=1, maximum=8)
+    nodes_per_replica: int = field(
+        1,
+        description="Pods per replica. Above 1 a replica is a group: a leader and nodesPerReplica - 1 workers, "
+        "each with tensorParallelSize / nodesPerReplica GPUs, that meet through the engine's cross-host "
+        "environment, start, fail and scale as one; only the leader serves traffic.",
+        minimum=1,
+        maximum=8,
+    )
     gpu: Gpu = field({}, description="Accelerators per replica.")
     resources: Resources = field({}, description="CPU and memory of the engine container.")
     replicas: int = field(1, description="Replicas (the scale subresource's target).", minimum=0, maximum=100)
     autoscaling: Autoscaling = field({}, description="Autoscaling on queue depth.")
     node_selector: dict[str, str] = field({}, description="Node selector of the pods.")
-    tolerations: list[RawObject] = field([], description="Tolerations of the pods (core/v1 Toleration).", max_items=64)
-    affinity: Optional[RawObject] = field(None, description="Affinity of the pods (core/v1 Affinity).")
+    tolerations: list[Toleration] = field([], description="Tolerations of the pods (core/v1 Toleration).", max_items=64)
+    affinity: Optional[Affinity] = field(None, description="Affinity of the pods (core/v1 Affinity).")
     model_cache: ModelCache = field({}, description="Model cache volume.")
     service: ServiceSpec = field({}, description="The Service exposing the OpenAI API.")
     shm_size: Quantity = field(Quantity("8Gi"), description="Size of the /dev/shm memory volume (NCCL).")
+    shutdown_timeout_seconds: int = field(
+        30,
+        description="How long a stopping replica may finish its in-flight requests (engine --shutdown-timeout); "
+        "the pod's grace period is this plus the preStop wait and a margin.",
+        minimum=0,
+        maximum=3600,
+    )
     startup_timeout_seconds: int = field(
         1800, description="How long a replica may take to load the model before it is restarted.", minimum=60, maximum=86400
     )
@@ -321,10 +530,16 @@ class AutoscalingStatus:
 class LLMDeploymentStatus:
     """Observed state, written by the operator."""
 
-    conditions: list[Condition] = field([], description="Ready, ModelCached and WorkloadReady.")
+    conditions: list[Condition] = field([], description="Ready, ModelCached, WorkloadReady, Synced and Progressing.")
     observed_generation: Optional[int] = field(None, description="The spec generation this status describes.")
     replicas: Optional[int] = field(None, description="Current replicas (pods created).")
     ready_replicas: Optional[int] = field(None, description="Replicas passing readiness.")
+    updated_replicas: Optional[int] = field(None, description="Replicas running the current spec.")
+    updated_ready_replicas: Optional[int] = field(None, description="Ready replicas running the current spec.")
+    serving_model: Optional[str] = field(
+        None,
+        description="What the ready replicas serve, as they report it (several, comma-separated, during a rollout).",
+    )
     selector: Optional[str] = field(None, description="Label selector of the pods (for the scale subresource).")
     endpoint: Optional[str] = field(None, description="In-cluster URL of the OpenAI API.")
     served_model_name: Optional[str] = field(None, description="Model name clients use.")

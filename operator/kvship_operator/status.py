@@ -9,12 +9,15 @@ import datetime as dt
 from typing import Any
 
 from . import builders as b
+from . import rollout
 from . import spec as s
 
 READY = "Ready"
 MODEL_CACHED = "ModelCached"
 WORKLOAD_READY = "WorkloadReady"
-TYPES = (READY, MODEL_CACHED, WORKLOAD_READY)
+SYNCED = "Synced"
+PROGRESSING = "Progressing"
+TYPES = (READY, MODEL_CACHED, WORKLOAD_READY, SYNCED, PROGRESSING)
 
 
 def now_rfc3339() -> str:
@@ -23,6 +26,25 @@ def now_rfc3339() -> str:
 
 def condition(type_: str, status: str, reason: str, message: str) -> dict[str, Any]:
     return {"type": type_, "status": status, "reason": reason, "message": message}
+
+
+def get_condition(status: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    for c in (status or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            return c
+    return {}
+
+
+def _synced(previous: dict[str, Any] | None, apply_errors: list[str] | None) -> dict[str, Any]:
+    """Whether every child matches the spec; None errors: not known here (kept as it was)."""
+    if apply_errors:
+        return condition(SYNCED, "False", "ApplyFailed", "; ".join(apply_errors))
+    if apply_errors is not None:
+        return condition(SYNCED, "True", "Applied", "every child matches the spec")
+    prev = get_condition(previous, SYNCED)
+    if prev:
+        return condition(SYNCED, prev["status"], prev["reason"], prev["message"])
+    return condition(SYNCED, "Unknown", "Pending", "children not applied yet")
 
 
 def _pod_problems(pods: list[dict[str, Any]], gpu_resource: str) -> tuple[str, str] | None:
@@ -76,25 +98,36 @@ def _model_cached(spec: s.LLMDeploymentSpec, pods: list[dict[str, Any]]) -> dict
     return condition(MODEL_CACHED, "Unknown", "Pending", "no pod has started the download yet")
 
 
-def _workload(spec: s.LLMDeploymentSpec, sts: dict[str, Any] | None, pods: list[dict[str, Any]]) -> dict[str, Any]:
+def _workload(spec: s.LLMDeploymentSpec, sts: dict[str, Any] | None, pods: list[dict[str, Any]],
+              current_ready: int, old: int) -> dict[str, Any]:
     if sts is None:
         return condition(WORKLOAD_READY, "Unknown", "Pending", "StatefulSet not created yet")
-    st = sts.get("status") or {}
-    desired = (sts.get("spec") or {}).get("replicas", 1)
-    ready = st.get("readyReplicas") or 0
+    desired = spec.replicas
     if desired == 0:
         return condition(WORKLOAD_READY, "True", "ScaledToZero", "replicas is 0")
-    rolled = (st.get("observedGeneration") or 0) >= (sts["metadata"].get("generation") or 0) and (
-        st.get("updatedReplicas", desired) >= desired or st.get("currentRevision") == st.get("updateRevision")
-    )
-    if ready >= desired and rolled:
-        return condition(WORKLOAD_READY, "True", "AllReplicasReady", f"{ready}/{desired} replicas ready")
+    if current_ready >= desired:
+        return condition(WORKLOAD_READY, "True", "AllReplicasReady", f"{current_ready}/{desired} replicas ready")
     problem = _pod_problems(pods, spec.gpu.resource_name)
     if problem:
         return condition(WORKLOAD_READY, "False", problem[0], problem[1])
-    if ready >= desired:
-        return condition(WORKLOAD_READY, "False", "RollingUpdate", "pods are being updated to the new spec")
-    return condition(WORKLOAD_READY, "False", "ReplicasNotReady", f"{ready}/{desired} replicas ready")
+    if old:
+        return condition(WORKLOAD_READY, "False", "RollingUpdate", "pods are being replaced by pods of the new spec")
+    return condition(WORKLOAD_READY, "False", "ReplicasNotReady", f"{current_ready}/{desired} replicas ready")
+
+
+def _progressing(spec: s.LLMDeploymentSpec, sts: dict[str, Any] | None, revision: str | None,
+                 current: list[rollout.PodView], old: list[rollout.PodView]) -> dict[str, Any]:
+    desired = spec.replicas
+    ready = sum(p.ready for p in current)
+    if sts is not None and revision is None:
+        return condition(PROGRESSING, "True", "Pending", "the StatefulSet controller has not taken the new spec yet")
+    if old:
+        return condition(PROGRESSING, "True", "RollingOut",
+                         f"{len(current)} pod(s) on the current spec ({ready} ready, {desired} wanted); "
+                         f"{len(old)} on a previous spec ({sum(p.ready for p in old)} ready) serve until replaced")
+    if ready < desired or len(current) > desired:
+        return condition(PROGRESSING, "True", "Scaling", f"{ready}/{desired} replicas ready")
+    return condition(PROGRESSING, "False", "Complete", f"all {desired} replica(s) run the current spec")
 
 
 def merge_conditions(
@@ -122,32 +155,54 @@ def compute(
     previous: dict[str, Any] | None,
     observed_generation: int | None,
     now: str | None = None,
+    apply_errors: list[str] | None = None,
+    served: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The whole status for a valid spec."""
+    """The whole status for a valid spec. ``apply_errors``: children the server refused in
+    this reconcile (None when not reconciling: the previous Synced condition stays).
+    ``served``: pod name -> the model it serves, for the ready pods (what they report)."""
     now = now or now_rfc3339()
-    cached = _model_cached(spec, pods)
-    workload = _workload(spec, sts, pods)
-    st = (sts or {}).get("status") or {}
-    ready_replicas = st.get("readyReplicas") or 0
-    if workload["status"] == "True" and workload["reason"] != "ScaledToZero":
-        ready = condition(READY, "True", "Serving", f"OpenAI API at {b.endpoint(owner, spec)}")
-    elif workload["reason"] == "ScaledToZero":
+    served = served or {}
+    synced = _synced(previous, apply_errors)
+    revision = rollout.update_revision(sts)
+    views = [rollout.pod_view(p) for p in pods]
+    live = [v for v in views if not v.terminating]
+    current = [v for v in live if revision is not None and v.revision == revision]
+    old = [v for v in live if revision is not None and v.revision != revision]
+    current_names = {v.name for v in current}
+    cached = _model_cached(spec, [p for p in pods if p["metadata"]["name"] in current_names])
+    current_ready = sum(v.ready for v in current)
+    ready_replicas = sum(v.ready for v in live)
+    workload = _workload(spec, sts, pods, current_ready, len(old))
+    serving = ", ".join(sorted(set(served.values()))) or None
+    if sts is None and synced["status"] == "False":
+        ready = condition(READY, "False", "ApplyFailed", synced["message"])
+    elif spec.replicas == 0:
         ready = condition(READY, "False", "ScaledToZero", "replicas is 0")
+    elif current_ready >= spec.replicas:
+        ready = condition(READY, "True", "Serving", f"OpenAI API at {b.endpoint(owner, spec)} ({serving})")
     elif cached["status"] == "False" and cached["reason"] == "DownloadFailed":
         ready = condition(READY, "False", "DownloadFailed", cached["message"])
     elif ready_replicas > 0:
-        ready = condition(READY, "True", "PartiallyServing", workload["message"])
+        why = "ServingPreviousSpec" if any(v.ready for v in old) else "PartiallyServing"
+        ready = condition(READY, "True", why, f"{ready_replicas} ready replica(s) serve {serving}; "
+                          f"{current_ready}/{spec.replicas} on the current spec")
     else:
         ready = condition(READY, "False", workload["reason"], workload["message"])
     return {
         "observedGeneration": observed_generation,
-        "replicas": st.get("replicas") or 0,
+        "replicas": len(live),
         "readyReplicas": ready_replicas,
+        "updatedReplicas": len(current),
+        "updatedReadyReplicas": current_ready,
+        "servingModel": serving,
         "selector": b.selector_string(owner),
         "endpoint": b.endpoint(owner, spec),
         "servedModelName": b.served_model_name(owner, spec),
         "conditions": merge_conditions(
-            (previous or {}).get("conditions") or [], [ready, cached, workload], observed_generation, now
+            (previous or {}).get("conditions") or [],
+            [ready, cached, workload, synced, _progressing(spec, sts, revision, current, old)],
+            observed_generation, now,
         ),
     }
 
@@ -158,7 +213,7 @@ def failed(
     """Status for a spec the operator cannot act on (invalid, or applying failed)."""
     now = now or now_rfc3339()
     prev_conditions = (previous or {}).get("conditions") or []
-    keep = [c for c in prev_conditions if c.get("type") in (MODEL_CACHED, WORKLOAD_READY)]
+    keep = [c for c in prev_conditions if c.get("type") in (MODEL_CACHED, WORKLOAD_READY, SYNCED, PROGRESSING)]
     conditions = [condition(READY, "False", reason, message)] + [
         {k: v for k, v in c.items() if k not in ("lastTransitionTime", "observedGeneration")} for c in keep
     ]

@@ -1,13 +1,10 @@
 """OpenTelemetry traces for the operator: one span per reconcile (and per autoscaler
 decision that changes replicas), configured by the standard OTEL_* environment variables.
 
-Same conventions as the engine's server (``kvship.server.tracing``): tracing is on when
-OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_TRACES_EXPORTER is
-set (and OTEL_SDK_DISABLED is not true, OTEL_TRACES_EXPORTER is not `none`); otherwise no
-SDK is imported and ``span()`` is a no-op. Exporters `otlp` (HTTP/protobuf) and `console`;
-resource from OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, with service.name defaulting to
-`kvship-operator`. The global tracer provider is never set; tests pass their own provider to
-``configure``.
+When tracing is on and how it exports: ``kvship.telemetry`` (the one place for the OTEL_*
+rules, shared with the engine's server); otherwise ``span()`` is a no-op. service.name
+defaults to `kvship-operator`. The global tracer provider is never set; tests pass their own
+provider to ``configure``.
 """
 from __future__ import annotations
 
@@ -54,7 +51,7 @@ def shutdown() -> None:
     if provider is not None and owned:
         try:
             provider.shutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.warning("trace exporter did not shut down cleanly", exc_info=True)
 
 

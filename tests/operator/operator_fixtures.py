@@ -21,10 +21,9 @@ from kubernetes.client import ApiClient, ApiextensionsV1Api, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 
 import k8s_cluster
-from operator_helpers import Objects, OperatorThread, wait_for
-
 from kvship_operator import crd as crd_mod
 from kvship_operator.kube import load_configuration
+from operator_helpers import Objects, OperatorThread, assert_no_operator_threads, wait_for
 
 _cluster: k8s_cluster.Cluster | None = None
 
@@ -108,8 +107,8 @@ def run_operator(cluster):
 
     yield start
     for op in started:
-        if op.thread.is_alive():
-            op.stop()
+        op.stop()
+    assert_no_operator_threads()  # nothing any of them started is left
 
 
 # ------------------------------------------------------------------------------------------

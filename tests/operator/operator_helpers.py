@@ -3,18 +3,19 @@ import them by a unique module name)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-import kopf
 import yaml
 from kubernetes.client import ApiClient, CustomObjectsApi
 from kubernetes.client.exceptions import ApiException
 
 import k8s_cluster
-from kvship_operator import handlers
+from kvship_operator import main
 from kvship_operator import spec as s
 from kvship_operator.kube import request
 
@@ -47,29 +48,24 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: floa
 
 
 class OperatorThread:
-    """kopf.operator with the project's registry, in a thread, with its own credentials."""
+    """The operator as `kvship-operator` runs it (kvship_operator.main.operate), in a thread,
+    with its own credentials. stop() returns once the operator has ended (main.operate waits
+    for the threads it started), and fails otherwise."""
 
-    def __init__(self, kubeconfig: Path | str, *, namespaces: list[str] | None = None):
+    def __init__(self, kubeconfig: Path | str, *, namespaces: list[str] | None = None,
+                 pod_address: Callable[[dict], str | None] | None = None):
         self.kubeconfig = str(kubeconfig)
         self.namespaces = namespaces or []
+        self.extra = {"pod_address": pod_address} if pod_address else {}
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._main, name="kvship-operator", daemon=True)
+        self.thread = threading.Thread(target=self._main, name=f"{main.THREAD_PREFIX}-loop", daemon=True)
 
     def _main(self) -> None:
         try:
-            asyncio.run(
-                kopf.operator(
-                    registry=handlers.registry,
-                    clusterwide=not self.namespaces,
-                    namespaces=self.namespaces,
-                    standalone=True,
-                    stop_flag=self.stop_flag,
-                    ready_flag=self.ready_flag,
-                    memo=kopf.Memo(kubeconfig=self.kubeconfig),
-                )
-            )
+            asyncio.run(main.operate(namespaces=self.namespaces, kubeconfig=self.kubeconfig,
+                                     stop_flag=self.stop_flag, ready_flag=self.ready_flag, **self.extra))
         except BaseException as e:  # reported by stop()
             self.error = e
 
@@ -82,7 +78,28 @@ class OperatorThread:
     def stop(self, timeout: float = 30) -> None:
         self.stop_flag.set()
         self.thread.join(timeout)
-        assert not self.thread.is_alive(), "operator thread did not stop"
+        assert not self.thread.is_alive(), "operator thread did not stop:\n" + thread_stacks()
+
+
+def assert_no_operator_threads() -> None:
+    left = operator_threads()
+    assert not left, f"operator threads still alive after every operator stopped: {left}\n" + thread_stacks()
+
+
+def operator_threads() -> list[str]:
+    """Names of the live threads an operator started (they all carry main.THREAD_PREFIX)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(main.THREAD_PREFIX) and t.is_alive()]
+
+
+def thread_stacks() -> str:
+    """Every thread's current stack, for a failure message."""
+    frames = sys._current_frames()
+    out = []
+    for t in threading.enumerate():
+        out.append(f"--- {t.name} (daemon={t.daemon})")
+        if t.ident in frames:
+            out.append("".join(traceback.format_stack(frames[t.ident])))
+    return "\n".join(out)
 
 
 class Objects:

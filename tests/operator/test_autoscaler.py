@@ -10,10 +10,9 @@ import pytest
 
 from kvship_operator import autoscaler as asc
 from kvship_operator import builders as b
-from kvship_operator import handlers
+from kvship_operator import handlers, tracing
 from kvship_operator import metrics_client as mc
 from kvship_operator import spec as s
-from kvship_operator import tracing
 from kvship_operator.schema import parse
 
 POLICY = asc.Policy(min_replicas=1, max_replicas=5, target_per_replica=4, scale_up_window=0,
@@ -184,7 +183,7 @@ def _pod(name, ready=True, ip=None, created="2025-01-01T00:00:00Z"):
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
-def test_scrape_ready_pods_with_the_test_address_override(tmp_path, monkeypatch):
+def test_scrape_ready_pods_where_the_resolver_says():
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             body = METRICS.encode()
@@ -200,13 +199,15 @@ def test_scrape_ready_pods_with_the_test_address_override(tmp_path, monkeypatch)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         addr = f"127.0.0.1:{server.server_address[1]}"
-        mapping = tmp_path / "map.json"
-        mapping.write_text(f'{{"ns/p-0": "{addr}", "ns/p-1": "127.0.0.1:1"}}')
-        monkeypatch.setenv(mc.ADDRESS_OVERRIDE_ENV, f"@{mapping}")
-        got = mc.scrape([_pod("p-0"), _pod("p-1"), _pod("p-2"), _pod("p-3", ready=False)], timeout=1)
+        where = {"p-0": addr, "p-1": "127.0.0.1:1"}.get
+        got = mc.scrape([_pod("p-0"), _pod("p-1"), _pod("p-2"), _pod("p-3", ready=False)], timeout=1,
+                        pod_address=lambda pod: where(pod["metadata"]["name"]))
         assert got.total == 7.0 and got.per_pod == {"p-0": 7.0}
         assert set(got.failed) == {"p-1", "p-2"} and got.failed["p-2"] == "no pod IP"
         assert mc.scrape([_pod("p-3", ready=False)]).total is None
+        # in a cluster: the pod IP and the engine port
+        assert mc.pod_ip_address(_pod("p-4", ip="10.0.0.7")) == f"10.0.0.7:{s.ENGINE_PORT}"
+        assert mc.pod_ip_address(_pod("p-5")) is None
     finally:
         server.shutdown()
 
@@ -303,7 +304,9 @@ def test_reconcile_span_in_memory(monkeypatch):
 
 def test_chart_dashboard_configmap_and_autoscaling_rbac():
     import json
+
     import yaml
+
     from test_operator_helm import CHART, HELM, helm
 
     if HELM is None:

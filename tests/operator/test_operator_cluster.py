@@ -10,10 +10,18 @@ import time
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from operator_fixtures import api, cluster, crd_installed, namespace, objects, run_operator  # noqa: F401 (fixtures)
-from operator_helpers import REPO, load_yaml_docs, wait_for
 from kvship_operator import spec as s
+from kvship_operator import status as status_mod
 from kvship_operator.schema import parse
+from operator_fixtures import (  # noqa: F401 - pytest finds fixtures by name in the module
+    api,
+    cluster,
+    crd_installed,
+    namespace,
+    objects,
+    run_operator,
+)
+from operator_helpers import REPO, load_yaml_docs, wait_for
 
 HUB_SPEC = {
     "model": {"hub": "Qwen/Qwen3-0.6B"},
@@ -37,7 +45,8 @@ def children(objects, name: str) -> dict:
         "headless": objects.get("v1", "services", f"{name}-engines"),
         "pdb": objects.get("policy/v1beta1", "poddisruptionbudgets", name)
         or objects.get("policy/v1", "poddisruptionbudgets", name),
-        "pvc": objects.get("v1", "persistentvolumeclaims", f"{name}-model-cache"),
+        # the first replica's cache claim (volumeClaimTemplates), made by the StatefulSet controller
+        "pvc": objects.get("v1", "persistentvolumeclaims", f"model-cache-{name}-0"),
     }
 
 
@@ -66,13 +75,16 @@ def running_ready(pod_name: str) -> dict:
 def test_apply_creates_children_and_status(objects, run_operator):
     run_operator()
     objects.create_llmd("qwen", HUB_SPEC)
-    kids = wait_for(lambda: (k := children(objects, "qwen")) and all(k.values()) and k, 30, what="children")
+    kids = wait_for(lambda: (k := children(objects, "qwen")) and all(k.values())
+                    and k["pvc"]["metadata"].get("ownerReferences") and k, 30, what="children",
+                    show=lambda: children(objects, "qwen"))
     cr = objects.llmd("qwen")
     for kind, obj in kids.items():
         (ref,) = obj["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("LLMDeployment", "qwen", cr["metadata"]["uid"], True), kind
         managers = {(m["manager"], m["operation"]) for m in obj["metadata"]["managedFields"]}
-        assert ("kvship-operator", "Apply") in managers, (kind, managers)
+        # (the per-replica claim is the StatefulSet controller's; the operator only adopts it)
+        assert ("kvship-operator", "Update" if kind == "pvc" else "Apply") in managers, (kind, managers)
     # no finalizer on the CR: deletion never waits on the operator
     assert not cr["metadata"].get("finalizers")
     # defaults were applied by the API server from the CRD schema
@@ -87,11 +99,15 @@ def test_apply_creates_children_and_status(objects, run_operator):
     assert kids["svc"]["spec"]["type"] == "ClusterIP" and kids["svc"]["spec"]["ports"][0]["port"] == 8000
     assert kids["headless"]["spec"]["clusterIP"] == "None"
     assert kids["pvc"]["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    assert kids["pvc"]["spec"]["accessModes"] == ["ReadWriteOnce"]  # one per replica: any node can mount its own
+    second = objects.get("v1", "persistentvolumeclaims", "model-cache-qwen-1")
+    assert second["metadata"]["ownerReferences"][0]["name"] == "qwen"
 
     def status_written():
         cr = objects.llmd("qwen")
         st = cr.get("status") or {}
-        return st.get("observedGeneration") == cr["metadata"]["generation"] and len(st.get("conditions", [])) == 3 and cr
+        types = {c["type"] for c in st.get("conditions", [])}
+        return st.get("observedGeneration") == cr["metadata"]["generation"] and types == set(status_mod.TYPES) and cr
 
     cr = wait_for(status_written, 20, what="status with observedGeneration")
     st = cr["status"]
@@ -227,7 +243,9 @@ def test_delete_garbage_collects_children(objects, run_operator):
         # the claim may linger only while marked for deletion (pvc-protection finalizer)
         return not any(k.values()) and not pods and (pvc is None or pvc["metadata"].get("deletionTimestamp"))
 
-    wait_for(all_gone, 60, interval=0.5, what="children garbage-collected")
+    wait_for(all_gone, 60, interval=0.5, what="children garbage-collected",
+             show=lambda: (children(objects, "qwen"), objects.get("v1", "persistentvolumeclaims", "model-cache-qwen-1"),
+                           [p["metadata"]["name"] for p in objects.list("v1", "pods", "kvship.io/llmdeployment=qwen")]))
 
 
 def our_writes(obj: dict) -> list:

@@ -5,10 +5,15 @@ import http.server
 import io
 import tarfile
 import threading
+import time
 
 import pytest
 
 from kvship_operator import fetch
+
+
+class Url(str):
+    requests: list[str]
 
 
 @pytest.fixture
@@ -29,13 +34,23 @@ def server(tmp_path):
         def __init__(self, *a, **kw):
             super().__init__(*a, directory=str(root), **kw)
 
+        def do_GET(self):
+            requests.append(self.path)
+            if self.path.startswith("/slow/"):  # a download that takes a while
+                time.sleep(1.0)
+                self.path = self.path[len("/slow"):]
+            super().do_GET()
+
         def log_message(self, *a):
             pass
 
+    requests: list[str] = []
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
     t.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    url = Url(f"http://127.0.0.1:{httpd.server_address[1]}")
+    url.requests = requests  # paths asked for, in order
+    yield url
     httpd.shutdown()
     httpd.server_close()
 
@@ -82,3 +97,26 @@ def test_timeout(tmp_path, termlog, monkeypatch):
     assert fetch.main(["--url", "http://127.0.0.1:9/x", "--dest", str(tmp_path / "x"), "--timeout", "1"]) == 1
     assert time.monotonic() - t0 < 4
     assert "did not finish within 1 s" in termlog.read_text()
+
+
+def test_replicas_sharing_a_cache_download_once(server, tmp_path):
+    """Item 4 (#20): init containers of replicas sharing one cache downloaded concurrently
+    into one folder with no lock. Three fetch processes at once on one destination: one
+    downloads, the others wait for it and find it complete."""
+    import subprocess
+    import sys
+
+    dest = tmp_path / "cache" / "url" / "abc" / "model.gguf"
+    argv = [sys.executable, "-m", "kvship_operator.fetch", "--url", f"{server}/slow/model.gguf",
+            "--dest", str(dest), "--timeout", "60"]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(3)]
+    try:
+        outs = [p.communicate(timeout=60)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert server.requests.count("/slow/model.gguf") == 1, server.requests
+    assert dest.read_bytes().startswith(b"GGUF") and not list(dest.parent.glob(".part-*"))

@@ -2,6 +2,7 @@
 `helm install` whose ServiceAccount is enough to run the operator (and no more)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -10,9 +11,18 @@ import yaml
 from kubernetes.client import ApiClient, CoreV1Api
 
 import k8s_cluster
-from operator_fixtures import api, cluster, crd_installed, namespace, objects, run_operator  # noqa: F401 (fixtures)
-from operator_helpers import REPO, wait_for
+from kvship_operator import spec as s
+from kvship_operator import status as status_mod
 from kvship_operator.kube import load_configuration, request
+from operator_fixtures import (  # noqa: F401 - pytest finds fixtures by name in the module
+    api,
+    cluster,
+    crd_installed,
+    namespace,
+    objects,
+    run_operator,
+)
+from operator_helpers import REPO, wait_for
 
 CHART = REPO / "charts" / "kvship-operator"
 HELM = k8s_cluster.helm_path()
@@ -74,7 +84,9 @@ def test_helm_install_operator_runs_as_its_service_account(cluster, api, crd_ins
                                                            mode):
     release_ns = "kvship-system"
     kubeconfig = str(cluster.kubeconfig)
-    extra = ["--set", f"watchNamespaces={{{objects.ns}}}"] if mode == "watched-namespace" else []
+    # the session's CRD is already installed (crd_installed): the release does not take it over
+    extra = ["--set", "crds.install=false"]
+    extra += ["--set", f"watchNamespaces={{{objects.ns}}}"] if mode == "watched-namespace" else []
     out = helm("install", "kvship", str(CHART), "-n", release_ns, "--create-namespace", "--kubeconfig", kubeconfig,
                *extra, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -119,11 +131,14 @@ def test_helm_install_operator_runs_as_its_service_account(cluster, api, crd_ins
         objects.create_llmd("rbac", {"model": {"url": "https://models.invalid/m.gguf"}, "gpu": {"count": 0}})
         for plural, api_version, name in [("statefulsets", "apps/v1", "rbac"), ("services", "v1", "rbac"),
                                           ("services", "v1", "rbac-engines"),
-                                          ("persistentvolumeclaims", "v1", "rbac-model-cache")]:
+                                          ("persistentvolumeclaims", "v1", "model-cache-rbac-0")]:
             wait_for(lambda: objects.get(api_version, plural, name), 30, what=f"{plural}/{name}")
+        # the per-replica cache claim adopted (so that it goes away with the LLMDeployment)
+        wait_for(lambda: objects.get("v1", "persistentvolumeclaims", "model-cache-rbac-0")["metadata"].get(
+            "ownerReferences"), 30, what="claim adopted")
         cr = wait_for(lambda: (c := objects.llmd("rbac")).get("status", {}).get("observedGeneration") == 1 and c, 30,
                       what="status written by the SA")
-        assert {c["type"] for c in cr["status"]["conditions"]} == {"Ready", "ModelCached", "WorkloadReady"}
+        assert {c["type"] for c in cr["status"]["conditions"]} == set(status_mod.TYPES)
         wait_for(lambda: any(e["reason"] == "Applied" for e in objects.events("rbac")), 20, what="event posted")
         sa_api.close()
     finally:
@@ -136,3 +151,74 @@ def test_bad_values_refused():
     assert out.returncode != 0 and "logLevel" in out.stderr, out.stderr
     out = helm("template", "kvship", str(CHART), "--set", "watchNamespaces={Bad_Name}", check=False)
     assert out.returncode != 0 and "watchNamespaces" in out.stderr, out.stderr
+
+
+@needs_helm
+def test_crd_is_a_template_that_fits_the_server(cluster, tmp_path):
+    """Item 9 (#20): the CRD did not install on servers older than 1.25 (CEL rules) although
+    the chart claims kubeVersion >= 1.20, and Helm never upgrades files under crds/. The CRD
+    is now a template (upgraded with the release, kept on uninstall) that leaves the CEL rules
+    out below 1.25; validated here against the real 1.20 server the way `helm install` does."""
+    from kvship_operator import crd as crd_mod
+
+    chart_meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart_meta["kubeVersion"] == ">=1.20.0-0"
+    assert not (CHART / "crds").exists(), "Helm would install crds/ once and never upgrade it"
+
+    def rendered_crd(*args: str) -> dict:
+        out = helm("template", "kvship", str(CHART), *args)
+        (doc,) = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "CustomResourceDefinition"]
+        return doc
+
+    new, old = rendered_crd("--kube-version", "1.25.0"), rendered_crd("--kube-version", "1.20.0")
+    for doc in (new, old):
+        assert doc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert "x-kubernetes-validations" in json.dumps(new) and "x-kubernetes-validations" not in json.dumps(old)
+    assert crd_mod.strip_cel(new["spec"]) == old["spec"]
+    without = helm("template", "kvship", str(CHART), "--set", "crds.install=false").stdout
+    assert not [d for d in yaml.safe_load_all(without) if d and d["kind"] == "CustomResourceDefinition"]
+
+    # a real install, upgrade and uninstall on a fresh 1.20 control plane (the session's
+    # cluster already has the CRD, installed by the tests themselves)
+    import shutil
+
+    own = k8s_cluster.start()
+    try:
+        kc = ["--kubeconfig", str(own.kubeconfig)]
+        files = CHART / "files" / "crds"
+        # the variant with CEL is what such a server refuses (the reported failure)
+        cel_chart = tmp_path / "cel-chart"
+        shutil.copytree(CHART, cel_chart)
+        old_slot = cel_chart / "files" / "crds" / f"pre-{crd_mod.CEL_SINCE}" / crd_mod.FILENAME
+        shutil.copy(files / crd_mod.FILENAME, old_slot)
+        out = helm("install", "cel", str(cel_chart), "-n", "kvship-system", "--create-namespace", *kc, check=False)
+        assert out.returncode != 0 and "x-kubernetes-validations" in out.stderr, out.stdout[-500:] + out.stderr
+
+        out = helm("install", "kvship", str(CHART), "-n", "kvship-system", "--create-namespace", *kc, check=False)
+        assert out.returncode == 0, out.stderr
+        ext = ApiClient(load_configuration(str(own.kubeconfig)))
+        path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{s.PLURAL}.{s.GROUP}"
+        got = wait_for(lambda: request(ext, "GET", path), 20, what="CRD installed by helm")
+        columns = [c["name"] for c in got["spec"]["versions"][0]["additionalPrinterColumns"]]
+
+        # a chart whose CRD changed: `helm upgrade` delivers it
+        upgraded = tmp_path / "upgraded"
+        shutil.copytree(CHART, upgraded)
+        target = upgraded / "files" / "crds" / f"pre-{crd_mod.CEL_SINCE}" / crd_mod.FILENAME
+        changed = yaml.safe_load(target.read_text())
+        changed["spec"]["versions"][0]["additionalPrinterColumns"].append(
+            {"name": "Upgraded", "type": "string", "jsonPath": ".status.endpoint", "priority": 1})
+        target.write_text(yaml.safe_dump(changed, sort_keys=False))
+        out = helm("upgrade", "kvship", str(upgraded), "-n", "kvship-system", *kc, check=False)
+        assert out.returncode == 0, out.stderr
+        got = request(ext, "GET", path)
+        assert [c["name"] for c in got["spec"]["versions"][0]["additionalPrinterColumns"]] == columns + ["Upgraded"]
+
+        # uninstall keeps it (and with it every LLMDeployment)
+        out = helm("uninstall", "kvship", "-n", "kvship-system", *kc, check=False)
+        said = out.stdout + out.stderr
+        assert out.returncode == 0 and "kept due to the resource policy" in said, said
+        assert request(ext, "GET", path)["metadata"]["name"] == f"{s.PLURAL}.{s.GROUP}"
+        ext.close()
+    finally:
+        own.stop()

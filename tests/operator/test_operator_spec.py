@@ -9,7 +9,8 @@ import celpy
 import pytest
 import yaml
 
-from kvship_operator import crd, spec as s
+from kvship_operator import crd
+from kvship_operator import spec as s
 from kvship_operator.schema import SpecError, iter_rules, parse, to_dict
 from operator_helpers import REPO
 
@@ -17,8 +18,7 @@ GOOD = {"model": {"hub": "Qwen/Qwen3-0.6B"}}
 
 
 def test_committed_crd_yaml_is_current():
-    text = crd.render()
-    for path in crd.targets(REPO):
+    for path, text in crd.outputs(REPO).items():
         assert path.exists(), f"{path} missing: run `python -m kvship_operator.crd --write`"
         assert path.read_text() == text, f"{path} is stale: run `python -m kvship_operator.crd --write`"
 
@@ -195,3 +195,41 @@ def test_cel_rules_and_python_twins_agree(raw, failing):
         with pytest.raises(SpecError) as e:
             parse(s.LLMDeploymentSpec, raw)
         assert failing in str(e.value)
+
+
+def test_engine_args_checked_with_the_engines_parser():
+    """Item 1 (#20): the owned-flag check was a prefix match while the engine's parser takes
+    short forms and abbreviations: `-tp 4` and `--po 9000` were accepted. engine.args now
+    go through the engine's own parser: owned flags in every spelling, abbreviations and
+    unknown flags are refused, with the reason."""
+    from kvship_operator import engine_args
+
+    engine_args.check(["--max-num-seqs", "64", "--kv-cache-memory", "4GiB", "--no-enable-prefix-caching"])
+    for args, expect in [
+        (["-tp", "4"], "may not set --tensor-parallel-size/-tp: it comes from spec.tensorParallelSize"),
+        (["--tensor-parallel-size=2"], "may not set --tensor-parallel-size/-tp"),
+        (["--po", "9000"], "unrecognized arguments: --po (abbreviations are not accepted"),
+        (["--max-num", "4"], "unrecognized arguments: --max-num"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--port", "9000"], "may not set --port"),
+        (["--served-model-name", "x"], "may not set --served-model-name: it comes from spec.servedModelName"),
+        (["/models/other"], "may not set a positional MODEL: it comes from spec.model"),
+        (["--max-num-seqs", "lots"], "argument --max-num-seqs: invalid"),
+        (["-h"], "unrecognized arguments: -h"),
+    ]:
+        with pytest.raises(SpecError) as e:
+            engine_args.check(args)
+        assert e.value.path == "spec.engine.args" and expect in str(e.value), (args, str(e.value))
+
+
+def test_engine_args_parser_needs_no_torch():
+    """The operator image installs kvship without its dependencies: the parser it imports
+    must not pull in torch (or anything but the standard library)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import kvship_operator.engine_args; "
+            "heavy = [m for m in ('torch', 'numpy', 'fastapi', 'safetensors') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
