@@ -91,7 +91,8 @@ def test_random_token_sequences(smollm2):
         skip = trial % 2 == 0
         detok = IncrementalDetokenizer(smollm2, prompt, skip_special_tokens=skip)
         got = "".join(stream(detok, ids, rng))
-        assert got == smollm2.decode(ids, skip_special_tokens=skip), (prompt, ids)
+        # a character left incomplete at the very end is left out (see flush)
+        assert got == smollm2.decode(ids, skip_special_tokens=skip).rstrip("\ufffd"), (prompt, ids)
 
 
 def test_special_tokens(smollm2):
@@ -116,8 +117,9 @@ def test_no_broken_utf8_on_incomplete_tail(smollm2):
     detok = IncrementalDetokenizer(smollm2, [])
     out = detok.push(ids[:-1])
     assert out == "ab"
-    assert detok.flush() == smollm2.decode(ids[:-1])[2:]  # ends generation mid-character
-    assert detok.text == smollm2.decode(ids[:-1])
+    assert smollm2.decode(ids[:-1]).endswith("\ufffd")  # what a full decode shows
+    assert detok.flush() == ""  # generation ended inside the character: it is left out
+    assert detok.text == "ab"
 
 
 def test_sentencepiece_style_leading_space_uses_prompt_context():

@@ -40,3 +40,11 @@ def test_engine_reads_the_models_generation_config(tiny_models, tmp_path):
     assert engine.sampling_defaults == {"temperature": 0.7, "top_k": 40}
     off = LLMEngine(EngineConfig(model=str(folder), device="cpu", num_kv_blocks=16, generation_defaults=False))
     assert off.sampling_defaults == {}
+
+
+def test_bundled_model_samples_as_its_model_card_recommends(bundled):
+    from kvship.loader import resolve_model
+
+    source = resolve_model(None)  # the GGUF carries no generation config of its own
+    assert sampling_defaults(source.generation_config) == {"temperature": 0.2, "top_p": 0.9}
+    assert source.generation_config["eos_token_id"]  # the file's own entries are kept

@@ -471,3 +471,9 @@ def test_200_concurrent_requests(server, client, model):
         assert usage.model_dump() == ref.usage.model_dump()
     print(f"200 concurrent requests answered in {elapsed:.1f}s")
     server.wait_metric("kvship:num_kv_blocks_used", lambda v: v == 0, timeout=10)
+
+
+def test_embeddings_on_a_generation_model_is_a_400(server):
+    r = httpx.post(server.url + "/v1/embeddings", json={"input": "hello"}, timeout=30)
+    err = assert_error(r, 400, "model")
+    assert err["code"] == "wrong_task" and "completions" in err["message"]

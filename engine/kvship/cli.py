@@ -62,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         max_waiting_requests=args.max_waiting_requests,
+        task=args.task,
     )
 
 
@@ -123,8 +124,8 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_config=None,
         access_log=args.access_log,
-        # Our own drain (begin_drain) aborts what is left after --shutdown-timeout; uvicorn's
-        # timeout is only the backstop.
+        # Our own drain (kvship.server.app.drain) ends what is left after --shutdown-timeout;
+        # uvicorn's timeout is only the backstop.
         timeout_graceful_shutdown=max(0.0, args.shutdown_timeout) + 5,
         timeout_keep_alive=5,
         lifespan="on",
@@ -190,6 +191,8 @@ def _exit_if_stuck(seconds: float, code: int) -> None:
 
 
 def _make_server_class():
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -199,22 +202,34 @@ def _make_server_class():
             self._grace_s = grace_s
             self._model_name = model_name
             self._loop: Any = None
+            self._drain: Any = None  # the drain under way (a handle, then its task)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            from kvship.server.app import begin_drain
-
-            if not self.should_exit:
+            """The first SIGTERM/SIGINT starts a drain (kvship.server.app.drain) and the server
+            keeps listening through it, so /health can answer 503; uvicorn's own shutdown starts
+            when the drain is over. A second signal stops at once."""
+            if self._drain is None and self._loop is not None and not self.should_exit:
                 logger.info("received %s: draining (in-flight requests get up to %ss)",
                             signal.Signals(sig).name, self._grace_s)
                 _exit_if_stuck(self._grace_s + 30, code=1)
-                if self._loop is not None:
-                    self._loop.call_soon_threadsafe(begin_drain, self._app, self._grace_s)
+                self._app.state.kvship.draining = True
+                self._drain = self._loop.call_soon_threadsafe(self._start_drain)
+                return
             self._app.state.kvship.draining = True
             super().handle_exit(sig, frame)
 
-        async def startup(self, sockets: Any = None) -> None:
-            import asyncio
+        def _start_drain(self) -> None:
+            from kvship.server.app import drain
 
+            async def drain_then_exit() -> None:
+                try:
+                    await drain(self._app.state.kvship, self._grace_s)
+                finally:
+                    self.should_exit = True
+
+            self._drain = asyncio.ensure_future(drain_then_exit())
+
+        async def startup(self, sockets: Any = None) -> None:
             self._loop = asyncio.get_running_loop()
             await super().startup(sockets)
             if self.started and not self.should_exit:

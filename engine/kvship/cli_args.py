@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"],
                    help="weights and activations dtype")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--task", default="auto", choices=["auto", "generate", "embed"],
+                   help="what the model serves: generate (completions, chat) or embed (/v1/embeddings); auto "
+                        "(default): embed for a sentence-transformers folder (modules.json), else generate")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shapes (benchmarks; a config-only folder is enough)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed draw from it)")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+TASKS = ("auto", "generate", "embed")
+
 
 @dataclass
 class EngineConfig:
@@ -35,6 +37,10 @@ class EngineConfig:
 
     max_waiting_requests: int = 1024  # beyond this the server answers 503
 
+    # What the model serves: "generate" (completions and chat), "embed" (/v1/embeddings), or
+    # "auto": embed for a folder saved by sentence-transformers (modules.json), else generate.
+    task: str = "auto"
+
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -44,5 +50,7 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.tp_all_reduce not in ("nccl", "one-shot", "fused"):
             raise ValueError(f"tp_all_reduce must be nccl, one-shot or fused, got {self.tp_all_reduce!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

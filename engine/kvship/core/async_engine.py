@@ -13,10 +13,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
 from kvship.config import EngineConfig
 from kvship.core.engine import LLMEngine
 from kvship.outputs import RequestOutput
-from kvship.sampling_params import SamplingParams
+from kvship.sampling_params import InvalidParamsError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,9 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.sampling_defaults
+        self.task = engine.task
+        self.pooling = engine.pooling
+        self.embedding_size = engine.model_config.hidden_size
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
@@ -76,6 +81,7 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._stopping = threading.Event()
         self._pending = 0  # submitted but not yet seen by the loop (counts as waiting)
+        self._embeddings: set[asyncio.Future] = set()  # embedding calls awaiting the loop
         self._thread = threading.Thread(target=self._loop, name="kvship-engine", daemon=True)
         self._thread.start()
 
@@ -120,6 +126,25 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    async def embed(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Pooled embeddings of the prompts (LLMEngine.embed), computed on the engine thread
+        between steps. Raises QueueFullError / EngineDeadError / InvalidParamsError."""
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError("the engine has stopped") from self._error
+        if self.stats().num_requests_waiting >= self.config.max_waiting_requests:
+            raise QueueFullError(f"the server has {self.config.max_waiting_requests} requests waiting; retry later")
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[list[torch.Tensor]] = loop.create_future()
+        with self._lock:
+            self._pending += 1
+            self._embeddings.add(result)
+        try:
+            self._inbox.put(("embed", (prompts, loop, result)))
+            return await result
+        finally:
+            with self._lock:
+                self._embeddings.discard(result)
 
     def stats(self) -> EngineStats:
         e, kv = self.engine, self.engine.kv
@@ -168,6 +193,15 @@ class AsyncEngine:
                 except Exception as e:  # a client mistake: hand it back to the caller
                     if stream is not None:
                         stream.put(_Rejected(e))
+            elif kind == "embed":
+                prompts, loop, result = arg
+                with self._lock:
+                    self._pending -= 1
+                try:
+                    value, error = self.engine.embed(prompts), None
+                except InvalidParamsError as e:  # a client mistake: hand it back to the caller
+                    value, error = None, e
+                loop.call_soon_threadsafe(_settle, result, value, error)
             elif kind == "abort":
                 final = self.engine.abort(arg)
                 with self._lock:
@@ -191,7 +225,20 @@ class AsyncEngine:
             self._error = e
             with self._lock:
                 streams = list(self._streams.values())
+                embeddings = list(self._embeddings)
             for s in streams:
                 s.put(e)
+            for f in embeddings:
+                f.get_loop().call_soon_threadsafe(_settle, f, None, EngineDeadError("the engine stopped"))
             for fn in self._death_callbacks:
                 fn(e)
+
+
+def _settle(result: asyncio.Future, value: object, error: BaseException | None) -> None:
+    """Hand an embedding call its result (on its event loop); a caller gone meanwhile is skipped."""
+    if result.done():
+        return
+    if error is not None:
+        result.set_exception(error)
+    else:
+        result.set_result(value)

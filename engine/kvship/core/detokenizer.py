@@ -64,8 +64,10 @@ class IncrementalDetokenizer:
         return self._advance(final=False)
 
     def flush(self) -> str:
-        """At the end of generation: releases whatever is held back (an incomplete character
-        decodes to "\\ufffd", as a full decode would show it)."""
+        """At the end of generation: releases whatever is held back, except an incomplete
+        character at the very end (generation stopped inside it, e.g. at max_tokens): a full
+        decode would show it as "\\ufffd"; the final text leaves it out, as the streamed deltas
+        did. (A model that really generates U+FFFD as its last character loses it too.)"""
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
@@ -84,6 +86,8 @@ class IncrementalDetokenizer:
             return ""  # nothing visible yet (e.g. a skipped special token)
         else:
             delta = new_text[start:]
+            if final:
+                delta = delta.rstrip(REPLACEMENT_CHAR)
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             self._partial = 0

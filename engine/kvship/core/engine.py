@@ -18,12 +18,13 @@ from kvship.config import EngineConfig
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.output_processor import Accepted, OutputProcessor
 from kvship.core.scheduler import Scheduler
+from kvship.loader import DEFAULT_POOLING
 from kvship.outputs import RequestOutput
 from kvship.parallel import SINGLE
 from kvship.runner.model_runner import InFlightStep, ModelRunner, load_model
 from kvship.runner.tp.launch import TPRuntime
 from kvship.sampling_params import InvalidParamsError, SamplingParams
-from kvship.sequence import Sequence
+from kvship.sequence import Batch, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class LLMEngine:
         self.sampling_defaults = sampling_defaults(source.generation_config) if config.generation_defaults else {}
         if self.sampling_defaults:
             log.info("sampling defaults from the model's generation config: %s", self.sampling_defaults)
+        self.task = config.task  # "generate" or "embed" (load_model resolved "auto")
+        self.pooling = (source.pooling or DEFAULT_POOLING) if self.task == "embed" else None
         self.in_flight: InFlightStep | None = None  # the last launched step, its tokens not read yet
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -63,24 +66,13 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """``arrival_time`` (time.monotonic()): when the request was accepted, if earlier than now
         (a server stamps it before the request waits for the engine)."""
+        if self.task != "generate":
+            raise InvalidParamsError("this model serves embeddings (task embed), not completions", "model")
         if request_id in self.outputs.requests:
             raise InvalidParamsError(f"request id {request_id!r} is already in use", "request_id")
-        n_prompt = len(prompt_token_ids)
-        if n_prompt == 0:
-            raise InvalidParamsError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidParamsError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        if n_prompt >= self.max_model_len:
-            raise InvalidParamsError(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {n_prompt} tokens, "
-                "leaving no room for a completion. Shorten the prompt.", "prompt")
+        self._check_prompt(prompt_token_ids, room=1)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise InvalidParamsError("prompt logprobs are not available with tensor parallelism", "logprobs")
-        capacity = self.kv.num_blocks * self.kv.block_size
-        if n_prompt + 1 > capacity:
-            raise InvalidParamsError(
-                f"the prompt ({n_prompt} tokens) does not fit in the KV cache ({capacity} tokens)", "prompt")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs: list[Sequence] = []
         for i in range(params.n):
@@ -92,6 +84,49 @@ class LLMEngine:
         self.outputs.add(request_id, prompt_token_ids, params, seqs, arrival)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _check_prompt(self, ids: list[int], room: int, param: str = "prompt") -> None:
+        """Refuse a prompt that is empty, holds ids outside the vocabulary, or leaves fewer than
+        `room` positions of the context (or of the whole KV cache) free."""
+        n = len(ids)
+        if n == 0:
+            raise InvalidParamsError("the prompt is empty", param)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidParamsError(f"prompt token ids must be in [0, {vocab})", param)
+        if n + room > self.max_model_len:
+            raise InvalidParamsError(
+                f"This model's maximum context length is {self.max_model_len} tokens; the input has {n} tokens"
+                + (", leaving no room for a completion" if room else "") + ". Shorten it.", param)
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if n + room > capacity:
+            raise InvalidParamsError(f"the input ({n} tokens) does not fit in the KV cache ({capacity} tokens)", param)
+
+    def embed(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """The pooled embedding (float32, on the CPU) of each prompt. A prefill-only forward over
+        the paged KV cache, which serves as scratch: prompts are batched up to the step's token
+        budget (a longer one runs alone) and their blocks are freed at once."""
+        if self.pooling is None:
+            raise InvalidParamsError("this model serves completions (task generate), not embeddings", "model")
+        for ids in prompts:
+            self._check_prompt(ids, room=0, param="input")
+        out: list[torch.Tensor] = []
+        i = 0
+        while i < len(prompts):
+            batch = Batch()
+            while i < len(prompts) and (not batch or batch.num_tokens + len(prompts[i]) <= self.config.max_num_batched_tokens):
+                seq = Sequence(f"embed-{i}", 0, list(prompts[i]), _EMBED_PARAMS)
+                if not self.kv.allocate(seq, seq.num_tokens):  # nothing else holds blocks in an embedding engine,
+                    break  # but a batch of many long prompts can still outgrow the cache: run it in parts
+                batch.add(seq, seq.num_tokens)
+                i += 1
+            try:
+                out += list(self.runner.embed(batch, self.pooling).cpu())
+            finally:
+                for seq in batch.seqs:
+                    self.kv.free(seq)
+            self.prompt_tokens_total += batch.num_tokens
+        return out
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop the request and free its blocks; returns its final output (finish_reason "abort"
@@ -207,6 +242,8 @@ def _expects(seq: Sequence, pos: int) -> bool:
     ended on an earlier token (eos, a stop token or string) after this one was launched."""
     return seq.finish_reason in (None, "length") and len(seq.token_ids) == pos
 
+
+_EMBED_PARAMS = SamplingParams(max_tokens=1)  # an embedding's sequence samples nothing; its params are unused
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 

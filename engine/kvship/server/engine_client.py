@@ -9,8 +9,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol, runtime_checkable
 
+import torch
+
 from kvship.config import EngineConfig
 from kvship.core.async_engine import EngineStats
+from kvship.loader.pooling import Pooling
 from kvship.loader.tokenizer import Tokenizer
 from kvship.outputs import RequestOutput
 from kvship.sampling_params import SamplingParams
@@ -23,6 +26,14 @@ class EngineClient(Protocol):
     config: EngineConfig  # limits the server enforces before submitting (max_num_seqs)
     tokenizer: Tokenizer
     sampling_defaults: dict[str, float]  # the model's own values for fields a request leaves out
+    task: str  # "generate" (generate() serves) or "embed" (embed() serves)
+    pooling: Pooling | None  # how embed() pools (task "embed")
+    embedding_size: int  # the full length of an embedding
+
+    async def embed(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Pooled float32 embeddings, one per prompt. Raises QueueFullError / EngineDeadError /
+        InvalidParamsError."""
+        ...
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                  arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:

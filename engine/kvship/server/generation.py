@@ -89,6 +89,7 @@ class GenerationStream:
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._remaining = len(prompts)
         self._closed = False
+        self.streaming = False  # answered as Server-Sent Events (sse_response): cut() ends it well
         self._registry = registry
         if registry is not None:
             registry.add(self)
@@ -124,6 +125,12 @@ class GenerationStream:
                 self._observer.on_end(index, error)
             await _aclose(gen)
             self._queue.put_nowait((index, _END))
+
+    def cut(self) -> None:
+        """End it now as a finished request ends: each prompt still running is aborted in the
+        engine, whose final output (finish_reason "abort") closes its part of the stream."""
+        for rid in self.request_ids:
+            self.engine.abort(rid)
 
     def interrupt(self, exc: BaseException) -> None:
         """Make the consumer's next (or pending) read raise `exc`."""

@@ -68,21 +68,22 @@ def chat_size(messages: list[ChatMessage]) -> int:
 CompletionPrompt = str | list[str] | list[int] | list[list[int]]
 
 
-def check_prompt_count(prompt: CompletionPrompt, limit: int) -> int:
-    """How many prompts a completion request carries (a 400 past `limit`), counted before
-    anything is tokenised."""
+def check_prompt_count(prompt: CompletionPrompt, limit: int, param: str = "prompt") -> int:
+    """How many prompts a completion (or embedding) request carries (a 400 past `limit`),
+    counted before anything is tokenised."""
     count = 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
     if count > limit:
         raise bad_request(f"A request may carry at most {limit} prompts, got {count}. Split it, or raise the "
-                          "server's --max-prompts-per-request.", param="prompt")
+                          "server's --max-prompts-per-request.", param=param)
     return count
 
 
-def completion_prompts(tokenizer: Tokenizer, prompt: CompletionPrompt) -> tuple[list[list[int]], list[str | None]]:
+def completion_prompts(tokenizer: Tokenizer, prompt: CompletionPrompt, param: str = "prompt"
+                       ) -> tuple[list[list[int]], list[str | None]]:
     """Token ids of each prompt, and its text when it came as text (for echo)."""
     items: list = [prompt] if isinstance(prompt, str) else list(prompt)
     if not items:
-        raise bad_request("prompt must not be empty.", param="prompt")
+        raise bad_request(f"{param} must not be empty.", param=param)
     if isinstance(items[0], int):
         items = [items]
     ids: list[list[int]] = []
@@ -92,11 +93,11 @@ def completion_prompts(tokenizer: Tokenizer, prompt: CompletionPrompt) -> tuple[
             ids.append(list(tokenizer.encode(p, add_special_tokens=True)))
             texts.append(p)
         else:
-            check_token_ids(p, tokenizer.vocab_size, "prompt")
+            check_token_ids(p, tokenizer.vocab_size, param)
             ids.append(list(p))
             texts.append(None)
         if not ids[-1]:
-            raise bad_request("prompt must not be empty.", param="prompt")
+            raise bad_request(f"{param} must not be empty.", param=param)
     return ids, texts
 
 

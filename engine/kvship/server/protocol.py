@@ -124,3 +124,12 @@ class CompletionRequest(_SamplingFields):
     echo: StrictBool | None = False
     suffix: str | None = None
     best_of: int | None = None  # refused unless it equals n (params.refuse_unsupported)
+
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    # A string, a list of strings, a list of token ids, or a list of token-id lists (as /v1/completions).
+    input: Text | list[Text] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)  # a Matryoshka model's shorter vectors
+    user: str | None = None

@@ -23,6 +23,7 @@ def sse(data: dict[str, Any]) -> str:
 def sse_response(stream: GenerationStream, request_id: str, chunks: AsyncIterator[str]) -> StreamingResponse:
     """`chunks` as Server-Sent Events, then [DONE]. Once streaming, the status line is gone: an
     error is reported inside the stream; the engine request is closed however it ends."""
+    stream.streaming = True
 
     async def events() -> AsyncIterator[str]:
         try:

@@ -41,18 +41,23 @@ class ServerState:
         self.config = config
         self.api_key = api_key
         self.draining = False  # set on SIGTERM: /health turns 503, new work is refused
-        self.drain_scheduled = False
         self.created = int(time.time())
         self.active: set[GenerationStream] = set()  # in-flight generations
         self.admission = Admission()
         self.max_prompts_per_request = max_prompts_per_request
         self.max_body_bytes = max_body_bytes
 
-    def interrupt_all(self) -> int:
-        """Abort every in-flight generation (end of the drain period); how many there were."""
+    def end_all(self) -> int:
+        """End every in-flight generation (the drain period is over); how many there were. A
+        stream already under way ends as a finished one does (a last chunk with its
+        finish_reason, then [DONE]) so that clients keep what they got; a request not yet
+        answered gets a 503 it can retry elsewhere."""
         streams = list(self.active)
         for s in streams:
-            s.interrupt(ServerShuttingDown())
+            if s.streaming:
+                s.cut()
+            else:
+                s.interrupt(ServerShuttingDown())
         return len(streams)
 
     @property
