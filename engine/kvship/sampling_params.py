@@ -16,6 +16,25 @@ class InvalidParamsError(ValueError):
         self.param = param
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output's text (grammar-constrained decoding, kvship.core.grammar).
+    `spec`: the JSON schema as canonical JSON text (kind "json"), a regex, a JSON list of the
+    allowed strings ("choice"), an EBNF grammar, or xgrammar's structural tag as JSON text;
+    unused for "json_object" (any JSON object). Equal specs share one compiled grammar."""
+
+    kind: str
+    spec: str = ""
+    param: str = field(default="response_format", compare=False)  # the request field it came from, for errors
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidParamsError(f"unknown structured output kind {self.kind!r}", self.param)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -38,6 +57,7 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to that token's logit before
     # sampling (-100 in effect bans it, 100 all but forces it).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: StructuredOutput | None = None  # the output must match this (None: free text)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

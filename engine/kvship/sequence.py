@@ -37,6 +37,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     leader: "Sequence | None" = None  # n > 1: wait until the leader's prompt is cached, then share it
     generator: torch.Generator | None = None
+    grammar: object | None = None  # an xgrammar GrammarMatcher when the output is constrained (core/grammar.py)
     prompt_logprobs: list = field(default_factory=list)  # filled by the model runner when asked for
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None

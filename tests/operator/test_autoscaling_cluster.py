@@ -87,9 +87,10 @@ class Watcher(threading.Thread):
 
 
 class Load:
-    """WORKERS threads, each keeping one long streamed completion open against the servers
-    (round-robin) and opening the next when one ends, until stopped or MAX_REQUESTS were sent.
-    stop() closes the open streams."""
+    """WORKERS threads, each keeping one long streamed completion open against its own server
+    (worker i -> server i mod n: every server holds WORKERS / n requests at all times) and
+    opening the next when one ends, until stopped or MAX_REQUESTS were sent. stop() closes the
+    open streams."""
 
     def __init__(self, urls: list[str]):
         self.urls, self.stop_flag = urls, threading.Event()
@@ -105,7 +106,10 @@ class Load:
                     if self.sent >= MAX_REQUESTS:
                         return
                     self.sent += 1
-                    url = self.urls[(self.sent + i) % len(self.urls)]
+                # A fixed server per worker: choosing by a shared counter sent every request of a
+                # run to one server when the workers took turns in order ((k + 1) + k is odd),
+                # and the autoscaler, scraping the other one, saw no load.
+                url = self.urls[i % len(self.urls)]
                 try:
                     body = {"model": "smol", "prompt": f"Write a long story about the number {i}.",
                             "max_tokens": 200, "temperature": 0.8, "ignore_eos": True, "stream": True}

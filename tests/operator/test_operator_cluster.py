@@ -100,7 +100,9 @@ def test_apply_creates_children_and_status(objects, run_operator):
     assert kids["headless"]["spec"]["clusterIP"] == "None"
     assert kids["pvc"]["spec"]["resources"]["requests"]["storage"] == "20Gi"
     assert kids["pvc"]["spec"]["accessModes"] == ["ReadWriteOnce"]  # one per replica: any node can mount its own
-    second = objects.get("v1", "persistentvolumeclaims", "model-cache-qwen-1")
+    # the second replica's claim is adopted on its own pass (the watch event of its creation)
+    second = wait_for(lambda: (p := objects.get("v1", "persistentvolumeclaims", "model-cache-qwen-1"))
+                      and p["metadata"].get("ownerReferences") and p, 30, what="second claim adopted")
     assert second["metadata"]["ownerReferences"][0]["name"] == "qwen"
 
     def status_written():

@@ -18,7 +18,7 @@ import torch
 from kvship.config import EngineConfig
 from kvship.core.engine import LLMEngine
 from kvship.outputs import RequestOutput
-from kvship.sampling_params import InvalidParamsError, SamplingParams
+from kvship.sampling_params import InvalidParamsError, SamplingParams, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,12 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    async def prepare_grammar(self, spec: StructuredOutput) -> None:
+        """Compile an output constraint in a worker thread, so that the engine thread finds it
+        compiled when the request arrives (compiling a large JSON schema takes milliseconds to
+        seconds). InvalidParamsError when xgrammar cannot serve it."""
+        await asyncio.to_thread(self.engine.grammars.prepare, spec)
 
     async def embed(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Pooled embeddings of the prompts (LLMEngine.embed), computed on the engine thread

@@ -15,6 +15,7 @@ import time
 import torch
 
 from kvship.config import EngineConfig
+from kvship.core.grammar import Grammars
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.output_processor import Accepted, OutputProcessor
 from kvship.core.scheduler import Scheduler
@@ -52,6 +53,7 @@ class LLMEngine:
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
         eos |= set(_as_list(source.generation_config.get("eos_token_id")))
         self.eos_token_ids = eos
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, eos)
         self.sampling_defaults = sampling_defaults(source.generation_config) if config.generation_defaults else {}
         if self.sampling_defaults:
             log.info("sampling defaults from the model's generation config: %s", self.sampling_defaults)
@@ -73,6 +75,10 @@ class LLMEngine:
         self._check_prompt(prompt_token_ids, room=1)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise InvalidParamsError("prompt logprobs are not available with tensor parallelism", "logprobs")
+        if params.structured is not None:
+            if params.ignore_eos:  # the grammar ends where end-of-text is allowed: past it nothing is constrained
+                raise InvalidParamsError("ignore_eos cannot be combined with structured output", "ignore_eos")
+            self.grammars.prepare(params.structured)  # compiled already when the server prepared it
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs: list[Sequence] = []
         for i in range(params.n):
@@ -80,6 +86,8 @@ class LLMEngine:
                            arrival_time=arrival)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
+            if params.structured is not None:
+                seq.grammar = self.grammars.matcher(params.structured)
             seqs.append(seq)
         self.outputs.add(request_id, prompt_token_ids, params, seqs, arrival)
         for seq in seqs:
@@ -161,9 +169,15 @@ class LLMEngine:
         if previous is not None and any(s.params.uses_penalties for s in previous.sampled):
             outputs, previous = self._finish(previous), None  # penalties count the last token: read it first
         batch = self.scheduler.schedule(previous.rows if previous is not None else ())
-        self.in_flight = self.runner.launch(batch, previous) if batch else None  # the device starts step N+1
+        step = self.runner.start(batch, previous) if batch else None  # the device starts step N+1's forward
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        allowed = None
+        if step is not None and any(s.grammar is not None for s in step.sampled):
+            if previous is not None:  # a grammar's next tokens depend on token N: read it while the forward runs
+                outputs, previous = outputs + self._finish(previous), None
+            allowed = self.grammars.bitmask([None if s.finished else s.grammar for s in step.sampled])
+        self.in_flight = self.runner.sample(step, allowed) if step is not None else None
         if self.in_flight is not None:
             self._end_at_length(self.in_flight)
         if previous is not None:
@@ -181,6 +195,8 @@ class LLMEngine:
         """At launch: a sampled token is its sequence's last when it reaches max_tokens or the
         context limit, whatever its value; the sequence leaves the schedule now."""
         for i, (seq, pos) in enumerate(zip(step.sampled, step.positions)):
+            if seq.finished:  # ended on the token before (read early for a grammar): this one is dropped
+                continue
             max_tokens = seq.params.max_tokens
             if (max_tokens is not None and pos + 1 - seq.num_prompt_tokens >= max_tokens) or pos + 1 >= self.max_model_len:
                 step.last[i] = True
@@ -209,6 +225,13 @@ class LLMEngine:
         the schedule now (a token launched after this one is dropped when read)."""
         params = seq.params
         seq.token_ids.append(token)
+        if seq.grammar is not None and not seq.grammar.is_terminated() and not seq.grammar.accept_token(token):
+            # Cannot happen while every constrained row is sampled under its bitmask; if it did,
+            # the output would no longer match: end it rather than go on unconstrained.
+            log.error("request %s: token %d breaks its grammar; finishing it", seq.request_id, token)
+            if not seq.finished:
+                self.scheduler.finish(seq, "stop")
+            return Accepted(seq, token, lp, seq.num_output_tokens, True)
         n_out = seq.num_output_tokens
         if seq.first_token_time is None:
             seq.first_token_time = now

@@ -82,7 +82,8 @@ class InFlightStep:
     batch: Batch
     sampled: list[Sequence]
     positions: list[int]  # index in seq.token_ids that each sampled token will take
-    sample: PendingSample | None  # None: no sequence completed its prompt in this step
+    sample: PendingSample | None  # None: no sequence completed its prompt in this step (or not sampled yet)
+    logits: torch.Tensor | None = None  # between start() and sample(): the sampled rows' logits
 
     def __post_init__(self) -> None:
         self.rows = {seq: i for i, seq in enumerate(self.sampled)}  # sequence -> row of the sample
@@ -214,6 +215,12 @@ class ModelRunner:
         """Start the step on the device and return at once: the forward pass, then the sampling
         of every sequence whose prompt is complete after this step. A sampling row's penalties
         count the sequence's known tokens, so the caller reads ``previous`` first for those."""
+        return self.sample(self.start(batch, previous))
+
+    def start(self, batch: Batch, previous: InFlightStep | None = None) -> InFlightStep:
+        """The first half of launch(): the forward pass only. The caller may do host work that
+        the sampling needs (a grammar's bitmask, which needs the previous token) while the
+        device computes, then call sample()."""
         logits = self.run(batch, previous)
         sampled, positions = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -221,11 +228,17 @@ class ModelRunner:
             if end >= seq.num_tokens:  # every token is computed (a decode's input may be in flight)
                 sampled.append(seq)
                 positions.append(end)
-        if not sampled:
-            return InFlightStep(batch, [], [], None)
+        return InFlightStep(batch, sampled, positions, None, logits if sampled else None)
+
+    def sample(self, step: InFlightStep, allowed: torch.Tensor | None = None) -> InFlightStep:
+        """The second half of launch(): queue the sampling of a started step (``allowed``: the
+        grammar bitmask of its sampled rows, see Sampler.launch)."""
+        if step.logits is None:
+            return step
         rows = [SamplerRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator, (s.request_id, s.index))
-                if s.params.uses_penalties else SamplerRow(s.params, (), (), s.generator) for s in sampled]
-        return InFlightStep(batch, sampled, positions, self.sampler.launch(logits, rows))
+                if s.params.uses_penalties else SamplerRow(s.params, (), (), s.generator) for s in step.sampled]
+        step.sample, step.logits = self.sampler.launch(step.logits, rows, allowed), None
+        return step
 
     def prepare(self, batch: Batch, previous: InFlightStep | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

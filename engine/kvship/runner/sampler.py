@@ -227,13 +227,17 @@ class Sampler:
     def __init__(self, prompt_cache_capacity: int = 512):
         self.prompt_cache = PromptMaskCache(prompt_cache_capacity)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow]) -> SamplerOutput:
-        return self.launch(logits, rows).result()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplerRow], allowed: torch.Tensor | None = None
+                 ) -> SamplerOutput:
+        return self.launch(logits, rows, allowed).result()
 
-    def launch(self, logits: torch.Tensor, rows: list[SamplerRow]) -> PendingSample:
+    def launch(self, logits: torch.Tensor, rows: list[SamplerRow], allowed: torch.Tensor | None = None
+               ) -> PendingSample:
         """Queue the sampling of each row on the logits' device without waiting for it: the
         tokens stay on the device (the next step's input reads them there) and their copies to
-        the host are already under way when this returns."""
+        the host are already under way when this returns. `allowed`: a grammar's token bitmask
+        ([B, ceil(V / 32)] int32, xgrammar's layout; kvship.core.grammar), applied after
+        penalties and bias, so that neither can bring back a token the grammar forbids."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
         B, V = logits.shape
@@ -243,6 +247,11 @@ class Sampler:
         raw = logits.to(torch.float32)  # never modified in place below (no copy when already fp32)
 
         x = apply_logit_bias(apply_penalties(raw, rows, self.prompt_cache), rows)
+        if allowed is not None:
+            import xgrammar  # here, not at the top: importing it (and transformers) costs ~1 s at start-up
+
+            x = x.clone() if x is raw else x
+            xgrammar.apply_token_bitmask_inplace(x, allowed.to(dev, non_blocking=True))
         if all(greedy):
             tokens = argmax(x)
         else:

@@ -13,7 +13,7 @@ from kvship.outputs import RequestOutput, TokenLogprob
 from kvship.server.body import accept
 from kvship.server.generation import ClientDisconnected, GenerationStream, final_outputs, first_output
 from kvship.server.metrics import observe_request
-from kvship.server.params import fit_to_context, sampling_params
+from kvship.server.params import fit_to_context, prepare_grammar, sampling_params
 from kvship.server.prompts import chat_prompt_ids, chat_size, check_text_fits, run_tokenizer
 from kvship.server.protocol import ChatCompletionRequest
 from kvship.server.responses import Envelope, TokenText, finish_reason, new_id, safe_logprob, usage_json
@@ -48,6 +48,7 @@ async def create_chat_completion(raw_request: Request) -> Response:
     arrival = time.monotonic()  # queue time and TTFT count from here, the server's own work included
     body, state, engine = await accept(raw_request, ChatCompletionRequest)
     params = sampling_params(body, engine)
+    await prepare_grammar(params, engine)
     check_text_fits(engine.tokenizer, chat_size(body.messages), engine.max_model_len, "messages")
     prompt_ids = await run_tokenizer(chat_prompt_ids, engine.tokenizer, body.messages,
                                      body.add_generation_prompt is not False, size=chat_size(body.messages))

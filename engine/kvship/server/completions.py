@@ -13,7 +13,7 @@ from kvship.outputs import RequestOutput, TokenLogprob
 from kvship.server.body import accept
 from kvship.server.generation import ClientDisconnected, GenerationStream, final_outputs, first_output
 from kvship.server.metrics import observe_request
-from kvship.server.params import fit_to_context, sampling_params
+from kvship.server.params import fit_to_context, prepare_grammar, sampling_params
 from kvship.server.prompts import (
     check_prompt_count,
     check_text_fits,
@@ -66,6 +66,7 @@ async def create_completion(raw_request: Request) -> Response:
     arrival = time.monotonic()  # queue time and TTFT count from here, the server's own work included
     body, state, engine = await accept(raw_request, CompletionRequest)
     params = sampling_params(body, engine)
+    await prepare_grammar(params, engine)
     check_prompt_count(body.prompt, state.max_prompts_per_request)
     for text in completion_texts(body.prompt):
         check_text_fits(engine.tokenizer, len(text), engine.max_model_len, "prompt")

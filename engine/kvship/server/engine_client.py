@@ -16,7 +16,7 @@ from kvship.core.async_engine import EngineStats
 from kvship.loader.pooling import Pooling
 from kvship.loader.tokenizer import Tokenizer
 from kvship.outputs import RequestOutput
-from kvship.sampling_params import SamplingParams
+from kvship.sampling_params import SamplingParams, StructuredOutput
 
 
 @runtime_checkable
@@ -44,6 +44,10 @@ class EngineClient(Protocol):
         ...
 
     def abort(self, request_id: str) -> None: ...
+
+    async def prepare_grammar(self, spec: StructuredOutput) -> None:
+        """Compile an output constraint off the event loop (InvalidParamsError if it cannot be served)."""
+        ...
 
     def stats(self) -> EngineStats: ...
 

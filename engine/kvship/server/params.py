@@ -16,6 +16,7 @@ from kvship.server.engine_client import EngineClient
 from kvship.server.errors import APIError, bad_request
 from kvship.server.prompts import check_token_ids
 from kvship.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvship.server.structured import structured_output
 
 MAX_N = 128  # upper bound on `n` (also bounded by the engine's max_num_seqs)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
@@ -42,9 +43,6 @@ def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
             raise _unsupported("functions", "Function calling (`functions`)")
         if body.function_call not in (None, "none", "auto"):
             raise _unsupported("function_call", "Function calling (`function_call`)")
-        if body.response_format is not None and body.response_format.get("type", "text") != "text":
-            kind = body.response_format.get("type")
-            raise _unsupported("response_format", f"Structured output (`response_format` of type {kind!r})")
     elif body.best_of is not None and body.best_of != (body.n or 1):
         raise _unsupported("best_of", "`best_of` other than `n`")
     if isinstance(body, CompletionRequest) and body.suffix:
@@ -102,9 +100,17 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, engine: Eng
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=_opt(body.skip_special_tokens, True),
             logit_bias=dict(body.logit_bias or {}),
+            structured=structured_output(body),
         )
     except InvalidParamsError as exc:
         raise bad_request(str(exc), param=exc.param) from None
+
+
+async def prepare_grammar(params: SamplingParams, engine: EngineClient) -> None:
+    """Compile the request's output constraint now, in a worker thread (a 400 if it cannot be
+    served), so that the engine thread finds it compiled."""
+    if params.structured is not None:
+        await engine.prepare_grammar(params.structured)
 
 
 def fit_to_context(params: SamplingParams, prompt_lens: list[int], max_model_len: int, param: str) -> SamplingParams:

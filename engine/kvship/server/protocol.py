@@ -75,6 +75,33 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, object] | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    json_: dict[str, object] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[Text] | None = None
+    grammar: str | None = None
+    json_object: StrictBool | None = None
+    structural_tag: str | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -98,6 +125,14 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[int, float] | None = None  # token id (a JSON key: "50256") -> bias in [-100, 100]
+    # Grammar-constrained output (server/structured.py): OpenAI's response_format, vLLM's
+    # structured_outputs object, and vLLM's older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, object] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -114,7 +149,6 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: StrictBool | None = None
     functions: list[dict[str, object]] | None = None
     function_call: str | dict[str, object] | None = None
-    response_format: dict[str, object] | None = None
 
 
 class CompletionRequest(_SamplingFields):
