@@ -224,9 +224,6 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "paramet
 @pytest.mark.parametrize(
     "path,extra,param",
     [
-        ("/v1/chat/completions", {"tools": [WEATHER_TOOL]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-        ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
         ("/v1/chat/completions", {"functions": [WEATHER_TOOL["function"]]}, "functions"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"suffix": "!"}, "suffix"),

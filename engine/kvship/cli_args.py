@@ -78,6 +78,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "torch reference on a CPU")
 
 
+# The formats kvship.server.tools and kvship.server.reasoning parse (named here, where the CLI
+# and the operator's validation of engine args both read them without importing the server).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
@@ -91,6 +97,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "admitted to the queue whole or refused whole")
     g.add_argument("--max-request-body-size", type=parse_size, default=8 * 2**20, metavar="SIZE",
                    help="largest request body accepted, e.g. 8MiB (default); larger ones get 413")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the model's own tool-call format, for tool_choice auto: hermes (Qwen2.5/Qwen3, "
+                        "<tool_call> JSON), llama3_json (Llama 3.x JSON calls), mistral ([TOOL_CALLS] JSON)")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split the model's thinking from its answer: qwen3 or deepseek_r1 (<think>...</think>); "
+                        "the thinking goes to message.reasoning_content")
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

@@ -42,12 +42,7 @@ class StopStringMatcher:
         return buf[: len(buf) - hold], None
 
     def _holdback(self, buf: str) -> int:
-        """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
-        for k in range(min(len(buf), self._max_hold), 0, -1):
-            tail = buf[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0
+        return held_back(buf, self.stop, self._max_hold)
 
     def flush(self) -> str:
         """At the end (length / eos finish): releases the held-back text."""
@@ -55,3 +50,16 @@ class StopStringMatcher:
             return ""
         out, self._held = self._held, ""
         return out
+
+
+def held_back(text: str, markers: list[str], longest: int | None = None) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers` (what a
+    streaming scanner must hold back: the next delta may complete the marker). `longest`: the
+    longest marker's length less one, when the caller has it."""
+    if longest is None:
+        longest = max((len(m) for m in markers), default=1) - 1
+    for k in range(min(len(text), longest), 0, -1):
+        tail = text[-k:]
+        if any(m.startswith(tail) for m in markers):
+            return k
+    return 0

@@ -76,14 +76,16 @@ class APIKeyMiddleware:
 def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key: str | None = None, *, chat_page: bool = True,
               tracer_provider: Any | None = None,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """An app serving `engine` (an AsyncEngine, or None while it loads: then everything but
     /health, /version and /metrics answers 503). Traces go to `tracer_provider` when given,
     else to one built from the OTEL_* environment (none when those are unset)."""
     if engine is not None:
         _ = engine.tokenizer.max_token_chars  # computed once, here, not inside the first request
     state = ServerState(engine, config, api_key, max_prompts_per_request=max_prompts_per_request,
-                        max_body_bytes=max_body_bytes)
+                        max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
+                        reasoning_parser=reasoning_parser)
     tracing = ServerTracing.create(tracer_provider)
 
     @asynccontextmanager

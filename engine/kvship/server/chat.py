@@ -12,12 +12,14 @@ from fastapi.responses import JSONResponse, Response
 from kvship.outputs import RequestOutput, TokenLogprob
 from kvship.server.body import accept
 from kvship.server.generation import ClientDisconnected, GenerationStream, final_outputs, first_output
+from kvship.server.message import MessageShaper
 from kvship.server.metrics import observe_request
-from kvship.server.params import fit_to_context, prepare_grammar, sampling_params
+from kvship.server.params import fit_to_context, prepare_grammar, sampling_params, with_tool_constraint
 from kvship.server.prompts import chat_prompt_ids, chat_size, check_text_fits, run_tokenizer
 from kvship.server.protocol import ChatCompletionRequest
 from kvship.server.responses import Envelope, TokenText, finish_reason, new_id, safe_logprob, usage_json
 from kvship.server.sse import sse, sse_response
+from kvship.server.tools import tool_plan
 
 router = APIRouter()
 
@@ -48,10 +50,16 @@ async def create_chat_completion(raw_request: Request) -> Response:
     arrival = time.monotonic()  # queue time and TTFT count from here, the server's own work included
     body, state, engine = await accept(raw_request, ChatCompletionRequest)
     params = sampling_params(body, engine)
+    plan = tool_plan(body, state.tool_call_parser)
+    params = with_tool_constraint(params, plan)
     await prepare_grammar(params, engine)
     check_text_fits(engine.tokenizer, chat_size(body.messages), engine.max_model_len, "messages")
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if plan is not None:  # the model sees the tools (tool_choice "none": it is not told of them)
+        template_kwargs["tools"] = plan.template_tools()
     prompt_ids = await run_tokenizer(chat_prompt_ids, engine.tokenizer, body.messages,
-                                     body.add_generation_prompt is not False, size=chat_size(body.messages))
+                                     body.add_generation_prompt is not False, template_kwargs,
+                                     size=chat_size(body.messages))
     params = fit_to_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
 
     request_id = new_id("chatcmpl")
@@ -67,7 +75,8 @@ async def create_chat_completion(raw_request: Request) -> Response:
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         envelope = Envelope(request_id, "chat.completion.chunk", state.model_name, with_usage=include_usage)
-        return sse_response(stream, request_id, _stream_chunks(stream, first, envelope, params.n, token_text))
+        shapers = [MessageShaper(state.reasoning_parser, plan) for _ in range(params.n)]
+        return sse_response(stream, request_id, _stream_chunks(stream, first, envelope, shapers, token_text))
 
     try:
         finals = await final_outputs(raw_request, stream, 1)
@@ -77,12 +86,13 @@ async def create_chat_completion(raw_request: Request) -> Response:
     final = finals[0]
     choices = []
     for c in sorted(final.outputs, key=lambda c: c.index):
+        shaper = MessageShaper(state.reasoning_parser, plan)
         choices.append(
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "message": shaper.message(c.text),
                 "logprobs": _logprobs_json(c.logprobs, token_text) if params.logprobs is not None else None,
-                "finish_reason": finish_reason(c),
+                "finish_reason": shaper.finish_reason(finish_reason(c)),
             }
         )
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
@@ -91,8 +101,9 @@ async def create_chat_completion(raw_request: Request) -> Response:
     return JSONResponse(envelope.body(choices, usage=usage_json(prompt_tokens, completion_tokens)))
 
 
-async def _stream_chunks(stream: GenerationStream, first: RequestOutput, envelope: Envelope, n: int,
-                         token_text: TokenText) -> AsyncIterator[str]:
+async def _stream_chunks(stream: GenerationStream, first: RequestOutput, envelope: Envelope,
+                         shapers: list[MessageShaper], token_text: TokenText) -> AsyncIterator[str]:
+    n = len(shapers)
     finished = [False] * n
     last = first
     for i in range(n):
@@ -105,17 +116,22 @@ async def _stream_chunks(stream: GenerationStream, first: RequestOutput, envelop
             if finished[c.index]:
                 continue
             lp = c.logprobs_delta
-            if c.text_delta or lp:
+            shaper = shapers[c.index]
+            delta = shaper.delta(c.text_delta) if c.text_delta else {}
+            if delta or lp:
                 yield sse(envelope.body([{
                     "index": c.index,
-                    "delta": {"content": c.text_delta},
+                    "delta": delta or {"content": ""},
                     "logprobs": _logprobs_json(lp, token_text) if lp is not None else None,
                     "finish_reason": None,
                 }]))
             if c.finish_reason is not None:
                 finished[c.index] = True
+                rest = shaper.delta("", final=True)
+                if rest:
+                    yield sse(envelope.body([{"index": c.index, "delta": rest, "logprobs": None, "finish_reason": None}]))
                 yield sse(envelope.body([{"index": c.index, "delta": {}, "logprobs": None,
-                                          "finish_reason": finish_reason(c)}]))
+                                          "finish_reason": shaper.finish_reason(finish_reason(c))}]))
         try:
             _, out = await stream.__anext__()
         except StopAsyncIteration:

@@ -17,6 +17,7 @@ from kvship.server.errors import APIError, bad_request
 from kvship.server.prompts import check_token_ids
 from kvship.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvship.server.structured import structured_output
+from kvship.server.tools import ToolPlan
 
 MAX_N = 128  # upper bound on `n` (also bounded by the engine's max_num_seqs)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
@@ -32,13 +33,9 @@ def _unsupported(param: str, what: str) -> APIError:
 
 def refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     """A 400 naming the first field that asks for something not implemented. Values that ask for
-    nothing (tools: [], tool_choice: "none", response_format: {"type": "text"}, best_of == n)
-    pass: clients send them as defaults."""
+    nothing (functions: [], function_call: "none", best_of == n) pass: clients send them as
+    defaults."""
     if isinstance(body, ChatCompletionRequest):
-        if body.tools:
-            raise _unsupported("tools", "Tool calling (`tools`)")
-        if body.tool_choice not in (None, "none", "auto"):
-            raise _unsupported("tool_choice", "Tool calling (`tool_choice`)")
         if body.functions:
             raise _unsupported("functions", "Function calling (`functions`)")
         if body.function_call not in (None, "none", "auto"):
@@ -104,6 +101,23 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, engine: Eng
         )
     except InvalidParamsError as exc:
         raise bad_request(str(exc), param=exc.param) from None
+
+
+def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
+    """A required or named tool call is generated under its grammar (ToolPlan.constraint); it
+    cannot be combined with another output constraint. The mistral format's [TOOL_CALLS] marker
+    is a special token: kept in the text for the parser."""
+    if plan is None:
+        return params
+    if plan.parser == "mistral":
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    constraint = plan.constraint()
+    if constraint is None:
+        return params
+    if params.structured is not None:
+        raise bad_request(f"A {plan.mode} tool call cannot be combined with {params.structured.param}.",
+                          param=params.structured.param)
+    return dataclasses.replace(params, structured=constraint)
 
 
 async def prepare_grammar(params: SamplingParams, engine: EngineClient) -> None:

@@ -48,11 +48,14 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
             raise bad_request(f"Token id {t} is out of range [0, {vocab_size}).", param=param)
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """Token ids of the chat template rendered over `messages`."""
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                    template_kwargs: dict[str, object] | None = None) -> list[int]:
+    """Token ids of the chat template rendered over `messages`; `template_kwargs` (tools,
+    chat_template_kwargs such as enable_thinking) reach the template's context."""
+    plain = [m.template_dict() for m in messages]
     try:
-        rendered = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt)
+        rendered = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
+                                                 **(template_kwargs or {}))
     except ValueError as exc:  # ChatTemplateError included
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
     if isinstance(rendered, str):

@@ -6,6 +6,7 @@ OpenAI's exact shapes (streaming builds thousands of chunks a second; dicts keep
 """
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Literal
 
@@ -28,6 +29,13 @@ def _valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
+def _json_or_text(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 class _Request(BaseModel):
     # NaN / Infinity (which Python's JSON decoder accepts) are no sampling setting; booleans are
     # JSON's true/false only ("yes", "0" or 1 would be a guess at what the client meant).
@@ -47,10 +55,40 @@ class TextContentPart(_Request):
     text: Text
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: Text | None = None  # an assistant's earlier thinking (kept out of templates that drop it)
+
+    def template_dict(self) -> dict[str, object]:
+        """The message as chat templates read it: tool-call arguments as objects (what HF
+        templates expect; text that is not JSON stays text)."""
+        d: dict[str, object] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            d["reasoning_content"] = self.reasoning_content
+        return d
 
     def text(self) -> str:
         if self.content is None:
@@ -135,20 +173,43 @@ class _SamplingFields(_Request):
     guided_grammar: str | None = None
 
 
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, object] | None = None  # a JSON schema (None: no arguments)
+    strict: StrictBool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: StrictBool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: StrictBool | None = True
-    # Declared so that they are refused with a 400 that names them (params.refuse_unsupported),
-    # not ignored as unknown fields: a client asking for tool calls or JSON output must not get
-    # free text back as if it had been honoured.
-    tools: list[dict[str, object]] | None = None
-    tool_choice: str | dict[str, object] | None = None
+    # Tool calling (server/tools.py)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    # Declared so that they are refused with a 400 that names them (params.refuse_unsupported),
+    # not ignored as unknown fields: the legacy function-calling fields.
     functions: list[dict[str, object]] | None = None
     function_call: str | dict[str, object] | None = None
+    # Passed to the chat template (e.g. {"enable_thinking": false} for Qwen3), as vLLM does.
+    chat_template_kwargs: dict[str, object] | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -36,7 +36,8 @@ class Admission:
 class ServerState:
     def __init__(self, engine: EngineClient | None, config: EngineConfig | None, api_key: str | None = None,
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         self.engine = engine
         self.config = config
         self.api_key = api_key
@@ -46,6 +47,8 @@ class ServerState:
         self.admission = Admission()
         self.max_prompts_per_request = max_prompts_per_request
         self.max_body_bytes = max_body_bytes
+        self.tool_call_parser = tool_call_parser  # set only with --enable-auto-tool-choice
+        self.reasoning_parser = reasoning_parser
 
     def end_all(self) -> int:
         """End every in-flight generation (the drain period is over); how many there were. A
