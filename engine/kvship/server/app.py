@@ -26,6 +26,7 @@ from kvship.server.errors import error_body, install_error_handlers
 from kvship.server.metrics import ServerMetrics
 from kvship.server.metrics import router as metrics_router
 from kvship.server.openapi import install_openapi
+from kvship.server.responses_api import router as responses_router
 from kvship.server.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, ServerState
 from kvship.server.tokenize import router as tokenize_router
 from kvship.server.tracing import ServerTracing, TracingMiddleware
@@ -142,6 +143,7 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
     app.include_router(chat_router)
     app.include_router(completions_router)
     app.include_router(embeddings_router)
+    app.include_router(responses_router)
     app.include_router(metrics_router)
     app.include_router(tokenize_router)
 

@@ -15,6 +15,7 @@ from kvship.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 
@@ -36,6 +37,7 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }

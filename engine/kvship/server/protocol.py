@@ -228,3 +228,81 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)  # a Matryoshka model's shorter vectors
     user: str | None = None
+
+
+# ---------------------------------------------------------------- /v1/responses
+
+
+class ResponseContentPart(_Request):
+    type: Literal["input_text", "output_text", "text"]
+    text: Text
+
+
+class ResponseMessageItem(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Text | list[ResponseContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponseFunctionCallItem(_Request):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+class ResponseFunctionCallOutputItem(_Request):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Text
+
+
+class ResponseFunctionTool(_Request):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, object] | None = None
+    strict: StrictBool | None = None
+
+
+class ResponseNamedToolChoice(_Request):
+    type: Literal["function"]
+    name: str
+
+
+class ResponseTextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, object] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseTextConfig(_Request):
+    format: ResponseTextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    """OpenAI's Responses API (the subset kvship serves: text in and out, function tools,
+    structured output, previous_response_id)."""
+
+    model: str | None = None
+    input: Text | list[ResponseFunctionCallItem | ResponseFunctionCallOutputItem | ResponseMessageItem]
+    instructions: Text | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: ResponseTextConfig | None = None
+    stream: StrictBool | None = False
+    previous_response_id: str | None = None
+    store: StrictBool | None = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    seed: int | None = None

@@ -4,6 +4,7 @@ flight."""
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 from kvship.config import EngineConfig
 from kvship.server.engine_client import EngineClient
@@ -33,6 +34,24 @@ class Admission:
         self.reserved -= n
 
 
+class ResponseStore:
+    """Conversations of stored /v1/responses responses (their chat messages, output included),
+    for previous_response_id: the newest `capacity` are kept, in memory."""
+
+    def __init__(self, capacity: int = 1000):
+        self.capacity = capacity
+        self._items: OrderedDict[str, list[dict]] = OrderedDict()
+
+    def put(self, response_id: str, messages: list[dict]) -> None:
+        self._items[response_id] = messages
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> list[dict] | None:
+        messages = self._items.get(response_id)
+        return None if messages is None else [dict(m) for m in messages]
+
+
 class ServerState:
     def __init__(self, engine: EngineClient | None, config: EngineConfig | None, api_key: str | None = None,
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -49,6 +68,7 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.tool_call_parser = tool_call_parser  # set only with --enable-auto-tool-choice
         self.reasoning_parser = reasoning_parser
+        self.responses = ResponseStore()
 
     def end_all(self) -> int:
         """End every in-flight generation (the drain period is over); how many there were. A
