@@ -72,6 +72,19 @@ def no_leftover_threads_or_processes():
         f"left running by the test: threads {[t.name for t in threads]}, child processes {sorted(children)}\n"
         + _stacks(threads))
 
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client, for a module that defines a `server` fixture (server_utils)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -26,16 +25,6 @@ def server():
     srv = start_server("--max-model-len", "1024", "--kv-cache-memory", "512MiB")
     yield srv
     assert srv.stop() == 0, srv.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def test_plain_streamed_and_continued(client, model):

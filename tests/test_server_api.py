@@ -24,16 +24,6 @@ def server():
     assert code == 0, srv.log()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def sse_events(response: httpx.Response) -> list[str]:
     return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
 

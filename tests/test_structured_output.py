@@ -9,7 +9,6 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -43,16 +42,6 @@ def server():
     srv = start_server("--max-model-len", "1024", "--kv-cache-memory", "512MiB", "--max-num-seqs", "32")
     yield srv
     assert srv.stop() == 0, srv.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def test_parse_nested_pydantic_model_every_time(client, model):

@@ -7,7 +7,6 @@ import json
 import random
 
 import httpx
-import openai
 import pytest
 
 from kvship.server.protocol import ChatCompletionRequest
@@ -116,16 +115,6 @@ def server():
                        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
     yield srv
     assert srv.stop() == 0, srv.log()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def _valid(call) -> dict:
