@@ -27,6 +27,7 @@ bench() {  # name, time limit (s), command...
 bench tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_models.py \
   tests/test_kernels.py tests/test_sampler.py
 bench latency 150 python3 bench/latency.py
+bench structured 200 python3 bench/structured_overhead.py
 bench latency-nohf 100 python3 bench/latency.py --no-hf
 bench gemv 200 python3 bench/gemv_sweep.py
 bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
