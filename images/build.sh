@@ -155,20 +155,28 @@ build_base() { # TAG PACKAGES
     log "mmdebstrap $DEBIAN_SUITE ($pkgs) -> $tag"
     # essential packages + the listed ones; docs, man pages and translations left out; a
     # non-root user 1000 (kvship) with a home, and /models owned by it.
-    mmdebstrap --quiet --variant=essential --include="$pkgs" \
-        --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-        --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
-        --dpkgopt='path-exclude=/usr/share/info/*' \
-        --customize-hook='echo "kvship:x:1000:1000:kvship:/home/kvship:/usr/sbin/nologin" >> "$1/etc/passwd"' \
-        --customize-hook='echo "kvship:x:1000:" >> "$1/etc/group"' \
-        --customize-hook='echo "kvship:!:19000::::::" >> "$1/etc/shadow"' \
-        --customize-hook='mkdir -p "$1/home/kvship" "$1/models" && chown 1000:1000 "$1/home/kvship" "$1/models"' \
-        --customize-hook='chroot "$1" dpkg-query -W -f="\${Package} \${Version}\n" > "$1/usr/share/kvship-base-packages.txt"' \
-        --customize-hook='rm -rf "$1/var/cache/apt/"* "$1/var/lib/apt/lists/"* "$1/var/log/"*' \
-        "$DEBIAN_SUITE" "$root" \
-        "deb http://deb.debian.org/debian $DEBIAN_SUITE main" \
-        "deb http://deb.debian.org/debian $DEBIAN_SUITE-updates main" \
-        "deb http://deb.debian.org/debian-security $DEBIAN_SUITE-security main"
+    # Debian's mirrors drop a download now and then: apt retries each file, and a failed
+    # bootstrap is tried again (a fresh CI machine once failed here on one lost download).
+    local attempt
+    for attempt in 1 2 3; do
+        mmdebstrap --quiet --variant=essential --include="$pkgs" --aptopt='Acquire::Retries "5"' \
+            --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+            --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
+            --dpkgopt='path-exclude=/usr/share/info/*' \
+            --customize-hook='echo "kvship:x:1000:1000:kvship:/home/kvship:/usr/sbin/nologin" >> "$1/etc/passwd"' \
+            --customize-hook='echo "kvship:x:1000:" >> "$1/etc/group"' \
+            --customize-hook='echo "kvship:!:19000::::::" >> "$1/etc/shadow"' \
+            --customize-hook='mkdir -p "$1/home/kvship" "$1/models" && chown 1000:1000 "$1/home/kvship" "$1/models"' \
+            --customize-hook='chroot "$1" dpkg-query -W -f="\${Package} \${Version}\n" > "$1/usr/share/kvship-base-packages.txt"' \
+            --customize-hook='rm -rf "$1/var/cache/apt/"* "$1/var/lib/apt/lists/"* "$1/var/log/"*' \
+            "$DEBIAN_SUITE" "$root" \
+            "deb http://deb.debian.org/debian $DEBIAN_SUITE main" \
+            "deb http://deb.debian.org/debian $DEBIAN_SUITE-updates main" \
+            "deb http://deb.debian.org/debian-security $DEBIAN_SUITE-security main" && break
+        ((attempt < 3)) || { log "mmdebstrap failed 3 times"; exit 1; }
+        log "mmdebstrap failed (attempt $attempt); trying again in 20 s"
+        sleep 20
+    done
     podman rmi -f "localhost/$tag" >/dev/null 2>&1 || true
     podman import --quiet \
         --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
