@@ -177,6 +177,8 @@ def test_tool_mistakes_are_400s(server):
           "tool_choice": "required"}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"chat_template": "{{ raise_exception('x') }}"}}, "chat_template_kwargs"),
     ]
     for extra, param in cases:
         assert_error(httpx.post(url, json={"messages": ASK, "max_tokens": 4, **extra}, timeout=60), 400, param)

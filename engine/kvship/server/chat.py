@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvship.outputs import RequestOutput, TokenLogprob
 from kvship.server.body import accept
+from kvship.server.errors import bad_request
 from kvship.server.generation import ClientDisconnected, GenerationStream, final_outputs, first_output
 from kvship.server.message import MessageShaper
 from kvship.server.metrics import observe_request
@@ -22,6 +23,8 @@ from kvship.server.sse import sse, sse_response
 from kvship.server.tools import tool_plan
 
 router = APIRouter()
+
+TEMPLATE_OWN_KEYS = frozenset({"messages", "add_generation_prompt", "tools", "chat_template"})
 
 
 def _logprobs_json(choice_logprobs: list[tuple[TokenLogprob, list[TokenLogprob]]] | None,
@@ -55,6 +58,10 @@ async def create_chat_completion(raw_request: Request) -> Response:
     await prepare_grammar(params, engine)
     check_text_fits(engine.tokenizer, chat_size(body.messages), engine.max_model_len, "messages")
     template_kwargs = dict(body.chat_template_kwargs or {})
+    taken = TEMPLATE_OWN_KEYS & set(template_kwargs)
+    if taken:  # what the request's own fields set (or, for chat_template, what the server owns)
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(taken))}.",
+                          param="chat_template_kwargs")
     if plan is not None:  # the model sees the tools (tool_choice "none": it is not told of them)
         template_kwargs["tools"] = plan.template_tools()
     prompt_ids = await run_tokenizer(chat_prompt_ids, engine.tokenizer, body.messages,
