@@ -47,7 +47,8 @@ def reference(tiny_models):
 
 
 @pytest.mark.parametrize("arch,tp", [("llama-gqa-tied", 2), ("qwen2-bias", 2), ("qwen3-qknorm", 2),
-                                     ("llama-gqa-tied", 4)])  # 4 ranks over 2 KV heads: KV heads replicated
+                                     ("llama-gqa-tied", 4),  # 4 ranks over 2 KV heads: KV heads replicated
+                                     ("qwen3-moe", 2), ("qwen2-moe", 2)])  # experts' intermediate dims sharded
 def test_sharded_logits_equal_single_rank(tiny_models, reference, arch, tp):
     ref_tokens, ref_steps = reference(arch)
     tokens, steps = _run(tiny_models[arch][0], tp)
@@ -57,8 +58,9 @@ def test_sharded_logits_equal_single_rank(tiny_models, reference, arch, tp):
     assert tokens == ref_tokens
 
 
-def test_dummy_weights_do_not_depend_on_tp(tiny_models):
-    folder = tiny_models["qwen2-bias"][0]
+@pytest.mark.parametrize("arch", ["qwen2-bias", "qwen2-moe"])
+def test_dummy_weights_do_not_depend_on_tp(tiny_models, arch):
+    folder = tiny_models[arch][0]
     t1, s1 = _run(folder, 1, load_format="dummy")
     t2, s2 = _run(folder, 2, load_format="dummy")
     for a, b in zip(s1, s2):

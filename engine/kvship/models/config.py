@@ -15,13 +15,18 @@ FAMILIES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # mixture of experts: the same block with a routed feed-forward (layers/moe.py)
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     # base models without the output projection, as embedding models are saved
     "LlamaModel": "llama",
     "MistralModel": "llama",
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
 }
-_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+                  "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
 
 
 def family_of(cfg: dict[str, Any]) -> str:
@@ -56,6 +61,16 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    # mixture of experts (0 experts: dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # top-k router weights rescaled to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
+    sparse_layers: frozenset[int] = frozenset()  # layers whose feed-forward is the experts
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -90,9 +105,29 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "qwen2_moe"))),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_list,
+            **_moe_fields(arch, cfg),
         )
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    if arch == "mixtral":  # every layer routed; the experts' size is intermediate_size
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                    sparse_layers=frozenset(range(cfg["num_hidden_layers"])))
+    # hub configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if arch in ("qwen2_moe", "qwen3_moe") and experts:
+        step = cfg.get("decoder_sparse_step", 1) or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["moe_intermediate_size"],
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0) or 0,
+                    sparse_layers=frozenset(i for i in range(cfg["num_hidden_layers"])
+                                            if i not in dense and (i + 1) % step == 0))
+    return {}

@@ -1,7 +1,10 @@
 """Llama family (Llama 2/3/3.1, Mistral, SmolLM2): pre-norm decoder, GQA, SiLU MLP.
-Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) differ only in switches of ModelConfig."""
+Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) differ only in switches of ModelConfig, and
+so do their mixture-of-experts variants and Mixtral: the feed-forward of the layers
+ModelConfig.is_sparse names is a routed set of experts (SparseMoeBlock)."""
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -10,6 +13,7 @@ from torch import nn
 from kvship.layers.attention import AttentionMetadata, PagedAttention
 from kvship.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvship.layers.moe import MoEExperts, route
 from kvship.layers.norm import RMSNorm
 from kvship.layers.rotary import RotaryEmbedding
 from kvship.models.config import ModelConfig
@@ -46,15 +50,37 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext):
+    def __init__(self, cfg: ModelConfig, tp: TPContext, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, False, tp)
         # partial sums: the next layer's input norm (or the final norm) reduces them
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, gated_input=True,
-                                           reduce=False)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, gated_input=True, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))  # SiLU-and-mul happens in down_proj
+
+
+class SparseMoeBlock(nn.Module):
+    """The routed feed-forward: a replicated router, the experts (partial sums per rank, like
+    LlamaMLP), and for Qwen2-MoE a shared expert scaled by a sigmoid gate."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext):
+        super().__init__()
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = MoEExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp)
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(cfg, tp, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -66,7 +92,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * index)
         self.self_attn = LlamaAttention(cfg, rotary, tp, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * index + 1)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = SparseMoeBlock(cfg, tp) if cfg.is_sparse(index) else LlamaMLP(cfg, tp)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -133,8 +159,8 @@ class LlamaForCausalLM(nn.Module):
                 name = "model." + name  # as embedding models are saved): same tensors, no "model." prefix
             if self.cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            shard_id = None
-            for ckpt, (ours, sid) in self.packed.items():
+            name, shard_id = _expert_name(name)
+            for ckpt, (ours, sid) in self.packed.items() if shard_id is None else ():
                 if f".{ckpt}." in name:
                     name, shard_id = name.replace(ckpt, ours), sid
                     break
@@ -150,3 +176,20 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded - ({"lm_head.weight"} if self.cfg.tie_word_embeddings or not need_lm_head else set())
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+# An expert's matrices in a checkpoint: Qwen-MoE "mlp.experts.E.gate_proj", Mixtral
+# "block_sparse_moe.experts.E.w1" (w1 gate, w3 up, w2 down).
+_EXPERT = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": None, "w2": None}
+
+
+def _expert_name(name: str) -> tuple[str, tuple[int, int | None] | None]:
+    """(our parameter name, MoEExperts shard id) of an expert's matrix; other names pass as
+    they are (Mixtral's router and block renamed to ours)."""
+    m = _EXPERT.search(name)
+    if m is None:
+        return name.replace(".block_sparse_moe.", ".mlp."), None
+    part = _EXPERT_PART[m.group(2)]
+    ours = "w2" if part is None else "w13"
+    return name[:m.start()] + f".mlp.experts.{ours}", (int(m.group(1)), part)

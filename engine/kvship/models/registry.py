@@ -1,6 +1,7 @@
 """The model class for each family (ModelConfig.architecture). Qwen2 and Qwen3 are the Llama
-block with switches that ModelConfig sets (q/k/v biases, per-head q/k norms); a family with
-layers of its own gets its own file and its own entry here."""
+block with switches that ModelConfig sets (q/k/v biases, per-head q/k norms), and Mixtral and
+Qwen2/3-MoE the same block with routed experts; a family with layers of its own gets its own
+file and its own entry here."""
 from __future__ import annotations
 
 from kvship.models.config import ModelConfig
@@ -10,6 +11,9 @@ MODEL_CLASSES = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "mixtral": LlamaForCausalLM,
+    "qwen2_moe": LlamaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,
 }
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from kvship.layers.moe import MoEExperts
 from kvship.loader.source import WeightRef, apply_slices
 from kvship.models.config import ModelConfig
 from kvship.parallel import SINGLE
@@ -44,6 +45,12 @@ def dummy_weights(build, model_config: ModelConfig, max_model_len: int, backend:
                 base = mod_name.rpartition(".")[0]
                 for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
                     yield f"{base}.{part}.{leaf}", _ref(piece)
+            elif isinstance(mod, MoEExperts):  # stacked experts: one checkpoint matrix per expert and part
+                parts = ("gate_proj", "up_proj") if leaf == "w13" else ("down_proj",)
+                for e in range(mod.num_experts):
+                    pieces = t[e].split(mod.intermediate) if leaf == "w13" else (t[e],)
+                    for part, piece in zip(parts, pieces):
+                        yield f"{mod_name}.{e}.{part}.weight", _ref(piece)
             elif isinstance(mod, MergedColumnParallelLinear):
                 base = mod_name.rpartition(".")[0]
                 for part, piece in zip(("gate_proj", "up_proj"), t.split(mod.out_sizes)):

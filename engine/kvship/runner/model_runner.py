@@ -129,7 +129,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_blocks = self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and config.task != "embed":  # graphs: decode only
+        # graphs: decode only, and not for routed experts (their shapes follow the routing)
+        if self.device.type == "cuda" and not config.enforce_eager and config.task != "embed" \
+                and not model_config.num_experts:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, 512),
                                        -(-max_model_len // self.block_size), self.device)
             self.graphs.capture()
