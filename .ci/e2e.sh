@@ -63,13 +63,15 @@ flock -w 1200 8 || die "another .ci/e2e.sh holds /run/lock/kvship-e2e.lock"
 # ---------------------------------------------------------------------------------------
 # 1. binaries and images (cached)
 
+# The builds get neither fd 8 (the lock) nor fd 9: with both open, mmdebstrap's own pipes land
+# on the descriptor it reserves for apt (11) and every download "fails".
 log "cluster binaries"
-timeout 1200 bash .ci/k8s.sh install
-timeout 1200 bash .ci/k8s-node.sh install
+timeout 1200 bash .ci/k8s.sh install 8>&- 9>&-
+timeout 1200 bash .ci/k8s-node.sh install 8>&- 9>&-
 CP_BIN=$(bash .ci/k8s.sh bindir)
 NODE_BIN=$(bash .ci/k8s-node.sh bindir)
 log "images"
-timeout 1200 bash images/build.sh --out "$IMAGES_OUT" --only pause,engine-cpu,operator 2>&1 \
+timeout 1200 bash images/build.sh --out "$IMAGES_OUT" --only pause,engine-cpu,operator 2>&1 8>&- 9>&- \
     | grep --line-buffered -v "is ignored: it is neither a file nor a directory" >&2
 
 T_CLUSTER=$SECONDS
