@@ -96,10 +96,7 @@ class AsyncEngine:
         server accepted it, before tokenizing; default now. Queue time, TTFT and latency count
         from there, so they include the wait for the engine thread and the server's own work."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        if self._error is not None or not self._thread.is_alive():
-            raise EngineDeadError("the engine has stopped") from self._error
-        if self.stats().num_requests_waiting >= self.config.max_waiting_requests:
-            raise QueueFullError(f"the server has {self.config.max_waiting_requests} requests waiting; retry later")
+        self._check_accepting()
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             self._streams[request_id] = stream
@@ -124,6 +121,13 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def _check_accepting(self) -> None:
+        """EngineDeadError once the loop has died; QueueFullError while the waiting queue is full."""
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError("the engine has stopped") from self._error
+        if self.stats().num_requests_waiting >= self.config.max_waiting_requests:
+            raise QueueFullError(f"the server has {self.config.max_waiting_requests} requests waiting; retry later")
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
@@ -136,10 +140,7 @@ class AsyncEngine:
     async def embed(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Pooled embeddings of the prompts (LLMEngine.embed), computed on the engine thread
         between steps. Raises QueueFullError / EngineDeadError / InvalidParamsError."""
-        if self._error is not None or not self._thread.is_alive():
-            raise EngineDeadError("the engine has stopped") from self._error
-        if self.stats().num_requests_waiting >= self.config.max_waiting_requests:
-            raise QueueFullError(f"the server has {self.config.max_waiting_requests} requests waiting; retry later")
+        self._check_accepting()
         loop = asyncio.get_running_loop()
         result: asyncio.Future[list[torch.Tensor]] = loop.create_future()
         with self._lock:

@@ -17,6 +17,7 @@ from kvship.server.prompts import (
     check_text_fits,
     completion_prompts,
     completion_size,
+    completion_texts,
     run_tokenizer,
 )
 from kvship.server.protocol import EmbeddingRequest
@@ -36,7 +37,7 @@ async def create_embeddings(raw_request: Request) -> JSONResponse:
             + ("" if allowed is None else f"; it was trained for {', '.join(map(str, allowed)) or f'1 to {full}'}")
             + f", so `dimensions` {dims} cannot be served.", param="dimensions")
     check_prompt_count(body.input, state.max_prompts_per_request, "input")
-    for text in [body.input] if isinstance(body.input, str) else [t for t in body.input if isinstance(t, str)]:
+    for text in completion_texts(body.input):
         check_text_fits(engine.tokenizer, len(text), engine.max_model_len + 1, "input")
     prompts, _ = await run_tokenizer(completion_prompts, engine.tokenizer, body.input, "input",
                                      size=completion_size(body.input))

@@ -124,7 +124,6 @@ class ToolStream:
         self.plan = plan
         self.calls: list[Call] = []
         self._buf = ""
-        self._content_done = False  # llama3_json / mistral: the output turned out to be calls (or text)
         self._tool_mode: bool | None = None  # llama3_json / mistral: decided from the first characters
         if plan.mode == "named":
             self.calls.append(Call(plan.name, ""))
