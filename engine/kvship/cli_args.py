@@ -48,6 +48,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default): embed for a sentence-transformers folder (modules.json), else generate")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shapes (benchmarks; a config-only folder is enough)")
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8", "int8", "int4"],
+                   help="quantize the weights while loading: fp8 (per-channel, W8A8 on GPUs with FP8), int8 "
+                        "(per-channel, weight-only) or int4 (group 128, weight-only); a checkpoint that is "
+                        "already quantized (FP8, GPTQ, AWQ, compressed-tensors, GGUF) needs no flag")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed draw from it)")
     g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                    help="auto: requests that leave out temperature/top_p/top_k/min_p/repetition_penalty get the "
@@ -64,6 +68,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="bytes for the KV cache, e.g. 4GiB (overrides --gpu-memory-utilization)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"],
+                   help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2, or int4 "
+                        "(4-bit values with a scale and zero point per group)")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 KV cache: measure the k/v scales on the first prefills instead of the "
+                        "checkpoint's (or 1.0)")
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="exact number of KV-cache blocks")
     g.add_argument("--max-waiting-requests", type=_positive_int, default=1024,
                    help="queue length beyond which requests get 503 + Retry-After")

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TASKS = ("auto", "generate", "embed")
+QUANTIZATIONS = (None, "fp8", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
 
 
 @dataclass
@@ -16,6 +18,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     seed: int = 0
+    # In-situ weight quantization while loading (a checkpoint's own quantization_config needs no flag).
+    quantization: str | None = None  # None | fp8 | int8 | int4
     # Sampling defaults from the model's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty) for requests that leave them out, as model authors intend.
     generation_defaults: bool = True
@@ -29,6 +33,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90
     kv_cache_memory: int | None = None  # bytes for KV; overrides the utilisation rule
     num_kv_blocks: int | None = None  # exact block count (tests, benchmarks)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 | int4
+    calculate_kv_scales: bool = False  # fp8 KV: measure k/v scales on the first prefills
 
     tensor_parallel_size: int = 1
     tp_all_reduce: str = "fused"  # fused | one-shot | nccl (symmetric memory on GPUs; NCCL the fallback)
@@ -50,6 +56,10 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.tp_all_reduce not in ("nccl", "one-shot", "fused"):
             raise ValueError(f"tp_all_reduce must be nccl, one-shot or fused, got {self.tp_all_reduce!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

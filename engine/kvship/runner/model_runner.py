@@ -60,6 +60,10 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     Fills in config.max_model_len (the model's limit when unset) and refuses a larger one, and
     config.task when "auto" (embed for a sentence-transformers folder, else generate).
     Rank 0 and every other tensor-parallel rank load the model through here."""
+    if config.kv_cache_dtype != "auto" or config.calculate_kv_scales:
+        raise ValueError("--kv-cache-dtype other than auto is not implemented yet")
+    if config.quantization is not None:
+        raise ValueError("--quantization is not implemented yet")
     source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir,
                            require_weights=config.load_format != "dummy")
     model_config = ModelConfig.from_hf(source.hf_config)
