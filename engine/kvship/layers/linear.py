@@ -19,8 +19,10 @@ def _rows(ref, start: int, size: int) -> torch.Tensor:
 
 
 class _Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, quant=None):
         super().__init__()
+        if quant is not None:
+            raise NotImplementedError("quantized linear layers")
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -37,8 +39,8 @@ class _Linear(nn.Module):
 class ColumnParallelLinear(_Linear):
     """Output features split across ranks; no communication."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext):
-        super().__init__(in_features, tp.shard(out_features, "output features"), bias, tp)
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, quant=None):
+        super().__init__(in_features, tp.shard(out_features, "output features"), bias, tp, quant)
 
     def weight_loader(self, param: nn.Parameter, ref, shard_id=None) -> None:
         size = param.shape[0]
@@ -48,9 +50,9 @@ class ColumnParallelLinear(_Linear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stacked (gate and up projections)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPContext):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPContext, quant=None):
         self.out_sizes = [tp.shard(n, "output features") for n in out_sizes]
-        super().__init__(in_features, sum(out_sizes), bias, tp)
+        super().__init__(in_features, sum(out_sizes), bias, tp, quant)
 
     def weight_loader(self, param: nn.Parameter, ref, shard_id: int) -> None:
         size = self.out_sizes[shard_id]
@@ -62,7 +64,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection. Query heads are split across ranks; KV heads too, or replicated
     when there are fewer KV heads than ranks (each rank keeps the KV head its queries use)."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPContext):
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPContext,
+                 quant=None):
         self.head_dim = head_dim
         self.num_heads = tp.shard(num_heads, "num_attention_heads")
         if num_kv_heads >= tp.size:
@@ -74,7 +77,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        _Linear.__init__(self, hidden, out, bias, tp)
+        _Linear.__init__(self, hidden, out, bias, tp, quant)
 
     def weight_loader(self, param: nn.Parameter, ref, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -95,8 +98,8 @@ class RowParallelLinear(_Linear):
     built with ``reduce_tp`` does, fused with the residual add)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, gated_input: bool = False,
-                 reduce: bool = True):
-        super().__init__(tp.shard(in_features, "input features"), out_features, bias, tp)
+                 reduce: bool = True, quant=None):
+        super().__init__(tp.shard(in_features, "input features"), out_features, bias, tp, quant)
         if bias and not reduce:
             raise ValueError("a row-parallel linear with a bias must reduce its own output")
         self.gated_input = gated_input

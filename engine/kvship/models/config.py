@@ -68,6 +68,8 @@ class ModelConfig:
     norm_topk_prob: bool = False  # top-k router weights rescaled to sum to 1
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert behind a sigmoid gate
     sparse_layers: frozenset[int] = frozenset()  # layers whose feed-forward is the experts
+    # how the linear layers' weights are stored (kvship.quant.QuantScheme), None: the model's dtype
+    quantization: Any = None
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers

@@ -25,12 +25,13 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias, tp
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias, tp,
+            quant=cfg.quantization,
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         # partial sums: the post-attention norm reduces them (fused with its residual add at TP=2)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, tp,
-                                        reduce=False)
+                                        reduce=False, quant=cfg.quantization)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -53,9 +54,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext, intermediate_size: int | None = None):
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, False, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, False, tp,
+                                                       quant=cfg.quantization)
         # partial sums: the next layer's input norm (or the final norm) reduces them
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, gated_input=True, reduce=False)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, gated_input=True, reduce=False,
+                                          quant=cfg.quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))  # SiLU-and-mul happens in down_proj
@@ -159,6 +162,11 @@ class LlamaForCausalLM(nn.Module):
                 name = "model." + name  # as embedding models are saved): same tensors, no "model." prefix
             if self.cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
+            kv_scale = _KV_SCALE.search(name)
+            if kv_scale is not None:  # an FP8 checkpoint's per-layer KV-cache scale
+                attn = self.model.layers[int(kv_scale.group(1))].self_attn.attn
+                attn.load_kv_scale(kv_scale.group(2), ref.load())
+                continue
             name, shard_id = _expert_name(name)
             for ckpt, (ours, sid) in self.packed.items() if shard_id is None else ():
                 if f".{ckpt}." in name:
@@ -177,6 +185,10 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
+
+# vLLM and compressed-tensors write an FP8 KV cache's scales as "layers.N.self_attn.k_scale"
+# (older files: "...self_attn.attn.k_scale" or "...k_proj.output_scale" is not read).
+_KV_SCALE = re.compile(r"\.layers\.(\d+)\.self_attn\.(?:attn\.)?(k_scale|v_scale)$")
 
 # An expert's matrices in a checkpoint: Qwen-MoE "mlp.experts.E.gate_proj", Mixtral
 # "block_sparse_moe.experts.E.w1" (w1 gate, w3 up, w2 down).
