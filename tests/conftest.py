@@ -17,6 +17,11 @@ import traceback
 from pathlib import Path
 
 import pytest
+import tqdm
+
+# tqdm starts a monitor thread with its first progress bar and never stops it: started inside a
+# test (saving or loading a model), it would fail that test's leak check below.
+tqdm.tqdm.monitor_interval = 0
 
 # Once the tests are done, the interpreter must exit: if anything still holds it (a thread that
 # never ends, an atexit hook that waits) this long, every thread's stack is printed and the

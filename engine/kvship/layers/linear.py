@@ -3,14 +3,23 @@
 Each parameter carries a `weight_loader(param, ref, shard_id)` that reads only this rank's slice
 of the checkpoint tensor (`ref` is a kvship.loader.WeightRef), so a rank never materialises the
 whole matrix. With one rank they are plain linears.
+
+With a quantization scheme (kvship.quant) the weight is built as its pieces arrive: quantized
+checkpoint tensors come as QuantizedTensors (sliced for this rank exactly as 16-bit ones are),
+16-bit ones are quantized on the spot for in-situ quantization, and once every piece of the
+matrix is in (q, k and v; gate and up) the layer packs them for kvship.kernels.quant_linear.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kvship.kernels.activation import silu_and_mul
 from kvship.kernels.gemv import linear, silu_mul_linear
+from kvship.kernels.quant_linear import QWeight, pack, quant_linear
 from kvship.parallel import TPContext
+from kvship.quant import QuantizedTensor, quantize
+from kvship.quant.tensor import concat_rows
 
 
 def _rows(ref, start: int, size: int) -> torch.Tensor:
@@ -21,10 +30,15 @@ def _rows(ref, start: int, size: int) -> torch.Tensor:
 class _Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, quant=None):
         super().__init__()
-        if quant is not None:
-            raise NotImplementedError("quantized linear layers")
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.quant = quant
+        self.qweight: QWeight | None = None
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        else:  # built by _finish() from the pieces the loader collects, on this device and dtype
+            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            self.out_features, self._dtype = out_features, torch.get_default_dtype()
+            self._pieces: dict[int, torch.Tensor | QuantizedTensor] = {}
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -33,7 +47,36 @@ class _Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return quant_linear(x, self.qweight, self.bias)
         return linear(x, self.weight, self.bias)
+
+    def _store(self, param: nn.Parameter, offset: int, src) -> None:
+        """Rows [offset, offset + len(src)) of ``param`` come from ``src``."""
+        if param is not self.weight or self.quant is None:
+            param.data[offset : offset + src.shape[0]].copy_(src)
+            return
+        device = param.device
+        if isinstance(src, torch.Tensor) and self.quant.insitu is not None:
+            src = quantize(src.to(device), self.quant.insitu)  # one matrix at a time, on the device
+        self._pieces[offset] = src
+        if sum(p.shape[0] for p in self._pieces.values()) == self.out_features:
+            self._finish(device)
+
+    def _finish(self, device: torch.device) -> None:
+        pieces = [self._pieces[o] for o in sorted(self._pieces)]
+        self._pieces = {}
+        quantized = [isinstance(p, QuantizedTensor) for p in pieces]
+        if not any(quantized):  # a layer the checkpoint keeps in 16 bits (e.g. listed in its ignore list)
+            self.weight = nn.Parameter(torch.cat(pieces).to(device, self._dtype), requires_grad=False)
+        elif not all(quantized):
+            raise ValueError("a fused layer mixes quantized and 16-bit checkpoint tensors")
+        elif device.type == "cpu":  # the reference path, as a 16-bit model: the dequantized matrix (float32
+            # products, exactly as the format defines them), so every format runs and is checked on a CPU
+            self.weight = nn.Parameter(concat_rows(pieces).dequantize(self._dtype), requires_grad=False)
+        else:
+            self.qweight = pack(concat_rows(pieces), device)
+            self.weight = nn.Parameter(self.qweight.qweight, requires_grad=False)
 
 
 class ColumnParallelLinear(_Linear):
@@ -43,8 +86,8 @@ class ColumnParallelLinear(_Linear):
         super().__init__(in_features, tp.shard(out_features, "output features"), bias, tp, quant)
 
     def weight_loader(self, param: nn.Parameter, ref, shard_id=None) -> None:
-        size = param.shape[0]
-        param.data.copy_(_rows(ref, self.tp.rank * size, size))
+        size = param.shape[0] if param is not self.weight or self.quant is None else self.out_features
+        self._store(param, 0, _rows(ref, self.tp.rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -57,7 +100,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, ref, shard_id: int) -> None:
         size = self.out_sizes[shard_id]
         offset = sum(self.out_sizes[:shard_id])
-        param.data[offset : offset + size].copy_(_rows(ref, self.tp.rank * size, size))
+        self._store(param, offset, _rows(ref, self.tp.rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -82,12 +125,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, ref, shard_id: str) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            dst, src = param.data[:q_size], _rows(ref, self.tp.rank * q_size, q_size)
+            self._store(param, 0, _rows(ref, self.tp.rank * q_size, q_size))
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
-            dst = param.data[offset : offset + kv_size]
-            src = _rows(ref, self.kv_head_start * self.head_dim, kv_size)
-        dst.copy_(src)
+            self._store(param, offset, _rows(ref, self.kv_head_start * self.head_dim, kv_size))
 
 
 class RowParallelLinear(_Linear):
@@ -99,22 +140,28 @@ class RowParallelLinear(_Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, gated_input: bool = False,
                  reduce: bool = True, quant=None):
-        super().__init__(tp.shard(in_features, "input features"), out_features, bias, tp, quant)
+        self.in_features = tp.shard(in_features, "input features")
+        super().__init__(self.in_features, out_features, bias, tp, quant)
         if bias and not reduce:
             raise ValueError("a row-parallel linear with a bias must reduce its own output")
         self.gated_input = gated_input
         self.reduce = reduce
 
     def weight_loader(self, param: nn.Parameter, ref, shard_id=None) -> None:
-        if param.dim() == 1:  # bias: not sharded
+        if param is self.bias:  # not sharded
             param.data.copy_(ref.load())
             return
-        size = param.shape[1]
+        size = self.in_features
         start = self.tp.rank * size
-        param.data.copy_(ref.load((slice(None), slice(start, start + size))))
+        self._store(param, 0, ref.load((slice(None), slice(start, start + size))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = silu_mul_linear(x, self.weight) if self.gated_input else linear(x, self.weight)
+        if self.qweight is not None:
+            y = quant_linear(silu_and_mul(x) if self.gated_input else x, self.qweight)
+        elif self.gated_input:
+            y = silu_mul_linear(x, self.weight)
+        else:
+            y = linear(x, self.weight)
         if not self.reduce:
             return y
         y = self.tp.all_reduce(y)

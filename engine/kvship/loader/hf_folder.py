@@ -9,6 +9,8 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from kvship.quant import checkpoint_format, group_tensors
+
 from .errors import ModelSourceError
 from .pooling import read_pooling
 from .source import ModelSource, WeightRef
@@ -109,8 +111,11 @@ def load_hf_folder(path: str, name: str | None = None, require_weights: bool = T
         cfg["torch_dtype"] = cfg["dtype"]
 
 
+    fmt = checkpoint_format(cfg.get("quantization_config"))
+
     def weights() -> Iterator[tuple[str, WeightRef]]:
-        return _refs(files if files is not None else safetensors_files(path))
+        refs = _refs(files if files is not None else safetensors_files(path))
+        return refs if fmt is None else group_tensors(refs, fmt)  # each quantized layer as one tensor
 
     return ModelSource(name=name or os.path.basename(path.rstrip(os.sep)), path=path, hf_config=cfg,
                        generation_config=gen, tokenizer=tokenizer, _weights=weights, pooling=read_pooling(path, cfg))

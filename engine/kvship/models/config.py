@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvship.quant import QuantScheme, checkpoint_format
+
 
 class UnsupportedModelError(ValueError):
     pass
@@ -112,8 +114,14 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_list,
+            quantization=_quantization(cfg),
             **_moe_fields(arch, cfg),
         )
+
+
+def _quantization(cfg: dict[str, Any]) -> QuantScheme | None:
+    fmt = checkpoint_format(cfg.get("quantization_config"))
+    return None if fmt is None else QuantScheme(checkpoint=fmt.name)
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

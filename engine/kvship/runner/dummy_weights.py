@@ -8,6 +8,7 @@ like any checkpoint: a model sharded over N ranks holds exactly the weights the 
 model would, so TP=N and TP=1 outputs can be compared."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -27,8 +28,8 @@ def _ref(t: torch.Tensor) -> WeightRef:
 def dummy_weights(build, model_config: ModelConfig, max_model_len: int, backend: str, seed: int,
                   dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, WeightRef]]:
     """(checkpoint name, tensor) for the single-rank model ``build(...)`` would make."""
-    with torch.device("meta"):
-        full = build(model_config, max_model_len, SINGLE, backend)
+    with torch.device("meta"):  # the 16-bit model's tensors (in-situ quantization takes them as loaded)
+        full = build(dataclasses.replace(model_config, quantization=None), max_model_len, SINGLE, backend)
     modules = dict(full.named_modules())
     g = torch.Generator(device=device).manual_seed(seed)
 

@@ -18,6 +18,7 @@ from kvship.models.config import ModelConfig
 from kvship.models.registry import model_class
 from kvship.outputs import TokenLogprob
 from kvship.parallel import SINGLE, TPContext
+from kvship.quant import QuantScheme
 from kvship.runner.cuda_graph import DecodeGraphs
 from kvship.runner.dummy_weights import dummy_weights
 from kvship.runner.sampler import PendingSample, Sampler, SamplerOutput, SamplerRow
@@ -62,11 +63,10 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     Rank 0 and every other tensor-parallel rank load the model through here."""
     if config.kv_cache_dtype != "auto" or config.calculate_kv_scales:
         raise ValueError("--kv-cache-dtype other than auto is not implemented yet")
-    if config.quantization is not None:
-        raise ValueError("--quantization is not implemented yet")
     source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir,
                            require_weights=config.load_format != "dummy")
     model_config = ModelConfig.from_hf(source.hf_config)
+    model_config.quantization = _weight_quantization(config, model_config)
     limit = model_config.max_position_embeddings
     if config.max_model_len and config.max_model_len > limit:
         raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's limit of {limit} positions")
@@ -76,6 +76,20 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     if config.task == "embed" and config.tensor_parallel_size > 1:
         raise ValueError("embedding models are served with --tensor-parallel-size 1")
     return source, model_config
+
+
+def _weight_quantization(config: EngineConfig, model_config: ModelConfig) -> QuantScheme | None:
+    """The checkpoint's own quantization, or --quantization's in-situ one; never both."""
+    scheme = model_config.quantization
+    if config.quantization is not None:
+        if scheme is not None:
+            raise ValueError(f"the checkpoint is already quantized ({scheme.checkpoint}); drop --quantization")
+        scheme = QuantScheme(insitu=config.quantization)
+    if scheme is not None and model_config.num_experts:
+        raise ValueError("quantized mixture-of-experts models are not supported yet")
+    if scheme is not None:
+        log.info("weights: %s", scheme.describe())
+    return scheme
 
 
 @dataclass(eq=False)

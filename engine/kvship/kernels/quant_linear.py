@@ -1,0 +1,264 @@
+"""y = x @ W^T for quantized W, dequantized in registers: nothing 16-bit is ever written.
+
+The device layout of kvship.quant.QuantizedTensor (``pack``): codes [N, K] as uint8 (8-bit
+integers), float8_e4m3fn (FP8) or, for 4 bits, two codes per byte along K (byte j of a row:
+k = 2j in the low nibble, 2j + 1 in the high one) -> [N, ceil(K/2)]; scales and biases
+[N, groups] in float16 for integer codes (the precision GPTQ/AWQ/GGUF scales have) and float32
+for FP8 (block scales are float32 in the checkpoints); g_idx [K] int32 for act-order GPTQ.
+
+``quant_linear_torch`` (unpack, dequantize, F.linear) is the reference and the CPU path.
+``quant_linear_triton`` runs one of two kernels: one input row (batch-1 decode) streams the
+codes once with plain FMAs and one reduction at the end (as kernels/gemv.py does for bf16);
+more rows go through a tiled tensor-core GEMM. Both take the scales of a whole tile of groups
+at once (a [.., groups, group] view of the tile), except for act-order weights, whose groups are
+scattered over K and are looked up per input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvship.kernels._triton import tl, triton, use_triton
+from kvship.quant.tensor import QuantizedTensor
+
+
+@dataclass
+class QWeight:
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    biases: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    bits: int
+    group_size: int
+    k: int  # input features (the packed width may round up)
+
+    @property
+    def fp8(self) -> bool:
+        return self.qweight.dtype == torch.float8_e4m3fn
+
+    @property
+    def n(self) -> int:
+        return self.qweight.shape[0]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.biases, self.g_idx)
+                   if t is not None)
+
+
+def pack(qt: QuantizedTensor, device: torch.device | str) -> QWeight:
+    codes = qt.codes.to(device)
+    if qt.bits == 4:
+        if codes.shape[1] % 2:
+            codes = F.pad(codes, (0, 1))
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    sdtype = torch.float32 if qt.is_fp8 else torch.float16
+    return QWeight(codes.contiguous(), qt.scales.to(device, sdtype).contiguous(),
+                   None if qt.biases is None else qt.biases.to(device, sdtype).contiguous(),
+                   None if qt.g_idx is None else qt.g_idx.to(device, torch.int32).contiguous(),
+                   qt.bits, qt.group_size, qt.codes.shape[1])
+
+
+def dequantize_torch(w: QWeight) -> torch.Tensor:
+    """[N, K] float32."""
+    q = w.qweight
+    if w.bits == 4:
+        codes = torch.stack((q & 15, q >> 4), -1).view(q.shape[0], -1)[:, :w.k].float()
+    else:
+        codes = q.float()
+    if w.biases is None and not w.fp8:
+        codes -= 1 << (w.bits - 1)
+    gi = w.g_idx.long() if w.g_idx is not None else torch.arange(w.k, device=q.device) // w.group_size
+    out = codes * w.scales.float()[:, gi]
+    if w.biases is not None:
+        out += w.biases.float()[:, gi]
+    return out
+
+
+def quant_linear_torch(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, dequantize_torch(w).to(x.dtype), bias)
+
+
+@triton.jit
+def _dequant(c, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, group0, g_idx_ptr, k_idx, kmask,
+             FP8: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, GATHER: tl.constexpr,
+             GE: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr):
+    """Codes c [ROWS outputs, TILE inputs] -> fp32 weights. GATHER: each input's group comes from
+    the g_idx table (act-order, or groups that do not tile evenly). Otherwise the tile holds
+    TILE // GE whole groups of GE of its elements starting at group0 (or lies inside group0 when
+    GE >= TILE), and each group's scale is loaded once and broadcast over a [ROWS, groups, GE] view."""
+    if FP8:  # the codes arrive as their bytes (masked lanes read as 0, which is +0.0 in E4M3)
+        c = c.to(tl.float8e4nv, bitcast=True)
+    c = c.to(tl.float32)
+    if SYMM:
+        c = c - CENTRE
+    if GATHER:
+        g = tl.load(g_idx_ptr + k_idx, mask=kmask, other=0)
+        ptrs = offs_n[:, None].to(tl.int64) * stride_s + g[None, :]
+        m = nmask[:, None] & kmask[None, :]
+        w = c * tl.load(s_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
+        if not SYMM:
+            w += tl.load(b_ptr + ptrs, mask=m, other=0.0).to(tl.float32)
+        return w
+    elif GE >= TILE:
+        ptrs = offs_n.to(tl.int64) * stride_s + group0
+        m = nmask & (group0 < ngroups)
+        w = c * tl.load(s_ptr + ptrs, mask=m, other=0.0).to(tl.float32)[:, None]
+        if not SYMM:
+            w += tl.load(b_ptr + ptrs, mask=m, other=0.0).to(tl.float32)[:, None]
+        return w
+    else:
+        NG: tl.constexpr = TILE // GE
+        gs = group0 + tl.arange(0, NG)
+        ptrs = offs_n[:, None].to(tl.int64) * stride_s + gs[None, :]
+        m = nmask[:, None] & (gs < ngroups)[None, :]
+        w = tl.reshape(c, [ROWS, NG, GE]) * tl.load(s_ptr + ptrs, mask=m, other=0.0).to(tl.float32)[:, :, None]
+        if not SYMM:
+            w += tl.load(b_ptr + ptrs, mask=m, other=0.0).to(tl.float32)[:, :, None]
+        return tl.reshape(w, [ROWS, TILE])
+
+
+@triton.jit
+def _qgemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gi_ptr, bias_ptr, y_ptr, N, K, KP, stride_w, stride_s, ngroups,
+                  BITS4: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, GATHER: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One input row. BLOCK_K counts stored columns (bytes of two codes each for 4 bits)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for kp0 in range(0, KP, BLOCK_K):
+        offs = kp0 + tl.arange(0, BLOCK_K)
+        q = tl.load(rows + offs[None, :], mask=nmask[:, None] & (offs < KP)[None, :], other=0,
+                    eviction_policy="evict_first")
+        if BITS4:  # low nibble: input 2j, high nibble: input 2j + 1
+            k_lo = 2 * offs
+            m_lo, m_hi = k_lo < K, k_lo + 1 < K
+            x_lo = tl.load(x_ptr + k_lo, mask=m_lo, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptr + k_lo + 1, mask=m_hi, other=0.0).to(tl.float32)
+            w_lo = _dequant(q & 15, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, 2 * kp0 // G, gi_ptr, k_lo,
+                            m_lo, False, SYMM, CENTRE, GATHER, G // 2, BLOCK_K, BLOCK_N)
+            w_hi = _dequant(q >> 4, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, 2 * kp0 // G, gi_ptr,
+                            k_lo + 1, m_hi, False, SYMM, CENTRE, GATHER, G // 2, BLOCK_K, BLOCK_N)
+            acc += w_lo * x_lo[None, :] + w_hi * x_hi[None, :]
+        else:
+            kmask = offs < K
+            x = tl.load(x_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
+            w = _dequant(q, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, kp0 // G, gi_ptr, offs, kmask,
+                         FP8, SYMM, CENTRE, GATHER, G, BLOCK_K, BLOCK_N)
+            acc += w * x[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gi_ptr, bias_ptr, y_ptr, M, N, K, KP, stride_x, stride_y, stride_w,
+                  stride_s, ngroups,
+                  BITS4: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, GATHER: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Rows of x in [BLOCK_M, BLOCK_N] output tiles; each weight tile is dequantized in registers
+    to x's dtype and fed to the tensor cores (4 bits: the even and the odd inputs as two dots)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = offs_m < M, offs_n < N
+    xrows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x
+    wrows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    dt = x_ptr.dtype.element_ty
+    for kp0 in range(0, KP, BLOCK_K):
+        offs = kp0 + tl.arange(0, BLOCK_K)
+        q = tl.load(wrows + offs[None, :], mask=nmask[:, None] & (offs < KP)[None, :], other=0)
+        if BITS4:
+            k_lo = 2 * offs
+            m_lo, m_hi = k_lo < K, k_lo + 1 < K
+            a_lo = tl.load(xrows + k_lo[None, :], mask=mmask[:, None] & m_lo[None, :], other=0.0)
+            a_hi = tl.load(xrows + k_lo[None, :] + 1, mask=mmask[:, None] & m_hi[None, :], other=0.0)
+            w_lo = _dequant(q & 15, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, 2 * kp0 // G, gi_ptr, k_lo,
+                            m_lo, False, SYMM, CENTRE, GATHER, G // 2, BLOCK_K, BLOCK_N)
+            w_hi = _dequant(q >> 4, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, 2 * kp0 // G, gi_ptr,
+                            k_lo + 1, m_hi, False, SYMM, CENTRE, GATHER, G // 2, BLOCK_K, BLOCK_N)
+            acc = tl.dot(a_lo, tl.trans(w_lo.to(dt)), acc)
+            acc = tl.dot(a_hi, tl.trans(w_hi.to(dt)), acc)
+        else:
+            kmask = offs < K
+            a = tl.load(xrows + offs[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = _dequant(q, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, kp0 // G, gi_ptr, offs, kmask,
+                         FP8, SYMM, CENTRE, GATHER, G, BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, tl.trans(w.to(dt)), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+GEMV_CONFIG = {"block_n": 16, "block_k": 256, "num_warps": 4, "num_stages": 3}
+
+
+def _gemm_config(m: int) -> dict[str, int]:
+    if m <= 16:
+        return {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+    if m <= 64:
+        return {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
+    return {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
+
+
+def _gather_table(w: QWeight, tile: int) -> torch.Tensor | None:
+    """The per-input group table the kernels look groups up in, or None when tiles of ``tile``
+    inputs hold whole groups (or lie inside one)."""
+    if w.g_idx is not None:
+        return w.g_idx
+    g, ngroups = w.group_size, w.scales.shape[1]
+    if ngroups == 1 or tile % g == 0 or g % tile == 0:
+        return None
+    table = getattr(w, "_table", None)
+    if table is None:
+        table = (torch.arange(w.k, device=w.qweight.device, dtype=torch.int32) // g)
+        w._table = table
+    return table
+
+
+def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None,
+                        config: dict[str, int] | None = None) -> torch.Tensor:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n, kp = x2.shape[0], w.n, w.qweight.shape[1]
+    codes = w.qweight.view(torch.uint8)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bits4 = w.bits == 4
+    symm = w.biases is None and not w.fp8
+    common = dict(BITS4=bits4, FP8=w.fp8, SYMM=symm, CENTRE=float(1 << (w.bits - 1)) if symm else 0.0,
+                  HAS_BIAS=bias is not None,
+                  # one group per row: a group wider than any tile (and a power of two, as tile shapes must be)
+                  G=w.group_size if w.scales.shape[1] > 1 else 1 << 30)
+    biases = w.biases if w.biases is not None else w.scales
+    if m == 1:
+        cfg = config or GEMV_CONFIG
+        table = _gather_table(w, cfg["block_k"] * (2 if bits4 else 1))
+        _qgemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
+            x2, codes, w.scales, biases, table if table is not None else w.scales,
+            bias if bias is not None else w.scales, y, n, w.k, kp, w.qweight.stride(0), w.scales.stride(0),
+            w.scales.shape[1], GATHER=table is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+    elif m > 0:
+        cfg = config or _gemm_config(m)
+        table = _gather_table(w, cfg["block_k"] * (2 if bits4 else 1))
+        grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]))
+        _qgemm_kernel[grid](
+            x2, codes, w.scales, biases, table if table is not None else w.scales,
+            bias if bias is not None else w.scales, y, m, n, w.k, kp, x2.stride(0), y.stride(0),
+            w.qweight.stride(0), w.scales.stride(0), w.scales.shape[1], GATHER=table is not None,
+            BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+    return y.view(*shape[:-1], n)
+
+
+def quant_linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if use_triton(x):
+        return quant_linear_triton(x, w, bias)
+    return quant_linear_torch(x, w, bias)

@@ -1,0 +1,27 @@
+"""Quantized weights: one canonical form (tensor.py), the checkpoint formats that produce it
+(formats.py) and in-situ quantization of 16-bit weights (insitu.py). Layers store and multiply
+it (kvship.layers.linear, kvship.kernels.quant_linear)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .formats import CheckpointFormat, QuantRef, UnsupportedQuantization, checkpoint_format, group_tensors
+from .insitu import INSITU_METHODS, quantize
+from .tensor import QuantizedTensor
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How a model's linear layers are stored: ``checkpoint``, the format its quantized
+    tensors come in (None: 16-bit tensors); ``insitu``, the method that quantizes 16-bit
+    tensors while loading (None: they stay 16-bit)."""
+
+    checkpoint: str | None = None
+    insitu: str | None = None
+
+    def describe(self) -> str:
+        return self.checkpoint or f"in-situ {self.insitu}"
+
+
+__all__ = ["CheckpointFormat", "INSITU_METHODS", "QuantRef", "QuantScheme", "QuantizedTensor",
+           "UnsupportedQuantization", "checkpoint_format", "group_tensors", "quantize"]
