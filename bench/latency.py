@@ -1,8 +1,11 @@
 """Batch-1 latency: decode tok/s and time to first token for a model shape (random weights),
 next to the roofline (weight + KV bytes per token / measured copy bandwidth) and HF
-transformers' eager generate on the same shape.
+transformers' eager generate on the same shape. With --quantization, each weight format in the
+same run (in-situ quantized from the same random weights), each beside its own roofline: the
+bytes its layers really hold (codes, scales, offsets) plus the 16-bit output projection and KV.
 
     python bench/latency.py [--shape llama3-8b] [--prompt 512] [--output 256] [--no-hf]
+                            [--quantization none fp8 int8 int4]
 """
 from __future__ import annotations
 
@@ -29,19 +32,38 @@ from common import (
 from kvship.llm import LLM
 
 
-def kvship_latency(folder: str, prompt_len: int, out_len: int, eager: bool) -> tuple[float, float, float | None]:
-    """(TTFT s, decode tok/s, and with graphs: tok/s of replaying the batch-1 decode graph
-    back to back, the GPU's own time per token with no host work at all)."""
+def weight_bytes_per_token(model) -> int:
+    """Bytes a decode step reads of the weights: every parameter and quantized matrix, except an
+    untied input embedding (one row per token)."""
+    total, seen = 0, set()
+    for name, mod in model.named_modules():
+        q = getattr(mod, "qweight", None)
+        if q is not None:
+            total += q.nbytes()
+            seen.add(id(q.qweight))
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen or (name.endswith("embed_tokens") and not model.cfg.tie_word_embeddings):
+                continue
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kvship_latency(folder: str, prompt_len: int, out_len: int, eager: bool, quantization: str | None = None
+                   ) -> tuple[float, float, float | None, int]:
+    """(TTFT s, decode tok/s, with graphs: tok/s of replaying the batch-1 decode graph back to
+    back, the GPU's own time per token with no host work at all, and weight bytes per token)."""
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=prompt_len + out_len + 16,
-              max_num_seqs=8, enforce_eager=eager)
+              max_num_seqs=8, enforce_eager=eager, quantization=quantization)
     ttft, rate = measure_batch1(llm, prompt_len, out_len)
     graphs = llm.engine.runner.graphs
     replay = None
     if graphs is not None:  # its buffers still hold the last request's final decode step
         replay = 1 / _time_cuda(graphs.graphs[1].replay, iters=100)
+    nbytes = weight_bytes_per_token(llm.engine.runner.model)
     del llm
     torch.cuda.empty_cache()
-    return ttft, rate, replay
+    return ttft, rate, replay, nbytes
 
 
 def hf_latency(shape: str, prompt_len: int, out_len: int) -> float:
@@ -69,15 +91,19 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--quantization", nargs="+", choices=["none", "fp8", "int8", "int4"],
+                    help="weight formats to compare (graphs only), instead of the bf16 graphs/eager/HF table")
     args = ap.parse_args()
+    if args.quantization:
+        return compare_formats(args)
     bw, mm = measure_ceilings()
     weight_bytes = param_count(args.shape) * 2
     avg_ctx = args.prompt + args.output / 2
     roofline = bw / (weight_bytes + avg_ctx * kv_bytes_per_token(args.shape))
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
-        ttft_g, rate_g, replay = kvship_latency(folder, args.prompt, args.output, eager=False)
-        ttft_e, rate_e, _ = kvship_latency(folder, args.prompt, args.output, eager=True)
+        ttft_g, rate_g, replay, _ = kvship_latency(folder, args.prompt, args.output, eager=False)
+        ttft_e, rate_e, _, _ = kvship_latency(folder, args.prompt, args.output, eager=True)
     rows = [
         ["kvship (CUDA graphs)", f"{rate_g:.1f}", f"{100 * rate_g / roofline:.0f}%", f"{ttft_g * 1e3:.1f}"],
         ["kvship decode graph replayed alone (GPU only, no sampling or host work)", f"{replay:.1f}",
@@ -92,6 +118,26 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
           f"weights {weight_bytes / 1e9:.2f} GB\n")
     print(table(rows, ["engine", "decode tok/s", "of roofline", "TTFT ms"]))
+
+
+def compare_formats(args) -> None:
+    bw, mm = measure_ceilings()
+    kv = (args.prompt + args.output / 2) * kv_bytes_per_token(args.shape)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_shape_folder(args.shape, tmp)
+        for q in args.quantization:
+            ttft, rate, replay, nbytes = kvship_latency(folder, args.prompt, args.output, eager=False,
+                                                        quantization=None if q == "none" else q)
+            roof = bw / (nbytes + kv)
+            rows.append([q if q != "none" else "bf16", f"{nbytes / 1e9:.2f}", f"{rate:.1f}", f"{replay:.1f}",
+                         f"{roof:.1f}", f"{100 * rate / roof:.0f}%", f"{ttft * 1e3:.1f}"])
+    print(header(f"Batch-1 latency by weight format, {args.shape} shape, CUDA graphs, prompt {args.prompt}, "
+                 f"output {args.output}"))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; roofline = copy bandwidth / (weight bytes read per token + "
+          f"{kv / 1e6:.0f} MB of KV)\n")
+    print(table(rows, ["weights", "GB read/token", "decode tok/s", "graph replay tok/s", "roofline tok/s",
+                       "of roofline", "TTFT ms"]))
 
 
 if __name__ == "__main__":

@@ -300,3 +300,32 @@ def test_quantization_flag_refuses_a_quantized_checkpoint_and_moe(tmp_path, tiny
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="already quantized"):
         load_model(EngineConfig(model=str(folder), quantization="int8", device="cpu"))
+
+
+# -- GGUF blocks kept quantized -------------------------------------------------------------------
+
+# (type, byte offsets of the block's fp16 fields): random blocks are valid once those hold finite values
+_GGUF_TYPES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+@pytest.mark.parametrize("type_name", list(_GGUF_TYPES))
+def test_gguf_blocks_split_as_the_gguf_library_dequantizes_them(type_name):
+    """Arbitrary blocks (random bytes, finite fp16 scales) held as codes, scales and offsets
+    equal the maintained ``gguf`` package's dequantization, value for value."""
+    import gguf
+    import numpy as np
+
+    from kvship.loader.gguf import GGMLType, split_tensor
+
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    per_block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = 6, per_block * 2
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (rows * cols // per_block, nbytes), dtype=np.uint8)
+    for off in _GGUF_TYPES[type_name]:
+        raw[:, off:off + 2] = rng.uniform(1e-3, 2e-2, raw.shape[0]).astype("<f2").view(np.uint8).reshape(-1, 2)
+    want = gguf.quants.dequantize(raw.reshape(rows, -1), qtype).reshape(rows, cols)
+    qt = split_tensor(raw.reshape(-1), getattr(GGMLType, type_name), (rows, cols))
+    assert qt.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    np.testing.assert_allclose(qt.dequantize().numpy(), want, rtol=1e-6, atol=1e-7)

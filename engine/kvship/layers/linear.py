@@ -11,6 +11,8 @@ matrix is in (q, k and v; gate and up) the layer packs them for kvship.kernels.q
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -20,6 +22,8 @@ from kvship.kernels.quant_linear import QWeight, pack, quant_linear
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor, quantize
 from kvship.quant.tensor import concat_rows
+
+log = logging.getLogger(__name__)
 
 
 def _rows(ref, start: int, size: int) -> torch.Tensor:
@@ -69,8 +73,10 @@ class _Linear(nn.Module):
         quantized = [isinstance(p, QuantizedTensor) for p in pieces]
         if not any(quantized):  # a layer the checkpoint keeps in 16 bits (e.g. listed in its ignore list)
             self.weight = nn.Parameter(torch.cat(pieces).to(device, self._dtype), requires_grad=False)
-        elif not all(quantized):
-            raise ValueError("a fused layer mixes quantized and 16-bit checkpoint tensors")
+        elif not all(quantized):  # e.g. a GGUF file with v in a type kvship dequantizes: all 16-bit then
+            log.info("a fused layer mixes quantized and 16-bit matrices: holding it dequantized")
+            self.weight = nn.Parameter(torch.cat([p.dequantize(self._dtype) if isinstance(p, QuantizedTensor) else
+                                                  p.to(self._dtype) for p in pieces]).to(device), requires_grad=False)
         elif device.type == "cpu":  # the reference path, as a 16-bit model: the dequantized matrix (float32
             # products, exactly as the format defines them), so every format runs and is checked on a CPU
             self.weight = nn.Parameter(concat_rows(pieces).dequantize(self._dtype), requires_grad=False)

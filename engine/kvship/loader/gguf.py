@@ -18,6 +18,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from kvship.quant import QuantizedTensor, QuantRef
+
 from .errors import ModelSourceError
 from .gguf_names import gguf_to_hf_name
 from .source import ModelSource, WeightRef, apply_slices
@@ -101,21 +103,43 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
 
 
-def _deq_q8_0(raw: np.ndarray) -> np.ndarray:
+# The types kvship keeps quantized are read as (codes, scales, offsets) per group of a block
+# (GGUFSplit); their dequantization is codes * scale + offset, the same float32 products as
+# ggml's, so a layer built from the split and one built from dequantized floats hold equal values.
+
+@dataclass
+class GGUFSplit:
+    codes: np.ndarray  # (nb, elements per block) uint8
+    scales: np.ndarray  # (nb, groups per block) float32
+    offsets: np.ndarray | None  # (nb, groups per block) float32; None: codes centred on 2**(bits-1)
+    bits: int  # the container: 4, or 8 for 5-, 6- and 8-bit codes
+    group: int
+
+
+def _combine(sp: GGUFSplit) -> np.ndarray:
+    nb, per = sp.codes.shape
+    q = sp.codes.reshape(nb, -1, sp.group).astype(np.float32)
+    if sp.offsets is None:
+        q -= 1 << (sp.bits - 1)
+    y = sp.scales[:, :, None] * q
+    if sp.offsets is not None:
+        y += sp.offsets[:, :, None]
+    return y.reshape(-1)
+
+
+def _split_q8_0(raw: np.ndarray) -> GGUFSplit:
     b = raw.reshape(-1, 34)
-    return (_f16(b, 0) * b[:, 2:].view(np.int8).astype(np.float32)).reshape(-1)
+    return GGUFSplit((b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), _f16(b, 0), None, 8, 32)
 
 
-def _deq_q4_0(raw: np.ndarray) -> np.ndarray:
+def _split_q4_0(raw: np.ndarray) -> GGUFSplit:
     b = raw.reshape(-1, 18)
-    q = _nibbles(b[:, 2:]).astype(np.int8) - 8
-    return (_f16(b, 0) * q.astype(np.float32)).reshape(-1)
+    return GGUFSplit(_nibbles(b[:, 2:]), _f16(b, 0), None, 4, 32)  # d * (q - 8)
 
 
-def _deq_q4_1(raw: np.ndarray) -> np.ndarray:
+def _split_q4_1(raw: np.ndarray) -> GGUFSplit:
     b = raw.reshape(-1, 20)
-    q = _nibbles(b[:, 4:]).astype(np.float32)
-    return (_f16(b, 0) * q + _f16(b, 2)).reshape(-1)
+    return GGUFSplit(_nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2), 4, 32)
 
 
 def _q5_high_bits(b: np.ndarray, start: int) -> np.ndarray:
@@ -123,16 +147,15 @@ def _q5_high_bits(b: np.ndarray, start: int) -> np.ndarray:
     return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # (nb, 32)
 
 
-def _deq_q5_0(raw: np.ndarray) -> np.ndarray:
+def _split_q5_0(raw: np.ndarray) -> GGUFSplit:
     b = raw.reshape(-1, 22)
-    q = (_nibbles(b[:, 6:]) | _q5_high_bits(b, 2)).astype(np.float32) - 16.0
-    return (_f16(b, 0) * q).reshape(-1)
+    q = _nibbles(b[:, 6:]) | _q5_high_bits(b, 2)
+    return GGUFSplit(q + np.uint8(128 - 16), _f16(b, 0), None, 8, 32)  # d * (q - 16), re-centred on 128
 
 
-def _deq_q5_1(raw: np.ndarray) -> np.ndarray:
+def _split_q5_1(raw: np.ndarray) -> GGUFSplit:
     b = raw.reshape(-1, 24)
-    q = (_nibbles(b[:, 8:]) | _q5_high_bits(b, 4)).astype(np.float32)
-    return (_f16(b, 0) * q + _f16(b, 2)).reshape(-1)
+    return GGUFSplit(_nibbles(b[:, 8:]) | _q5_high_bits(b, 4), _f16(b, 0), _f16(b, 2), 8, 32)
 
 
 def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -143,18 +166,17 @@ def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def _deq_q4_k(raw: np.ndarray) -> np.ndarray:
+def _split_q4_k(raw: np.ndarray) -> GGUFSplit:
     b = raw.reshape(-1, 144)
     nb = b.shape[0]
     d, dmin = _f16(b, 0), _f16(b, 2)
     sc, mn = _k_scales_mins(b[:, 4:16])
     qs = b[:, 16:].reshape(nb, 4, 1, 32)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(nb, 8, 32).astype(np.float32)
-    y = (d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]
-    return y.reshape(-1)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(nb, 256)
+    return GGUFSplit(q, d * sc, -(dmin * mn), 4, 32)
 
 
-def _deq_q5_k(raw: np.ndarray) -> np.ndarray:
+def _split_q5_k(raw: np.ndarray) -> GGUFSplit:
     b = raw.reshape(-1, 176)
     nb = b.shape[0]
     d, dmin = _f16(b, 0), _f16(b, 2)
@@ -163,12 +185,10 @@ def _deq_q5_k(raw: np.ndarray) -> np.ndarray:
     qs = b[:, 48:].reshape(nb, 4, 1, 32)
     low = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(nb, 8, 32)
     high = ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4
-    q = (low | high).astype(np.float32)
-    y = (d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]
-    return y.reshape(-1)
+    return GGUFSplit((low | high).reshape(nb, 256), d * sc, -(dmin * mn), 8, 32)
 
 
-def _deq_q6_k(raw: np.ndarray) -> np.ndarray:
+def _split_q6_k(raw: np.ndarray) -> GGUFSplit:
     b = raw.reshape(-1, 210)
     nb = b.shape[0]
     ql = b[:, 0:128].reshape(nb, 2, 2, 32)  # half, first/second 32 bytes, l
@@ -180,8 +200,20 @@ def _deq_q6_k(raw: np.ndarray) -> np.ndarray:
         (ql[:, :, 1] & 0x0F) | (((qh >> 2) & 3) << 4),
         (ql[:, :, 0] >> 4) | (((qh >> 4) & 3) << 4),
         (ql[:, :, 1] >> 4) | (((qh >> 6) & 3) << 4),
-    ], axis=2).reshape(nb, 16, 16).astype(np.float32) - 32.0
-    return ((d * sc)[:, :, None] * q).reshape(-1)
+    ], axis=2).reshape(nb, 256)
+    return GGUFSplit(q + np.uint8(128 - 32), d * sc, None, 8, 16)  # d * sc * (q - 32), re-centred on 128
+
+
+_SPLIT = {
+    GGMLType.Q8_0: _split_q8_0,
+    GGMLType.Q4_0: _split_q4_0,
+    GGMLType.Q4_1: _split_q4_1,
+    GGMLType.Q5_0: _split_q5_0,
+    GGMLType.Q5_1: _split_q5_1,
+    GGMLType.Q4_K: _split_q4_k,
+    GGMLType.Q5_K: _split_q5_k,
+    GGMLType.Q6_K: _split_q6_k,
+}
 
 
 def _deq_q2_k(raw: np.ndarray) -> np.ndarray:
@@ -218,17 +250,20 @@ def _deq_q3_k(raw: np.ndarray) -> np.ndarray:
 
 
 _DEQUANT = {
-    GGMLType.Q8_0: _deq_q8_0,
-    GGMLType.Q4_0: _deq_q4_0,
-    GGMLType.Q4_1: _deq_q4_1,
-    GGMLType.Q5_0: _deq_q5_0,
-    GGMLType.Q5_1: _deq_q5_1,
     GGMLType.Q2_K: _deq_q2_k,
     GGMLType.Q3_K: _deq_q3_k,
-    GGMLType.Q4_K: _deq_q4_k,
-    GGMLType.Q5_K: _deq_q5_k,
-    GGMLType.Q6_K: _deq_q6_k,
+    **{t: (lambda raw, split=split: _combine(split(raw))) for t, split in _SPLIT.items()},
 }
+
+
+def split_tensor(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> QuantizedTensor:
+    """A 2-D tensor of a type in _SPLIT as kvship's canonical quantized tensor (no dequantization)."""
+    sp = _SPLIT[ggml_type](np.asarray(raw, dtype=np.uint8).reshape(-1))
+    n = shape[0]
+    scales = torch.from_numpy(np.ascontiguousarray(sp.scales)).reshape(n, -1)
+    offsets = None if sp.offsets is None else torch.from_numpy(np.ascontiguousarray(sp.offsets)).reshape(n, -1)
+    return QuantizedTensor(torch.from_numpy(np.ascontiguousarray(sp.codes)).reshape(shape), scales, offsets,
+                           sp.bits, sp.group)
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -534,6 +569,22 @@ def _make_ref(info: GGUFTensorInfo, permute_heads: int | None) -> WeightRef:
     return WeightRef(shape, dtype, load)
 
 
+# Linear layers' matrices: kept in their quantized blocks when their type is in _SPLIT.
+_LINEARS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+
+
+def _make_quant_ref(info: GGUFTensorInfo, permute_heads: int | None) -> QuantRef:
+    def read() -> QuantizedTensor:
+        qt = split_tensor(info.raw(), info.ggml_type, info.shape)
+        return qt.map_rows(lambda t: _unpermute_rows(t, permute_heads)) if permute_heads else qt
+
+    return QuantRef(read, f"GGUF {info.type_name} {info.name}", info.shape)
+
+
+def _kept_quantized(hf_name: str, info: GGUFTensorInfo) -> bool:
+    return hf_name.endswith(_LINEARS) and info.ggml_type in _SPLIT and len(info.shape) == 2
+
+
 def load_gguf(path: str) -> ModelSource:
     if not os.path.isfile(path):
         raise ModelSourceError(f"GGUF file {path!r} does not exist; check the path.")
@@ -560,6 +611,14 @@ def load_gguf(path: str) -> ModelSource:
     arch = meta["general.architecture"]
     permute = arch in _PERMUTED_ARCHS
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    names = {g: gguf_to_hf_name(g) for g in tensors}
+    kept = {g for g, hf in names.items() if hf is not None and _kept_quantized(hf, tensors[g])}
+    if kept:
+        cfg["quantization_config"] = {"quant_method": "gguf"}
+        log.info("GGUF: %d linear matrices stay quantized (%s); dequantized at load: %s", len(kept),
+                 ", ".join(sorted({tensors[g].type_name for g in kept})),
+                 ", ".join(sorted(g for g, t in tensors.items() if g not in kept and t.ggml_type not in _NATIVE_TORCH))
+                 or "none")
 
     def weights() -> Iterator[tuple[str, WeightRef]]:
         for gname, info in tensors.items():
@@ -573,7 +632,7 @@ def load_gguf(path: str) -> ModelSource:
                 heads = n_head
             elif permute and hf.endswith(("k_proj.weight", "k_proj.bias")):
                 heads = n_kv
-            yield hf, _make_ref(info, heads)
+            yield hf, (_make_quant_ref if gname in kept else _make_ref)(info, heads)
 
     return ModelSource(name=gguf_model_name(path), path=path, hf_config=cfg, generation_config=gen,
                        tokenizer=tokenizer, _weights=weights)

@@ -22,7 +22,7 @@ Layouts (from the formats' own documentation and reference code):
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -31,30 +31,26 @@ from .tensor import QuantizedTensor
 
 
 class QuantRef:
-    """A quantized layer's checkpoint tensors, read and converted only when asked for.
-    ``load(slices)`` returns the QuantizedTensor restricted to (rows[, cols]) in W's [N, K]."""
+    """A quantized matrix read and converted only when asked for: ``load(slices)`` returns the
+    QuantizedTensor restricted to (rows[, cols]) of W [N, K], as WeightRef.load does for floats."""
 
-    def __init__(self, fmt: "CheckpointFormat", parts: dict[str, object]) -> None:
-        self.fmt, self.parts = fmt, parts
-        self.dtype = None  # not a plain tensor
+    dtype = None  # not a plain tensor
+
+    def __init__(self, read: Callable[[], QuantizedTensor], what: str, shape: tuple[int, int] | None = None) -> None:
+        self.read, self.what, self.shape = read, what, shape
 
     def load(self, slices: tuple[slice, ...] | None = None) -> QuantizedTensor:
-        qt = self.fmt.convert({k: ref.load() for k, ref in self.parts.items()})
+        qt = self.read()
         if slices and not isinstance(slices, tuple):
             slices = (slices,)
-        rows = slices[0] if slices else slice(None)
-        cols = slices[1] if slices and len(slices) > 1 else slice(None)
-        n, k = qt.shape
-        if rows != slice(None):
-            start, stop, _ = rows.indices(n)
-            qt = qt.rows(start, stop - start)
-        if cols != slice(None):
-            start, stop, _ = cols.indices(k)
-            qt = qt.cols(start, stop - start)
+        for dim, sl in enumerate(slices or ()):
+            start, stop, _ = sl.indices(qt.shape[dim])
+            if (start, stop) != (0, qt.shape[dim]):
+                qt = qt.rows(start, stop - start) if dim == 0 else qt.cols(start, stop - start)
         return qt
 
     def __repr__(self) -> str:
-        return f"QuantRef({self.fmt.name}, {sorted(self.parts)})"
+        return f"QuantRef({self.what})"
 
 
 def _unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -213,6 +209,8 @@ def checkpoint_format(cfg: dict | None) -> CheckpointFormat | None:
                                 {"group_size": int(cfg.get("group_size", cfg.get("q_group_size", 128)))})
     if method == "compressed-tensors":
         return _compressed_tensors(cfg)
+    if method == "gguf":  # the GGUF loader hands over each kept-quantized matrix itself
+        return CheckpointFormat("gguf", (), ())
     raise UnsupportedQuantization(f"quantization method {method or 'unknown'!r} is not supported; kvship reads "
                                   "fp8, gptq, awq and compressed-tensors checkpoints (and GGUF files)")
 
@@ -269,4 +267,5 @@ def group_tensors(weights: Iterable[tuple[str, object]], fmt: CheckpointFormat) 
         missing = [s for s in fmt.required if s not in parts]
         if missing:
             raise UnsupportedQuantization(f"{fmt.name} checkpoint: layer {prefix!r} lacks {', '.join(missing)}")
-        yield f"{prefix}.weight", QuantRef(fmt, parts)
+        yield f"{prefix}.weight", QuantRef(lambda parts=parts: fmt.convert({k: r.load() for k, r in parts.items()}),
+                                           f"{fmt.name}: {', '.join(sorted(parts))}")

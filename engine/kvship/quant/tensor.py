@@ -42,6 +42,11 @@ class QuantizedTensor:
         return QuantizedTensor(self.codes[s], self.scales[s], None if self.biases is None else self.biases[s],
                                self.bits, self.group_size, self.g_idx)
 
+    def map_rows(self, fn) -> "QuantizedTensor":
+        """The same tensor with ``fn`` (a reordering of the first dimension) applied to every row-indexed part."""
+        return QuantizedTensor(fn(self.codes), fn(self.scales), None if self.biases is None else fn(self.biases),
+                               self.bits, self.group_size, self.g_idx)
+
     def cols(self, start: int, size: int) -> "QuantizedTensor":
         """Input features [start, start + size) (a row-parallel shard). Groups must not be split:
         a shard that starts or ends inside a group has no scale of its own."""

@@ -55,12 +55,13 @@ def serve_node(config: EngineConfig, placement: Placement | None = None) -> int:
     log.info("tensor-parallel rank %d stopping", rt.rank)
     runner.release_graphs()
     rt.shutdown()
-    if rt.cuda:  # skip interpreter teardown of CUDA graphs / communicators: nothing is left to save
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
+    # Skip the interpreter's teardown: nothing is left to save, and finalizing with the process
+    # group's threads still inside NCCL or gloo can abort (a CPU rank under load once exited with
+    # SIGABRT after a clean stop, its gloo teardown still running).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> int:
