@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Wheels (Python 3.12, manylinux x86-64) of what the GPU machine's image lacks (the HTTP
-# server; xgrammar for constrained decoding) into .whl/ (git-ignored; carried to the device
+# server; xgrammar for constrained decoding; gguf and compressed-tensors for the quantized-weight tests) into .whl/ (git-ignored; carried to the device
 # machine). Versions are the ones `pip install -e .[test]` put in .venv (the CI pins), so the
 # two never drift apart.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 names="fastapi starlette pydantic pydantic_core uvicorn h11 anyio sniffio typing_inspection annotated_types
        annotated_doc httpx httpcore prometheus_client click typing_extensions idna certifi
-       opentelemetry_api opentelemetry_sdk opentelemetry_semantic_conventions xgrammar apache_tvm_ffi"
+       opentelemetry_api opentelemetry_sdk opentelemetry_semantic_conventions xgrammar apache_tvm_ffi
+       gguf compressed_tensors loguru"
 pins=$(.venv/bin/python -m pip freeze 2>/dev/null | python3 -c '
 import sys
 want = {n.lower().replace("-", "_") for n in sys.argv[1].split()}

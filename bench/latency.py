@@ -38,9 +38,9 @@ def weight_bytes_per_token(model) -> int:
     total, seen = 0, set()
     for name, mod in model.named_modules():
         q = getattr(mod, "qweight", None)
-        if q is not None:
+        if q is not None:  # its `weight` parameter is the codes, counted here with the scales
             total += q.nbytes()
-            seen.add(id(q.qweight))
+            seen.add(id(mod.weight))
         for pname, p in mod.named_parameters(recurse=False):
             if id(p) in seen or (name.endswith("embed_tokens") and not model.cfg.tie_word_embeddings):
                 continue

@@ -81,6 +81,15 @@ def quant_linear_torch(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = 
 
 
 @triton.jit
+def _small_int_to_float(c):
+    """Non-negative integers below 2**23 -> fp32 exactly, without the conversion unit: OR-ing
+    them into the mantissa of 2**23 and subtracting 2**23. Int-to-float conversions run at a
+    fraction of the FMA rate, and with two 4-bit codes per byte they, not the memory, set the
+    GEMV's speed (the first H200 sweep: 22-36% of copy bandwidth)."""
+    return (c.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
 def _dequant(c, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, group0, g_idx_ptr, k_idx, kmask,
              FP8: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, GATHER: tl.constexpr,
              GE: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr):
@@ -89,8 +98,9 @@ def _dequant(c, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, group0, g_idx_pt
     TILE // GE whole groups of GE of its elements starting at group0 (or lies inside group0 when
     GE >= TILE), and each group's scale is loaded once and broadcast over a [ROWS, groups, GE] view."""
     if FP8:  # the codes arrive as their bytes (masked lanes read as 0, which is +0.0 in E4M3)
-        c = c.to(tl.float8e4nv, bitcast=True)
-    c = c.to(tl.float32)
+        c = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        c = _small_int_to_float(c)
     if SYMM:
         c = c - CENTRE
     if GATHER:
@@ -161,7 +171,7 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gi_ptr, bias_ptr, y_ptr, M, N, K, 
                   HAS_BIAS: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     """Rows of x in [BLOCK_M, BLOCK_N] output tiles; each weight tile is dequantized in registers
-    to x's dtype and fed to the tensor cores (4 bits: the even and the odd inputs as two dots)."""
+    to x's dtype and fed to the tensor cores."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask, nmask = offs_m < M, offs_n < N
@@ -172,17 +182,17 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gi_ptr, bias_ptr, y_ptr, M, N, K, 
     for kp0 in range(0, KP, BLOCK_K):
         offs = kp0 + tl.arange(0, BLOCK_K)
         q = tl.load(wrows + offs[None, :], mask=nmask[:, None] & (offs < KP)[None, :], other=0)
-        if BITS4:
+        if BITS4:  # the two nibbles' weights interleaved back into input order: one dot over 2 * BLOCK_K inputs
             k_lo = 2 * offs
             m_lo, m_hi = k_lo < K, k_lo + 1 < K
-            a_lo = tl.load(xrows + k_lo[None, :], mask=mmask[:, None] & m_lo[None, :], other=0.0)
-            a_hi = tl.load(xrows + k_lo[None, :] + 1, mask=mmask[:, None] & m_hi[None, :], other=0.0)
             w_lo = _dequant(q & 15, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, 2 * kp0 // G, gi_ptr, k_lo,
                             m_lo, False, SYMM, CENTRE, GATHER, G // 2, BLOCK_K, BLOCK_N)
             w_hi = _dequant(q >> 4, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, 2 * kp0 // G, gi_ptr,
                             k_lo + 1, m_hi, False, SYMM, CENTRE, GATHER, G // 2, BLOCK_K, BLOCK_N)
-            acc = tl.dot(a_lo, tl.trans(w_lo.to(dt)), acc)
-            acc = tl.dot(a_hi, tl.trans(w_hi.to(dt)), acc)
+            w = tl.reshape(tl.join(w_lo.to(dt), w_hi.to(dt)), [BLOCK_N, 2 * BLOCK_K])
+            kk = 2 * kp0 + tl.arange(0, 2 * BLOCK_K)
+            a = tl.load(xrows + kk[None, :], mask=mmask[:, None] & (kk < K)[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc)
         else:
             kmask = offs < K
             a = tl.load(xrows + offs[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -195,7 +205,13 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gi_ptr, bias_ptr, y_ptr, M, N, K, 
              mask=mmask[:, None] & nmask[None, :])
 
 
-GEMV_CONFIG = {"block_n": 16, "block_k": 256, "num_warps": 4, "num_stages": 3}
+# Launch settings of the one-row kernel, the best of bench/quant_gemv_sweep.py on the H200 over
+# the 8B projections (8-bit codes: best on q/k/v, o and down; within 10% on gate/up).
+GEMV_CONFIGS = {8: {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages": 3},
+                4: {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 3}}
+# From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
+# GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
+DENSE_ROWS = 16
 
 
 def _gemm_config(m: int) -> dict[str, int]:
@@ -238,13 +254,15 @@ def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None =
                   G=w.group_size if w.scales.shape[1] > 1 else 1 << 30)
     biases = w.biases if w.biases is not None else w.scales
     if m == 1:
-        cfg = config or GEMV_CONFIG
+        cfg = config or GEMV_CONFIGS[w.bits]
         table = _gather_table(w, cfg["block_k"] * (2 if bits4 else 1))
         _qgemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
             x2, codes, w.scales, biases, table if table is not None else w.scales,
             bias if bias is not None else w.scales, y, n, w.k, kp, w.qweight.stride(0), w.scales.stride(0),
             w.scales.shape[1], GATHER=table is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+    elif m >= DENSE_ROWS and config is None:
+        y = _dense_matmul(x2, w, bias)
     elif m > 0:
         cfg = config or _gemm_config(m)
         table = _gather_table(w, cfg["block_k"] * (2 if bits4 else 1))
@@ -256,6 +274,70 @@ def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None =
             BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
     return y.view(*shape[:-1], n)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, b_ptr, gi_ptr, out_ptr, N, K, KP, stride_w, stride_s, ngroups,
+                    BITS4: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
+                    GATHER: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W [N, K] in the output's dtype, one [BLOCK_N, BLOCK_K stored columns] tile per program."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    nmask = offs_n < N
+    q = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_w + offs[None, :],
+                mask=nmask[:, None] & (offs < KP)[None, :], other=0)
+    rows = out_ptr + offs_n[:, None].to(tl.int64) * K
+    kp0 = tl.program_id(1) * BLOCK_K
+    if BITS4:
+        k_lo = 2 * offs
+        m_lo, m_hi = k_lo < K, k_lo + 1 < K
+        lo = _dequant(q & 15, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, 2 * kp0 // G, gi_ptr, k_lo, m_lo,
+                      False, SYMM, CENTRE, GATHER, G // 2, BLOCK_K, BLOCK_N)
+        hi = _dequant(q >> 4, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, 2 * kp0 // G, gi_ptr, k_lo + 1, m_hi,
+                      False, SYMM, CENTRE, GATHER, G // 2, BLOCK_K, BLOCK_N)
+        tl.store(rows + k_lo[None, :], lo.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & m_lo[None, :])
+        tl.store(rows + k_lo[None, :] + 1, hi.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & m_hi[None, :])
+    else:
+        kmask = offs < K
+        w = _dequant(q, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, kp0 // G, gi_ptr, offs, kmask,
+                     FP8, SYMM, CENTRE, GATHER, G, BLOCK_K, BLOCK_N)
+        tl.store(rows + offs[None, :], w.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])
+
+
+def dequantize_triton(w: QWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Triton twin of ``dequantize_torch``, in ``dtype``."""
+    out = torch.empty(w.n, w.k, dtype=dtype, device=w.qweight.device)
+    bn, bk = 32, 128
+    table = _gather_table(w, bk * (2 if w.bits == 4 else 1))
+    symm = w.biases is None and not w.fp8
+    grid = (triton.cdiv(w.n, bn), triton.cdiv(w.qweight.shape[1], bk))
+    _dequant_kernel[grid](
+        w.qweight.view(torch.uint8), w.scales, w.biases if w.biases is not None else w.scales,
+        table if table is not None else w.scales, out, w.n, w.k, w.qweight.shape[1], w.qweight.stride(0),
+        w.scales.stride(0), w.scales.shape[1], BITS4=w.bits == 4, FP8=w.fp8, SYMM=symm,
+        CENTRE=float(1 << (w.bits - 1)) if symm else 0.0, GATHER=table is not None,
+        G=w.group_size if w.scales.shape[1] > 1 else 1 << 30, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return out
+
+
+def _w8a8(x2: torch.Tensor, w: QWeight) -> bool:
+    """FP8 weights with one scale per row, on a GPU with FP8 tensor cores (compute capability
+    8.9+), 16-bit activations: torch._scaled_mm with per-token activation scales."""
+    return (x2.is_cuda and w.fp8 and w.scales.shape[1] == 1 and x2.dtype in (torch.bfloat16, torch.float16)
+            and w.n % 16 == 0 and w.k % 16 == 0 and torch.cuda.get_device_capability(x2.device) >= (8, 9))
+
+
+def _dense_matmul(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Many rows: tensor cores at full rate. FP8 per-row weights multiply FP8 activations
+    (quantized per token, dynamically, as vLLM's FP8 W8A8 does); other formats are expanded into
+    a transient 16-bit matrix for cuBLAS (compute-bound at these sizes: the expansion costs less
+    than the dequantizing GEMM lost)."""
+    if _w8a8(x2, w):
+        scale_a = (x2.abs().amax(1, keepdim=True).float() / 448.0).clamp_min(1e-12)
+        xq = (x2.float() / scale_a).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(xq, w.qweight.t(), scale_a=scale_a, scale_b=w.scales.view(1, -1),
+                                bias=bias, out_dtype=x2.dtype)
+    return F.linear(x2, dequantize_triton(w, x2.dtype), bias)
 
 
 def quant_linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

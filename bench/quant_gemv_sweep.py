@@ -1,0 +1,86 @@
+"""Quantized one-row GEMV (batch-1 decode) on the 8B shape's projections: the Triton kernel of
+kernels/quant_linear.py over a grid of launch settings per weight format, against cuBLAS on the
+bf16 matrix, each timed from a CUDA graph cycling through enough weight copies to overflow L2.
+% BW = the format's real bytes (codes, scales, offsets) ÷ time ÷ measured copy bandwidth.
+Also the dequantizing GEMM at 16 and 256 rows against cuBLAS bf16.
+
+    python bench/quant_gemv_sweep.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import header, measure_ceilings, table
+from gemv_sweep import SHAPES, time_per_call
+from kvship.kernels.quant_linear import _gemm_config, pack, quant_linear_torch, quant_linear_triton
+from kvship.quant import quantize
+from kvship.quant.insitu import quantize_groups
+
+FORMATS = {"fp8": lambda w: quantize(w, "fp8"), "int8": lambda w: quantize(w, "int8"),
+           "int4 g128": lambda w: quantize(w, "int4"), "int4 g32": lambda w: quantize_groups(w, 4, 32)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    copy_bw, mm = measure_ceilings()
+    grid = list(itertools.product([8, 16, 32], [128, 256, 512], [4, 8], [2, 3]))
+    if args.quick:
+        grid = [(16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 8, 3), (8, 512, 4, 2), (32, 256, 8, 3)]
+    rows, gemm_rows = [], []
+    for name, n, k in SHAPES[:4]:
+        w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        copies16 = max(4, -(-300_000_000 // (n * k * 2)))
+        ws16 = [w16.clone() for _ in range(copies16)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        cublas = time_per_call(lambda i: torch.nn.functional.linear(x, ws16[i]), copies16)
+        ws16 = None
+        for fmt, make in FORMATS.items():
+            qw = pack(make(w16.float()), "cuda")
+            nbytes = qw.nbytes()
+            copies = max(4, -(-300_000_000 // nbytes))
+            qws = [qw] + [pack(make(w16.float()), "cuda") for _ in range(copies - 1)]
+            ref = quant_linear_torch(x.float(), qw)
+            best = None
+            for bn, bk, nw, ns in grid:
+                cfg = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+                try:
+                    out = quant_linear_triton(x, qw, None, cfg).float()
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    if err > 2e-2:
+                        print(f"  {name} {fmt} {cfg}: rel err {err:.1e}, skipped", file=sys.stderr)
+                        continue
+                    us = time_per_call(lambda i: quant_linear_triton(x, qws[i], None, cfg), copies)
+                except Exception as e:  # out of resources for this setting
+                    print(f"  {name} {fmt} {cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            if best:
+                rows.append([name, f"{n}x{k}", fmt, f"{nbytes / 1e6:.1f}", f"{cublas:.1f}", f"{best[0]:.1f}",
+                             f"{100 * nbytes / (best[0] * 1e-6) / copy_bw:.0f}%", f"{cublas / best[0]:.2f}x",
+                             str(best[1])])
+            for m in (16, 256):
+                xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                t16 = time_per_call(lambda i: torch.nn.functional.linear(xm, w16), 4)
+                tq = time_per_call(lambda i: quant_linear_triton(xm, qws[i % len(qws)], None, _gemm_config(m)), 4)
+                gemm_rows.append([name, fmt, str(m), f"{t16:.1f}", f"{tq:.1f}", f"{t16 / tq:.2f}x"])
+            qws = qw = None
+            torch.cuda.empty_cache()
+    print(header("Quantized one-row GEMV: Triton per format vs cuBLAS bf16, weights streamed from HBM"))
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s\n")
+    print(table(rows, ["weight", "N x K", "format", "MB", "cuBLAS bf16 µs", "Triton µs", "% BW", "speed-up",
+                       "best setting"]))
+    print()
+    print(table(gemm_rows, ["weight", "format", "rows", "cuBLAS bf16 µs", "dequant GEMM µs", "speed-up"]))
+
+
+if __name__ == "__main__":
+    main()
