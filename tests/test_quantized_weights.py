@@ -298,6 +298,24 @@ def test_insitu_quantization_of_the_bundled_model(reference_text_ids, capsys):
     assert ppl["int4"] < ppl[None] * 3
 
 
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_bundled_gguf_kept_quantized_on_gpu_matches_cpu():
+    """On a GPU the bundled file's Q4_1 matrices stay 4-bit and run through the kernels; in fp32
+    they hold exactly the CPU path's dequantized values, so greedy text must agree."""
+    from kvship.llm import LLM
+    from kvship.sampling_params import SamplingParams
+
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    out = {}
+    for dev in ("cpu", "cuda"):
+        llm = LLM(device=dev, dtype="float32", max_model_len=256, num_kv_blocks=256)
+        if dev == "cuda":
+            assert llm.engine.runner.model.model.layers[0].mlp.down_proj.qweight.bits == 4
+        out[dev] = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy)]
+        del llm
+    assert sum(a == b for a, b in zip(out["cpu"], out["cuda"])) >= len(PROMPTS) - 1
+
+
 def test_quantization_flag_refuses_a_quantized_checkpoint_and_moe(tmp_path, tiny_models):
     from kvship.config import EngineConfig
     from kvship.runner.model_runner import load_model
