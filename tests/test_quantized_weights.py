@@ -299,21 +299,41 @@ def test_insitu_quantization_of_the_bundled_model(reference_text_ids, capsys):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_bundled_gguf_kept_quantized_on_gpu_matches_cpu():
-    """On a GPU the bundled file's Q4_1 matrices stay 4-bit and run through the kernels; in fp32
-    they hold exactly the CPU path's dequantized values, so greedy text must agree."""
+def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path):
+    """A GGUF llama whose linears are Q4_0, Q8_0 (v: q/k/v widen to 8 bits), Q4_1, Q5_0 and Q5_1:
+    on the GPU they stay quantized and run through the kernels; in fp32 they hold exactly the
+    CPU path's dequantized values, so the logits agree to summation order."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+
     from kvship.llm import LLM
     from kvship.sampling_params import SamplingParams
+    from test_loader_gguf import _qwen_meta, _write_gguf
 
-    greedy = SamplingParams(max_tokens=16, temperature=0)
+    rng = np.random.default_rng(5)
+    f = lambda *s: (rng.standard_normal(s) * 0.3).astype(np.float32)
+    blk = {"attn_q": (f(64, 64), QT.Q4_0), "attn_k": (f(32, 64), QT.Q4_0), "attn_v": (f(32, 64), QT.Q8_0),
+           "attn_output": (f(64, 64), QT.Q4_1), "ffn_gate": (f(128, 64), QT.Q5_0), "ffn_up": (f(128, 64), QT.Q5_0),
+           "ffn_down": (f(64, 128), QT.Q5_1), "attn_norm": (1 + f(64), None), "ffn_norm": (1 + f(64), None)}
+    tensors = {"token_embd.weight": (f(32, 64), None), "output_norm.weight": (1 + f(64), None),
+               "output.weight": (f(32, 64), None), **{f"blk.0.{k}.weight": v for k, v in blk.items()}}
+    path = tmp_path / "tiny-llama-mixed.gguf"
+    _write_gguf(path, "llama", tensors, _qwen_meta("llama"))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = [[3, 5, 7, 11], [13, 4, 9, 20, 21, 22, 30]]
     out = {}
     for dev in ("cpu", "cuda"):
-        llm = LLM(device=dev, dtype="float32", max_model_len=256, num_kv_blocks=256)
+        llm = LLM(str(path), device=dev, dtype="float32", max_model_len=128, num_kv_blocks=64)
         if dev == "cuda":
-            assert llm.engine.runner.model.model.layers[0].mlp.down_proj.qweight.bits == 4
-        out[dev] = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy)]
+            layer = llm.engine.runner.model.model.layers[0]
+            assert layer.self_attn.qkv_proj.qweight.bits == 8 and layer.mlp.gate_up_proj.qweight.bits == 8
+            assert layer.self_attn.o_proj.qweight.bits == 4
+        out[dev] = [o.outputs[0] for o in llm.generate(prompts, params)]
         del llm
-    assert sum(a == b for a, b in zip(out["cpu"], out["cuda"])) >= len(PROMPTS) - 1
+    for a, b in zip(out["cpu"], out["cuda"]):
+        assert a.token_ids == b.token_ids
+        lp = lambda o: [chosen.logprob for chosen, _ in o.logprobs]
+        np.testing.assert_allclose(lp(a), lp(b), atol=2e-3)
 
 
 def test_quantization_flag_refuses_a_quantized_checkpoint_and_moe(tmp_path, tiny_models):
