@@ -50,10 +50,14 @@ def param_count(shape: str) -> int:
     return layers * per_layer + embed + h
 
 
-def kv_bytes_per_token(shape: str, elem: int = 2) -> int:
+def kv_bytes_per_token(shape: str, elem: int = 2, kv_cache_dtype: str = "auto") -> int:
+    """KV-cache bytes of one token: 16-bit (elem 2) by default, or a --kv-cache-dtype's size."""
+    from kvship.kernels.kv_quant import bytes_per_token_head
+
     c = SHAPES[shape]
     d = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * d * elem
+    per_head = d * elem if kv_cache_dtype == "auto" else bytes_per_token_head(kv_cache_dtype, d, torch.bfloat16)
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * per_head
 
 
 def measure_batch1(llm, prompt_len: int, out_len: int, runs: int = 3) -> tuple[float, float]:

@@ -6,6 +6,7 @@
 #   2 GPUs (nvidia-h200-x2):      bash bench/gpu_session.sh tp tp-profile
 #   kernel profiles:              bash bench/gpu_session.sh profile   (profile-b1: batch 1 only)
 #   GEMV settings sweep:          bash bench/gpu_session.sh gemv
+#   KV-cache dtypes:              bash bench/gpu_session.sh kv-tests throughput-8b-fp8 kv-decode
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
@@ -31,6 +32,9 @@ bench structured 200 python3 bench/structured_overhead.py
 bench latency-nohf 100 python3 bench/latency.py --no-hf
 bench gemv 200 python3 bench/gemv_sweep.py
 bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
+bench kv-tests 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_kv_quant.py tests/test_kv_quant_engine.py -k "not perplexity and not greedy_agrees and not prefix_hits"
+bench throughput-8b-fp8 240 python3 bench/throughput.py --kv-cache-dtype fp8 --hf-prompts 0
+bench kv-decode 400 python3 bench/kv_decode.py
 bench throughput-qwen3 200 python3 bench/throughput.py --shape qwen3-0.6b --num-prompts 256 --hf-prompts 8 --hf-batch 8
 bench serve 240 python3 bench/serve.py --concurrency 1 8 32 64
 bench startup 200 python3 bench/startup.py

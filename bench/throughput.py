@@ -3,9 +3,11 @@ tokens, ignore_eos. Output tok/s next to the workload's own limit and HF transfo
 
 The limit: decode steps each read all weights once (at most max_num_seqs sequences per step)
 plus every generated token's KV context, divided by the measured copy bandwidth; plus the
-prefill FLOPs (2 x params x prompt tokens) divided by the measured matmul rate.
+prefill FLOPs (2 x params x prompt tokens) divided by the measured matmul rate. The KV bytes
+are the configuration's own: --kv-cache-dtype fp8 halves them, so its limit is higher.
 
     python bench/throughput.py [--shape llama3-8b] [--num-prompts 1000] [--max-num-seqs 256]
+                               [--kv-cache-dtype auto|fp8|fp8_e5m2|int4]
 """
 from __future__ import annotations
 
@@ -31,10 +33,12 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
     return prompts, outs
 
 
-def limit_seconds(shape: str, prompts, outs, max_num_seqs: int, bw: float, mm: float) -> float:
+def limit_seconds(shape: str, prompts, outs, max_num_seqs: int, bw: float, mm: float,
+                  kv_cache_dtype: str = "auto") -> float:
     params = param_count(shape)
     steps = -(-sum(outs) // max_num_seqs)
-    kv_reads = sum(len(p) * o + o * (o + 1) // 2 for p, o in zip(prompts, outs)) * kv_bytes_per_token(shape)
+    kv_reads = sum(len(p) * o + o * (o + 1) // 2 for p, o in zip(prompts, outs)) * kv_bytes_per_token(
+        shape, kv_cache_dtype=kv_cache_dtype)
     prefill_flops = 2 * params * sum(len(p) for p in prompts)
     return (steps * params * 2 + kv_reads) / bw + prefill_flops / mm
 
@@ -54,11 +58,11 @@ def time_gpu_work(obj, method: str, spans: list) -> None:
     setattr(obj, method, timed)
 
 
-def run_kvship(folder, prompts, outs, max_num_seqs: int) -> tuple[float, int, float]:
+def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "auto") -> tuple[float, int, float]:
     """(seconds, output tokens, fraction of the wall time inside the events bracketing each forward
     pass and each sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle)."""
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2 * max(map(len, prompts)) + 16,
-              max_num_seqs=max_num_seqs, max_num_batched_tokens=8192)
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate(prompts[:4], params[:4])  # warm-up
     spans: list = []
@@ -108,23 +112,25 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--hf-prompts", type=int, default=64, help="subset size for the HF reference (0: skip)")
     ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"])
     args = ap.parse_args()
     bw, mm = measure_ceilings()
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts, outs = workload(args.num_prompts, args.lo, args.hi, vocab)
-    limit = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw, mm)
+    limit = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw, mm, args.kv_cache_dtype)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
-        dt, produced, busy = run_kvship(folder, prompts, outs, args.max_num_seqs)
+        dt, produced, busy = run_kvship(folder, prompts, outs, args.max_num_seqs, args.kv_cache_dtype)
     print(f"kvship done after {time.monotonic() - t0:.0f} s ({dt:.1f} s of generation)", file=sys.stderr, flush=True)
-    rows = [["kvship", f"{produced / dt:,.0f}", f"{dt:.1f}", f"{100 * limit / dt:.0f}%", f"{100 * (1 - busy):.0f}%"]]
+    rows = [[f"kvship, {args.kv_cache_dtype} KV", f"{produced / dt:,.0f}", f"{dt:.1f}", f"{100 * limit / dt:.0f}%", f"{100 * (1 - busy):.0f}%"]]
     if args.hf_prompts:
         hf = run_hf(args.shape, prompts[:args.hf_prompts], outs[:args.hf_prompts], args.hf_batch)
         print(f"HF done after {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}", "-", "-", "-"])
-    rows.append(["workload limit (bytes / BW + prefill FLOPs / matmul)", f"{produced / limit:,.0f}", f"{limit:.1f}", "100%", "0%"])
-    print(header(f"Offline throughput, {args.shape} shape, bf16, {args.num_prompts} prompts, "
+    rows.append([f"workload limit, {args.kv_cache_dtype} KV (bytes / BW + prefill FLOPs / matmul)",
+                 f"{produced / limit:,.0f}", f"{limit:.1f}", "100%", "0%"])
+    print(header(f"Offline throughput, {args.shape} shape, bf16, {args.kv_cache_dtype} KV cache, {args.num_prompts} prompts, "
                  f"in/out uniform [{args.lo}, {args.hi}], max_num_seqs {args.max_num_seqs}"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
           f"{sum(map(len, prompts)):,} prompt tokens, {sum(outs):,} output tokens\n")

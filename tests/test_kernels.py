@@ -187,6 +187,19 @@ def test_allreduce_add_rms_norm_two_ranks(rows, hidden, dtype):
     torch.testing.assert_close(got[0][1], r_ref, atol=0, rtol=0)  # the same roundings as NCCL + add
 
 
+def store_inputs(t, num_slots, hq, hkv, d, dtype, g, gain=1.0):
+    """Inputs of the fused rotary + KV store: cos/sin cache, positions, slots (a quarter -1,
+    padding), and q, k, v as strided views of one fused qkv projection (returned too)."""
+    cache = rotary.build_cos_sin_cache(4096, d).to(DEV)
+    pos = torch.randint(0, 4096, (t,), generator=g).to(DEV)
+    slots = torch.randperm(num_slots, generator=g)[:t].to(torch.int64)
+    slots[torch.randperm(t, generator=g)[: t // 4]] = -1
+    slots = slots.to(DEV)
+    qkv = (gain * torch.randn(t, (hq + 2 * hkv) * d, generator=g)).to(dtype).to(DEV)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return cache, pos, slots, qkv, q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (4, 2, 128, 32)] if not GPU
                          else [(32, 8, 128, 16), (9, 3, 64, 32)])
@@ -195,14 +208,7 @@ def test_rotary_store_kv(hq, hkv, d, block_size, dtype):
     fused qkv projection, with padding tokens (slot -1) that must leave the cache alone."""
     t, nb = (13, 4) if not GPU else (2048, 300)
     g = torch.Generator().manual_seed(d + block_size)
-    cache = rotary.build_cos_sin_cache(4096, d).to(DEV)
-    pos = torch.randint(0, 4096, (t,), generator=g).to(DEV)
-    slots = torch.randperm(nb * block_size, generator=g)[:t].to(torch.int64)
-    slots[torch.randperm(t, generator=g)[: t // 4]] = -1
-    slots = slots.to(DEV)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype).to(DEV)
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    cache, pos, slots, qkv, q, k, v = store_inputs(t, nb * block_size, hq, hkv, d, dtype, g)
     kc = torch.randn(nb, block_size, hkv, d, generator=g).to(dtype).to(DEV)
     vc = torch.randn(nb, block_size, hkv, d, generator=g).to(dtype).to(DEV)
     kc_ref, vc_ref = kc.clone(), vc.clone()

@@ -1,6 +1,8 @@
 """Attention over a paged KV cache.
 
-Cache layout (one pair per layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+Cache layout (one pair per layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim],
+or a quantized layout (--kv-cache-dtype fp8*/int4) with its k_scale, v_scale: see kernels/kv_quant.py;
+the cache's dtype says which. Every function here takes the scales as keyword arguments.
 Token t of a sequence lives in block block_table[t // block_size], row t % block_size; its
 "slot" is block_id * block_size + row.
 
@@ -23,6 +25,9 @@ kernels/rotary.py: ``rotary_store_kv``; ``store_kv_torch`` here is its reference
   sequence), causal over the cached prefix plus the new tokens, with unmasked tiles below the
   diagonal and masked ones on it.
   Both paths read pages through the block table token by token, so any block size works.
+  Quantized pages are dequantized in registers: an FP8 tile converts exactly to the query's
+  dtype and its per-layer scales multiply the scores (k) and the output (v); an int4 tile is
+  unpacked and scaled per (token, head) before the dot.
   The decode path is CUDA-graph capturable: no host syncs, grid and split count come from
   tensor shapes (and the SM count) only.
 """
@@ -31,35 +36,42 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import device_sms, next_pow2, tl, triton, use_triton
 
 
 def store_kv_torch(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_rotation: torch.Tensor | None = None,
 ) -> None:
-    """Write new keys/values [T, Hkv, D] into their slots; slot -1 means padding (skipped)."""
+    """Write new keys/values [T, Hkv, D] into their slots; slot -1 means padding (skipped).
+    ``k_rotation``: the FP8 keys' R (kv_quant.key_rotation)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    kvq.store(k, k_cache, k_scale, slot_mapping, k_rotation)
+    kvq.store(v, v_cache, v_scale, slot_mapping)
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence from the paged cache: [length, Hkv, D]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+              scales: torch.Tensor | None = None, head_dim: int = 0) -> torch.Tensor:
+    """The first `length` tokens of one sequence from the paged cache: [length, Hkv, D]
+    (dequantized to float32 when the cache is quantized)."""
     block_size = cache.shape[1]
     n_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:length]
+    return kvq.pages(cache, scales, block_table[:n_blocks].long(), head_dim).flatten(0, 1)[:length]
 
 
-def _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: float, group: int) -> torch.Tensor:
+def _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: float, group: int,
+                            k_scale, v_scale) -> torch.Tensor:
     """One new token per sequence: gather every context into a padded [B, Hkv, L, D] batch and
     attend in one call, the query heads of a KV head standing in the query-length dimension."""
-    batch, block_size = q.shape[0], k_cache.shape[1]
+    batch, block_size, d = q.shape[0], k_cache.shape[1], q.shape[-1]
     longest = int(seq_lens.max())
     tables = block_tables[:, : -(-longest // block_size)].long()
-    k = k_cache[tables].flatten(1, 2)[:, :longest].transpose(1, 2).float()  # [B, Hkv, L, D]
-    v = v_cache[tables].flatten(1, 2)[:, :longest].transpose(1, 2).float()
+    k = kvq.pages(k_cache, k_scale, tables, d).flatten(1, 2)[:, :longest].transpose(1, 2).float()  # [B, Hkv, L, D]
+    v = kvq.pages(v_cache, v_scale, tables, d).flatten(1, 2)[:, :longest].transpose(1, 2).float()
     qg = q.view(batch, k.shape[1], group, q.shape[-1]).float()  # [B, Hkv, group, D]
     mask = (torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
@@ -74,11 +86,13 @@ def paged_attention_torch(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    num_q_heads, num_kv_heads, d = q.shape[1], k_cache.shape[2], q.shape[2]
     group = num_q_heads // num_kv_heads
     if q.shape[0] == seq_lens.shape[0] and bool((seq_lens > 0).all()):
-        return _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, group)
+        return _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, group, k_scale, v_scale)
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     for b, ctx in enumerate(seq_lens.tolist()):
@@ -86,8 +100,8 @@ def paged_attention_torch(
         if e == s:
             continue
         qb = q[s:e].transpose(0, 1)  # [Hq, q_len, D]
-        kb = gather_kv(k_cache, block_tables[b], ctx).transpose(0, 1).to(q.dtype)
-        vb = gather_kv(v_cache, block_tables[b], ctx).transpose(0, 1).to(q.dtype)
+        kb = gather_kv(k_cache, block_tables[b], ctx, k_scale, d).transpose(0, 1).to(q.dtype)
+        vb = gather_kv(v_cache, block_tables[b], ctx, v_scale, d).transpose(0, 1).to(q.dtype)
         if group > 1:
             kb = kb.repeat_interleave(group, dim=0)
             vb = vb.repeat_interleave(group, dim=0)
@@ -99,12 +113,14 @@ def paged_attention_torch(
     return out
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q: int, out=None):
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q: int, out=None,
+                    k_scale=None, v_scale=None):
     if use_triton(q):
         return paged_attention_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q, out=out
+            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q, out=out,
+            k_scale=k_scale, v_scale=v_scale,
         )
-    o = paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale)
+    o = paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale, v_scale)
     if out is not None:
         out.copy_(o)
         return out
@@ -127,28 +143,53 @@ PREFILL_CONFIG = {
 
 
 @triton.jit
+def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
+             MASKED: tl.constexpr, D_FIRST: tl.constexpr, KV_MODE: tl.constexpr):
+    """A tile of cached keys or values: [BLOCK_D, BLOCK_N] when D_FIRST (keys, for q @ k),
+    else [BLOCK_N, BLOCK_D]. tok_off: each token's element (int4: byte) offset in the cache,
+    grp_off: its (token, head) group's offset in the int4 scales; tmask is used when MASKED.
+    Plain and FP8 tiles come back as stored (FP8's scale is applied by the caller), int4 ones
+    dequantized to float32."""
+    if D_FIRST:
+        t = tok_off[None, :]
+        d = offs_d[:, None]
+        m = dmask[:, None]
+        if MASKED:
+            m = m & tmask[None, :]
+    else:
+        t = tok_off[:, None]
+        d = offs_d[None, :]
+        m = dmask[None, :]
+        if MASKED:
+            m = m & tmask[:, None]
+    if KV_MODE == 2:
+        if D_FIRST:
+            return kvq.int4_load(c_ptr, g_ptr, t, grp_off[None, :], d, m)
+        return kvq.int4_load(c_ptr, g_ptr, t, grp_off[:, None], d, m)
+    return tl.load(c_ptr + t + d, mask=m, other=0.0)
+
+
+@triton.jit
 def _attend_tile(
     acc, l_i, m_i, q, q_pos,
-    kc_ptr, vc_ptr, bt_row, n0, kv_end,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, kvh,
+    kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, kv_end,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
     qk_scale, offs_n, offs_d, dmask,
-    BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
 ):
     """One BLOCK_N tile of keys/values, gathered through the block table, folded into the
     running softmax state (log2 domain). MASK: 0 none, 1 pos < kv_end, 2 that and causal."""
     pos = n0 + offs_n
+    nmask = pos < kv_end
     if MASK > 0:
-        nmask = pos < kv_end
         page = tl.load(bt_row + pos // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     else:
         page = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
     row = (pos % BLOCK_SIZE).to(tl.int64)
     k_off = page * stride_kb + row * stride_ks + kvh * stride_kh
     v_off = page * stride_vb + row * stride_vs + kvh * stride_vh
-    if MASK > 0:
-        kt = tl.load(kc_ptr + k_off[None, :] + offs_d[:, None], mask=nmask[None, :] & dmask[:, None], other=0.0)
-    else:
-        kt = tl.load(kc_ptr + k_off[None, :] + offs_d[:, None], mask=dmask[:, None], other=0.0)
+    g_off = page * stride_gb + row * stride_gs + kvh * stride_gh  # int4 only (strides 0 otherwise)
+    kt = _load_kv(kc_ptr, ks_ptr, k_off, g_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE)
     qk = tl.dot(q, kt.to(q.dtype)) * qk_scale
     if MASK == 1:
         qk = tl.where(nmask[None, :], qk, float("-inf"))
@@ -158,24 +199,21 @@ def _attend_tile(
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASK > 0:
-        v = tl.load(vc_ptr + v_off[:, None] + offs_d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0)
-    else:
-        v = tl.load(vc_ptr + v_off[:, None] + offs_d[None, :], mask=dmask[None, :], other=0.0)
+    v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return acc, l_i, m_new
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale,
     stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh,
     stride_bt, stride_ot, stride_oh,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_MODE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -204,16 +242,20 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    if KV_MODE == 1:
+        qk_scale = qk_scale * tl.load(ks_ptr)
     for n0 in range(start, end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, offs_g,
-            kc_ptr, vc_ptr, bt_row, n0, end,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, kvh,
+            kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, end,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
             qk_scale, offs_n, offs_d, dmask,
-            BLOCK_SIZE, 1,
+            BLOCK_SIZE, 1, KV_MODE,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if KV_MODE == 1:
+        o = o * tl.load(vs_ptr)
     if NUM_SPLITS == 1:
         tl.store(
             out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -258,13 +300,13 @@ def _decode_reduce_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr,
     qk_scale,
     stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
 ):
     h = tl.program_id(0)
     mblk = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) row blocks start first
@@ -293,24 +335,28 @@ def _prefill_kernel(
     # Keys before the block's first row position are visible to every row: no mask there.
     full_end = ((prefix + mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
     hi = tl.minimum(prefix + (mblk + 1) * BLOCK_M, ctx)
+    if KV_MODE == 1:
+        qk_scale = qk_scale * tl.load(ks_ptr)
     for n0 in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos,
-            kc_ptr, vc_ptr, bt_row, n0, ctx,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, kvh,
+            kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, ctx,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
             qk_scale, offs_n, offs_d, dmask,
-            BLOCK_SIZE, 0,
+            BLOCK_SIZE, 0, KV_MODE,
         )
     for n0 in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos,
-            kc_ptr, vc_ptr, bt_row, n0, ctx,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, kvh,
+            kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, ctx,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
             qk_scale, offs_n, offs_d, dmask,
-            BLOCK_SIZE, 2,
+            BLOCK_SIZE, 2, KV_MODE,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
+    if KV_MODE == 1:
+        o = o * tl.load(vs_ptr)
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
@@ -341,6 +387,8 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``paged_attention_torch`` (same layouts and semantics).
 
@@ -361,10 +409,17 @@ def paged_attention_triton(
         return out
     qk_scale = float(scale) * _LOG2E
     block_d = next_pow2(head_dim)
+    kv_mode = kvq.kv_mode(k_cache)
+    if kv_mode == kvq.KV_INT4:
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride()[-2:] == (2, 1)
+        group_strides = k_scale.stride()[:3]
+    else:
+        group_strides = (0, 0, 0)
+    scales = (k_cache, v_cache) if kv_mode == kvq.KV_PLAIN else (k_scale, v_scale)  # plain: unread
     common = (
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *group_strides,
         block_tables.stride(0), out.stride(0), out.stride(1),
     )
     if max_seqlen_q == 1:
@@ -384,10 +439,10 @@ def paged_attention_triton(
             mid_lse.stride(0), mid_lse.stride(1),
         )
         _decode_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
+            q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
             qk_scale, *common, *mid_strides,
             GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if num_splits > 1:
@@ -403,10 +458,10 @@ def paged_attention_triton(
     block_m = min(cfg["block_m"], max(16, next_pow2(max_seqlen_q)))
     grid = (num_q_heads, triton.cdiv(max_seqlen_q, block_m), batch)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, out,
+        q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out,
         qk_scale, *common,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=cfg["block_n"],
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], KV_MODE=kv_mode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvship.kernels import kv_quant as kvq
 from kvship.kernels import paged_attention as pa
-from kvship.kernels.rotary import rotary_store_kv, rotary_store_kv_torch
+from kvship.kernels.rotary import rotary_store_kv, rotary_store_kv_torch, rotary_torch
 from kvship.layers.rotary import RotaryEmbedding
 
 
@@ -22,7 +23,13 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Rotary embedding, the KV-cache store and attention: the first two fused on the GPU."""
+    """Rotary embedding, the KV-cache store and attention: the first two fused on the GPU.
+
+    With a quantized cache (kernels/kv_quant.py) the kernels also take k_scale and v_scale: for
+    FP8 this layer's own one-element tensors (the checkpoint's, 1.0, or measured on the first
+    prefill, updated in place so captured CUDA graphs read the new value), for int4 the
+    per-group tensors bound with the cache. FP8 keys are stored turned by k_rotation, and the
+    queries are turned the same way before attention (kv_quant explains why)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding, backend: str):
         super().__init__()
@@ -32,15 +39,52 @@ class PagedAttention(nn.Module):
         self.force_torch = backend == "torch"
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        self.k_rotation: torch.Tensor | None = None
+        self.fp8_k_scale = torch.ones(1, dtype=torch.float32)  # on the device the model is built on
+        self.fp8_v_scale = torch.ones(1, dtype=torch.float32)
+        self.kv_scales_from_checkpoint = False
+        self.measure_kv_scales = False  # set by the runner for --calculate-kv-scales
+
+    def load_kv_scale(self, kind: str, scale: torch.Tensor) -> None:
+        """A checkpoint's ``k_scale`` / ``v_scale`` (dequantized = stored * scale). A per-head
+        scale becomes the largest one: this cache keeps one per layer."""
+        target = self.fp8_k_scale if kind == "k_scale" else self.fp8_v_scale
+        target.fill_(float(scale.float().max()))
+        self.kv_scales_from_checkpoint = True
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
+        """The cache from kv_quant.allocate(); an FP8 one reads this layer's scales."""
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.k_rotation = None
+        if kvq.kv_mode(k_cache) == kvq.KV_FP8:
+            k_scales, v_scales = self.fp8_k_scale, self.fp8_v_scale
+            self.k_rotation = kvq.key_rotation(self.head_dim, k_cache.device)
+        self.k_scale, self.v_scale = k_scales, v_scales
+
+    def _measure_kv_scales(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """--calculate-kv-scales: the largest magnitudes of this step's keys (as stored: rotary,
+        then R) and values set the FP8 scales, once (blocks already written keep their
+        meaning); later outliers saturate."""
+        dtype = self.k_cache.dtype
+        k = rotary_torch(positions, k, k, self.rotary.cos_sin_cache)[1].float() @ self.k_rotation
+        self.fp8_k_scale.copy_(kvq.fp8_scale_from_amax(k.abs().amax(), dtype))
+        self.fp8_v_scale.copy_(kvq.fp8_scale_from_amax(v.abs().amax(), dtype))
+        self.measure_kv_scales = False
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D], not yet rotated -> attention output [T, Hq, D]."""
-        store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.measure_kv_scales:
+            self._measure_kv_scales(positions, k, v)
+        scales = (self.k_scale, self.v_scale)
+        store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, *scales, self.k_rotation)
         args = (self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
         if self.force_torch:
-            q = rotary_store_kv_torch(positions, q, k, v, *store)
-            return pa.paged_attention_torch(q, *args)
-        q = rotary_store_kv(positions, q, k, v, *store)
-        return pa.paged_attention(q, *args, meta.max_seqlen_q)
+            q = kvq.rotate_queries(rotary_store_kv_torch(positions, q, k, v, *store), self.k_rotation)
+            return pa.paged_attention_torch(q, *args, *scales)
+        q = kvq.rotate_queries(rotary_store_kv(positions, q, k, v, *store), self.k_rotation)
+        return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1])

@@ -11,6 +11,7 @@ import torch
 from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
 from kvship.config import EngineConfig
+from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import HAS_TRITON
 from kvship.layers.attention import AttentionMetadata
 from kvship.loader import ModelSource, Pooling, resolve_model
@@ -61,8 +62,6 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     Fills in config.max_model_len (the model's limit when unset) and refuses a larger one, and
     config.task when "auto" (embed for a sentence-transformers folder, else generate).
     Rank 0 and every other tensor-parallel rank load the model through here."""
-    if config.kv_cache_dtype != "auto" or config.calculate_kv_scales:
-        raise ValueError("--kv-cache-dtype other than auto is not implemented yet")
     source = resolve_model(config.model, revision=config.revision, download_dir=config.download_dir,
                            require_weights=config.load_format != "dummy")
     model_config = ModelConfig.from_hf(source.hf_config)
@@ -129,6 +128,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len = config.max_model_len
         self.tp = tp
+        if config.calculate_kv_scales and config.kv_cache_dtype not in kvq.FP8_DTYPES:
+            raise ValueError("--calculate-kv-scales measures FP8 scales: it needs --kv-cache-dtype fp8, "
+                             "fp8_e4m3 or fp8_e5m2")
 
         torch.manual_seed(config.seed)
         build = model_class(model_config)
@@ -153,6 +155,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, 512),
                                        -(-max_model_len // self.block_size), self.device)
             self.graphs.capture()
+        self.measuring_kv_scales = self._set_up_fp8_scales()  # after the runs above: real prefills only
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (before tearing down the communicators captured in them)."""
@@ -163,8 +166,8 @@ class ModelRunner:
     # -- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         attn = self.model.attention_layers()[0]
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.model.attention_layers()) * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+        per_head = kvq.bytes_per_token_head(self.config.kv_cache_dtype, attn.head_dim, self.dtype)
+        return 2 * len(self.model.attention_layers()) * self.block_size * attn.num_kv_heads * per_head
 
     def _num_blocks_to_allocate(self) -> int:
         c = self.config
@@ -219,16 +222,30 @@ class ModelRunner:
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         for attn in self.model.attention_layers():
-            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.bind_kv_cache(*kvq.allocate(self.config.kv_cache_dtype, num_blocks, self.block_size,
+                                             attn.num_kv_heads, attn.head_dim, self.dtype, self.device))
 
     def _allocate_kv_cache(self) -> int:
         n = self.tp.min_int(self._num_blocks_to_allocate())  # every rank holds the same block count
         self._bind_kv_cache(n)
-        log.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)", n, self.block_size,
-                 n * self.block_size, n * self.kv_bytes_per_block() / 2**30)
+        log.info("KV cache (%s): %d blocks of %d tokens = %d tokens (%.2f GiB)", self.config.kv_cache_dtype, n,
+                 self.block_size, n * self.block_size, n * self.kv_bytes_per_block() / 2**30)
         return n
+
+    def _set_up_fp8_scales(self) -> bool:
+        """Where an FP8 cache's scales come from; True while they are still to be measured."""
+        if self.config.kv_cache_dtype not in kvq.FP8_DTYPES:
+            return False
+        layers = self.model.attention_layers()
+        if self.config.calculate_kv_scales:
+            for attn in layers:
+                attn.measure_kv_scales = True
+            log.info("FP8 KV cache: k/v scales will be measured on the first prefill")
+            return True
+        if not any(attn.kv_scales_from_checkpoint for attn in layers):
+            log.warning("FP8 KV cache: no k/v scales in the checkpoint, using 1.0 "
+                        "(--calculate-kv-scales measures them on the first prefill)")
+        return False
 
     # -- one step ----------------------------------------------------------------------------
     def launch(self, batch: Batch, previous: InFlightStep | None = None) -> InFlightStep:
@@ -379,10 +396,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(meta.seq_lens.shape[0], meta.max_seqlen_q,
-                                                           meta.block_tables.shape[1]):
+        # FP8 scales to measure: eagerly, as the layers measure in their Python forward
+        if self.graphs is not None and not self.measuring_kv_scales and self.graphs.can_run(
+                meta.seq_lens.shape[0], meta.max_seqlen_q, meta.block_tables.shape[1]):
             return self.graphs.run(input_ids, positions, meta).float()
         hidden = self.model(input_ids, positions, meta)
+        self.measuring_kv_scales = False
         return self.model.compute_logits(hidden[meta.logits_indices]).float()
 
 

@@ -3,7 +3,8 @@ dashboard user finds what they expect; every series carries `model_name`.
 
 Two sources:
 - `EngineStatsCollector` reads `engine.stats()` at scrape time: running / waiting requests,
-  KV-cache usage, prefix-cache queries and hits, preemptions, prompt and generation tokens.
+  KV-cache usage, prefix-cache queries and hits, preemptions, prompt and generation tokens,
+  and the cache's configuration (`kvship:cache_config_info`: block count, block size, dtype).
 - `RequestMetrics` is fed by the server as each engine request ends (`RequestObserver`): outcomes
   by finish reason and latency / size histograms, from the timestamps in `RequestOutput`.
 
@@ -103,6 +104,11 @@ class EngineStatsCollector(Collector):
         yield counter("kvship:prompt_tokens", "Prompt tokens processed (once per sequence).", s.prompt_tokens_total)
         yield counter("kvship:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield gauge("kvship:engine_alive", "1 while the engine's step loop runs.", 1.0 if engine.is_alive() else 0.0)
+        # vLLM's cache_config_info: the KV cache's fixed facts as labels of a constant 1
+        cache = GaugeMetricFamily("kvship:cache_config_info", "KV-cache configuration (always 1).",
+                                  labels=[*labels, "num_gpu_blocks", "block_size", "cache_dtype"])
+        cache.add_metric([*values, str(total), str(engine.config.block_size), engine.config.kv_cache_dtype], 1.0)
+        yield cache
 
 
 class RequestMetrics:

@@ -1,0 +1,253 @@
+"""Quantized KV-cache storage: each --kv-cache-dtype's layout and math, in plain torch (the CPU
+path and the tests' oracle) and as Triton helpers that the fused rotary + KV-store kernel
+(kernels/rotary.py) and the attention kernels (kernels/paged_attention.py) inline.
+
+kv_cache_dtype   cache tensor, k and v alike                    scales (k and v alike)
+auto             [blocks, block_size, Hkv, D], model dtype      none
+fp8, fp8_e4m3    same shape, torch.float8_e4m3fn                [1] float32 per layer (the checkpoint's,
+fp8_e5m2         same shape, torch.float8_e5m2                  1.0, or measured): stored = x / scale
+int4             [blocks, block_size, Hkv, ceil(D/2)] uint8     [blocks, block_size, Hkv, ceil(D/32), 2]
+                 element 2i in a byte's low nibble, 2i+1 in     float16: the scale and minimum of each
+                 its high one                                   group of 32 channels of a (token, head):
+                                                                x ~ code * scale + minimum
+
+FP8 values are clamped to the format's largest finite value first (a cast would give NaN or
+inf). FP8 keys are stored turned by a fixed orthogonal matrix R (``key_rotation``: a Hadamard
+matrix for power-of-two head sizes): a few channels of the keys carry most of their magnitude,
+and FP8's relative error on those dominates q.k; turned, every channel carries a similar share.
+Queries are turned by the same R before attention ((qR).(kR) = q.k), values are not. Measured on
+SmolLM2-135M (1,024 tokens, tests/test_kv_quant_engine.py): e4m3 perplexity +3.9% without R,
+0.0% with it, at scale 1.0 (docs/kv-cache.md has the table).
+
+int4 groups are 32 channels of one token's head vector, asymmetric (min/max, 16 levels): a
+token's groups are complete when that token is stored, so the fused store kernel quantizes it on
+its own and a block is never re-quantized as later tokens arrive (a group spanning 16 tokens
+would have to be rewritten with every new token or held back until its block fills). The scale
+and minimum are rounded to float16 before the codes are computed, so the codes fit the stored
+values. On SmolLM2-135M, groups of 32 channels cost +3.3% perplexity where one group per head
+vector cost +21% (with R: +8%); their 4 bytes per 32 channels leave 3.2x the tokens of bf16.
+
+Rounding is spelt out the same way on both sides (floor(x + 0.5) for int4 codes, round half to
+even for FP8), so the kernels and the reference store the same bytes up to fp32 division's
+last bit.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvship.kernels._triton import tl, triton
+
+KV_PLAIN, KV_FP8, KV_INT4 = 0, 1, 2  # the kernels' KV_MODE
+
+FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+INT4_LEVELS = 15  # codes 0..15
+INT4_GROUP = 32  # channels per scale and minimum (the kernels assume 32)
+SCALE_DTYPE = torch.float16  # int4 scale and minimum
+MIN_FP8_SCALE = 1e-12  # clamp for a measured FP8 scale (an all-zero first prefill)
+
+
+def kv_mode(cache: torch.Tensor) -> int:
+    """Which layout a cache tensor holds, from its dtype alone."""
+    if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return KV_FP8
+    if cache.dtype == torch.uint8:
+        return KV_INT4
+    return KV_PLAIN
+
+
+def bytes_per_token_head(kv_cache_dtype: str, head_dim: int, model_dtype: torch.dtype) -> int:
+    """Bytes one token's key (or value) of one KV head takes, scales included."""
+    if kv_cache_dtype in FP8_DTYPES:
+        return head_dim
+    if kv_cache_dtype == "int4":
+        return -(-head_dim // 2) + 2 * SCALE_DTYPE.itemsize * -(-head_dim // INT4_GROUP)
+    return head_dim * torch.empty((), dtype=model_dtype).element_size()
+
+
+def allocate(kv_cache_dtype: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+             model_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(k_cache, v_cache, k_scales, v_scales) of one layer; the scales are per-group tensors
+    for int4 and None otherwise (the per-layer FP8 scales belong to the attention layer)."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if kv_cache_dtype == "int4":
+        packed = (num_blocks, block_size, num_kv_heads, -(-head_dim // 2))
+        groups = (num_blocks, block_size, num_kv_heads, -(-head_dim // INT4_GROUP), 2)
+        return (torch.zeros(packed, dtype=torch.uint8, device=device),
+                torch.zeros(packed, dtype=torch.uint8, device=device),
+                torch.zeros(groups, dtype=SCALE_DTYPE, device=device),
+                torch.zeros(groups, dtype=SCALE_DTYPE, device=device))
+    dtype = FP8_DTYPES.get(kv_cache_dtype, model_dtype)
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), None, None
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+@functools.lru_cache(maxsize=None)
+def key_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
+    """The FP8 keys' orthogonal matrix R [D, D] (float32, contiguous): stored keys are k @ R.
+    Sylvester's Hadamard matrix / sqrt(D) for a power of two, otherwise the Q of a seeded
+    Gaussian matrix's QR (the same on every rank and run)."""
+    if head_dim & (head_dim - 1) == 0:
+        r = torch.ones(1, 1, dtype=torch.float64)
+        while r.shape[0] < head_dim:
+            r = torch.cat([torch.cat([r, r], 1), torch.cat([r, -r], 1)], 0)
+        r /= head_dim**0.5
+    else:
+        g = torch.Generator().manual_seed(0)
+        r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64))[0]
+    return r.to(device=device, dtype=torch.float32).contiguous()
+
+
+def rotate_queries(q: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """q [T, H, D] turned as the stored keys are (q @ R), in q's dtype; as it is without R."""
+    return q if rotation is None else (q.float() @ rotation).to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    m = fp8_max(dtype)
+    return (x.float() / scale).clamp(-m, m).to(dtype)
+
+
+def int4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes packed two a byte [..., ceil(D/2)] uint8,
+    [..., ceil(D/32), 2] float16 scale and minimum of each group)."""
+    xf = x.float()
+    d = xf.shape[-1]
+    n = -(-d // INT4_GROUP)
+
+    def grouped(fill: float) -> torch.Tensor:  # [..., n, 32], a short last group filled up
+        return torch.nn.functional.pad(xf, (0, n * INT4_GROUP - d), value=fill).unflatten(-1, (n, INT4_GROUP))
+
+    lo, hi = grouped(float("inf")).amin(-1, keepdim=True), grouped(float("-inf")).amax(-1, keepdim=True)
+    groups = torch.cat([((hi - lo) / INT4_LEVELS).to(SCALE_DTYPE), lo.to(SCALE_DTYPE)], -1)
+    s, z = int4_group_values(groups, d)
+    codes = torch.where(s > 0, torch.floor((xf - z) / s + 0.5), 0.0).clamp(0, INT4_LEVELS).to(torch.uint8)
+    if d % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), groups
+
+
+def int4_group_values(groups: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each channel's scale and minimum [..., D] (float32) from the groups [..., n, 2]."""
+    per = groups.float().repeat_interleave(INT4_GROUP, dim=-2)[..., :head_dim, :]
+    return per[..., 0], per[..., 1]
+
+
+def int4_dequantize(packed: torch.Tensor, groups: torch.Tensor, head_dim: int) -> torch.Tensor:
+    codes = torch.stack([packed & 15, packed >> 4], -1).flatten(-2)[..., :head_dim]
+    s, z = int4_group_values(groups, head_dim)
+    return codes.float() * s + z
+
+
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as [slots, ...], FP8 seen as bytes (index_copy_ and indexing have no FP8 kernels
+    on every device)."""
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat.view(torch.uint8) if kv_mode(cache) == KV_FP8 else flat
+
+
+def store(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
+          rotation: torch.Tensor | None = None) -> None:
+    """Write keys or values [T, Hkv, D] into their slots, quantized as the cache's dtype says
+    (turned by ``rotation`` first, when given)."""
+    mode = kv_mode(cache)
+    if rotation is not None:
+        x = x.float() @ rotation
+    if mode == KV_FP8:
+        _rows(cache).index_copy_(0, slots, fp8_quantize(x, scales, cache.dtype).view(torch.uint8))
+    elif mode == KV_INT4:
+        packed, groups = int4_quantize(x)
+        _rows(cache).index_copy_(0, slots, packed)
+        scales.view(-1, *scales.shape[2:]).index_copy_(0, slots, groups)
+    else:
+        _rows(cache).index_copy_(0, slots, x.to(cache.dtype))
+
+
+def pages(cache: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """cache[index] (index selects blocks), dequantized to float32; a plain cache keeps its dtype."""
+    mode = kv_mode(cache)
+    if mode == KV_FP8:
+        return cache.view(torch.uint8)[index].view(cache.dtype).float() * scales
+    if mode == KV_INT4:
+        return int4_dequantize(cache[index], scales[index], head_dim)
+    return cache[index]
+
+
+def fp8_scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """--calculate-kv-scales: the scale that maps the measured largest magnitude to the format's
+    largest value (later, larger values saturate)."""
+    return (amax.float() / fp8_max(dtype)).clamp_min(MIN_FP8_SCALE)
+
+
+# ----------------------------------------------------------------------------- Triton helpers
+
+@triton.jit
+def fp8_round(x, FP8_E5: tl.constexpr):
+    """x (fp32, already divided by the scale) clamped to the format's range and rounded to the
+    nearest FP8 value, ties to even, in fp32 arithmetic: the cast after it is then exact, so
+    the result does not depend on the backend's own conversion (the interpreter's is wrong when
+    rounding carries into the exponent)."""
+    if FP8_E5:  # largest value, mantissa bits, smallest normal exponent
+        fmax, mant, min_exp = 57344.0, 2, -14
+    else:
+        fmax, mant, min_exp = 448.0, 3, -6
+    x = tl.minimum(tl.maximum(x, -fmax), fmax)
+    e = ((x.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    quantum = ((tl.maximum(e, min_exp) - mant + 127) << 23).to(tl.float32, bitcast=True)  # one ulp there
+    y = x / quantum  # |y| < 16: exact
+    y = (y + 12582912.0) - 12582912.0  # + 1.5 * 2**23 drops the fraction, rounding half to even
+    return y * quantum
+
+
+@triton.jit
+def int4_codes(x, s, z):
+    """4-bit codes (int32) of x for a group's scale s and minimum z (fp32, broadcast)."""
+    c = tl.minimum(tl.maximum(tl.floor((x - z) / s + 0.5), 0.0), 15.0)
+    return tl.where(s > 0.0, c, 0.0).to(tl.int32)
+
+
+@triton.jit
+def _per_channel(g, BLOCK_H: tl.constexpr, NG: tl.constexpr, BLOCK_P: tl.constexpr):
+    """[BLOCK_H, NG] group values -> [BLOCK_H, BLOCK_P], each byte's (16 a group)."""
+    return tl.reshape(tl.broadcast_to(g[:, :, None], (BLOCK_H, NG, 16)), (BLOCK_H, BLOCK_P))
+
+
+@triton.jit
+def int4_store_groups(x_even, x_odd, m_even, m_odd, data_ptrs, group_ptrs, hmask,
+                      HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Quantize each row (one head) of a token, given as its even and odd elements
+    [BLOCK_H, BLOCK_P] (BLOCK_P >= 16) with their masks, and store the packed bytes at
+    data_ptrs [BLOCK_H, BLOCK_P] and each group's scale and minimum at group_ptrs [BLOCK_H]
+    + 2 * group and + 1. A group of 32 channels is 16 bytes, 16 even and 16 odd elements."""
+    lo = tl.minimum(tl.where(m_even, x_even, float("inf")), tl.where(m_odd, x_odd, float("inf")))
+    hi = tl.maximum(tl.where(m_even, x_even, float("-inf")), tl.where(m_odd, x_odd, float("-inf")))
+    lo = tl.min(tl.reshape(lo, (BLOCK_H, BLOCK_P // 16, 16)), 2)
+    hi = tl.max(tl.reshape(hi, (BLOCK_H, BLOCK_P // 16, 16)), 2)
+    scale = ((hi - lo) / 15.0).to(tl.float16)
+    zero = lo.to(tl.float16)
+    offs_g = tl.arange(0, BLOCK_P // 16)
+    gp = group_ptrs[:, None] + 2 * offs_g[None, :]
+    gmask = hmask[:, None] & (offs_g * 32 < HEAD_DIM)[None, :]
+    tl.store(gp, scale, mask=gmask)
+    tl.store(gp + 1, zero, mask=gmask)
+    s = _per_channel(scale.to(tl.float32), BLOCK_H, BLOCK_P // 16, BLOCK_P)
+    z = _per_channel(zero.to(tl.float32), BLOCK_H, BLOCK_P // 16, BLOCK_P)
+    packed = int4_codes(x_even, s, z) | (int4_codes(x_odd, s, z) << 4)
+    tl.store(data_ptrs, packed.to(tl.uint8), mask=m_even)
+
+
+@triton.jit
+def int4_load(ptr, g_ptr, byte_off, grp_off, elem, mask):
+    """Dequantized float32 elements: byte_off + elem // 2 holds element elem's code (low nibble
+    for even elem), grp_off + 2 * (elem // 32) its group's scale, + 1 its minimum."""
+    b = tl.load(ptr + byte_off + elem // 2, mask=mask, other=0).to(tl.int32)
+    g = g_ptr + grp_off + (elem // 32) * 2
+    s = tl.load(g, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(g + 1, mask=mask, other=0.0).to(tl.float32)
+    return ((b >> ((elem % 2) * 4)) & 15).to(tl.float32) * s + z

@@ -1,0 +1,200 @@
+"""Quantized KV cache (--kv-cache-dtype fp8, fp8_e5m2, int4): the storage math, the Triton
+store and attention kernels against the torch reference (in the interpreter on CPU, at real
+sizes on a GPU), and the KV sizing.
+
+GPU (real sizes): python -m pytest tests/test_kv_quant.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvship.kernels import kv_quant as kvq
+from kvship.kernels import paged_attention as pa
+from kvship.kernels import rotary
+from kvship.kernels._triton import HAS_TRITON
+from test_kernels import DEV, GPU, close, make_paged, store_inputs
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+KV_DTYPES = ["fp8_e4m3", "fp8_e5m2", "int4"]
+DTYPE = torch.bfloat16 if GPU else torch.float32
+# head sizes: powers of two, a non-power of two (80), and an odd one for the 4-bit packing
+HEADS = [(9, 3, 64), (8, 2, 80), (4, 2, 33)] if not GPU else [(32, 8, 128), (9, 3, 64), (32, 8, 80)]
+FP8_SCALE = 0.02  # randn values reach ~4.5 > 448 * 0.02 / 2: the e4m3 range is exercised, saturation too
+
+
+def quantize_cache(cache: torch.Tensor, kv_dtype: str, scale: float = FP8_SCALE):
+    """A plain paged cache [blocks, bs, Hkv, D] in kv_dtype's layout: (cache, scales)."""
+    if kv_dtype == "int4":
+        return kvq.int4_quantize(cache)
+    s = torch.tensor([scale], device=cache.device)
+    return kvq.fp8_quantize(cache, s, kvq.FP8_DTYPES[kv_dtype]), s
+
+
+def quant_paged(q_lens, ctx, hq, hkv, d, block_size, kv_dtype, seed):
+    q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, hq, hkv, d, block_size, DTYPE, seed)
+    (kq, ks), (vq, vs) = quantize_cache(kc, kv_dtype), quantize_cache(vc, kv_dtype, 2 * FP8_SCALE)
+    return q, kq, vq, ks, vs, bt, sl, cu
+
+
+def test_int4_roundtrip_and_packing():
+    """Codes pack two a byte (element 2i low nibble), odd lengths pad one nibble, groups of 32
+    channels (a short last one), the error of each element is at most half a step, constant
+    groups come back exactly."""
+    x = torch.randn(5, 3, 33) * torch.tensor([1.0, 10.0, 0.01])[None, :, None]
+    x[..., 32] = 100.0  # alone in its group: exact, and no effect on the first group's scale
+    packed, groups = kvq.int4_quantize(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 3, 17) and groups.shape == (5, 3, 2, 2)
+    y = kvq.int4_dequantize(packed, groups, 33)
+    step, zero = kvq.int4_group_values(groups, 33)
+    assert ((y - x).abs() <= step * 0.5 + 2e-3 * x.abs().amax(-1, keepdim=True)).all()
+    assert (y[..., 32] == 100.0).all()
+    first = x[..., :32]
+    assert torch.equal(groups[..., 0, 0], ((first.amax(-1) - first.amin(-1)) / 15).half())
+    codes = torch.floor((x - zero) / step + 0.5).clamp(0, 15).to(torch.uint8)
+    assert torch.equal(packed[..., 0], codes[..., 0] | (codes[..., 1] << 4))
+    assert torch.equal(packed[..., 16], codes[..., 32])  # the odd element's partner nibble is 0
+    const = torch.full((2, 1, 8), 0.75)
+    assert torch.equal(kvq.int4_dequantize(*kvq.int4_quantize(const), 8), const)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_store_saturates_and_scales(kv_dtype):
+    dtype = kvq.FP8_DTYPES[kv_dtype]
+    s = torch.tensor([0.5])
+    x = torch.tensor([1e6, -1e6, 3.0, 0.0])
+    y = kvq.fp8_quantize(x, s, dtype).float() * s
+    assert torch.equal(y, torch.tensor([kvq.fp8_max(dtype) * 0.5, -kvq.fp8_max(dtype) * 0.5, 3.0, 0.0]))
+
+
+@pytest.mark.parametrize("d", [64, 80])
+def test_key_rotation_is_orthogonal_and_preserves_scores(d):
+    r = kvq.key_rotation(d, torch.device("cpu"))
+    torch.testing.assert_close(r @ r.T, torch.eye(d), atol=1e-6, rtol=0)
+    q, k = torch.randn(5, 2, d), torch.randn(5, 2, d)
+    torch.testing.assert_close((kvq.rotate_queries(q, r) * (k @ r)).sum(-1), (q * k).sum(-1), atol=1e-4, rtol=1e-4)
+    if d == 64:
+        assert torch.allclose(r.abs(), torch.full_like(r, d**-0.5))  # Hadamard: every channel spreads evenly
+
+
+def test_kv_bytes():
+    """At the same memory, 2x the blocks for fp8 and 3.2x for int4 (Llama-3-8B heads, bf16:
+    64 bytes of codes and 4 groups of 4 bytes against 256 bytes)."""
+    bf16 = kvq.bytes_per_token_head("auto", 128, torch.bfloat16)
+    assert bf16 / kvq.bytes_per_token_head("fp8", 128, torch.bfloat16) == 2
+    assert bf16 / kvq.bytes_per_token_head("int4", 128, torch.bfloat16) == 3.2
+    for kind in ["auto", "fp8", "fp8_e5m2", "int4"]:
+        k, v, ks, vs = kvq.allocate(kind, 3, 16, 2, 80, torch.bfloat16, "cpu")
+        per_head = (k.nbytes + v.nbytes + (ks.nbytes + vs.nbytes if ks is not None else 0)) // (2 * 3 * 16 * 2)
+        assert per_head == kvq.bytes_per_token_head(kind, 80, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_reference_reads_what_it_stored(kv_dtype):
+    """paged_attention_torch over a quantized cache equals it over the dequantized values."""
+    q, kq, vq, ks, vs, bt, sl, cu = quant_paged([5, 1], [20, 9], 4, 2, 16, 8, kv_dtype, seed=1)
+    blocks = torch.arange(kq.shape[0], device=kq.device)
+    kd, vd = kvq.pages(kq, ks, blocks, 16), kvq.pages(vq, vs, blocks, 16)
+    ref = pa.paged_attention_torch(q, kd.to(q.dtype), vd.to(q.dtype), bt, sl, cu, 0.25)
+    got = pa.paged_attention_torch(q, kq, vq, bt, sl, cu, 0.25, ks, vs)
+    close(got, ref, q.dtype, "quantized reference")
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+def test_decode_kernel(hq, hkv, d, kv_dtype):
+    ctx = [1, 17, 100, 33] if not GPU else [1, 17, 1000, 4096, 2049, 513, 33, 8192]
+    q, kq, vq, ks, vs, bt, sl, cu = quant_paged([1] * len(ctx), ctx, hq, hkv, d, 16, kv_dtype, seed=hq + d)
+    ref = pa.paged_attention_torch(q, kq, vq, bt, sl, cu, d**-0.5, ks, vs)
+    for ns in [None, 1]:  # CPU: None means several splits and their reduce
+        out = pa.paged_attention_triton(q, kq, vq, bt, sl, cu, d**-0.5, 1, num_splits=ns, k_scale=ks, v_scale=vs)
+        close(out, ref, DTYPE, f"decode {kv_dtype} splits={ns}")
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+def test_prefill_kernel(hq, hkv, d, kv_dtype):
+    """Fresh prompt, cached prefix / later chunk, a decode token, an empty sequence."""
+    if GPU:
+        q_lens, ctx = [700, 256, 1, 0, 2048], [700, 2000, 513, 40, 8192]
+    else:
+        q_lens, ctx = [20, 7, 1, 0, 33], [20, 50, 17, 9, 40]
+    q, kq, vq, ks, vs, bt, sl, cu = quant_paged(q_lens, ctx, hq, hkv, d, 16, kv_dtype, seed=3 * hq + d)
+    ref = pa.paged_attention_torch(q, kq, vq, bt, sl, cu, d**-0.5, ks, vs)
+    out = pa.paged_attention_triton(q, kq, vq, bt, sl, cu, d**-0.5, max(q_lens), k_scale=ks, v_scale=vs)
+    close(out, ref, DTYPE, f"prefill {kv_dtype}")
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_dtype,turn", [("fp8_e4m3", True), ("fp8_e5m2", True), ("fp8_e4m3", False),
+                                           ("int4", False)])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 80)] if not GPU else [(32, 8, 128), (9, 3, 64)])
+def test_rotary_store_kernel(hq, hkv, d, kv_dtype, turn):
+    """The fused rotary + quantizing store writes what the reference writes (the same codes
+    but for an fp32 division's last bit, which may move a value across a rounding boundary: a
+    handful of codes one step apart) and leaves padding slots (-1) alone; FP8 keys turned by
+    the Hadamard (d 64) or QR (d 80) matrix as the engine stores them, or not."""
+    t, nb, bs = (13, 4, 16) if not GPU else (2048, 300, 16)
+    g = torch.Generator().manual_seed(d + hkv)
+    cache, pos, slots, _, q, k, v = store_inputs(t, nb * bs, hq, hkv, d, DTYPE, g, gain=3.0)
+    kc, vc, ks, vs = kvq.allocate(kv_dtype, nb, bs, hkv, d, DTYPE, DEV)
+    if ks is None:
+        ks, vs = torch.tensor([FP8_SCALE], device=DEV), torch.tensor([2 * FP8_SCALE], device=DEV)
+    # old contents everywhere: the padding slots must keep them
+    filled = [kc, vc] + ([ks, vs] if kv_dtype == "int4" else [])
+    for x in filled:
+        x.normal_() if x.dtype == torch.float16 else x.view(torch.uint8).random_(0, 120)
+    refs = [x.clone() for x in filled]
+    rot = kvq.key_rotation(d, torch.device(DEV)) if turn else None
+    q_ref = rotary.rotary_store_kv_torch(pos, q.clone(), k, v, cache, refs[0], refs[1], slots,
+                                         *(refs[2:] if kv_dtype == "int4" else (ks, vs)), rot)
+    q_got = rotary.rotary_store_kv_triton(pos, q, k, v, cache, kc, vc, slots, ks, vs, rot)
+    close(q_got, q_ref, DTYPE, "rotated q")
+    blocks = torch.arange(nb, device=DEV)
+    for got, ref, s, what in ((kc, refs[0], ks, "k"), (vc, refs[1], vs, "v")):
+        if kv_dtype == "int4":
+            s_ref = refs[2] if what == "k" else refs[3]
+            torch.testing.assert_close(s, s_ref, rtol=1e-3, atol=0, msg=f"{what} int4 scales")
+            a, b = kvq.pages(got, s, blocks, d), kvq.pages(ref, s_ref, blocks, d)
+            step = kvq.int4_group_values(s_ref, d)[0].abs()  # (slots never written hold noise)
+        else:
+            a, b = kvq.pages(got, s, blocks, d), kvq.pages(ref, s, blocks, d)
+            step = b.abs() * 2.0 ** -(3 if kv_dtype == "fp8_e4m3" else 2) + 1e-6
+        off = (a - b).abs() > 1e-6
+        assert ((a - b).abs() <= step * 1.001 + 1e-6).all(), f"{what}: more than one step apart"
+        assert off.float().mean() < 0.01, f"{what}: {int(off.sum())} of {off.numel()} values differ"
+        untouched = ~_stored(slots, nb * bs)
+        assert torch.equal(_bytes(got)[untouched], _bytes(ref)[untouched]), f"{what}: padding slots written"
+
+
+def _stored(slots, n):
+    m = torch.zeros(n, dtype=torch.bool, device=slots.device)
+    m[slots[slots >= 0]] = True
+    return m
+
+
+def _bytes(cache):
+    return cache.view(torch.uint8).view(cache.shape[0] * cache.shape[1], -1)
+
+
+def test_cache_config_info_gauge():
+    """kvship:cache_config_info, as vLLM's cache_config_info: the cache's facts as labels of a 1."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvship.config import EngineConfig
+    from kvship.core.async_engine import EngineStats
+    from kvship.server.metrics import EngineStatsCollector
+
+    stats = EngineStats(0, 0, 5825, 0, 5825, 0, 0, 0, 0, 0)
+    engine = SimpleNamespace(stats=lambda: stats, is_alive=lambda: True,
+                             config=EngineConfig(kv_cache_dtype="fp8", block_size=16))
+    registry = CollectorRegistry()
+    registry.register(EngineStatsCollector(SimpleNamespace(engine=engine, model_name="m")))
+    text = generate_latest(registry).decode()
+    assert ('kvship:cache_config_info{block_size="16",cache_dtype="fp8",model_name="m",num_gpu_blocks="5825"} 1.0'
+            in text), text
