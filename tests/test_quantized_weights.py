@@ -330,9 +330,9 @@ def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path):
             assert layer.self_attn.o_proj.qweight.bits == 4
         out[dev] = [o.outputs[0] for o in llm.generate(prompts, params)]
         del llm
+    lp = lambda o: [chosen.logprob for chosen, _ in o.logprobs]
     for a, b in zip(out["cpu"], out["cuda"]):
-        assert a.token_ids == b.token_ids
-        lp = lambda o: [chosen.logprob for chosen, _ in o.logprobs]
+        assert a.token_ids == b.token_ids, (a.token_ids, b.token_ids, lp(a), lp(b))
         np.testing.assert_allclose(lp(a), lp(b), atol=2e-3)
 
 
