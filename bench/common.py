@@ -50,6 +50,23 @@ def param_count(shape: str) -> int:
     return layers * per_layer + embed + h
 
 
+def weight_bytes_per_token(model) -> int:
+    """Bytes a decode step reads of the weights: every parameter and quantized matrix, except an
+    untied input embedding (one row per token)."""
+    total, seen = 0, set()
+    for name, mod in model.named_modules():
+        q = getattr(mod, "qweight", None)
+        if q is not None:  # its `weight` parameter is the codes, counted here with the scales
+            total += q.nbytes()
+            seen.add(id(mod.weight))
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen or (name.endswith("embed_tokens") and not model.cfg.tie_word_embeddings):
+                continue
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
 def kv_bytes_per_token(shape: str, elem: int = 2, kv_cache_dtype: str = "auto") -> int:
     """KV-cache bytes of one token: 16-bit (elem 2) by default, or a --kv-cache-dtype's size."""
     from kvship.kernels.kv_quant import bytes_per_token_head

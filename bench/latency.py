@@ -27,27 +27,11 @@ from common import (
     measure_ceilings,
     param_count,
     table,
+    weight_bytes_per_token,
     write_shape_folder,
 )
 from kvship.llm import LLM
 from kvship.quant import insitu
-
-
-def weight_bytes_per_token(model) -> int:
-    """Bytes a decode step reads of the weights: every parameter and quantized matrix, except an
-    untied input embedding (one row per token)."""
-    total, seen = 0, set()
-    for name, mod in model.named_modules():
-        q = getattr(mod, "qweight", None)
-        if q is not None:  # its `weight` parameter is the codes, counted here with the scales
-            total += q.nbytes()
-            seen.add(id(mod.weight))
-        for pname, p in mod.named_parameters(recurse=False):
-            if id(p) in seen or (name.endswith("embed_tokens") and not model.cfg.tie_word_embeddings):
-                continue
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
 
 
 def kvship_latency(folder: str, prompt_len: int, out_len: int, eager: bool, quantization: str | None = None

@@ -4,10 +4,12 @@ tokens, ignore_eos. Output tok/s next to the workload's own limit and HF transfo
 The limit: decode steps each read all weights once (at most max_num_seqs sequences per step)
 plus every generated token's KV context, divided by the measured copy bandwidth; plus the
 prefill FLOPs (2 x params x prompt tokens) divided by the measured matmul rate. The KV bytes
-are the configuration's own: --kv-cache-dtype fp8 halves them, so its limit is higher.
+are the configuration's own: --kv-cache-dtype fp8 halves them, so its limit is higher; so are the
+weight bytes with --quantization (the bytes the loaded layers hold; the prefill term keeps the
+bf16 matmul rate, so an FP8 W8A8 limit is conservative there).
 
     python bench/throughput.py [--shape llama3-8b] [--num-prompts 1000] [--max-num-seqs 256]
-                               [--kv-cache-dtype auto|fp8|fp8_e5m2|int4]
+                               [--kv-cache-dtype auto|fp8|fp8_e5m2|int4] [--quantization fp8|int8|int4]
 """
 from __future__ import annotations
 
@@ -20,7 +22,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, header, kv_bytes_per_token, measure_ceilings, param_count, table, write_shape_folder
+from common import (
+    SHAPES,
+    header,
+    kv_bytes_per_token,
+    measure_ceilings,
+    param_count,
+    table,
+    weight_bytes_per_token,
+    write_shape_folder,
+)
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
 
@@ -34,13 +45,14 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
 
 
 def limit_seconds(shape: str, prompts, outs, max_num_seqs: int, bw: float, mm: float,
-                  kv_cache_dtype: str = "auto") -> float:
+                  kv_cache_dtype: str = "auto", weight_bytes: int | None = None) -> float:
     params = param_count(shape)
+    weight_bytes = weight_bytes or params * 2
     steps = -(-sum(outs) // max_num_seqs)
     kv_reads = sum(len(p) * o + o * (o + 1) // 2 for p, o in zip(prompts, outs)) * kv_bytes_per_token(
         shape, kv_cache_dtype=kv_cache_dtype)
     prefill_flops = 2 * params * sum(len(p) for p in prompts)
-    return (steps * params * 2 + kv_reads) / bw + prefill_flops / mm
+    return (steps * weight_bytes + kv_reads) / bw + prefill_flops / mm
 
 
 def time_gpu_work(obj, method: str, spans: list) -> None:
@@ -58,11 +70,15 @@ def time_gpu_work(obj, method: str, spans: list) -> None:
     setattr(obj, method, timed)
 
 
-def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "auto") -> tuple[float, int, float]:
+def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "auto",
+               quantization: str | None = None) -> tuple[float, int, float, int]:
     """(seconds, output tokens, fraction of the wall time inside the events bracketing each forward
-    pass and each sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle)."""
+    pass and each sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle,
+    and the weight bytes a decode step reads)."""
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2 * max(map(len, prompts)) + 16,
-              max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype)
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype,
+              quantization=quantization)
+    weight_bytes = weight_bytes_per_token(llm.engine.runner.model)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate(prompts[:4], params[:4])  # warm-up
     spans: list = []
@@ -78,7 +94,7 @@ def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "
     assert produced == sum(outs), "every request must produce exactly max_tokens tokens"
     del llm
     torch.cuda.empty_cache()
-    return dt, produced, busy / dt
+    return dt, produced, busy / dt, weight_bytes
 
 
 def run_hf(shape: str, prompts, outs, batch: int) -> float:
@@ -113,24 +129,28 @@ def main() -> None:
     ap.add_argument("--hf-prompts", type=int, default=64, help="subset size for the HF reference (0: skip)")
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"])
+    ap.add_argument("--quantization", default=None, choices=["fp8", "int8", "int4"], help="in-situ weight format")
     args = ap.parse_args()
+    wfmt = args.quantization or "bf16"
     bw, mm = measure_ceilings()
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts, outs = workload(args.num_prompts, args.lo, args.hi, vocab)
-    limit = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw, mm, args.kv_cache_dtype)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
-        dt, produced, busy = run_kvship(folder, prompts, outs, args.max_num_seqs, args.kv_cache_dtype)
+        dt, produced, busy, wbytes = run_kvship(folder, prompts, outs, args.max_num_seqs, args.kv_cache_dtype,
+                                                args.quantization)
+    limit = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw, mm, args.kv_cache_dtype, wbytes)
     print(f"kvship done after {time.monotonic() - t0:.0f} s ({dt:.1f} s of generation)", file=sys.stderr, flush=True)
-    rows = [[f"kvship, {args.kv_cache_dtype} KV", f"{produced / dt:,.0f}", f"{dt:.1f}", f"{100 * limit / dt:.0f}%", f"{100 * (1 - busy):.0f}%"]]
+    rows = [[f"kvship, {wfmt} weights, {args.kv_cache_dtype} KV", f"{produced / dt:,.0f}", f"{dt:.1f}",
+             f"{100 * limit / dt:.0f}%", f"{100 * (1 - busy):.0f}%"]]
     if args.hf_prompts:
         hf = run_hf(args.shape, prompts[:args.hf_prompts], outs[:args.hf_prompts], args.hf_batch)
         print(f"HF done after {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}", "-", "-", "-"])
-    rows.append([f"workload limit, {args.kv_cache_dtype} KV (bytes / BW + prefill FLOPs / matmul)",
+    rows.append([f"workload limit, {wfmt} weights, {args.kv_cache_dtype} KV (bytes / BW + prefill FLOPs / matmul)",
                  f"{produced / limit:,.0f}", f"{limit:.1f}", "100%", "0%"])
-    print(header(f"Offline throughput, {args.shape} shape, bf16, {args.kv_cache_dtype} KV cache, {args.num_prompts} prompts, "
+    print(header(f"Offline throughput, {args.shape} shape, {wfmt} weights, {args.kv_cache_dtype} KV cache, {args.num_prompts} prompts, "
                  f"in/out uniform [{args.lo}, {args.hi}], max_num_seqs {args.max_num_seqs}"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
           f"{sum(map(len, prompts)):,} prompt tokens, {sum(outs):,} output tokens\n")
