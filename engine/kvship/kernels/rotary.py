@@ -89,7 +89,8 @@ def _rotate_heads(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask,
     m = (offs_h[:, None] < H) & dmask[None, :]
     r1, r2 = _rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, HALF)
     o = dst + offs_h[:, None] * stride_dst_h + offs_d[None, :]
-    src_ty, dst_ty = src.dtype.element_ty, dst.dtype.element_ty
+    src_ty = src.dtype.element_ty  # (one assignment each: a tuple of dtypes does not compile on the GPU)
+    dst_ty = dst.dtype.element_ty
     tl.store(o, _to_cache(r1, src_ty, dst_ty, scale, FP8, FP8_E5), mask=m)
     tl.store(o + HALF, _to_cache(r2, src_ty, dst_ty, scale, FP8, FP8_E5), mask=m)
 
