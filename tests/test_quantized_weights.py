@@ -333,7 +333,7 @@ def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path):
     lp = lambda o: [chosen.logprob for chosen, _ in o.logprobs]
     for a, b in zip(out["cpu"], out["cuda"]):
         assert a.token_ids == b.token_ids, (a.token_ids, b.token_ids, lp(a), lp(b))
-        np.testing.assert_allclose(lp(a), lp(b), atol=2e-3)
+        np.testing.assert_allclose(lp(a), lp(b), atol=5e-3)
 
 
 def test_quantization_flag_refuses_a_quantized_checkpoint_and_moe(tmp_path, tiny_models):
