@@ -1,0 +1,48 @@
+"""The quantized-weight kernels compile for sm_90 (H100/H200), every variant the engine
+launches, on a machine without a GPU (tests/sm90_compile.py says why)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvship.kernels._triton import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+W = {"w_ptr": "*u8", "s_ptr": "*fp16", "b_ptr": "*fp16", "gi_ptr": "*i32", "N": "i32", "K": "i32", "KP": "i32",
+     "stride_w": "i32", "stride_s": "i32", "ngroups": "i32"}
+MODULE = "kvship.kernels.quant_linear"
+
+
+def _variants():
+    """(bits4, fp8, symmetric, gather, group) as the engine picks them for its formats."""
+    yield from [(True, False, False, False, 128), (True, False, True, False, 32), (True, False, False, True, 32),
+                (False, True, False, False, 1 << 30), (False, False, True, False, 1 << 30),
+                (False, False, False, False, 16)]
+
+
+def _specs():
+    for bits4, fp8, symm, gather, g in _variants():
+        flags = dict(BITS4=bits4, FP8=fp8, SYMM=symm, CENTRE=8.0 if bits4 else 128.0, GATHER=gather, G=g)
+        for dtype, bias in (("bf16", False), ("fp32", True)):  # serving; --dtype float32 and a bias
+            x = {"x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}"}
+            yield {"kernel": f"{MODULE}:_qgemv_kernel", "types": {**W, **x},
+                   "constexprs": {**flags, "HAS_BIAS": bias, "BLOCK_N": 16, "BLOCK_K": 256 if bits4 else 512}}
+            yield {"kernel": f"{MODULE}:_qgemm_kernel",
+                   "types": {**W, **x, "M": "i32", "stride_x": "i32", "stride_y": "i32"},
+                   "constexprs": {**flags, "HAS_BIAS": bias, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}}
+        yield {"kernel": f"{MODULE}:_dequant_kernel", "types": {**W, "out_ptr": "*bf16"},
+               "constexprs": {**flags, "BLOCK_N": 32, "BLOCK_K": 64 if bits4 else 128}}
+
+
+@pytest.mark.timeout(900)
+def test_quant_kernels_compile_for_sm90():
+    script = Path(__file__).with_name("sm90_compile.py")
+    proc = subprocess.run([sys.executable, str(script), json.dumps(list(_specs()))], capture_output=True, text=True,
+                          timeout=840)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("ok ") == len(list(_specs()))
