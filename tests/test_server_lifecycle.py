@@ -24,7 +24,7 @@ API_KEY = "sk-test-123"
 def server():
     srv = start_server(
         "--api-key", API_KEY, "--max-num-seqs", "4", "--max-waiting-requests", "4",
-        "--kv-cache-memory", "512MiB", "--shutdown-timeout", "3", "--max-model-len", "1024",
+        "--kv-cache-memory", "512MiB", "--shutdown-timeout", "6", "--max-model-len", "1024",
     )
     yield srv
     srv.stop()
@@ -151,8 +151,10 @@ def test_sigterm_under_load_exits_cleanly(server):
     outcomes: list[str] = []
 
     def client_call(i: int) -> None:
-        # long enough that the running ones outlast the 3 s drain even on an idle machine
-        body = {"prompt": f"Story {i}:", "max_tokens": 600, "ignore_eos": True, "stream": bool(i % 2)}
+        # long enough that the running ones outlast the 6 s drain even on an idle machine. (The drain
+        # was 3 s: on a loaded CI machine it ended before this test's next request, which then
+        # found the port closed.)
+        body = {"prompt": f"Story {i}:", "max_tokens": 1000, "ignore_eos": True, "stream": bool(i % 2)}
         try:
             with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
                 lines = [line for line in r.iter_lines() if line]
@@ -164,7 +166,7 @@ def test_sigterm_under_load_exits_cleanly(server):
                     else:  # finished, or cut short by the drain: ended the same way
                         reason = last["choices"][0]["finish_reason"]
                         n = sum(1 for line in lines[:-1] if json.loads(line.removeprefix("data: "))["choices"])
-                        outcomes.append("stream complete" if n >= 600 and reason == "length" else f"stream cut {reason}")
+                        outcomes.append("stream complete" if n >= 1000 and reason == "length" else f"stream cut {reason}")
                 else:
                     outcomes.append(f"http {r.status_code}")
         except httpx.HTTPError as exc:
@@ -194,7 +196,7 @@ def test_sigterm_under_load_exits_cleanly(server):
     code = server.proc.wait(timeout=30)
     took = time.monotonic() - t0
     assert code == 0, server.log()
-    assert took < 20, took
+    assert took < 30, took
     for t in threads:
         t.join(timeout=30)
         assert not t.is_alive()  # no client left hanging
@@ -202,7 +204,7 @@ def test_sigterm_under_load_exits_cleanly(server):
     # shutting down (a 503 it can retry) — never an error event or a dropped connection.
     assert len(outcomes) == 8, outcomes
     assert set(outcomes) <= {"stream cut stop", "stream complete", "http 200", "http 503"}, outcomes
-    assert "stream cut stop" in outcomes, outcomes  # 600 tokens outlast a 3 s drain on CPU
+    assert "stream cut stop" in outcomes, outcomes  # 1000 tokens outlast a 6 s drain on CPU
     log = server.log()
     assert "aborted" in log
     assert "kvship listening on http://127.0.0.1:" in log

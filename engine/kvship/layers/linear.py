@@ -61,8 +61,9 @@ class _Linear(nn.Module):
             param.data[offset : offset + src.shape[0]].copy_(src)
             return
         device = param.device
-        if isinstance(src, torch.Tensor) and self.quant.insitu is not None:
-            src = quantize(src.to(device), self.quant.insitu)  # one matrix at a time, on the device
+        if self.quant.insitu is not None:  # one matrix at a time, on the device (a GGUF block's values too)
+            src = quantize((src.dequantize() if isinstance(src, QuantizedTensor) else src).to(device),
+                           self.quant.insitu)
         self._pieces[offset] = src
         if sum(p.shape[0] for p in self._pieces.values()) == self.out_features:
             self._finish(device)

@@ -20,7 +20,9 @@ class QuantScheme:
     insitu: str | None = None
 
     def describe(self) -> str:
-        return self.checkpoint or f"in-situ {self.insitu}"
+        if self.insitu is None:
+            return self.checkpoint
+        return f"in-situ {self.insitu}" + (f" (from {self.checkpoint})" if self.checkpoint else "")
 
 
 __all__ = ["CheckpointFormat", "INSITU_METHODS", "QuantRef", "QuantScheme", "QuantizedTensor",

@@ -78,12 +78,14 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
 
 
 def _weight_quantization(config: EngineConfig, model_config: ModelConfig) -> QuantScheme | None:
-    """The checkpoint's own quantization, or --quantization's in-situ one; never both."""
+    """The checkpoint's own quantization, or --quantization's in-situ one (from a GGUF file: over it)."""
     scheme = model_config.quantization
     if config.quantization is not None:
-        if scheme is not None:
+        # A GGUF file's blocks are requantized (read, expanded, quantized again); a checkpoint
+        # quantized for serving (GPTQ, AWQ, FP8, compressed-tensors) is served as it is.
+        if scheme is not None and scheme.checkpoint != "gguf":
             raise ValueError(f"the checkpoint is already quantized ({scheme.checkpoint}); drop --quantization")
-        scheme = QuantScheme(insitu=config.quantization)
+        scheme = QuantScheme(checkpoint=scheme and scheme.checkpoint, insitu=config.quantization)
     if scheme is not None and model_config.num_experts:
         raise ValueError("quantized mixture-of-experts models are not supported yet")
     if scheme is not None:
