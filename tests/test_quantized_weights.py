@@ -219,9 +219,8 @@ _QUANT_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("fmt", list(_QUANT_CONFIGS))
-def test_checkpoint_format_matches_transformers_on_dequantized_weights(tmp_path, fmt):
-    folder = tmp_path / fmt
+def _quantized_folder(folder, fmt: str):
+    """A tiny llama saved in ``fmt``; returns transformers' model holding the dequantized weights."""
     ref = make_tiny_model(folder, "llama-gqa-tied", seed=3)
     tensors = {k: v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight"}
     out, deq, qcfg = _write_format(tensors, fmt, torch.Generator().manual_seed(0))
@@ -231,6 +230,13 @@ def test_checkpoint_format_matches_transformers_on_dequantized_weights(tmp_path,
     cfg["quantization_config"] = qcfg
     (folder / "config.json").write_text(json.dumps(cfg))
     ref.load_state_dict(deq, strict=False)  # transformers runs the format's dequantized weights in fp32
+    return ref
+
+
+@pytest.mark.parametrize("fmt", list(_QUANT_CONFIGS))
+def test_checkpoint_format_matches_transformers_on_dequantized_weights(tmp_path, fmt):
+    folder = tmp_path / fmt
+    ref = _quantized_folder(folder, fmt)
 
     prompts = [torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 23)]
     for p, got in zip(prompts, our_logits(folder, prompts, device=DEV)):
@@ -239,6 +245,20 @@ def test_checkpoint_format_matches_transformers_on_dequantized_weights(tmp_path,
         # fp16 scales and offsets (the precision the formats store) against fp32 products
         torch.testing.assert_close(got, want, atol=2e-3 if DEV == "cpu" else 2e-2, rtol=0)
         assert torch.equal(got.argmax(-1), want.argmax(-1)), "greedy tokens differ"
+
+
+def test_quantized_checkpoint_sharded_over_two_ranks_equals_one(tmp_path):
+    """GPTQ with act-order over TP=2 (gloo): row-parallel shards keep every group's scale and
+    their inputs' group table, column-parallel ones their rows; the logits equal one rank's."""
+    from test_tensor_parallel import _run
+
+    folder = tmp_path / "gptq"
+    _quantized_folder(folder, "gptq-act-order")
+    tokens1, steps1 = _run(folder, 1)
+    tokens2, steps2 = _run(folder, 2)
+    for a, b in zip(steps2, steps1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert tokens2 == tokens1
 
 
 def test_unsupported_quantization_is_named():
