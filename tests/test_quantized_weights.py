@@ -98,6 +98,8 @@ def test_mixed_parts_are_widened_without_changing_values():
 
 
 # -- checkpoint formats ---------------------------------------------------------------------------
+# GPTQ, AWQ and FP8 are written here to their published layouts (no maintained packer installs
+# on a CPU); compressed-tensors' own compressor writes its formats.
 
 G = 32  # group size of the tiny models' integer formats (hidden 64, intermediate 128)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -182,18 +184,21 @@ def _write_format(tensors: dict[str, torch.Tensor], fmt: str, rng: torch.Generat
             out[name], out[prefix + ".weight_scale"] = q, s.float()
             deq[name] = q.float() * s
         elif fmt in ("ct-w4a16", "ct-w4a16-asym"):
-            from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+            # compressed-tensors' own compressor writes the tensors and its decompressor gives the
+            # values they mean (zero points packed along the rows when asymmetric)
+            from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor as ct
+            from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
             symmetric = fmt == "ct-w4a16"
-            codes, scale, zero = _int_groups(w, 4, symmetric)
-            signed = (codes - 8).to(torch.int8)  # compressed-tensors stores q in [-8, 7]
-            out[prefix + ".weight_packed"] = pack_to_int32(signed, 4)
-            out[prefix + ".weight_scale"] = scale
-            out[prefix + ".weight_shape"] = torch.tensor([n, k])
-            zp = (zero - 8).to(torch.int8)
+            _, scale, zero = _int_groups(w, 4, symmetric)
+            scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+                num_bits=4, type="int", strategy="group", group_size=G, symmetric=symmetric))
+            parts = {"weight": w, "weight_scale": scale}
             if not symmetric:
-                out[prefix + ".weight_zero_point"] = zp
-            deq[name] = (signed.float() - zp.float().repeat_interleave(G, 1)) * scale.float().repeat_interleave(G, 1)
+                parts["weight_zero_point"] = (zero - 8).to(torch.int8)  # its zero points are signed
+            packed = ct.compress(parts, scheme)
+            out.update({f"{prefix}.{k}": v for k, v in packed.items()})
+            deq[name] = ct.decompress(packed, scheme)["weight"].float()
         else:
             raise AssertionError(fmt)
     return out, deq, _QUANT_CONFIGS[fmt]

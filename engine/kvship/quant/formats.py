@@ -12,7 +12,8 @@ Layouts (from the formats' own documentation and reference code):
 - compressed-tensors: ``float-quantized`` FP8 ``weight`` with ``weight_scale`` per tensor [1] or
   per channel [N, 1]; ``pack-quantized`` int4/int8 ``weight_packed`` int32 [N, K*bits/32], eight
   (or four) values per int32 along K, lowest bits first, stored offset by 2**(bits-1);
-  ``weight_scale`` [N, K/G]; ``weight_zero_point`` [N, K/G] when asymmetric (signed);
+  ``weight_scale`` [N, K/G]; ``weight_zero_point`` when asymmetric: signed, packed like the codes
+  but along N (int32 [N*bits/32, K/G]);
   ``naive-quantized`` / ``int-quantized`` int8 ``weight`` with ``weight_scale``.
 - GPTQ: ``qweight`` int32 [K*bits/32, N] packed along K; ``qzeros`` int32 [K/G, N*bits/32]
   packed along N; ``scales`` fp16 [K/G, N]; ``g_idx`` int32 [K] (act-order). The original
@@ -111,10 +112,12 @@ def _ct_packed(t, bits=4, group_size=None, symmetric=True):
     scale = t["weight_scale"].float()
     if scale.dim() == 1:
         scale = scale[:, None]
-    g = group_size or k if scale.shape[1] > 1 else k
+    g = (group_size or -(-k // scale.shape[1])) if scale.shape[1] > 1 else k
     zp = t.get("weight_zero_point")
     if symmetric or zp is None:
         return QuantizedTensor(codes, scale, None, bits, g)
+    if zp.dtype == torch.int32:  # packed like the codes, along the output rows, offset by 2**(bits-1)
+        zp = _unpack_int32(zp, bits, dim=0)[:n].to(torch.int16) - (1 << (bits - 1))
     # stored codes are q + 2**(bits-1) with q signed; W = (q - zp) * s = codes * s - (2**(bits-1) + zp) * s
     zp = zp.float().reshape(scale.shape)
     return QuantizedTensor(codes, scale, -((1 << (bits - 1)) + zp) * scale, bits, g)
