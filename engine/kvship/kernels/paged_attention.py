@@ -162,11 +162,16 @@ def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
         m = dmask[None, :]
         if MASKED:
             m = m & tmask[:, None]
+    # one return at the end: the GPU compiler goes on past a return inside a constexpr branch
     if KV_MODE == 2:
         if D_FIRST:
-            return kvq.int4_load(c_ptr, g_ptr, t, grp_off[None, :], d, m)
-        return kvq.int4_load(c_ptr, g_ptr, t, grp_off[:, None], d, m)
-    return tl.load(c_ptr + t + d, mask=m, other=0.0)
+            g = grp_off[None, :]
+        else:
+            g = grp_off[:, None]
+        tile = kvq.int4_load(c_ptr, g_ptr, t, g, d, m)
+    else:
+        tile = tl.load(c_ptr + t + d, mask=m, other=0.0)
+    return tile
 
 
 @triton.jit
