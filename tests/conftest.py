@@ -129,6 +129,8 @@ TINY_ARCHS = {
         "original_max_position_embeddings": 64}, rope_theta=500000.0)),
     "qwen2-bias": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "qwen3-qknorm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+    # fused qkv_proj and gate_up_proj in the checkpoint, split by the loader
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0)),
     # mixture of experts: 8 experts, top-2 (renormalised), a dense layer among the routed ones
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                                          moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),

@@ -126,3 +126,31 @@ def test_moe_models_greedy_match_transformers_batched_and_chunked(tiny_models, a
             out = ref.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                pad_token_id=0)
         assert got == out[0, len(p):].tolist(), (arch, p)
+
+
+def test_phi4_mini_partial_rotary_is_refused():
+    base = dict(architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, vocab_size=10, partial_rotary_factor=0.75)
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.75"):
+        ModelConfig.from_hf(base)
+
+
+def test_sliding_window_limits_the_context(tmp_path, tiny_models):
+    """Attention over a window is not implemented: the context stops at the window, where the
+    outputs are still exact (Mistral v0.1, Phi-3-mini); Qwen2's unused window is ignored."""
+    import json
+    import shutil
+
+    from kvship.runner.model_runner import load_model
+
+    folder = tmp_path / "windowed"
+    shutil.copytree(tiny_models["phi3"][0], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100}))
+    config = EngineConfig(model=str(folder), device="cpu")
+    load_model(config)
+    assert config.max_model_len == 100
+    with pytest.raises(ValueError, match="exceeds the model's limit of 100"):
+        load_model(EngineConfig(model=str(folder), device="cpu", max_model_len=200))
+    qwen = ModelConfig.from_hf(json.loads((tiny_models["qwen2-bias"][0] / "config.json").read_text()))
+    assert qwen.sliding_window is None

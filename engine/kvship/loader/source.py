@@ -52,6 +52,23 @@ class ModelSource:
         return self._weights()
 
 
+class RowView:
+    """Rows [start, start + size) of a lazy tensor (a WeightRef or a QuantRef), itself lazy: a
+    checkpoint's fused matrix (Phi-3's qkv_proj) seen as the parts the model loads one by one."""
+
+    def __init__(self, ref, start: int, size: int) -> None:
+        self.ref, self.start, self.size = ref, start, size
+        self.shape = (size, *tuple(ref.shape)[1:]) if ref.shape is not None else None
+        self.dtype = ref.dtype
+
+    def load(self, slices: tuple[slice, ...] | None = None):
+        if slices is not None and not isinstance(slices, tuple):
+            slices = (slices,)
+        first, rest = (slices[0], slices[1:]) if slices else (slice(None), ())
+        lo, hi, _ = first.indices(self.size)
+        return self.ref.load((slice(self.start + lo, self.start + hi), *rest))
+
+
 def apply_slices(t: torch.Tensor, slices: tuple[slice, ...] | None) -> torch.Tensor:
     if not slices:
         return t

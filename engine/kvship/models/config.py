@@ -21,6 +21,8 @@ FAMILIES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # Phi-3 and Phi-4: the Llama block, stored with fused qkv_proj and gate_up_proj matrices
+    "Phi3ForCausalLM": "phi3",
     # base models without the output projection, as embedding models are saved
     "LlamaModel": "llama",
     "MistralModel": "llama",
@@ -28,7 +30,8 @@ FAMILIES = {
     "Qwen3Model": "qwen3",
 }
 _BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
-                  "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+                  "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
+                "phi3": "phi3"}
 
 
 def family_of(cfg: dict[str, Any]) -> str:
@@ -72,6 +75,8 @@ class ModelConfig:
     sparse_layers: frozenset[int] = frozenset()  # layers whose feed-forward is the experts
     # how the linear layers' weights are stored (kvship.quant.QuantScheme), None: the model's dtype
     quantization: Any = None
+    # attention sees only this many past tokens (Mistral v0.1, Phi-3); None: the whole context
+    sliding_window: int | None = None
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -93,6 +98,10 @@ class ModelConfig:
             else:
                 rope_scaling["rope_type"] = kind
         heads = cfg["num_attention_heads"]
+        partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):  # Phi-4-mini rotates 3/4 of each head
+            raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported yet")
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         eos = cfg.get("eos_token_id")
         eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -115,6 +124,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_list,
             quantization=_quantization(cfg),
+            sliding_window=window,
             **_moe_fields(arch, cfg),
         )
 

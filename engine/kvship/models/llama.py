@@ -1,4 +1,4 @@
-"""Llama family (Llama 2/3/3.1, Mistral, SmolLM2): pre-norm decoder, GQA, SiLU MLP.
+"""Llama family (Llama 2/3/3.1, Mistral, SmolLM2, Phi-3/Phi-4): pre-norm decoder, GQA, SiLU MLP.
 Qwen2 (qkv bias) and Qwen3 (per-head q/k RMSNorm) differ only in switches of ModelConfig, and
 so do their mixture-of-experts variants and Mixtral: the feed-forward of the layers
 ModelConfig.is_sparse names is a routed set of experts (SparseMoeBlock)."""
@@ -16,6 +16,7 @@ from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from kvship.layers.moe import MoEExperts, route
 from kvship.layers.norm import RMSNorm
 from kvship.layers.rotary import RotaryEmbedding
+from kvship.loader.source import RowView
 from kvship.models.config import ModelConfig
 from kvship.parallel import TPContext
 
@@ -167,6 +168,10 @@ class LlamaForCausalLM(nn.Module):
                 attn = self.model.layers[int(kv_scale.group(1))].self_attn.attn
                 attn.load_kv_scale(kv_scale.group(2), ref.load())
                 continue
+            if self.cfg.architecture == "phi3" and name.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")):
+                self._load_fused(params, name, ref)
+                loaded.add(name)
+                continue
             name, shard_id = _expert_name(name)
             for ckpt, (ours, sid) in self.packed.items() if shard_id is None else ():
                 if f".{ckpt}." in name:
@@ -184,6 +189,20 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded - ({"lm_head.weight"} if self.cfg.tie_word_embeddings or not need_lm_head else set())
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+    def _load_fused(self, params: dict, name: str, ref) -> None:
+        """Phi-3 stores q, k and v (and gate and up) as one matrix: each part goes to the loader
+        as a row view, as if the checkpoint held it alone."""
+        c = self.cfg
+        if name.endswith("qkv_proj.weight"):
+            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            parts = (("q", 0, q), ("k", q, kv), ("v", q + kv, kv))
+        else:
+            parts = ((0, 0, c.intermediate_size), (1, c.intermediate_size, c.intermediate_size))
+        param = params[name]
+        for shard_id, start, size in parts:
+            param.weight_loader(param, RowView(ref, start, size), shard_id)
 
 
 # vLLM and compressed-tensors write an FP8 KV cache's scales as "layers.N.self_attn.k_scale"

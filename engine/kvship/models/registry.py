@@ -14,6 +14,7 @@ MODEL_CLASSES = {
     "mixtral": LlamaForCausalLM,
     "qwen2_moe": LlamaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,
 }
 
 
