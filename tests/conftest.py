@@ -131,6 +131,12 @@ TINY_ARCHS = {
     "qwen3-qknorm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
     # fused qkv_proj and gate_up_proj in the checkpoint, split by the loader
     "phi3": ("Phi3Config", dict(num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0)),
+    # Phi-3.5-mini's longrope over a 64-token original context (prompts stay within it, where
+    # transformers uses the short factors for every position as we do)
+    "phi3-longrope": ("Phi3Config", dict(
+        num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0, original_max_position_embeddings=64,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                      "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
     # mixture of experts: 8 experts, top-2 (renormalised), a dense layer among the routed ones
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                                          moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])),

@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half convention, as HF Llama), with llama3/linear scaling."""
+"""Rotary position embedding (rotate-half convention, as HF Llama), with llama3/linear scaling
+and Phi-3's longrope."""
 from __future__ import annotations
 
 import math
@@ -27,7 +28,23 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, longrope)")
+
+
+def longrope_cache(head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any],
+                   device=None) -> torch.Tensor:
+    """Phi-3's longrope: frequencies divided per dimension by the short factors up to the
+    original context and by the long factors beyond it (as vLLM does; transformers switches
+    every position to the long factors once a sequence passes the original context, so the two
+    agree up to that length), cos and sin scaled by sqrt(1 + ln(factor) / ln(original))."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    attention = scaling.get("attention_factor") or (
+        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    caches = [build_cos_sin_cache(max_positions, head_dim, inv_freq=1.0 / (torch.tensor(
+        scaling[f"{which}_factor"], dtype=torch.float64) * base), device=device) for which in ("short", "long")]
+    return torch.cat([caches[0][:original], caches[1][original:]]) * attention
 
 
 class RotaryEmbedding(nn.Module):
@@ -35,6 +52,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        cache = build_cos_sin_cache(max_positions, head_dim, inv_freq=inv_freq, device=torch.get_default_device())
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            cache = longrope_cache(head_dim, max_positions, theta, scaling, device=torch.get_default_device())
+        else:
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)
+            cache = build_cos_sin_cache(max_positions, head_dim, inv_freq=inv_freq, device=torch.get_default_device())
         self.register_buffer("cos_sin_cache", cache, persistent=False)

@@ -93,10 +93,14 @@ class ModelConfig:
         if rope_scaling is not None:
             rope_scaling = dict(rope_scaling)
             kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            kind = {"su": "longrope"}.get(kind, kind)  # Phi-3's first name for it
             if kind == "default":
                 rope_scaling = None
             else:
                 rope_scaling["rope_type"] = kind
+                if kind == "longrope":  # the lengths it switches between live beside it in config.json
+                    rope_scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+                    rope_scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
         heads = cfg["num_attention_heads"]
         partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
         if partial not in (None, 1, 1.0):  # Phi-4-mini rotates 3/4 of each head
