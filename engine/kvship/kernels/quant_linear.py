@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
+from kvship.quant.insitu import FP8_MAX
 from kvship.quant.tensor import QuantizedTensor
 
 
@@ -258,6 +259,20 @@ def _gather_table(w: QWeight, tile: int) -> torch.Tensor | None:
     return table
 
 
+def _layout(w: QWeight, block_k: int) -> tuple[tuple[torch.Tensor, ...], dict]:
+    """What every kernel takes of the layout for tiles of ``block_k`` stored columns: the codes'
+    bytes, scales, offsets and group table (unused ones stand in as the scales: a pointer the
+    kernel never reads), and the compile-time flags."""
+    table = _gather_table(w, block_k * (2 if w.bits == 4 else 1))
+    symm = w.biases is None and not w.fp8
+    ptrs = (w.qweight.view(torch.uint8), w.scales, w.biases if w.biases is not None else w.scales,
+            table if table is not None else w.scales)
+    return ptrs, dict(BITS4=w.bits == 4, FP8=w.fp8, SYMM=symm, CENTRE=float(1 << (w.bits - 1)) if symm else 0.0,
+                      GATHER=table is not None,
+                      # one group per row: a group wider than any tile (and a power of two, as tile shapes must be)
+                      G=w.group_size if w.scales.shape[1] > 1 else 1 << 30)
+
+
 def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None,
                         config: dict[str, int] | None = None) -> torch.Tensor:
     shape = x.shape
@@ -265,35 +280,26 @@ def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None =
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n, kp = x2.shape[0], w.n, w.qweight.shape[1]
-    codes = w.qweight.view(torch.uint8)
+    if m >= DENSE_ROWS and config is None:
+        return _dense_matmul(x2, w, bias).view(*shape[:-1], n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bits4 = w.bits == 4
-    symm = w.biases is None and not w.fp8
-    common = dict(BITS4=bits4, FP8=w.fp8, SYMM=symm, CENTRE=float(1 << (w.bits - 1)) if symm else 0.0,
-                  HAS_BIAS=bias is not None,
-                  # one group per row: a group wider than any tile (and a power of two, as tile shapes must be)
-                  G=w.group_size if w.scales.shape[1] > 1 else 1 << 30)
-    biases = w.biases if w.biases is not None else w.scales
+    bias_ptr = bias if bias is not None else w.scales
     if m == 1:
         cfg = config or GEMV_CONFIGS[w.bits]
-        table = _gather_table(w, cfg["block_k"] * (2 if bits4 else 1))
+        ptrs, flags = _layout(w, cfg["block_k"])
         _qgemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
-            x2, codes, w.scales, biases, table if table is not None else w.scales,
-            bias if bias is not None else w.scales, y, n, w.k, kp, w.qweight.stride(0), w.scales.stride(0),
-            w.scales.shape[1], GATHER=table is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
-    elif m >= DENSE_ROWS and config is None:
-        y = _dense_matmul(x2, w, bias)
+            x2, *ptrs, bias_ptr, y, n, w.k, kp, w.qweight.stride(0), w.scales.stride(0), w.scales.shape[1],
+            HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     elif m > 0:
         cfg = config or _gemm_config(m)
-        table = _gather_table(w, cfg["block_k"] * (2 if bits4 else 1))
+        ptrs, flags = _layout(w, cfg["block_k"])
         grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]))
         _qgemm_kernel[grid](
-            x2, codes, w.scales, biases, table if table is not None else w.scales,
-            bias if bias is not None else w.scales, y, m, n, w.k, kp, x2.stride(0), y.stride(0),
-            w.qweight.stride(0), w.scales.stride(0), w.scales.shape[1], GATHER=table is not None,
+            x2, *ptrs, bias_ptr, y, m, n, w.k, kp, x2.stride(0), y.stride(0), w.qweight.stride(0),
+            w.scales.stride(0), w.scales.shape[1], HAS_BIAS=bias is not None,
             BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **common)
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     return y.view(*shape[:-1], n)
 
 
@@ -332,15 +338,10 @@ def dequantize_triton(w: QWeight, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(w.n, w.k, dtype=dtype, device=w.qweight.device)
     cfg = _within_groups(w, {"block_n": 32, "block_k": 128})
     bn, bk = cfg["block_n"], cfg["block_k"]
-    table = _gather_table(w, bk * (2 if w.bits == 4 else 1))
-    symm = w.biases is None and not w.fp8
+    ptrs, flags = _layout(w, bk)
     grid = (triton.cdiv(w.n, bn), triton.cdiv(w.qweight.shape[1], bk))
-    _dequant_kernel[grid](
-        w.qweight.view(torch.uint8), w.scales, w.biases if w.biases is not None else w.scales,
-        table if table is not None else w.scales, out, w.n, w.k, w.qweight.shape[1], w.qweight.stride(0),
-        w.scales.stride(0), w.scales.shape[1], BITS4=w.bits == 4, FP8=w.fp8, SYMM=symm,
-        CENTRE=float(1 << (w.bits - 1)) if symm else 0.0, GATHER=table is not None,
-        G=w.group_size if w.scales.shape[1] > 1 else 1 << 30, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    _dequant_kernel[grid](*ptrs, out, w.n, w.k, w.qweight.shape[1], w.qweight.stride(0), w.scales.stride(0),
+                          w.scales.shape[1], BLOCK_N=bn, BLOCK_K=bk, num_warps=4, **flags)
     return out
 
 
@@ -357,7 +358,7 @@ def _dense_matmul(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> to
     a transient 16-bit matrix for cuBLAS (compute-bound at these sizes: the expansion costs less
     than the dequantizing GEMM lost)."""
     if _w8a8(x2, w):
-        scale_a = (x2.abs().amax(1, keepdim=True).float() / 448.0).clamp_min(1e-12)
+        scale_a = (x2.abs().amax(1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
         xq = (x2.float() / scale_a).to(torch.float8_e4m3fn)
         return torch._scaled_mm(xq, w.qweight.t(), scale_a=scale_a, scale_b=w.scales.view(1, -1),
                                 bias=bias, out_dtype=x2.dtype)

@@ -35,13 +35,14 @@ class _Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, quant=None):
         super().__init__()
         self.tp = tp
+        self.out_features = out_features  # this rank's
         self.quant = quant
         self.qweight: QWeight | None = None
         if quant is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         else:  # built by _finish() from the pieces the loader collects, on this device and dtype
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-            self.out_features, self._dtype = out_features, torch.get_default_dtype()
+            self._dtype = torch.get_default_dtype()
             self._pieces: dict[int, torch.Tensor | QuantizedTensor] = {}
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -93,7 +94,7 @@ class ColumnParallelLinear(_Linear):
         super().__init__(in_features, tp.shard(out_features, "output features"), bias, tp, quant)
 
     def weight_loader(self, param: nn.Parameter, ref, shard_id=None) -> None:
-        size = param.shape[0] if param is not self.weight or self.quant is None else self.out_features
+        size = self.out_features  # the weight's rows and the bias alike
         self._store(param, 0, _rows(ref, self.tp.rank * size, size))
 
 

@@ -133,7 +133,8 @@ def _ct_int8(t, group_size=None, **_):
     return QuantizedTensor(codes, scale.contiguous(), None, 8, g)
 
 
-def _gptq(t, bits=4, group_size=128, v2=False, desc_act=False):
+def _gptq(t, bits=4, group_size=128, v2=False):
+    # (desc_act needs no option: a g_idx out of order says it)
     codes = _unpack_int32(t["qweight"], bits, dim=0)  # [K, N]
     k, n = codes.shape
     scales = t["scales"].float()  # [groups, N]
@@ -200,8 +201,7 @@ def checkpoint_format(cfg: dict | None) -> CheckpointFormat | None:
         v2 = str(cfg.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
         return CheckpointFormat("gptq", ("qweight", "qzeros", "scales", "g_idx"), ("qweight", "qzeros", "scales"),
                                 tuple(cfg.get("modules_to_not_convert") or ()),
-                                {"bits": bits, "group_size": int(cfg.get("group_size", 128)), "v2": v2,
-                                 "desc_act": bool(cfg.get("desc_act", False))})
+                                {"bits": bits, "group_size": int(cfg.get("group_size", 128)), "v2": v2})
     if method == "awq":
         version = str(cfg.get("version", "gemm")).lower()
         if version != "gemm" or int(cfg.get("bits", cfg.get("w_bit", 4))) != 4:
