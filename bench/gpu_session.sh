@@ -37,7 +37,7 @@ bench throughput-8b-fp8 240 python3 bench/throughput.py --kv-cache-dtype fp8 --h
 bench kv-decode 400 python3 bench/kv_decode.py
 bench throughput-qwen3 200 python3 bench/throughput.py --shape qwen3-0.6b --num-prompts 256 --hf-prompts 8 --hf-batch 8
 bench serve 240 python3 bench/serve.py --concurrency 1 8 32 64
-bench startup 200 python3 bench/startup.py
+bench startup 300 python3 bench/startup.py --quantization none fp8
 bench profile-b1 150 python3 bench/profile_step.py --graphs --batch 1
 bench profile 300 bash -c "python3 bench/profile_step.py --graphs --batch 1 && python3 bench/profile_step.py --graphs --batch 256"
 bench tp-profile 200 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \

@@ -3,7 +3,10 @@ weights of a real shape, written as sharded safetensors), next to the time HF tr
 from_pretrained takes to put the same checkpoint on the GPU, and the disk-read floor
 (checkpoint bytes / measured sequential read rate of those files).
 
-    python bench/startup.py [--shape llama3-8b] [--dir /tmp/kvship-startup]
+    python bench/startup.py [--shape llama3-8b] [--dir /tmp/kvship-startup] [--quantization none fp8]
+
+Each --quantization value starts the server once over the same 16-bit checkpoint (fp8: in-situ
+quantization while loading).
 """
 from __future__ import annotations
 
@@ -61,26 +64,35 @@ def read_rate(folder: str) -> tuple[float, int]:
     return total / (time.monotonic() - t0), total
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--dir", default="/tmp/kvship-startup")
-    args = ap.parse_args()
-    os.makedirs(args.dir, exist_ok=True)
-    folder = write_checkpoint(args.shape, args.dir)
-    os.system("sync")
+def serve_start(folder: str, quantization: str) -> float:
+    """Seconds from process start to /health 200, checked by one completion."""
     port = free_port()
+    extra = [] if quantization == "none" else ["--quantization", quantization]
     t0 = time.monotonic()
-    proc = popen_logged([sys.executable, "-m", "kvship.cli", "serve", folder, "--host", "127.0.0.1", "--port", str(port)])
+    proc = popen_logged([sys.executable, "-m", "kvship.cli", "serve", folder, "--host", "127.0.0.1",
+                         "--port", str(port), *extra])
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}")
-        ours = time.monotonic() - t0
+        took = time.monotonic() - t0
         ok = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                         json={"prompt": [5, 6, 7], "max_tokens": 4, "model": Path(folder).name}, timeout=60)
         ok.raise_for_status()
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    return took
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--dir", default="/tmp/kvship-startup")
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8", "int8", "int4"])
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    folder = write_checkpoint(args.shape, args.dir)
+    os.system("sync")
+    starts = {q: serve_start(folder, q) for q in args.quantization}
     import transformers
 
     t0 = time.monotonic()
@@ -90,10 +102,11 @@ def main() -> None:
     del m
     rate, nbytes = read_rate(folder)  # files are in the page cache by now: a floor, not a cold read
     print(header(f"Start-up, {args.shape} shape, {nbytes / 1e9:.1f} GB safetensors on local disk"))
-    print(table([["kvship serve: process start -> /health 200 (incl. KV sizing, CUDA graphs)", f"{ours:.1f}"],
-                 ["HF transformers from_pretrained to GPU (weights only)", f"{hf:.1f}"],
-                 [f"read floor: bytes / cached read rate ({rate / 1e9:.1f} GB/s)", f"{nbytes / rate:.1f}"]],
-                ["what", "seconds"]))
+    rows = [[f"kvship serve{'' if q == 'none' else ' --quantization ' + q}: process start -> /health 200 "
+             "(incl. KV sizing, CUDA graphs)", f"{t:.1f}"] for q, t in starts.items()]
+    rows += [["HF transformers from_pretrained to GPU (weights only)", f"{hf:.1f}"],
+             [f"read floor: bytes / cached read rate ({rate / 1e9:.1f} GB/s)", f"{nbytes / rate:.1f}"]]
+    print(table(rows, ["what", "seconds"]))
 
 
 if __name__ == "__main__":
