@@ -6,9 +6,9 @@ rows, then up rows) and w2 [E, H, I]. Tensor parallelism shards each expert's in
 dimension, like the dense MLP: every rank routes the same way (the router is replicated) and
 returns partial sums that the next norm reduces.
 
-This is the plain-torch path: one matmul pair per expert that has tokens. It reads only the
-selected experts' weights, but its shapes depend on the routing, so models with experts run
-without CUDA graphs (the fused Triton MoE kernel is still to come).
+The experts run in kernels/fused_moe.py: on a GPU, its Triton kernels (shapes fixed by the
+token count, no host sync, so decode runs in CUDA graphs); elsewhere its plain-torch path, one
+matmul pair per expert that has tokens. Both read only the selected experts' weights.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvship.kernels.fused_moe import fused_moe
 from kvship.parallel import TPContext
 
 
@@ -51,23 +52,7 @@ class MoEExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing (weights, ids) [T, k] -> this rank's partial sums [T, H]."""
-        out = torch.zeros_like(x)
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer
-        token_of = order // ids.shape[1]
-        weight_of = weights.flatten()[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = token_of[start:start + n]
-            h = F.linear(x[rows], self.w13[e])
-            h = F.silu(h[:, :self.intermediate]) * h[:, self.intermediate:]
-            y = F.linear(h, self.w2[e]) * weight_of[start:start + n, None].to(x.dtype)
-            out.index_add_(0, rows, y)
-            start += n
-        return out
+        return fused_moe(x, self.w13, self.w2, weights, ids)
 
 
 def moe_reference(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,

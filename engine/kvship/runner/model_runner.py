@@ -156,9 +156,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_blocks = self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
-        # graphs: decode only, and not for routed experts (their shapes follow the routing)
+        # graphs: decode only; routed experts only through the fused Triton path (the torch one
+        # syncs with the host and its shapes follow the routing)
         if self.device.type == "cuda" and not config.enforce_eager and config.task != "embed" \
-                and not model_config.num_experts:
+                and (HAS_TRITON or not model_config.num_experts):
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, 512),
                                        -(-max_model_len // self.block_size), self.device)
             self.graphs.capture()

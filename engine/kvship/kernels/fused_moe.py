@@ -1,0 +1,193 @@
+"""Routed experts, all at once: x [T, H], the router's choice (weights, ids) [T, k] and stacked
+expert weights w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] -> sum over the k
+choices of weight * w2[e] @ (silu(gate) * up) [T, H].
+
+``fused_moe_torch`` is the reference and the CPU path: one matmul pair per expert that has tokens
+(it reads only those experts' weights, but its shapes follow the routing and it syncs with the
+host once per call). ``fused_moe_triton`` keeps every shape fixed by (T, k, E) and never syncs,
+so CUDA graphs capture it:
+
+1. ``align_by_expert`` groups the T * k (token, choice) pairs by expert on the device, each
+   expert's list padded to a multiple of BLOCK_M, so that a block of BLOCK_M rows belongs to one
+   expert. Buffers are sized for the worst case (every pair's expert padded); the blocks past
+   the real end are skipped by the kernel.
+2. One grouped GEMM over those blocks for w13, SiLU-and-mul in its epilogue -> h [T * k, I].
+3. One grouped GEMM for w2 that scales each row by its router weight -> [T * k, H].
+4. The k rows of each token summed (torch).
+
+A block reads its one expert's weights, so batch-1 decode reads only the k selected experts.
+The design follows vLLM's fused_moe (moe_align_block_size, one expert per M-block).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvship.kernels._triton import tl, triton, use_triton
+from kvship.kernels.activation import silu_mul
+
+
+def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    inter = w2.shape[2]
+    out = torch.zeros_like(x)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the host sync
+    token_of = order // ids.shape[1]
+    weight_of = weights.flatten()[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token_of[start:start + n]
+        h = F.linear(x[rows], w13[e])
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = F.linear(h, w2[e]) * weight_of[start:start + n, None].to(x.dtype)
+        out.index_add_(0, rows, y)
+        start += n
+    return out
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted_pairs int32 [B * block_m], block_experts int32 [B], num_padded int32 [1]).
+
+    sorted_pairs lists the pairs t * k + j expert by expert (pair order kept within an expert),
+    each expert's list padded to a multiple of block_m with T * k (no pair); block_experts[b] is
+    the expert of rows b * block_m ...; num_padded counts the rows in use, and the blocks past
+    it hold -1. B = ceil((T * k + min(E, T * k) * (block_m - 1)) / block_m) bounds the padded
+    length whatever the routing, so every shape depends on (T, k, E, block_m) only."""
+    flat = ids.flatten()
+    pairs = flat.numel()
+    num_blocks = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    # the i-th pair of expert e (in sorted order) goes to e's padded start + i
+    rank = torch.arange(pairs, device=ids.device) - (counts.cumsum(0) - counts)[expert]
+    sorted_pairs = torch.full((num_blocks * block_m,), pairs, dtype=torch.int32, device=ids.device)
+    sorted_pairs.scatter_(0, (ends - padded)[expert] + rank, order.to(torch.int32))
+    starts = torch.arange(num_blocks, device=ids.device) * block_m
+    block_experts = torch.searchsorted(ends, starts, right=True)
+    block_experts = torch.where(starts < ends[-1], block_experts, -1).to(torch.int32)
+    return sorted_pairs, block_experts, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """fp32 inputs in full precision (tests and --dtype float32 compare with fp32 references;
+    TF32 keeps 10 mantissa bits), 16-bit ones on the tensor cores as they are."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rw_ptr, sorted_ptr, experts_ptr, padded_ptr, num_pairs, N, K,
+                     stride_a, stride_we, stride_wn, stride_out,
+                     A_DIV: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[pair, n] = A[pair // A_DIV] . W[e, n] for the BLOCK_M pairs of one expert's block.
+
+    GATED (w13): N = I and the program also takes W[e, N + n] (the up row beside each gate
+    row), storing silu(gate) * up. SCALE (w2): rows multiplied by their router weight (fp32)."""
+    pid_m = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(padded_ptr):  # a block past the routing's real end
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    rows = (pairs // A_DIV).to(tl.int64)
+    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
+    # W[e] is [N, K] row-major: the [BLOCK_K, BLOCK_N] tile is a transposed view, no copy
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        wmask = kmask[:, None] & nmask[None, :]
+        acc = _dot(a, tl.load(w_ptrs, mask=wmask, other=0.0), acc)
+        if GATED:
+            acc_up = _dot(a, tl.load(w_ptrs + N * stride_wn, mask=wmask, other=0.0), acc_up)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATED:
+        acc = silu_mul(acc, acc_up)
+    if SCALE:
+        acc = acc * tl.load(rw_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tiles of both GEMMs. block_n is the w2 GEMM's; the w13 one takes block_n // 2 gate rows
+    and as many up rows, the same weight bytes per program."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+    """Tiles by the pairs each expert gets on average: few (decode) -> blocks of 16 rows and
+    narrow N tiles, so that many programs stream the selected experts' weights; many (prefill)
+    -> large tiles for the tensor cores. Near vLLM's tuned H200 tables for E=128, I=768."""
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 8:
+        return MoEConfig(16, 64, 128, 4, 3)
+    if per_expert <= 32:
+        return MoEConfig(32, 128, 64, 4, 3)
+    if per_expert <= 128:
+        return MoEConfig(64, 128, 64, 4, 3)
+    return MoEConfig(128, 256, 64, 8, 3)
+
+
+def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, router_weights: torch.Tensor,
+              aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_pairs: int, a_div: int, gated: bool,
+              cfg: MoEConfig) -> None:
+    sorted_pairs, block_experts, num_padded = aligned
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    block_n = max(16, cfg.block_n // 2) if gated else cfg.block_n
+    grid = (triton.cdiv(n, block_n), block_experts.numel())
+    _moe_gemm_kernel[grid](
+        a, w, out, router_weights, sorted_pairs, block_experts, num_padded, num_pairs, n, w.shape[2],
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_DIV=a_div, GATED=gated, SCALE=not gated,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor:
+    tokens, top_k = ids.shape
+    num_experts, inter, hidden = w13.shape[0], w2.shape[2], x.shape[1]
+    if tokens == 0:
+        return torch.zeros_like(x)
+    cfg = config or moe_config(tokens, top_k, num_experts)
+    x = x.contiguous()
+    aligned = align_by_expert(ids, num_experts, cfg.block_m)
+    pairs = tokens * top_k
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # every pair's row is written
+    _moe_gemm(x, w13, h, weights, aligned, pairs, top_k, True, cfg)
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    _moe_gemm(h, w2, y, weights.flatten().float().contiguous(), aligned, pairs, 1, False, cfg)
+    return y.view(tokens, top_k, hidden).sum(dim=1)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        return fused_moe_triton(x, w13, w2, weights, ids)
+    return fused_moe_torch(x, w13, w2, weights, ids)

@@ -1,0 +1,142 @@
+"""The fused mixture-of-experts kernels against the plain-torch definition.
+
+Without a GPU the Triton kernels run in the interpreter (conftest sets TRITON_INTERPRET=1) on
+tiny fp32 shapes; with one, at Qwen3-30B-A3B's sizes in bf16, and inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvship.kernels import fused_moe as fm
+from kvship.kernels._triton import HAS_TRITON
+from kvship.layers.moe import moe_reference, route
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+GPU = torch.cuda.is_available()
+
+
+def _check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    sorted_pairs, block_experts, num_padded = fm.align_by_expert(ids, num_experts, block_m)
+    flat = ids.flatten().cpu()
+    pairs = flat.numel()
+    sorted_pairs, block_experts, used = sorted_pairs.cpu().long(), block_experts.cpu().long(), int(num_padded)
+    # shapes depend on (T, k, E, block_m) only: the worst case of one padded list per pair's expert
+    blocks = -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
+    assert sorted_pairs.shape == (blocks * block_m,) and block_experts.shape == (blocks,)
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert used == int((-(-counts // block_m) * block_m).sum()) and used % block_m == 0
+    live = sorted_pairs[:used]
+    assert sorted(live[live < pairs].tolist()) == list(range(pairs))  # every pair once
+    assert (sorted_pairs[used:] == pairs).all() and (block_experts[used // block_m:] == -1).all()
+    for b in range(used // block_m):
+        rows = live[b * block_m:(b + 1) * block_m]
+        real = rows[rows < pairs]
+        assert real.numel() > 0, "a block with no pair"
+        assert (flat[real] == block_experts[b]).all()
+        assert (real.diff() > 0).all()  # pair order kept within an expert
+        assert (rows[:real.numel()] == real).all()  # padding only at a list's end
+    assert block_experts[:used // block_m].diff().ge(0).all()
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_alignment_invariants(block_m):
+    g = torch.Generator().manual_seed(block_m)
+    for tokens, top_k, num_experts in ((1, 1, 8), (1, 8, 128), (3, 2, 8), (17, 8, 10), (200, 8, 16)):
+        ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+        _check_alignment(ids, num_experts, block_m)
+    # everything on one expert, and experts with no tokens
+    _check_alignment(torch.full((40, 1), 3), 8, block_m)
+    # the worst case for padding: every pair its own expert
+    _check_alignment(torch.arange(32).view(4, 8), 32, block_m)
+
+
+def _problem(tokens, top_k, num_experts, hidden, inter, seed, dead, dtype=torch.float32, device="cpu"):
+    """x, router, w13, w2 with expert `dead` never chosen: x's first feature is 1 and only the
+    dead expert's router row weighs it, with a large negative weight."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    x[:, 0] = 1.0
+    router = torch.randn(num_experts, hidden, generator=g)
+    router[:, 0] = 0.0
+    router[dead, 0] = -1e3
+    # weights scaled so that h and the output stay O(1): bf16 rounding is then relative
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    return [t.to(device, dtype) for t in (x, router, w13, w2)]
+
+
+def _close(out, ref, rel_tol):
+    assert out.shape == ref.shape and torch.isfinite(out).all()
+    rel = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel < rel_tol, f"rel err {rel:.3e}"
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_fused_moe_matches_reference(tokens, top_k):
+    num_experts, dead = 10, 4
+    x, router, w13, w2 = _problem(tokens, top_k, num_experts, 32, 16, seed=tokens * top_k, dead=dead)
+    renorm = top_k == 8  # Qwen3-MoE renormalizes; Qwen2-MoE does not
+    weights, ids = route(x @ router.T, top_k, renorm)
+    assert not (ids == dead).any()
+    got = fm.fused_moe_triton(x, w13, w2, weights, ids)
+    want = moe_reference(x, router, w13, w2, top_k, renorm)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cfg", [fm.MoEConfig(32, 32, 16, 4, 2), fm.MoEConfig(64, 16, 32, 4, 2)])
+def test_fused_moe_tiles(cfg):
+    """Other tiles than moe_config picks for tiny shapes: several K steps, N tiles and ragged
+    edges (hidden 40, intermediate 24)."""
+    x, router, w13, w2 = _problem(9, 3, 8, 40, 24, seed=5, dead=0)
+    weights, ids = route(x @ router.T, 3, False)
+    got = fm.fused_moe_triton(x, w13, w2, weights, ids, config=cfg)
+    torch.testing.assert_close(got, moe_reference(x, router, w13, w2, 3, False), atol=1e-4, rtol=1e-4)
+
+
+def test_moe_config_tiles_grow_with_tokens():
+    sizes = [fm.moe_config(t, 8, 128).block_m for t in (1, 64, 300, 1024, 4096)]
+    assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
+
+
+# -- GPU: real sizes, bf16, CUDA graphs -----------------------------------------------------------
+
+QWEN3_30B = dict(num_experts=128, top_k=8, hidden=2048, inter=768)  # per rank at TP=1
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tokens", [1, 3, 64, 300, 1024, 4096])  # every moe_config tile size
+def test_fused_moe_gpu_real_sizes(tokens):
+    s = QWEN3_30B
+    x, router, w13, w2 = _problem(tokens, s["top_k"], s["num_experts"], s["hidden"], s["inter"], seed=tokens,
+                                  dead=7, dtype=torch.bfloat16, device="cuda")
+    weights, ids = route(x @ router.T, s["top_k"], True)
+    got = fm.fused_moe(x, w13, w2, weights, ids)
+    want = fm.fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    _close(got, want, 1.6e-2)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_fused_moe_in_cuda_graph():
+    """Captured once, replayed on new tokens and new routing: no host sync, no routing-dependent
+    shape (a capture with either fails or replays stale work)."""
+    s, tokens = QWEN3_30B, 4
+    x, router, w13, w2 = _problem(tokens, s["top_k"], s["num_experts"], s["hidden"], s["inter"], seed=1, dead=7,
+                                  dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        weights, ids = route(x @ router.T, s["top_k"], True)
+        return fm.fused_moe(x, w13, w2, weights, ids)
+
+    step()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (2, 3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
+        graph.replay()
+        weights, ids = route(x.float() @ router.float().T, s["top_k"], True)
+        _close(out, fm.fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids), 1.6e-2)
