@@ -1,0 +1,67 @@
+"""The fused MoE GEMM compiles for sm_90 (H100/H200) in every variant the engine launches, with
+its launch's warps, pipeline stages and 16-byte alignments, and each fits in an SM's shared
+memory; on a machine without a GPU (tests/sm90_compile.py says why). The stages matter here:
+they multiply the shared memory that the largest (prefill) tiles take, which only the compiled
+kernel reveals."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvship.kernels._triton import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+# As a script, in a child process: sm90_compile must import triton with the interpreter off.
+SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import sm90_compile  # first: it turns the interpreter off before triton is imported
+from triton import compile as triton_compile
+from triton.compiler import ASTSource
+from kvship.kernels import fused_moe
+
+SMEM_SM90 = 232448  # bytes of shared memory one block may take on sm_90
+kernel = fused_moe._moe_gemm_kernel
+for spec in json.loads(sys.argv[2]):
+    sig = {n: ("constexpr" if n in spec["constexprs"] else spec["types"][n]) for n in kernel.arg_names}
+    # what a launch tells the compiler of 16-aligned pointers and sizes: it pipelines the loads
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec["aligned"]}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=spec["constexprs"], attrs=attrs)
+    out = triton_compile(src, target=sm90_compile.SM90, options=spec["options"])
+    assert out.metadata.shared <= SMEM_SM90, (spec, out.metadata.shared)
+    print("ok", spec["constexprs"], spec["options"], out.metadata.shared)
+"""
+
+
+def _specs():
+    from kvship.kernels.fused_moe import moe_config
+
+    tiles = {moe_config(t, 8, 128) for t in (1, 300, 1024, 4096)}
+    for cfg in sorted(tiles, key=lambda c: c.block_m):
+        for gated in (True, False):
+            for dtype in ("bf16", "fp32") if cfg.block_m == 16 else ("bf16",):  # fp32: --dtype float32
+                types = {"a_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "rw_ptr": "*fp32",
+                         "sorted_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32"}
+                types |= dict.fromkeys(("num_pairs", "N", "K", "stride_a", "stride_we", "stride_wn", "stride_out"),
+                                       "i32")
+                aligned = [n for n in types if n != "num_pairs"]  # Qwen3-30B-A3B: H 2048, I 768
+                yield {"types": types, "aligned": aligned,
+                       "constexprs": {"A_DIV": 8 if gated else 1, "GATED": gated, "SCALE": not gated,
+                                      "BLOCK_M": cfg.block_m,
+                                      "BLOCK_N": max(16, cfg.block_n // 2) if gated else cfg.block_n,
+                                      "BLOCK_K": cfg.block_k},
+                       "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}}
+
+
+@pytest.mark.timeout(900)
+def test_fused_moe_compiles_for_sm90():
+    specs = list(_specs())
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(Path(__file__).parent), json.dumps(specs)],
+                          capture_output=True, text=True, timeout=840)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("ok ") == len(specs)
