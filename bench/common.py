@@ -21,6 +21,14 @@ SHAPES = {
                        head_dim=128, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=40960,
                        rms_norm_eps=1e-6, tie_word_embeddings=True, torch_dtype="bfloat16", bos_token_id=0,
                        eos_token_id=1),
+    # routed experts in every layer: 8 of 128 per token. param_count knows no experts (it counts
+    # intermediate_size, the dense size this model never uses); latency.py reads the experts.
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
 }
 
 

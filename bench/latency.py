@@ -4,6 +4,11 @@ transformers' eager generate on the same shape. With --quantization, each weight
 same run (in-situ quantized from the same random weights), each beside its own roofline: the
 bytes its layers really hold (codes, scales, offsets) plus the 16-bit output projection and KV.
 
+For a shape with routed experts (qwen3-30b-a3b) the roofline counts the bytes a token reads:
+the attention, norms and router of every layer, only the experts it picks, and the output
+projection; a second table times one MoE layer (router and fused experts) alone, replayed in a
+CUDA graph, against the bytes of the experts its tokens pick and against the plain-torch path.
+
     python bench/latency.py [--shape llama3-8b] [--prompt 512] [--output 256] [--no-hf]
                             [--quantization none fp8 int8 int4]
 """
@@ -30,6 +35,8 @@ from common import (
     weight_bytes_per_token,
     write_shape_folder,
 )
+from kvship.kernels.fused_moe import fused_moe, fused_moe_torch
+from kvship.layers.moe import route
 from kvship.llm import LLM
 from kvship.quant import insitu
 
@@ -70,6 +77,60 @@ def hf_latency(shape: str, prompt_len: int, out_len: int) -> float:
     return out_len / dt
 
 
+def bytes_read_per_token(shape: str) -> dict[str, int]:
+    """16-bit weight bytes one batch-1 decode step reads, by part. Dense shapes: every parameter
+    (param_count, as the other benchmarks count). With experts (routed in every layer, as in the
+    shapes here): each layer's attention, norms and router, the k experts a token picks, and the
+    output projection; the input embedding gives one row, left out."""
+    c = SHAPES[shape]
+    if not c.get("num_experts"):
+        return {"weights": 2 * param_count(shape)}
+    h, layers, e, k = c["hidden_size"], c["num_hidden_layers"], c["num_experts"], c["num_experts_per_tok"]
+    d = c.get("head_dim", h // c["num_attention_heads"])
+    attn = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) + 2 * d + 2 * h  # + q/k, layer norms
+    return {"attention + norms": 2 * layers * attn, "router": 2 * layers * e * h,
+            f"experts ({k} of {e})": 2 * layers * k * 3 * h * c["moe_intermediate_size"],
+            "lm_head + final norm": 2 * (c["vocab_size"] * h + h)}
+
+
+def _graph_time(fn, iters: int = 200) -> float:
+    """Seconds per replay of fn captured in a CUDA graph: the GPU's time, no launch overhead."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _time_cuda(graph.replay, iters=iters)
+
+
+@torch.inference_mode()
+def moe_layer_rows(shape: str, bw: float, token_counts=(1, 4, 16, 64)) -> list[list[str]]:
+    """One MoE layer of the shape (random bf16 weights) per token count: the fused path replayed
+    in a CUDA graph against the bytes of the distinct experts its tokens pick, and the torch path."""
+    c = SHAPES[shape]
+    e, k, h, inter = c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+
+    router, w13, w2 = randn(e, h), randn(e, 2 * inter, h), randn(e, h, inter)
+    rows = []
+    for t in token_counts:
+        x = randn(t, h) * 50
+
+        def layer(experts=fused_moe):
+            return experts(x, w13, w2, *route(x @ router.T, k, c.get("norm_topk_prob", False)))
+
+        fused = _graph_time(layer)
+        eager = _time_cuda(lambda: layer(fused_moe_torch), iters=20)  # its host sync forbids a graph
+        distinct = route(x @ router.T, k, False)[1].unique().numel()
+        nbytes = distinct * 3 * h * inter * 2
+        rows.append([str(t), str(distinct), f"{nbytes / 1e6:.1f}", f"{fused * 1e6:.1f}",
+                     f"{nbytes / fused / 1e9:.0f}", f"{100 * nbytes / fused / bw:.0f}%", f"{eager * 1e6:.1f}"])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -83,7 +144,8 @@ def main() -> None:
     if args.quantization:
         return compare_formats(args)
     bw, mm = measure_ceilings()
-    weight_bytes = param_count(args.shape) * 2
+    parts = bytes_read_per_token(args.shape)
+    weight_bytes = sum(parts.values())
     avg_ctx = args.prompt + args.output / 2
     roofline = bw / (weight_bytes + avg_ctx * kv_bytes_per_token(args.shape))
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,9 +163,15 @@ def main() -> None:
         rows.append(["HF transformers generate (eager)", f"{hf:.1f}", f"{100 * hf / roofline:.0f}%", "-"])
     rows.append(["roofline (bytes / copy BW)", f"{roofline:.1f}", "100%", "-"])
     print(header(f"Batch-1 latency, {args.shape} shape, bf16, prompt {args.prompt}, output {args.output}"))
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
-          f"weights {weight_bytes / 1e9:.2f} GB\n")
+    read = ", ".join(f"{name} {n / 1e9:.3f} GB" for name, n in parts.items())
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s; weights read per token: {read}; "
+          f"KV at the average context {avg_ctx * kv_bytes_per_token(args.shape) / 1e6:.0f} MB\n")
     print(table(rows, ["engine", "decode tok/s", "of roofline", "TTFT ms"]))
+    if SHAPES[args.shape].get("num_experts"):
+        print(f"\nOne MoE layer (router + experts, {args.shape}), GPU time per call; bytes: the distinct "
+              "experts its tokens pick\n")
+        print(table(moe_layer_rows(args.shape, bw), ["tokens", "experts read", "MB", "fused us (graph)", "GB/s",
+                                                     "of copy BW", "torch path us"]))
 
 
 def compare_formats(args) -> None:

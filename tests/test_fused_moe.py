@@ -15,10 +15,11 @@ from kvship.layers.moe import moe_reference, route
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
 GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"  # the tiny fp32 cases run on the GPU too, outside the interpreter
 
 
 def _check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
-    sorted_pairs, block_experts, num_padded = fm.align_by_expert(ids, num_experts, block_m)
+    sorted_pairs, block_experts, num_padded = fm.align_by_expert(ids.to(DEV), num_experts, block_m)
     flat = ids.flatten().cpu()
     pairs = flat.numel()
     sorted_pairs, block_experts, used = sorted_pairs.cpu().long(), block_experts.cpu().long(), int(num_padded)
@@ -52,7 +53,7 @@ def test_alignment_invariants(block_m):
     _check_alignment(torch.arange(32).view(4, 8), 32, block_m)
 
 
-def _problem(tokens, top_k, num_experts, hidden, inter, seed, dead, dtype=torch.float32, device="cpu"):
+def _problem(tokens, top_k, num_experts, hidden, inter, seed, dead, dtype=torch.float32, device=DEV):
     """x, router, w13, w2 with expert `dead` never chosen: x's first feature is 1 and only the
     dead expert's router row weighs it, with a large negative weight."""
     g = torch.Generator().manual_seed(seed)
@@ -94,6 +95,33 @@ def test_fused_moe_tiles(cfg):
     weights, ids = route(x @ router.T, 3, False)
     got = fm.fused_moe_triton(x, w13, w2, weights, ids, config=cfg)
     torch.testing.assert_close(got, moe_reference(x, router, w13, w2, 3, False), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_moe_tensor_parallel_shards_sum_to_the_whole():
+    """Each rank holds its slice of every expert's intermediate dimension (gate and up rows, w2
+    columns) and returns partial sums: over the ranks they add up to the unsharded result."""
+    x, router, w13, w2 = _problem(5, 2, 8, 32, 32, seed=3, dead=1)
+    weights, ids = route(x @ router.T, 2, True)
+    gate, up = w13.chunk(2, dim=1)
+    parts = [fm.fused_moe_triton(x, torch.cat([g, u], dim=1).contiguous(), w2[:, :, r * 16:(r + 1) * 16].contiguous(),
+                                 weights, ids)
+             for r, (g, u) in enumerate(zip(gate.chunk(2, dim=1), up.chunk(2, dim=1)))]
+    torch.testing.assert_close(parts[0] + parts[1], fm.fused_moe_torch(x, w13, w2, weights, ids), atol=1e-4,
+                               rtol=1e-4)
+
+
+@pytest.mark.skipif(GPU, reason="CPU only: the Triton kernels run on CPU tensors in the interpreter")
+def test_moe_model_on_the_fused_path_matches_transformers(tiny_models, monkeypatch):
+    """The whole Qwen3-MoE model with its experts on the Triton kernels (the GPU's dispatch,
+    forced here): greedy tokens equal transformers', batched, chunked and with a prefix hit."""
+    from test_models import test_moe_models_greedy_match_transformers_batched_and_chunked as compare
+
+    calls = []
+    triton_path = fm.fused_moe_triton
+    monkeypatch.setattr(fm, "use_triton", lambda t: True)
+    monkeypatch.setattr(fm, "fused_moe_triton", lambda *a, **kw: calls.append(1) or triton_path(*a, **kw))
+    compare(tiny_models, "qwen3-moe")
+    assert calls
 
 
 def test_moe_config_tiles_grow_with_tokens():
@@ -138,5 +166,28 @@ def test_fused_moe_in_cuda_graph():
     for seed in (2, 3):
         x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
         graph.replay()
-        weights, ids = route(x.float() @ router.float().T, s["top_k"], True)
+        weights, ids = route(x @ router.T, s["top_k"], True)  # as in the graph: the same near-ties
         _close(out, fm.fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids), 1.6e-2)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe"])
+def test_moe_model_in_cuda_graphs_matches_transformers(tiny_models, arch):
+    """A MoE model on the GPU now decodes in CUDA graphs (fused experts); greedy tokens as
+    transformers' (fp32 everywhere, so no near-tie should flip; one is tolerated as elsewhere)."""
+    from kvship.llm import LLM
+    from kvship.sampling_params import SamplingParams
+
+    folder, ref = tiny_models[arch]
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16)
+    assert llm.engine.runner.graphs is not None
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 319, (n,), generator=g).tolist() for n in (3, 9, 21, 40, 57)]
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    agree = 0
+    for p, out in zip(prompts, got):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                pad_token_id=0)[0, len(p):].tolist()
+        agree += out.outputs[0].token_ids == want
+    assert agree >= len(prompts) - 1
