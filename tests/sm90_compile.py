@@ -10,6 +10,7 @@ kernel's argument types and constexpr values.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -25,7 +26,10 @@ SM90 = GPUTarget("cuda", 90, 32)
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict[str, object]) -> None:
     """``types``: Triton type strings for the runtime arguments (``*bf16``, ``*u8``, ``i32``,
-    ``fp32``); ``constexprs``: values of the compile-time ones."""
+    ``fp32``); ``constexprs``: values of the compile-time ones (those left out take their
+    defaults, so that a kernel can gain an option without every caller's list naming it)."""
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **constexprs}
     sig = {name: ("constexpr" if name in constexprs else types[name]) for name in kernel.arg_names}
     triton_compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=SM90)
 

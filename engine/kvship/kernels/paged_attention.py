@@ -12,6 +12,13 @@ length *including* the new tokens (already stored in the cache); block_tables [B
 New token i of sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally to
 positions <= its own. Decode is the case q_len == 1 for every sequence.
 
+Two options a layer may set (both default off):
+- ``window`` (sliding-window attention, Mistral, Gemma 2/3's local layers): a query at position
+  p sees keys at positions p - window < k <= p, the last ``window`` tokens including itself
+  (transformers' sliding_window_overlay: kv_idx > q_idx - sliding_window).
+- ``softcap`` (Gemma 2): scores s = q.k * scale become tanh(s / softcap) * softcap before the
+  softmax (and before masking).
+
 This file holds the plain-torch reference (CPU path, and the oracle for the Triton kernels),
 then the Triton kernels (storing new keys/values on the GPU is fused with rotary, in
 kernels/rotary.py: ``rotary_store_kv``; ``store_kv_torch`` here is its reference half):
@@ -30,6 +37,10 @@ kernels/rotary.py: ``rotary_store_kv``; ``store_kv_torch`` here is its reference
   unpacked and scaled per (token, head) before the dot.
   The decode path is CUDA-graph capturable: no host syncs, grid and split count come from
   tensor shapes (and the SM count) only.
+  A layer's window and soft cap are compile-time constants (WINDOW, SOFTCAP; 0: off), one
+  value per model: with a window, decode splits only the last WINDOW tokens and prefill skips
+  the tiles below each row block's window, masks the tiles on its lower edge and leaves the
+  keys every row of the block sees unmasked.
 """
 from __future__ import annotations
 
@@ -38,6 +49,7 @@ import torch.nn.functional as F
 
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import device_sms, next_pow2, tl, triton, use_triton
+from kvship.kernels.activation import tanh
 
 
 def store_kv_torch(
@@ -63,8 +75,17 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return kvq.pages(cache, scales, block_table[:n_blocks].long(), head_dim).flatten(0, 1)[:length]
 
 
+def _attend_torch(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v in fp32; with ``softcap`` the scores are capped first,
+    which scaled_dot_product_attention cannot do, so that case is written out."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
 def _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: float, group: int,
-                            k_scale, v_scale) -> torch.Tensor:
+                            k_scale, v_scale, window: int | None, softcap: float | None) -> torch.Tensor:
     """One new token per sequence: gather every context into a padded [B, Hkv, L, D] batch and
     attend in one call, the query heads of a KV head standing in the query-length dimension."""
     batch, block_size, d = q.shape[0], k_cache.shape[1], q.shape[-1]
@@ -73,8 +94,11 @@ def _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: 
     k = kvq.pages(k_cache, k_scale, tables, d).flatten(1, 2)[:, :longest].transpose(1, 2).float()  # [B, Hkv, L, D]
     v = kvq.pages(v_cache, v_scale, tables, d).flatten(1, 2)[:, :longest].transpose(1, 2).float()
     qg = q.view(batch, k.shape[1], group, q.shape[-1]).float()  # [B, Hkv, group, D]
-    mask = (torch.arange(longest, device=q.device)[None, :] < seq_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+    pos = torch.arange(longest, device=q.device)[None, :]
+    mask = pos < seq_lens[:, None]
+    if window is not None:  # the query sits at seq_len - 1
+        mask &= pos >= seq_lens[:, None] - window
+    out = _attend_torch(qg, k, v, mask[:, None, None, :], scale, softcap)
     return out.reshape(q.shape).to(q.dtype)
 
 
@@ -88,11 +112,15 @@ def paged_attention_torch(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     num_q_heads, num_kv_heads, d = q.shape[1], k_cache.shape[2], q.shape[2]
     group = num_q_heads // num_kv_heads
     if q.shape[0] == seq_lens.shape[0] and bool((seq_lens > 0).all()):
-        return _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, group, k_scale, v_scale)
+        return _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, group, k_scale, v_scale,
+                                       window, softcap)
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     for b, ctx in enumerate(seq_lens.tolist()):
@@ -107,20 +135,24 @@ def paged_attention_torch(
             vb = vb.repeat_interleave(group, dim=0)
         q_len = e - s
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # causal with a cached prefix
-        ob = F.scaled_dot_product_attention(qb.float(), kb.float(), vb.float(), attn_mask=mask, scale=scale)
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # causal with a cached prefix
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        ob = _attend_torch(qb.float(), kb.float(), vb.float(), mask, scale, softcap)
         out[s:e] = ob.transpose(0, 1).to(q.dtype)
     return out
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q: int, out=None,
-                    k_scale=None, v_scale=None):
+                    k_scale=None, v_scale=None, window: int | None = None, softcap: float | None = None):
     if use_triton(q):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q, out=out,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap,
         )
-    o = paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale, v_scale)
+    o = paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale, v_scale,
+                              window=window, softcap=softcap)
     if out is not None:
         out.copy_(o)
         return out
@@ -181,9 +213,11 @@ def _attend_tile(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
     qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """One BLOCK_N tile of keys/values, gathered through the block table, folded into the
-    running softmax state (log2 domain). MASK: 0 none, 1 pos < kv_end, 2 that and causal."""
+    running softmax state (log2 domain). MASK: 0 none, 1 pos < kv_end, 2 that and causal (and
+    pos > q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain."""
     pos = n0 + offs_n
     nmask = pos < kv_end
     if MASK > 0:
@@ -196,13 +230,21 @@ def _attend_tile(
     g_off = page * stride_gb + row * stride_gs + kvh * stride_gh  # int4 only (strides 0 otherwise)
     kt = _load_kv(kc_ptr, ks_ptr, k_off, g_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE)
     qk = tl.dot(q, kt.to(q.dtype)) * qk_scale
+    if SOFTCAP > 0:  # cap * tanh(s / cap), s and cap both scaled by log2(e)
+        qk = SOFTCAP * tanh(qk / SOFTCAP)
     if MASK == 1:
         qk = tl.where(nmask[None, :], qk, float("-inf"))
     elif MASK == 2:
-        qk = tl.where((pos[None, :] <= q_pos[:, None]) & nmask[None, :], qk, float("-inf"))
+        visible = (pos[None, :] <= q_pos[:, None]) & nmask[None, :]
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+        qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    m_ref = m_new
+    if WINDOW > 0:  # a row may see no key of a tile on its window's lower edge: zeros, not NaN
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
@@ -219,6 +261,7 @@ def _decode_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_MODE: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -238,9 +281,15 @@ def _decode_kernel(
     qmask = gmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
 
-    # This split's share of the actual context, in whole BLOCK_N tiles.
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    start = split * tiles_per_split * BLOCK_N
+    # This split's share of the actual context (with a window: of its last WINDOW tokens, from
+    # the tile holding the first of them), in whole BLOCK_N tiles.
+    first = 0
+    q_pos = offs_g  # read only with a window: then every head's query is the last token
+    if WINDOW > 0:
+        first = (tl.maximum(seq_len - WINDOW, 0) // BLOCK_N) * BLOCK_N
+        q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
+    start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -251,11 +300,11 @@ def _decode_kernel(
         qk_scale = qk_scale * tl.load(ks_ptr)
     for n0 in range(start, end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, offs_g,
+            acc, l_i, m_i, q, q_pos,
             kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, end,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
             qk_scale, offs_n, offs_d, dmask,
-            BLOCK_SIZE, 1, KV_MODE,
+            BLOCK_SIZE, 1 + (WINDOW > 0), KV_MODE, WINDOW, SOFTCAP,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -312,6 +361,7 @@ def _prefill_kernel(
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     h = tl.program_id(0)
     mblk = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) row blocks start first
@@ -342,13 +392,30 @@ def _prefill_kernel(
     hi = tl.minimum(prefix + (mblk + 1) * BLOCK_M, ctx)
     if KV_MODE == 1:
         qk_scale = qk_scale * tl.load(ks_ptr)
-    for n0 in range(0, full_end, BLOCK_N):
+    full_start = 0
+    if WINDOW > 0:
+        # Tiles below the first row's window are skipped; the keys the block's last row still
+        # sees are visible to every row (unmasked, up to full_end); the tiles between are masked.
+        lo = (tl.maximum(prefix + mblk * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        last = prefix + tl.minimum((mblk + 1) * BLOCK_M, q_len) - 1
+        full_start = tl.cdiv(tl.maximum(last - WINDOW + 1, 0), BLOCK_N) * BLOCK_N
+        full_start = tl.maximum(tl.minimum(full_start, full_end), lo)
+        full_end = tl.maximum(full_end, full_start)
+        for n0 in range(lo, full_start, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos,
+                kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, ctx,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
+                qk_scale, offs_n, offs_d, dmask,
+                BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP,
+            )
+    for n0 in range(full_start, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos,
             kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, ctx,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
             qk_scale, offs_n, offs_d, dmask,
-            BLOCK_SIZE, 0, KV_MODE,
+            BLOCK_SIZE, 0, KV_MODE, WINDOW, SOFTCAP,
         )
     for n0 in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
@@ -356,7 +423,7 @@ def _prefill_kernel(
             kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, ctx,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
             qk_scale, offs_n, offs_d, dmask,
-            BLOCK_SIZE, 2, KV_MODE,
+            BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -394,6 +461,8 @@ def paged_attention_triton(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``paged_attention_torch`` (same layouts and semantics).
 
@@ -413,6 +482,7 @@ def paged_attention_triton(
     if num_tokens == 0 or batch == 0:
         return out
     qk_scale = float(scale) * _LOG2E
+    options = dict(WINDOW=window or 0, SOFTCAP=(softcap or 0.0) * _LOG2E)  # compile-time, per model
     block_d = next_pow2(head_dim)
     kv_mode = kvq.kv_mode(k_cache)
     if kv_mode == kvq.KV_INT4:
@@ -431,9 +501,10 @@ def paged_attention_triton(
         cfg = DECODE_CONFIG
         block_n = cfg["block_n"]
         if num_splits is None:
-            num_splits = decode_num_splits(
-                batch, num_kv_heads, block_tables.shape[1] * block_size, device_sms(q), block_n
-            )
+            context = block_tables.shape[1] * block_size
+            if window:  # the tiles a windowed query reads, at most
+                context = min(context, window + block_n)
+            num_splits = decode_num_splits(batch, num_kv_heads, context, device_sms(q), block_n)
         if num_splits > 1:
             mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
             mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -447,7 +518,7 @@ def paged_attention_triton(
             q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
             qk_scale, *common, *mid_strides,
             GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode,
+            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode, **options,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if num_splits > 1:
@@ -466,7 +537,7 @@ def paged_attention_triton(
         q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out,
         qk_scale, *common,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], KV_MODE=kv_mode,
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], KV_MODE=kv_mode, **options,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -29,12 +29,17 @@ class PagedAttention(nn.Module):
     FP8 this layer's own one-element tensors (the checkpoint's, 1.0, or measured on the first
     prefill, updated in place so captured CUDA graphs read the new value), for int4 the
     per-group tensors bound with the cache. FP8 keys are stored turned by k_rotation, and the
-    queries are turned the same way before attention (kv_quant explains why)."""
+    queries are turned the same way before attention (kv_quant explains why).
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding, backend: str):
+    ``scale`` multiplies the scores (default head_dim ** -0.5); ``window`` limits this layer to
+    the last ``window`` positions, ``softcap`` caps its scores (kernels/paged_attention.py)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding, backend: str,
+                 scale: float | None = None, window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window, self.softcap = window, softcap
         self.rotary = rotary
         self.force_torch = backend == "torch"
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
@@ -83,8 +88,9 @@ class PagedAttention(nn.Module):
         scales = (self.k_scale, self.v_scale)
         store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, *scales, self.k_rotation)
         args = (self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
+        options = dict(window=self.window, softcap=self.softcap)
         if self.force_torch:
             q = kvq.rotate_queries(rotary_store_kv_torch(positions, q, k, v, *store), self.k_rotation)
-            return pa.paged_attention_torch(q, *args, *scales)
+            return pa.paged_attention_torch(q, *args, *scales, **options)
         q = kvq.rotate_queries(rotary_store_kv(positions, q, k, v, *store), self.k_rotation)
-        return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1])
+        return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1], **options)

@@ -1,0 +1,111 @@
+"""Sliding-window attention and score soft-capping in the paged attention kernels: the torch
+reference against the definition (dense, in float64), the Triton kernels (decode split-K and
+varlen prefill, in the interpreter without a GPU) against the reference, and the GELU-tanh
+gated activation beside SiLU."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvship.kernels import activation
+from kvship.kernels import paged_attention as pa
+from kvship.kernels._triton import HAS_TRITON
+from test_kernels import DEV, DTYPES, GPU, close, make_paged
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+# (window, softcap): window only, cap only, both; windows below, at and above a tile's width
+OPTIONS = [(8, None), (None, 5.0), (5, 2.0), (20, None)] if not GPU else [(1024, None), (None, 50.0), (4096, 50.0)]
+
+
+def dense_reference(q, kc, vc, bt, sl, cu, scale, window, softcap):
+    """Attention by its definition, sequence by sequence, in float64: key k is visible to the
+    query at position p when k <= p and (no window or k > p - window)."""
+    out = torch.zeros_like(q, dtype=torch.float64)
+    group = q.shape[1] // kc.shape[2]
+    starts = cu.tolist()
+    for b, ctx in enumerate(sl.tolist()):
+        s, e = starts[b], starts[b + 1]
+        if e == s:
+            continue
+        k = pa.gather_kv(kc, bt[b], ctx).double().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        v = pa.gather_kv(vc, bt[b], ctx).double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].double(), k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(ctx - (e - s), ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        visible = (k_pos <= q_pos) & (k_pos > q_pos - window if window else True)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out
+
+
+@pytest.mark.parametrize("window,softcap", OPTIONS)
+def test_reference_is_the_definition(window, softcap):
+    """Decode (one token each, the batched path) and prefill (chunks over cached prefixes)."""
+    for q_lens, ctx in (([1, 1, 1], [3, 9, 30]), ([7, 1, 0, 12], [7, 30, 5, 40])):
+        q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, 4, 2, 16, 4, torch.float32, seed=len(q_lens))
+        got = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, 0.3, window=window, softcap=softcap)
+        want = dense_reference(q, kc, vc, bt, sl, cu, 0.3, window, softcap)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_window_wider_than_the_context_changes_nothing():
+    q, kc, vc, bt, sl, cu = make_paged([5, 1], [20, 9], 4, 2, 16, 4, torch.float32, seed=3)
+    plain = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, 0.25)
+    torch.testing.assert_close(pa.paged_attention_torch(q, kc, vc, bt, sl, cu, 0.25, window=20), plain)
+    assert not torch.allclose(pa.paged_attention_torch(q, kc, vc, bt, sl, cu, 0.25, window=19), plain)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap", OPTIONS)
+def test_decode_kernel(window, softcap, dtype, monkeypatch):
+    """Contexts shorter than, equal to and longer than the window; small tiles so that a
+    window starts inside a tile and several splits cover it."""
+    if not GPU:
+        monkeypatch.setitem(pa.DECODE_CONFIG, "block_n", 16)
+    ctx = [3, 8, 21, 50] if not GPU else [100, 1024, 5000, 33]
+    hq, hkv, d = (8, 2, 32) if not GPU else (16, 8, 256)
+    q, kc, vc, bt, sl, cu = make_paged([1] * len(ctx), ctx, hq, hkv, d, 8 if not GPU else 16, dtype, seed=5)
+    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, d**-0.5, window=window, softcap=softcap)
+    for ns in ([None, 1, 3] if not GPU else [None, 1, 8]):
+        out = torch.full_like(q, float("nan"))
+        pa.paged_attention_triton(q, kc, vc, bt, sl, cu, d**-0.5, 1, out=out, num_splits=ns, window=window,
+                                  softcap=softcap)
+        close(out, ref, dtype, f"decode window={window} softcap={softcap} splits={ns}")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap", OPTIONS)
+def test_prefill_kernel(window, softcap, dtype, monkeypatch):
+    """A fresh prompt, a later chunk over a cached prefix, a decode token and an empty
+    sequence in one batch; 16-row/16-key tiles so that the window's skipped, masked-edge and
+    unmasked tiles all occur."""
+    if not GPU:
+        monkeypatch.setitem(pa.PREFILL_CONFIG, 64, {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1})
+        q_lens, ctx, (hq, hkv, d) = [40, 9, 1, 0], [40, 45, 30, 6], (4, 2, 64)
+    else:
+        q_lens, ctx, (hq, hkv, d) = [700, 256, 1, 0, 1024], [700, 5000, 513, 40, 1500], (16, 8, 256)
+    q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, hq, hkv, d, 8 if not GPU else 16, dtype, seed=9)
+    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, d**-0.5, window=window, softcap=softcap)
+    out = torch.full_like(q, float("nan"))
+    pa.paged_attention_triton(q, kc, vc, bt, sl, cu, d**-0.5, max(q_lens), out=out, window=window, softcap=softcap)
+    close(out, ref, dtype, f"prefill window={window} softcap={softcap}")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_kernel(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(5, 2 * 300, generator=g)).to(dtype).to(DEV)
+    ref = activation.gelu_tanh_and_mul_torch(x)
+    close(activation.gelu_tanh_and_mul_triton(x), ref, dtype, "gelu_tanh_and_mul")
+    i = x.shape[-1] // 2
+    want = F.gelu(x[:, :i].double(), approximate="tanh") * x[:, i:].double()
+    close(ref, want.to(dtype), dtype, "reference")
+    torch.testing.assert_close(activation.act_and_mul(x, "gelu_tanh"), activation.gelu_tanh_and_mul(x))
+    torch.testing.assert_close(activation.act_and_mul(x, "silu"), activation.silu_and_mul(x))
