@@ -111,8 +111,8 @@ def moe_layer_rows(shape: str, bw: float, token_counts=(1, 4, 16, 64)) -> list[l
     e, k, h, inter = c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
     g = torch.Generator(device="cuda").manual_seed(0)
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    def randn(*dims):
+        return torch.randn(*dims, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
 
     router, w13, w2 = randn(e, h), randn(e, 2 * inter, h), randn(e, h, inter)
     rows = []
