@@ -159,10 +159,11 @@ def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
 
 
-def make_tiny_model(folder: Path, arch: str, seed: int = 0):
+def make_tiny_model(folder: Path, arch: str, seed: int = 0, spec: tuple[str, dict] | None = None):
+    """``spec``: (config class, extra config) for a model not in TINY_ARCHS."""
     import transformers
 
-    cls_name, extra = TINY_ARCHS[arch]
+    cls_name, extra = spec or TINY_ARCHS[arch]
     cfg_cls = getattr(transformers, cls_name)
     cfg = cfg_cls(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=256, eos_token_id=319, bos_token_id=0, **extra)

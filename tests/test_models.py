@@ -136,8 +136,9 @@ def test_phi4_mini_partial_rotary_is_refused():
 
 
 def test_sliding_window_limits_the_context(tmp_path, tiny_models):
-    """Attention over a window is not implemented: the context stops at the window, where the
-    outputs are still exact (Mistral v0.1, Phi-3-mini); Qwen2's unused window is ignored."""
+    """The model runner still stops the context at a single window (Mistral v0.1, Phi-3-mini),
+    though the attention layers now apply it (test_models_gemma.py checks Mistral's past the
+    window); Qwen2's unused window is ignored."""
     import json
     import shutil
 

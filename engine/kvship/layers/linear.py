@@ -16,7 +16,7 @@ import logging
 import torch
 from torch import nn
 
-from kvship.kernels.activation import silu_and_mul
+from kvship.kernels.activation import act_and_mul
 from kvship.kernels.gemv import linear, silu_mul_linear
 from kvship.kernels.quant_linear import QWeight, pack, quant_linear
 from kvship.parallel import TPContext
@@ -142,17 +142,19 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(_Linear):
     """Input features split across ranks; partial sums all-reduced. The bias is added once.
     With ``gated_input`` the layer takes a gate/up projection's output [T, 2 * in] and applies
-    SiLU-and-mul first (inside the GEMV kernel for one-row inputs in CUDA graphs). With
+    ``act``-and-mul first: SiLU inside the GEMV kernel for one-row inputs in CUDA graphs, GELU-tanh
+    (Gemma) as a kernel of its own. With
     ``reduce=False`` it returns this rank's partial sums: the caller reduces them (an RMSNorm
     built with ``reduce_tp`` does, fused with the residual add)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPContext, gated_input: bool = False,
-                 reduce: bool = True, quant=None):
+                 reduce: bool = True, quant=None, act: str = "silu"):
         self.in_features = tp.shard(in_features, "input features")
         super().__init__(self.in_features, out_features, bias, tp, quant)
         if bias and not reduce:
             raise ValueError("a row-parallel linear with a bias must reduce its own output")
         self.gated_input = gated_input
+        self.act = act
         self.reduce = reduce
 
     def weight_loader(self, param: nn.Parameter, ref, shard_id=None) -> None:
@@ -165,9 +167,11 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            y = quant_linear(silu_and_mul(x) if self.gated_input else x, self.qweight)
-        elif self.gated_input:
+            y = quant_linear(act_and_mul(x, self.act) if self.gated_input else x, self.qweight)
+        elif self.gated_input and self.act == "silu":
             y = silu_mul_linear(x, self.weight)
+        elif self.gated_input:
+            y = linear(act_and_mul(x, self.act), self.weight)
         else:
             y = linear(x, self.weight)
         if not self.reduce:

@@ -23,6 +23,9 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     # Phi-3 and Phi-4: the Llama block, stored with fused qkv_proj and gate_up_proj matrices
     "Phi3ForCausalLM": "phi3",
+    # Gemma 2 and text-only Gemma 3 (models/gemma.py)
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
     # base models without the output projection, as embedding models are saved
     "LlamaModel": "llama",
     "MistralModel": "llama",
@@ -31,12 +34,21 @@ FAMILIES = {
 }
 _BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
-                "phi3": "phi3"}
+                "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+# architectures refused with a reason of their own
+_REFUSED = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (4B and larger) is not supported: kvship "
+                                              "runs text-only Gemma 3 (Gemma3ForCausalLM, model_type gemma3_text)"}
+GEMMA = ("gemma2", "gemma3")
 
 
 def family_of(cfg: dict[str, Any]) -> str:
     """The family ("llama", "qwen2", "qwen3") of an HF config dict."""
     archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in _REFUSED:
+            raise UnsupportedModelError(f"{a}: {_REFUSED[a]}")
+    if cfg.get("model_type") == "gemma3" and not archs:
+        raise UnsupportedModelError(f"model_type gemma3: {_REFUSED['Gemma3ForConditionalGeneration']}")
     for a in archs:
         if a in FAMILIES:
             return FAMILIES[a]
@@ -62,7 +74,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3, Gemma 3)
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -75,17 +87,36 @@ class ModelConfig:
     sparse_layers: frozenset[int] = frozenset()  # layers whose feed-forward is the experts
     # how the linear layers' weights are stored (kvship.quant.QuantScheme), None: the model's dtype
     quantization: Any = None
-    # attention sees only this many past tokens (Mistral v0.1, Phi-3); None: the whole context
+    # attention sees only this many past tokens (Mistral v0.1, Phi-3); None: the whole context.
+    # The model runner limits these families' context to it; their layers apply it too (layer_windows).
     sliding_window: int | None = None
+    # each layer's attention window (None: global), empty when no layer slides; Gemma's local
+    # layers use theirs without limiting the context
+    layer_windows: tuple[int | None, ...] = ()
+    # Gemma
+    hidden_act: str = "silu"  # the gated MLP's activation: kvship.kernels.activation.ACTIVATIONS
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power instead of head_dim's
+    attn_logit_softcapping: float | None = None  # scores -> tanh(s / cap) * cap
+    final_logit_softcapping: float | None = None  # the same on the logits
+    rope_local_theta: float | None = None  # Gemma 3's sliding layers' rope base (no scaling); None: rope_theta
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
 
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = family_of(cfg)
-        # transformers >= 5 writes rope settings under rope_parameters.
+        # transformers >= 5 writes rope settings under rope_parameters (Gemma 3: one set per layer type).
         rope_params = dict(cfg.get("rope_parameters") or {})
+        local_rope = rope_params.pop("sliding_attention", None) or {}
+        rope_params = dict(rope_params.pop("full_attention", None) or rope_params)
         rope_scaling = cfg.get("rope_scaling") or None
         theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         if rope_scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
@@ -106,6 +137,7 @@ class ModelConfig:
         if partial not in (None, 1, 1.0):  # Phi-4-mini rotates 3/4 of each head
             raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported yet")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        windows = _layer_windows(arch, cfg, window)
         eos = cfg.get("eos_token_id")
         eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -121,21 +153,63 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),
             attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "qwen2_moe"))),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_list,
             quantization=_quantization(cfg),
-            sliding_window=window,
+            sliding_window=None if arch in GEMMA else window,
+            layer_windows=windows,
             **_moe_fields(arch, cfg),
+            **_gemma_fields(arch, cfg, local_rope),
         )
 
 
 def _quantization(cfg: dict[str, Any]) -> QuantScheme | None:
     fmt = checkpoint_format(cfg.get("quantization_config"))
     return None if fmt is None else QuantScheme(checkpoint=fmt.name)
+
+
+def _layer_windows(arch: str, cfg: dict[str, Any], window: int | None) -> tuple[int | None, ...]:
+    """Each layer's window, from layer_types where transformers >= 4.53 writes them, else by
+    each family's rule: Gemma 2 alternates local and global from a local layer, Gemma 3 has
+    one global layer every sliding_window_pattern, Qwen2 slides from max_window_layers on,
+    Mistral and Phi-3 slide everywhere."""
+    if not window:
+        return ()
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is not None:
+        slides = [t == "sliding_attention" for t in types]
+    elif arch == "gemma2":
+        slides = [i % 2 == 0 for i in range(n)]
+    elif arch == "gemma3":
+        pattern = cfg.get("sliding_window_pattern", 6)
+        slides = [(i + 1) % pattern != 0 for i in range(n)]
+    elif arch == "qwen2":
+        slides = [i >= cfg.get("max_window_layers", 28) for i in range(n)]
+    else:
+        slides = [True] * n
+    return tuple(window if s else None for s in slides)
+
+
+def _gemma_fields(arch: str, cfg: dict[str, Any], local_rope: dict[str, Any]) -> dict[str, Any]:
+    if arch not in GEMMA:
+        return {}
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"Gemma's MLP activation {act!r} is not supported (gelu_pytorch_tanh is)")
+    if cfg.get("use_bidirectional_attention"):  # EmbeddingGemma
+        raise UnsupportedModelError("bidirectional attention (use_bidirectional_attention) is not supported")
+    fields = dict(hidden_act="gelu_tanh", query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+                  final_logit_softcapping=cfg.get("final_logit_softcapping"))
+    if arch == "gemma2":  # Gemma 3's attention does not cap its scores in transformers, whatever its config says
+        fields["attn_logit_softcapping"] = cfg.get("attn_logit_softcapping")
+    else:
+        fields["rope_local_theta"] = float(cfg.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0)))
+    return fields
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,12 @@ from kvship.parallel import TPContext
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPContext, backend: str):
+    """``window``: this layer's sliding window (ModelConfig.window). ``reduce``: o_proj sums its
+    output over ranks itself (Gemma normalizes it before the residual add); otherwise it returns
+    partial sums for the post-attention norm to reduce."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPContext, backend: str,
+                 window: int | None = None, reduce: bool = False):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -32,12 +37,13 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         # partial sums: the post-attention norm reduces them (fused with its residual add at TP=2)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, tp,
-                                        reduce=False, quant=cfg.quantization)
+                                        reduce=reduce, quant=cfg.quantization)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, rotary, backend)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, rotary, backend,
+                                   cfg.attention_scale, window, cfg.attn_logit_softcapping)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -52,17 +58,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPContext, intermediate_size: int | None = None):
+    """The gated MLP (cfg.hidden_act: SiLU, or Gemma's GELU-tanh). ``reduce`` as LlamaAttention's."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext, intermediate_size: int | None = None, reduce: bool = False):
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, False, tp,
                                                        quant=cfg.quantization)
         # partial sums: the next layer's input norm (or the final norm) reduces them
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, gated_input=True, reduce=False,
-                                          quant=cfg.quantization)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, gated_input=True, reduce=reduce,
+                                          quant=cfg.quantization, act=cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))  # SiLU-and-mul happens in down_proj
+        return self.down_proj(self.gate_up_proj(x))  # the activation-and-mul happens in down_proj
 
 
 class SparseMoeBlock(nn.Module):
@@ -94,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         # reduction sites in forward order: 2i (this input norm, from layer 1 on), 2i + 1, ..., 2L (final norm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * index)
-        self.self_attn = LlamaAttention(cfg, rotary, tp, backend)
+        self.self_attn = LlamaAttention(cfg, rotary, tp, backend, cfg.window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * index + 1)
         self.mlp = SparseMoeBlock(cfg, tp) if cfg.is_sparse(index) else LlamaMLP(cfg, tp)
 
@@ -125,6 +133,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    backbone = LlamaModel  # the decoder stack a family builds (models/gemma.py has its own)
     # checkpoint name fragment -> (our parameter fragment, shard id)
     packed = {
         "q_proj": ("qkv_proj", "q"),
@@ -137,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaModel(cfg, max_positions, tp, backend)
+        self.model = self.backbone(cfg, max_positions, tp, backend)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

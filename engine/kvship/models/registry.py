@@ -5,6 +5,7 @@ file and its own entry here."""
 from __future__ import annotations
 
 from kvship.models.config import ModelConfig
+from kvship.models.gemma import GemmaForCausalLM
 from kvship.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES = {
@@ -15,6 +16,8 @@ MODEL_CLASSES = {
     "qwen2_moe": LlamaForCausalLM,
     "qwen3_moe": LlamaForCausalLM,
     "phi3": LlamaForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
 }
 
 
