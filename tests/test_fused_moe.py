@@ -19,7 +19,12 @@ DEV = "cuda" if GPU else "cpu"  # the tiny fp32 cases run on the GPU too, outsid
 
 
 def _check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
-    sorted_pairs, block_experts, num_padded = fm.align_by_expert(ids.to(DEV), num_experts, block_m)
+    """The kernel's alignment has the invariants below and equals the torch ops' exactly."""
+    ids = ids.to(DEV)
+    aligned = fm.align_by_expert_triton(ids, num_experts, block_m)
+    for got, want in zip(aligned, fm.align_by_expert_torch(ids, num_experts, block_m)):
+        assert torch.equal(got, want)
+    sorted_pairs, block_experts, num_padded = aligned
     flat = ids.flatten().cpu()
     pairs = flat.numel()
     sorted_pairs, block_experts, used = sorted_pairs.cpu().long(), block_experts.cpu().long(), int(num_padded)
@@ -51,6 +56,17 @@ def test_alignment_invariants(block_m):
     _check_alignment(torch.full((40, 1), 3), 8, block_m)
     # the worst case for padding: every pair its own expert
     _check_alignment(torch.arange(32).view(4, 8), 32, block_m)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_kernel(renormalize):
+    g = torch.Generator().manual_seed(int(renormalize))
+    for tokens, num_experts, top_k in ((1, 8, 2), (5, 10, 8), (3, 60, 1), (4, 128, 8)):
+        logits = torch.randn(tokens, num_experts, generator=g).to(DEV)
+        weights, ids = fm.route_triton(logits, top_k, renormalize)
+        want_w, want_ids = fm.route_torch(logits, top_k, renormalize)
+        assert ids.dtype == want_ids.dtype and torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
 
 
 def _problem(tokens, top_k, num_experts, hidden, inter, seed, dead, dtype=torch.float32, device=DEV):

@@ -1,8 +1,8 @@
-"""The fused MoE GEMM compiles for sm_90 (H100/H200) in every variant the engine launches, with
-its launch's warps, pipeline stages and 16-byte alignments, and each fits in an SM's shared
-memory; on a machine without a GPU (tests/sm90_compile.py says why). The stages matter here:
-they multiply the shared memory that the largest (prefill) tiles take, which only the compiled
-kernel reveals."""
+"""The fused MoE kernels (router, alignment, grouped GEMM) compile for sm_90 (H100/H200) in every
+variant the engine launches, with its launch's warps, pipeline stages and 16-byte alignments, and
+each fits in an SM's shared memory; on a machine without a GPU (tests/sm90_compile.py says why).
+Shared memory is what only the compiled kernel reveals: the stages multiply it for the largest
+(prefill) GEMM tiles, and the alignment's scans over its one-hot matrix take it too."""
 from __future__ import annotations
 
 import json
@@ -26,20 +26,41 @@ from triton.compiler import ASTSource
 from kvship.kernels import fused_moe
 
 SMEM_SM90 = 232448  # bytes of shared memory one block may take on sm_90
-kernel = fused_moe._moe_gemm_kernel
 for spec in json.loads(sys.argv[2]):
+    kernel = getattr(fused_moe, spec["kernel"])
     sig = {n: ("constexpr" if n in spec["constexprs"] else spec["types"][n]) for n in kernel.arg_names}
     # what a launch tells the compiler of 16-aligned pointers and sizes: it pipelines the loads
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec["aligned"]}
     src = ASTSource(fn=kernel, signature=sig, constexprs=spec["constexprs"], attrs=attrs)
     out = triton_compile(src, target=sm90_compile.SM90, options=spec["options"])
     assert out.metadata.shared <= SMEM_SM90, (spec, out.metadata.shared)
-    print("ok", spec["constexprs"], spec["options"], out.metadata.shared)
+    print("ok", spec["kernel"], spec["constexprs"], spec["options"], out.metadata.shared)
 """
+
+
+def _route_and_align_specs():
+    for dtype, experts, top_k in (("bf16", 128, 8), ("fp32", 128, 8), ("bf16", 8, 2), ("bf16", 512, 8)):
+        yield {"kernel": "_route_kernel", "aligned": [],
+               "types": {"logits_ptr": f"*{dtype}", "weights_ptr": "*fp32", "ids_ptr": "*i64", "num_experts": "i32",
+                         "stride_l": "i32"},
+               "constexprs": {"TOP_K": top_k, "RENORMALIZE": True, "E_POW2": experts, "K_POW2": top_k},
+               "options": {"num_warps": 1 if experts <= 256 else 4}}
+    # the largest one-hot matrices align_by_expert hands the kernel, for E = 128 (Qwen3-30B-A3B at
+    # 32 decode tokens and at 1), 8 (Mixtral, 2048 tokens) and 512
+    for pairs, experts, block_m in ((256, 128, 16), (8, 128, 16), (4096, 8, 128), (64, 512, 16)):
+        blocks = -(-(pairs + min(experts, pairs) * (block_m - 1)) // block_m)
+        yield {"kernel": "_align_kernel", "aligned": [],
+               "types": {"ids_ptr": "*i64", "sorted_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32",
+                         "num_pairs": "i32", "num_blocks": "i32"},
+               "constexprs": {"BLOCK_M": block_m, "P_POW2": pairs, "E_POW2": experts,
+                              "B_POW2": 1 << (blocks - 1).bit_length(), "FILL": 1024},
+               "options": {"num_warps": 8}}
 
 
 def _specs():
     from kvship.kernels.fused_moe import moe_config
+
+    yield from _route_and_align_specs()
 
     tiles = {moe_config(t, 8, 128) for t in (1, 300, 1024, 4096)}
     for cfg in sorted(tiles, key=lambda c: c.block_m):
@@ -50,7 +71,7 @@ def _specs():
                 types |= dict.fromkeys(("num_pairs", "N", "K", "stride_a", "stride_we", "stride_wn", "stride_out"),
                                        "i32")
                 aligned = [n for n in types if n != "num_pairs"]  # Qwen3-30B-A3B: H 2048, I 768
-                yield {"types": types, "aligned": aligned,
+                yield {"kernel": "_moe_gemm_kernel", "types": types, "aligned": aligned,
                        "constexprs": {"A_DIV": 8 if gated else 1, "GATED": gated, "SCALE": not gated,
                                       "BLOCK_M": cfg.block_m,
                                       "BLOCK_N": max(16, cfg.block_n // 2) if gated else cfg.block_n,

@@ -7,10 +7,13 @@ choices of weight * w2[e] @ (silu(gate) * up) [T, H].
 host once per call). ``fused_moe_triton`` keeps every shape fixed by (T, k, E) and never syncs,
 so CUDA graphs capture it:
 
+0. ``route``: softmax over the experts, the top k, renormalized or not (one program per token).
 1. ``align_by_expert`` groups the T * k (token, choice) pairs by expert on the device, each
    expert's list padded to a multiple of BLOCK_M, so that a block of BLOCK_M rows belongs to one
    expert. Buffers are sized for the worst case (every pair's expert padded); the blocks past
-   the real end are skipped by the kernel.
+   the real end are skipped by the kernel. Decode-sized batches take one single-program kernel,
+   larger ones about twenty torch ops (inside a CUDA graph each op is a node that costs
+   microseconds: at batch 1, 48 layers of them would take longer than reading the weights).
 2. One grouped GEMM over those blocks for w13, SiLU-and-mul in its epilogue -> h [T * k, I].
 3. One grouped GEMM for w2 that scales each row by its router weight -> [T * k, H].
 4. The k rows of each token summed (torch).
@@ -51,8 +54,66 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     return out
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr):
+    """One token: softmax over its experts, then k times the largest left (lowest index on a tie)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_POW2)
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, 0))
+    p = e / tl.sum(e, 0)
+    p = tl.where(offs < num_experts, p, -1.0)  # never chosen
+    slots = tl.arange(0, K_POW2)
+    top_w = tl.zeros((K_POW2,), dtype=tl.float32)
+    top_i = tl.zeros((K_POW2,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, offs, E_POW2), 0)
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, idx, top_i)
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 0)
+    tl.store(weights_ptr + t * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slots, top_i.to(tl.int64), mask=slots < TOP_K)
+
+
+def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, num_experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if tokens > 0:
+        e_pow2 = triton.next_power_of_2(num_experts)
+        _route_kernel[(tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+                                 RENORMALIZE=renormalize, E_POW2=e_pow2, K_POW2=triton.next_power_of_2(top_k),
+                                 num_warps=1 if e_pow2 <= 256 else 4)
+    return weights, ids
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64): softmax over all experts in float32,
+    the k largest, rescaled to sum to 1 when ``renormalize``."""
+    if use_triton(router_logits) and router_logits.stride(-1) == 1:
+        return route_triton(router_logits, top_k, renormalize)
+    return route_torch(router_logits, top_k, renormalize)
+
+
+def _num_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks enough for any routing: every expert that has pairs pads its list by < block_m."""
+    return triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+
+
+def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (sorted_pairs int32 [B * block_m], block_experts int32 [B], num_padded int32 [1]).
 
     sorted_pairs lists the pairs t * k + j expert by expert (pair order kept within an expert),
@@ -62,7 +123,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
     length whatever the routing, so every shape depends on (T, k, E, block_m) only."""
     flat = ids.flatten()
     pairs = flat.numel()
-    num_blocks = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)
+    num_blocks = _num_blocks(pairs, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
     padded = (counts + block_m - 1) // block_m * block_m
@@ -77,6 +138,61 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
     block_experts = torch.searchsorted(ends, starts, right=True)
     block_experts = torch.where(starts < ends[-1], block_experts, -1).to(torch.int32)
     return sorted_pairs, block_experts, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, experts_ptr, padded_ptr, num_pairs, num_blocks, BLOCK_M: tl.constexpr,
+                  P_POW2: tl.constexpr, E_POW2: tl.constexpr, B_POW2: tl.constexpr, FILL: tl.constexpr):
+    """align_by_expert_torch in one program: a [pairs, experts] one-hot matrix gives each
+    expert's count (column sums) and each pair's rank among its expert's pairs (column cumsum)."""
+    offs_p = tl.arange(0, P_POW2)
+    pmask = offs_p < num_pairs
+    expert_of = tl.load(ids_ptr + offs_p, mask=pmask, other=-1).to(tl.int32)
+    onehot = (expert_of[:, None] == tl.arange(0, E_POW2)[None, :]).to(tl.int32)
+    counts = tl.sum(onehot, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    rank = tl.cumsum(onehot, 0) - onehot
+    slot = tl.sum(onehot * ((ends - padded)[None, :] + rank), 1)
+    for s0 in range(0, num_blocks * BLOCK_M, FILL):  # every row "no pair" first ...
+        offs = s0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + offs, tl.zeros((FILL,), dtype=tl.int32) + num_pairs, mask=offs < num_blocks * BLOCK_M)
+    tl.debug_barrier()  # ... then the pairs over them: the fills of other threads are done
+    tl.store(sorted_ptr + slot, offs_p, mask=pmask)
+    starts = tl.arange(0, B_POW2) * BLOCK_M
+    # a block's expert: the first whose end lies past the block's start
+    block_expert = tl.sum((ends[None, :] <= starts[:, None]).to(tl.int32), 1)
+    block_expert = tl.where(starts < total, block_expert, -1)
+    tl.store(experts_ptr + tl.arange(0, B_POW2), block_expert, mask=tl.arange(0, B_POW2) < num_blocks)
+    tl.store(padded_ptr, total)
+
+
+# one-hot matrices up to this many entries (pairs x experts, both rounded up to powers of 2) stay
+# in one program's registers: decode batches (Qwen3-30B-A3B: 32 tokens of 8 of 128 experts)
+ALIGN_KERNEL_MAX = 1 << 15
+
+
+def align_by_expert_triton(ids: torch.Tensor, num_experts: int, block_m: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pairs = ids.numel()
+    num_blocks = _num_blocks(pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](ids.contiguous(), sorted_pairs, block_experts, num_padded, pairs, num_blocks, BLOCK_M=block_m,
+                        P_POW2=triton.next_power_of_2(pairs), E_POW2=triton.next_power_of_2(num_experts),
+                        B_POW2=triton.next_power_of_2(num_blocks), FILL=1024, num_warps=8)
+    return sorted_pairs, block_experts, num_padded
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel where its one program holds the problem (decode batches), else the torch ops;
+    both give the same result."""
+    if triton.next_power_of_2(ids.numel()) * triton.next_power_of_2(num_experts) <= ALIGN_KERNEL_MAX:
+        return align_by_expert_triton(ids, num_experts, block_m)
+    return align_by_expert_torch(ids, num_experts, block_m)
 
 
 @triton.jit

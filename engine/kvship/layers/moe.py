@@ -6,9 +6,10 @@ rows, then up rows) and w2 [E, H, I]. Tensor parallelism shards each expert's in
 dimension, like the dense MLP: every rank routes the same way (the router is replicated) and
 returns partial sums that the next norm reduces.
 
-The experts run in kernels/fused_moe.py: on a GPU, its Triton kernels (shapes fixed by the
-token count, no host sync, so decode runs in CUDA graphs); elsewhere its plain-torch path, one
-matmul pair per expert that has tokens. Both read only the selected experts' weights.
+The router's choice (``route``: softmax, top k, renormalized for Mixtral and Qwen3-MoE's
+norm_topk_prob) and the experts run in kernels/fused_moe.py: on a GPU, its Triton kernels (shapes
+fixed by the token count, no host sync, so decode runs in CUDA graphs); elsewhere its plain-torch
+path, one matmul pair per expert that has tokens. Both read only the selected experts' weights.
 """
 from __future__ import annotations
 
@@ -16,18 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvship.kernels.fused_moe import fused_moe
+from kvship.kernels.fused_moe import fused_moe, route
 from kvship.parallel import TPContext
 
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k]): softmax over all experts in float32, the k
-    largest, rescaled to sum to 1 when `renormalize` (Mixtral, Qwen3-MoE's norm_topk_prob)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+__all__ = ["MoEExperts", "moe_reference", "route"]  # the models take route from here
 
 
 class MoEExperts(nn.Module):
