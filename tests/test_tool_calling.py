@@ -75,6 +75,22 @@ def test_tool_call_parsers_on_any_stream_split(parser, text, content, calls):
     _every_split(lambda: ToolStream(_plan(parser)), text, want)
 
 
+def test_hermes_arguments_stream_in_pieces():
+    """A hermes call sends its name as soon as the head is complete, then its arguments as the
+    model writes them (nested objects and a brace inside a string included), not all at the end."""
+    args = '{"city": "Pa}ris", "unit": {"x": [1, {"y": "c"}]}}'
+    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
+    stream, pieces, named_at = ToolStream(_plan("hermes")), [], None
+    for i, ch in enumerate(text):
+        for d in stream.feed(ch)[1]:
+            if d.get("function", {}).get("name"):
+                named_at = i
+            pieces.append(d["function"].get("arguments", ""))
+    pieces += [d["function"].get("arguments", "") for d in stream.end()[1]]
+    assert named_at == text.index(args)  # with the arguments' first character
+    assert "".join(pieces) == args and len([p for p in pieces if p]) > 20
+
+
 def test_required_and_named_outputs():
     out = '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "get_weather", "parameters": {"city": "X", "unit": "c"}}]'
     want = ("", [{"name": "add", "arguments": '{"a": 1, "b": 2}'},

@@ -8,12 +8,15 @@ matching the function's `parameters` schema whatever the model is. A named call'
 arguments object itself; "required" outputs a JSON array of {"name", "parameters"} objects.
 
 `ToolStream` turns the generated text, delta by delta, into content and tool calls: a named
-call streams its arguments piece by piece; other calls are emitted whole as soon as each one is
-complete (OpenAI's stream format allows both, and the SDKs reassemble either).
+call streams its arguments piece by piece, and so does a hermes call once its text has shown
+`{"name": "<a declared tool>", "arguments":` (the usual order); other calls (a "required"
+array, llama3_json, mistral, a hermes body in another shape) are emitted whole as soon as each
+one is complete (OpenAI's stream format allows both, and the SDKs reassemble either).
 """
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -24,6 +27,11 @@ from kvship.server.errors import bad_request
 from kvship.server.protocol import ChatCompletionRequest, Tool
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+# The head of a call object whose arguments can be streamed as they are generated.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+# What closes the call object after its arguments: held back until the call's end shows it.
+_CALL_TAIL = re.compile(r'\s*\}?\s*$')
 
 
 @dataclass
@@ -128,6 +136,7 @@ class ToolStream:
         if plan.mode == "named":
             self.calls.append(Call(plan.name, ""))
         self._named_started = False
+        self._open: tuple[int, int] | None = None  # hermes call streaming: (where its arguments start, sent)
 
     # -- streaming
     def feed(self, text: str) -> tuple[str, list[dict[str, object]]]:
@@ -178,18 +187,45 @@ class ToolStream:
                 return content, deltas
             content += self._buf[:start]
             end = self._buf.find(self.HERMES_END, start)
+            body_at = start + len(self.HERMES_START)
             if end < 0 and not final:
                 self._buf = self._buf[start:]
-                return content, deltas
-            body = self._buf[start + len(self.HERMES_START):end if end >= 0 else None]
-            calls = _json_calls(body.strip())
-            if calls is None:  # not a call after all: the text stays text
-                content += self._buf[start:end + len(self.HERMES_END) if end >= 0 else None]
+                body = self._buf[len(self.HERMES_START):]
+                return content, deltas + self._stream_arguments(body[:len(body) - held_back(body, [self.HERMES_END])])
+            body = self._buf[body_at:end if end >= 0 else None]
+            if self._open is not None:  # its arguments end before the object's closing brace
+                args = _CALL_TAIL.sub("", body[self._open[0]:], count=1)
+                deltas += self._more_arguments(args)
+                self._open = None
             else:
-                deltas += self._emit(calls)[1]
+                calls = _json_calls(body.strip())
+                if calls is None:  # not a call after all: the text stays text
+                    content += self._buf[start:end + len(self.HERMES_END) if end >= 0 else None]
+                else:
+                    deltas += self._emit(calls)[1]
             self._buf = self._buf[end + len(self.HERMES_END):] if end >= 0 else ""
             if end < 0:
                 return content, deltas
+
+    def _stream_arguments(self, body: str) -> list[dict[str, object]]:
+        """Deltas for a hermes call still being generated: its name once the head is complete
+        and names a declared tool (sent with the arguments' first character), then its arguments as they grow, less a possible closing
+        brace of the object (the end tag decides)."""
+        if self._open is None:
+            head = _CALL_HEAD.match(body)
+            # complete once a character follows it (until then the spaces it ends with may grow)
+            if head is None or head.end() == len(body) or head.group(1) not in {t.function.name for t in self.plan.tools}:
+                return []
+            self._open = (head.end(), 0)
+            return self._emit([Call(head.group(1), "")])[1] + self._stream_arguments(body)
+        return self._more_arguments(_CALL_TAIL.sub("", body[self._open[0]:], count=1))
+
+    def _more_arguments(self, args: str) -> list[dict[str, object]]:
+        at, sent = self._open
+        self._open = (at, len(args))
+        self.calls[-1].arguments = args
+        piece = args[sent:]
+        return [{"index": len(self.calls) - 1, "function": {"arguments": piece}}] if piece else []
 
     def _prefixed(self, final: bool) -> tuple[str, list[dict[str, object]]]:
         """llama3_json (a JSON call, or several separated by ";", maybe after <|python_tag|>)
