@@ -82,3 +82,45 @@ def test_response_mistakes_are_400s(server):
     r = httpx.post(url, json={"input": "hi", "store": False, "max_output_tokens": 3}, timeout=60).json()
     assert_error(httpx.post(url, json={"input": "x", "previous_response_id": r["id"]}, timeout=60), 400,
                  "previous_response_id")
+
+
+def test_reasoning_streams_as_its_own_item():
+    """With a reasoning parser, the thinking streams as a reasoning item (reasoning_text deltas)
+    before the message: every event is one the SDK's types accept, and the items equal the
+    non-streamed output's. The bundled model never writes <think>, so the engine's outputs are
+    made here, cut mid-tag."""
+    import asyncio
+
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from kvship.outputs import CompletionOutput, RequestOutput
+    from kvship.server.message import MessageShaper
+    from kvship.server.protocol import ResponsesRequest
+    from kvship.server.responses_api import ResponseShell, _events, output_items
+
+    pieces = ["<thi", "nk>Two plus", " two is four.</th", "ink>The answer", " is 4."]
+
+    def update(i: int) -> RequestOutput:
+        done = i == len(pieces) - 1
+        return RequestOutput("r", [1, 2], [CompletionOutput(0, "".join(pieces[:i + 1]), [0] * (i + 1), pieces[i],
+                                                            [0], finish_reason="stop" if done else None)])
+
+    async def rest():
+        for i in range(1, len(pieces)):
+            yield None, update(i)
+
+    async def run() -> list[str]:
+        body = ResponsesRequest.model_validate({"input": "2+2?", "store": False})
+        return [e async for e in _events(rest(), update(0), ResponseShell("resp_1", body, "m"),
+                                         MessageShaper("qwen3", None), 2, None, [])]
+
+    events = [TypeAdapter(ResponseStreamEvent).validate_json(e.split("data: ", 1)[1]) for e in asyncio.run(run())]
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Two plus two is four."
+    final = events[-1].response
+    assert final.status == "completed" and final.output_text == "The answer is 4."
+    streamed = [{k: v for k, v in i.model_dump(exclude_none=True).items() if k != "id"} for i in final.output]
+    whole = output_items({"reasoning_content": "Two plus two is four.", "content": "The answer is 4."})
+    assert streamed == [{k: v for k, v in i.items() if k != "id"} for i in whole]

@@ -86,14 +86,18 @@ def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
     """A chat message (MessageShaper.message) as Responses output items."""
     items: list[dict[str, Any]] = []
     if message.get("reasoning_content"):
-        items.append({"type": "reasoning", "id": _id("rs"), "summary": [], "status": "completed",
-                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+        items.append(_reasoning_item(_id("rs"), message["reasoning_content"], "completed"))
     if message.get("content"):
         items.append(_message_item(_id("msg"), message["content"], "completed"))
     for call in message.get("tool_calls") or []:
         items.append(_call_item(_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"],
                                 "completed"))
     return items
+
+
+def _reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status, "content": content}
 
 
 def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -139,7 +143,8 @@ class ResponseShell:
 def usage_json(out: RequestOutput, prompt_len: int) -> dict[str, Any]:
     n_in = len(out.prompt_token_ids) if out.prompt_token_ids else prompt_len
     n_out = sum(len(c.token_ids) for c in out.outputs)
-    return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens or 0},
+    cached = out.num_cached_tokens or 0  # served from the prefix cache; the rest were computed and stored
+    return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": n_in - cached},
             "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
 
 
@@ -243,6 +248,10 @@ async def _events(stream: GenerationStream, first: RequestOutput, shell: Respons
                     emit("response.content_part.done", item_id=open_item["id"], output_index=idx, content_index=0,
                          part=part)]
             done = _message_item(open_item["id"], text, "completed")
+        elif open_item["type"] == "reasoning":
+            out.append(emit("response.reasoning_text.done", item_id=open_item["id"], output_index=idx, content_index=0,
+                            text=text))
+            done = _reasoning_item(open_item["id"], text, "completed")
         else:
             out.append(emit("response.function_call_arguments.done", item_id=open_item["id"], output_index=idx,
                             arguments=open_item["arguments"]))
@@ -255,6 +264,15 @@ async def _events(stream: GenerationStream, first: RequestOutput, shell: Respons
     def on_delta(delta: dict[str, Any]) -> list[str]:
         nonlocal open_item, text
         out: list[str] = []
+        thought = delta.get("reasoning_content")
+        if thought:  # the reasoning parser's share comes first, as its own item
+            if open_item is None or open_item["type"] != "reasoning":
+                out += close()
+                open_item = _reasoning_item(_id("rs"), None, "in_progress")
+                out.append(emit("response.output_item.added", output_index=len(items), item=open_item))
+            text += thought
+            out.append(emit("response.reasoning_text.delta", item_id=open_item["id"], output_index=len(items),
+                            content_index=0, delta=thought))
         content = delta.get("content")
         if content:
             if open_item is None or open_item["type"] != "message":
