@@ -20,7 +20,7 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 KV_DTYPES = ["fp8_e4m3", "fp8_e5m2", "int4"]
 DTYPE = torch.bfloat16 if GPU else torch.float32
 # head sizes: powers of two, a non-power of two (80), and an odd one for the 4-bit packing
-HEADS = [(9, 3, 64), (8, 2, 80), (4, 2, 33)] if not GPU else [(32, 8, 128), (9, 3, 64), (32, 8, 80)]
+HEADS = [(9, 3, 64), (8, 2, 80), (4, 2, 33), (4, 2, 16)] if not GPU else [(32, 8, 128), (9, 3, 64), (32, 8, 80)]
 FP8_SCALE = 0.02  # randn values reach ~4.5 > 448 * 0.02 / 2: the e4m3 range is exercised, saturation too
 
 

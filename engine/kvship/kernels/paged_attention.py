@@ -182,26 +182,25 @@ def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
     grp_off: its (token, head) group's offset in the int4 scales; tmask is used when MASKED.
     Plain and FP8 tiles come back as stored (FP8's scale is applied by the caller), int4 ones
     dequantized to float32."""
-    if D_FIRST:
-        t = tok_off[None, :]
-        d = offs_d[:, None]
-        m = dmask[:, None]
-        if MASKED:
-            m = m & tmask[None, :]
-    else:
-        t = tok_off[:, None]
-        d = offs_d[None, :]
-        m = dmask[None, :]
-        if MASKED:
-            m = m & tmask[:, None]
     # one return at the end: the GPU compiler goes on past a return inside a constexpr branch
     if KV_MODE == 2:
+        tile = kvq.int4_load_rows(c_ptr, g_ptr, tok_off, grp_off, tmask, tl.sum(dmask.to(tl.int32), 0),
+                                  tok_off.shape[0], offs_d.shape[0])
         if D_FIRST:
-            g = grp_off[None, :]
-        else:
-            g = grp_off[:, None]
-        tile = kvq.int4_load(c_ptr, g_ptr, t, g, d, m)
+            tile = tl.trans(tile)
     else:
+        if D_FIRST:
+            t = tok_off[None, :]
+            d = offs_d[:, None]
+            m = dmask[:, None]
+            if MASKED:
+                m = m & tmask[None, :]
+        else:
+            t = tok_off[:, None]
+            d = offs_d[None, :]
+            m = dmask[None, :]
+            if MASKED:
+                m = m & tmask[:, None]
         tile = tl.load(c_ptr + t + d, mask=m, other=0.0)
     return tile
 
@@ -228,8 +227,18 @@ def _attend_tile(
     k_off = page * stride_kb + row * stride_ks + kvh * stride_kh
     v_off = page * stride_vb + row * stride_vs + kvh * stride_vh
     g_off = page * stride_gb + row * stride_gs + kvh * stride_gh  # int4 only (strides 0 otherwise)
+    # The dots' dtype: the query's, except FP8 pages beside a bf16 query, which run in fp16: on
+    # Hopper FP8 converts to fp16 in one instruction per pair and to bf16 only through fp32, and
+    # FP8 values, the probabilities and a query within fp16's range (clamped) lose nothing there.
+    dot_dtype = q.dtype
+    if KV_MODE == 1:
+        if q.dtype == tl.bfloat16:
+            dot_dtype = tl.float16
     kt = _load_kv(kc_ptr, ks_ptr, k_off, g_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE)
-    qk = tl.dot(q, kt.to(q.dtype)) * qk_scale
+    if dot_dtype == q.dtype:
+        qk = tl.dot(q, kt.to(dot_dtype)) * qk_scale
+    else:
+        qk = tl.dot(tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(dot_dtype), kt.to(dot_dtype)) * qk_scale
     if SOFTCAP > 0:  # cap * tanh(s / cap), s and cap both scaled by log2(e)
         qk = SOFTCAP * tanh(qk / SOFTCAP)
     if MASK == 1:
@@ -247,7 +256,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype))
     return acc, l_i, m_new
 
 
