@@ -135,10 +135,10 @@ def test_phi4_mini_partial_rotary_is_refused():
         ModelConfig.from_hf(base)
 
 
-def test_sliding_window_limits_the_context(tmp_path, tiny_models):
-    """The model runner still stops the context at a single window (Mistral v0.1, Phi-3-mini),
-    though the attention layers now apply it (test_models_gemma.py checks Mistral's past the
-    window); Qwen2's unused window is ignored."""
+def test_sliding_window_keeps_the_whole_context(tmp_path, tiny_models):
+    """A single window (Mistral v0.1, Phi-3-mini) is applied by the attention layers
+    (test_models_gemma.py checks Mistral past the window against transformers), so the context
+    stays the model's full length; Qwen2's unused window is ignored."""
     import json
     import shutil
 
@@ -149,9 +149,8 @@ def test_sliding_window_limits_the_context(tmp_path, tiny_models):
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100}))
     config = EngineConfig(model=str(folder), device="cpu")
-    load_model(config)
-    assert config.max_model_len == 100
-    with pytest.raises(ValueError, match="exceeds the model's limit of 100"):
-        load_model(EngineConfig(model=str(folder), device="cpu", max_model_len=200))
+    _, model_config = load_model(config)
+    assert config.max_model_len == cfg["max_position_embeddings"] > 100
+    assert set(model_config.layer_windows) == {100}
     qwen = ModelConfig.from_hf(json.loads((tiny_models["qwen2-bias"][0] / "config.json").read_text()))
-    assert qwen.sliding_window is None
+    assert not qwen.layer_windows

@@ -90,7 +90,6 @@ def test_config_windows_and_rope_bases():
         rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
         hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, attn_logit_softcapping=50.0))
     assert g3.layer_windows == tuple(None if i in (5, 11) else 512 for i in range(12))
-    assert g3.sliding_window is None  # per-layer windows do not limit the context
     assert (g3.rope_theta, g3.rope_local_theta, g3.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
     assert g3.qk_norm and g3.tie_word_embeddings and g3.hidden_act == "gelu_tanh"
     assert g3.attn_logit_softcapping is None  # transformers' Gemma 3 attention never caps
@@ -100,7 +99,7 @@ def test_config_windows_and_rope_bases():
     assert g2.attention_scale == 144**-0.5 and not g2.qk_norm
     mistral = ModelConfig.from_hf(base | dict(architectures=["MistralForCausalLM"], num_hidden_layers=2,
                                               sliding_window=4096))
-    assert mistral.layer_windows == (4096, 4096) and mistral.sliding_window == 4096
+    assert mistral.layer_windows == (4096, 4096)
 
 
 def test_multimodal_gemma3_is_refused_by_name():

@@ -87,11 +87,8 @@ class ModelConfig:
     sparse_layers: frozenset[int] = frozenset()  # layers whose feed-forward is the experts
     # how the linear layers' weights are stored (kvship.quant.QuantScheme), None: the model's dtype
     quantization: Any = None
-    # attention sees only this many past tokens (Mistral v0.1, Phi-3); None: the whole context.
-    # The model runner limits these families' context to it; their layers apply it too (layer_windows).
-    sliding_window: int | None = None
-    # each layer's attention window (None: global), empty when no layer slides; Gemma's local
-    # layers use theirs without limiting the context
+    # each layer's attention window (None: global), empty when no layer slides: Mistral v0.1 and
+    # Phi-3 slide on every layer, Gemma on its local ones; the context is not limited by it
     layer_windows: tuple[int | None, ...] = ()
     # Gemma
     hidden_act: str = "silu"  # the gated MLP's activation: kvship.kernels.activation.ACTIVATIONS
@@ -160,7 +157,6 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_list,
             quantization=_quantization(cfg),
-            sliding_window=None if arch in GEMMA else window,
             layer_windows=windows,
             **_moe_fields(arch, cfg),
             **_gemma_fields(arch, cfg, local_rope),

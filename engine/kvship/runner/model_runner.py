@@ -67,11 +67,6 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     model_config = ModelConfig.from_hf(source.hf_config)
     model_config.quantization = _weight_quantization(config, model_config)
     limit = model_config.max_position_embeddings
-    window = model_config.sliding_window
-    if window and window < limit:  # correct up to the window; beyond it attention would see too much
-        log.warning("sliding-window attention (%d tokens) is not implemented: the context is limited to %d tokens",
-                    window, window)
-        limit = window
     if config.max_model_len and config.max_model_len > limit:
         raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's limit of {limit} positions")
     config.max_model_len = config.max_model_len or limit
