@@ -75,20 +75,35 @@ def test_tool_call_parsers_on_any_stream_split(parser, text, content, calls):
     _every_split(lambda: ToolStream(_plan(parser)), text, want)
 
 
-def test_hermes_arguments_stream_in_pieces():
-    """A hermes call sends its name as soon as the head is complete, then its arguments as the
-    model writes them (nested objects and a brace inside a string included), not all at the end."""
-    args = '{"city": "Pa}ris", "unit": {"x": [1, {"y": "c"}]}}'
-    text = f'<tool_call>\n{{"name": "get_weather", "arguments": {args}}}\n</tool_call>'
-    stream, pieces, named_at = ToolStream(_plan("hermes")), [], None
+ARGS = '{"city": "Pa}ris\\"", "unit": {"x": [1, {"y": "c,"}]}}'  # braces, a comma and a quote inside strings
+
+
+@pytest.mark.parametrize("parser,choice,text", [
+    ("hermes", "auto", f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>'),
+    ("hermes", "auto", f'<tool_call>{{"name": "get_weather", "arguments": {ARGS}, "id": 7}}</tool_call>'),
+    ("llama3_json", "auto", f'<|python_tag|>{{"name": "get_weather", "parameters": {ARGS}}}'),
+    ("mistral", "auto", f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {ARGS}}}]'),
+    (None, "required", f'[{{"name": "get_weather", "parameters": {ARGS}}}]'),
+])
+def test_call_arguments_stream_in_pieces(parser, choice, text):
+    """Fed a character at a time, a call sends its id and name as soon as its head is complete
+    (with the arguments' first character), then its arguments as the model writes them, ending
+    exactly where their JSON value ends (keys after it are read past), not all at the end."""
+    stream, pieces, named_at = ToolStream(_plan(parser, choice)), [], None
     for i, ch in enumerate(text):
         for d in stream.feed(ch)[1]:
             if d.get("function", {}).get("name"):
+                assert d["id"].startswith("call_") and d["type"] == "function"
                 named_at = i
             pieces.append(d["function"].get("arguments", ""))
     pieces += [d["function"].get("arguments", "") for d in stream.end()[1]]
-    assert named_at == text.index(args)  # with the arguments' first character
-    assert "".join(pieces) == args and len([p for p in pieces if p]) > 20
+    assert named_at == text.index(ARGS)
+    assert "".join(pieces) == ARGS and len([p for p in pieces if p]) > 20
+
+
+def test_call_in_another_key_order_comes_whole():
+    text = '<tool_call>{"arguments": {"a": 1, "b": 2}, "name": "add"}</tool_call>'
+    _every_split(lambda: ToolStream(_plan("hermes")), text, ("", [{"name": "add", "arguments": '{"a": 1, "b": 2}'}]))
 
 
 def test_required_and_named_outputs():

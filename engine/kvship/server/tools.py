@@ -7,11 +7,12 @@ and named calls are grammar-constrained (kvship.core.grammar): the arguments are
 matching the function's `parameters` schema whatever the model is. A named call's output is the
 arguments object itself; "required" outputs a JSON array of {"name", "parameters"} objects.
 
-`ToolStream` turns the generated text, delta by delta, into content and tool calls: a named
-call streams its arguments piece by piece, and so does a hermes call once its text has shown
-`{"name": "<a declared tool>", "arguments":` (the usual order); other calls (a "required"
-array, llama3_json, mistral, a hermes body in another shape) are emitted whole as soon as each
-one is complete (OpenAI's stream format allows both, and the SDKs reassemble either).
+`ToolStream` turns the generated text, delta by delta, into content and tool calls, streamed as
+OpenAI streams them: a call's id and name first, then its arguments piece by piece. A named
+call's output is its arguments; in every other format (hermes, llama3_json, mistral, the
+"required" array) a call whose text starts `{"name": "<a declared tool>", "arguments": ` (the
+usual order) streams the same way; a call object in another shape is emitted whole once it is
+complete.
 """
 from __future__ import annotations
 
@@ -30,8 +31,6 @@ NO_ARGUMENTS = {"type": "object", "properties": {}}
 
 # The head of a call object whose arguments can be streamed as they are generated.
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-# What closes the call object after its arguments: held back until the call's end shows it.
-_CALL_TAIL = re.compile(r'\s*\}?\s*$')
 
 
 @dataclass
@@ -120,6 +119,117 @@ def _json_calls(text: str, args_keys: tuple[str, ...] = ("arguments", "parameter
     return calls if calls and all(c is not None for c in calls) else None
 
 
+class _CallScanner:
+    """Tool calls in JSON text that is still being generated: one object, an array of objects,
+    or objects separated by ";" (llama3_json). An object that starts `{"name": "<a declared
+    tool>", "arguments": ` (or "parameters") streams: its name, then its arguments as they are
+    written, ending exactly where the JSON value ends; an object in any other shape comes whole
+    once it is complete. ``scan`` takes the whole text so far (it only grows) and returns
+    events: ("open", name), ("args", piece), ("whole", object text)."""
+
+    def __init__(self, names: set[str]):
+        self.names = names
+        self.pos = 0  # where scanning goes on
+        self.obj: int | None = None  # where the object being read starts
+        self.args: int | None = None  # where its streamed arguments start
+        self.args_done = False
+        self.sent = 0  # characters of the arguments sent
+        self.depth, self.in_str, self.esc = 0, False, False  # JSON state inside the arguments
+        self.stopped = False  # text that is not a call: nothing more is read
+
+    def scan(self, text: str) -> list[tuple[str, str]]:
+        events: list[tuple[str, str]] = []
+        while not self.stopped:
+            if self.obj is None:  # between objects
+                i = self.pos
+                while i < len(text) and text[i] in " \t\r\n,;[]":
+                    i += 1
+                self.pos = i
+                if i == len(text):
+                    break
+                if text[i] != "{":
+                    self.stopped = True
+                    break
+                self.obj = i
+            if self.args is None:
+                head = _CALL_HEAD.match(text, self.obj)
+                # complete once a character follows it (until then its trailing spaces may grow)
+                if head is not None and head.end() < len(text) and head.group(1) in self.names:
+                    events.append(("open", head.group(1)))
+                    self.args = self.pos = head.end()
+                    continue
+                end = _object_end(text, self.obj)
+                if end is None:
+                    break
+                events.append(("whole", text[self.obj:end]))
+                self.obj, self.pos = None, end
+                continue
+            if not self.args_done:
+                stop = self._value_end(text)
+                value = text[self.args:len(text) if stop is None else stop].rstrip()
+                if len(value) > self.sent:
+                    events.append(("args", value[self.sent:]))
+                    self.sent = len(value)
+                if stop is None:
+                    break
+                self.args_done = True
+            end = _object_end(text, self.obj)  # keys after the arguments are read past
+            if end is None:
+                break
+            self.obj, self.args, self.args_done, self.sent, self.pos = None, None, False, 0, end
+        return events
+
+    def _value_end(self, text: str) -> int | None:
+        """Where the arguments' JSON value ends (the "," or "}" after it), scanning on from
+        self.pos; None while it has not ended."""
+        i = self.pos
+        while i < len(text):
+            c = text[i]
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif c == "\\":
+                    self.esc = True
+                elif c == '"':
+                    self.in_str = False
+            elif c == '"':
+                self.in_str = True
+            elif c in "{[":
+                self.depth += 1
+            elif self.depth > 0:
+                self.depth -= c in "}]"
+            elif c in ",}]":
+                self.pos = i
+                return i
+            i += 1
+        self.pos = i
+        return None
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """The index after the "}" that closes the object opening at text[start]; None if it has
+    not closed yet."""
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
 class ToolStream:
     """Generated text in, (content delta, tool-call deltas) out. A tool-call delta is the dict
     of OpenAI's `delta.tool_calls` entry, `index` included."""
@@ -136,7 +246,8 @@ class ToolStream:
         if plan.mode == "named":
             self.calls.append(Call(plan.name, ""))
         self._named_started = False
-        self._open: tuple[int, int] | None = None  # hermes call streaming: (where its arguments start, sent)
+        self._scanner: _CallScanner | None = None  # the calls of the current region (a hermes tag, the output)
+        self._region_first_call = 0
 
     # -- streaming
     def feed(self, text: str) -> tuple[str, list[dict[str, object]]]:
@@ -145,7 +256,7 @@ class ToolStream:
             return "", self._named(text)
         self._buf += text
         if mode == "required":
-            return "", []  # one JSON array: complete at the end
+            return "", self._scan(self._buf)
         if self.plan.parser == "hermes":
             return self._hermes(final=False)
         return self._prefixed(final=False)
@@ -155,8 +266,8 @@ class ToolStream:
         if mode == "named":
             return "", self._named("") if not self._named_started else []
         if mode == "required":
-            calls = _json_calls(self._buf, ("parameters", "arguments")) or []
-            return self._emit(calls) if calls else (self._buf, [])
+            deltas = self._scan(self._buf)
+            return ("", deltas) if self.calls else (self._buf, [])
         if self.plan.parser == "hermes":
             return self._hermes(final=True)
         return self._prefixed(final=True)
@@ -175,6 +286,32 @@ class ToolStream:
         self.calls += calls
         return "", [{"index": start + i, **c.json()} for i, c in enumerate(calls)]
 
+    def _scan(self, region: str) -> list[dict[str, object]]:
+        """Deltas for the calls in `region` (the text of the current region so far)."""
+        if self._scanner is None:
+            self._scanner = _CallScanner({t.function.name for t in self.plan.tools})
+            self._region_first_call = len(self.calls)
+        deltas: list[dict[str, object]] = []
+        for kind, value in self._scanner.scan(region):
+            if kind == "open":
+                deltas += self._emit([Call(value, "")])[1]
+            elif kind == "args":
+                self.calls[-1].arguments += value
+                deltas.append({"index": len(self.calls) - 1, "function": {"arguments": value}})
+            else:
+                whole = _json_calls(value)
+                if whole is None:  # not a call: neither is what follows
+                    self._scanner.stopped = True
+                else:
+                    deltas += self._emit(whole)[1]
+        return deltas
+
+    def _region_had_calls(self) -> bool:
+        """At a region's end: whether it held a call (else its text is content); the next
+        region gets a scanner of its own."""
+        self._scanner = None
+        return len(self.calls) > self._region_first_call
+
     def _hermes(self, final: bool) -> tuple[str, list[dict[str, object]]]:
         content, deltas = "", []
         while True:
@@ -186,46 +323,19 @@ class ToolStream:
                 self._buf = self._buf[len(self._buf) - keep:]
                 return content, deltas
             content += self._buf[:start]
-            end = self._buf.find(self.HERMES_END, start)
-            body_at = start + len(self.HERMES_START)
+            self._buf = self._buf[start:]  # from here on the region's text only grows
+            end = self._buf.find(self.HERMES_END)
+            body = self._buf[len(self.HERMES_START):end if end >= 0 else None]
             if end < 0 and not final:
-                self._buf = self._buf[start:]
-                body = self._buf[len(self.HERMES_START):]
-                return content, deltas + self._stream_arguments(body[:len(body) - held_back(body, [self.HERMES_END])])
-            body = self._buf[body_at:end if end >= 0 else None]
-            if self._open is not None:  # its arguments end before the object's closing brace
-                args = _CALL_TAIL.sub("", body[self._open[0]:], count=1)
-                deltas += self._more_arguments(args)
-                self._open = None
-            else:
-                calls = _json_calls(body.strip())
-                if calls is None:  # not a call after all: the text stays text
-                    content += self._buf[start:end + len(self.HERMES_END) if end >= 0 else None]
-                else:
-                    deltas += self._emit(calls)[1]
+                return content, deltas + self._scan(body[:len(body) - held_back(body, [self.HERMES_END])])
+            region = self._scan(body)
+            if self._region_had_calls():
+                deltas += region
+            else:  # not a call after all: the text stays text
+                content += self._buf[:end + len(self.HERMES_END) if end >= 0 else None]
             self._buf = self._buf[end + len(self.HERMES_END):] if end >= 0 else ""
             if end < 0:
                 return content, deltas
-
-    def _stream_arguments(self, body: str) -> list[dict[str, object]]:
-        """Deltas for a hermes call still being generated: its name once the head is complete
-        and names a declared tool (sent with the arguments' first character), then its arguments as they grow, less a possible closing
-        brace of the object (the end tag decides)."""
-        if self._open is None:
-            head = _CALL_HEAD.match(body)
-            # complete once a character follows it (until then the spaces it ends with may grow)
-            if head is None or head.end() == len(body) or head.group(1) not in {t.function.name for t in self.plan.tools}:
-                return []
-            self._open = (head.end(), 0)
-            return self._emit([Call(head.group(1), "")])[1] + self._stream_arguments(body)
-        return self._more_arguments(_CALL_TAIL.sub("", body[self._open[0]:], count=1))
-
-    def _more_arguments(self, args: str) -> list[dict[str, object]]:
-        at, sent = self._open
-        self._open = (at, len(args))
-        self.calls[-1].arguments = args
-        piece = args[sent:]
-        return [{"index": len(self.calls) - 1, "function": {"arguments": piece}}] if piece else []
 
     def _prefixed(self, final: bool) -> tuple[str, list[dict[str, object]]]:
         """llama3_json (a JSON call, or several separated by ";", maybe after <|python_tag|>)
@@ -242,15 +352,8 @@ class ToolStream:
         if not self._tool_mode:
             out, self._buf = self._buf, ""
             return out, []
+        region = self._buf.lstrip().removeprefix(self.LLAMA_PREFIX).removeprefix(self.MISTRAL_START)
+        deltas = self._scan(region)
         if not final:
-            return "", []
-        text = self._buf.strip()
-        if self.plan.parser == "mistral":
-            calls = _json_calls(text[len(self.MISTRAL_START):].strip())
-        else:
-            text = text.removeprefix(self.LLAMA_PREFIX)
-            parts = [_json_calls(p.strip()) for p in text.split(";") if p.strip()]
-            calls = [c for p in parts for c in p] if parts and all(p is not None for p in parts) else None
-        if calls is None:
-            return self._buf, []
-        return self._emit(calls)
+            return "", deltas
+        return ("", deltas) if self._region_had_calls() else (self._buf, [])
