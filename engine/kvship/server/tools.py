@@ -134,7 +134,7 @@ class _CallScanner:
         self.args: int | None = None  # where its streamed arguments start
         self.args_done = False
         self.sent = 0  # characters of the arguments sent
-        self.depth, self.in_str, self.esc = 0, False, False  # JSON state inside the arguments
+        self.nesting = _Nesting()  # inside the arguments
         self.stopped = False  # text that is not a call: nothing more is read
 
     def scan(self, text: str) -> list[tuple[str, str]]:
@@ -177,56 +177,52 @@ class _CallScanner:
             if end is None:
                 break
             self.obj, self.args, self.args_done, self.sent, self.pos = None, None, False, 0, end
+            self.nesting = _Nesting()
         return events
 
     def _value_end(self, text: str) -> int | None:
-        """Where the arguments' JSON value ends (the "," or "}" after it), scanning on from
+        """Where the arguments' JSON value ends (the "," or "}" after it), reading on from
         self.pos; None while it has not ended."""
-        i = self.pos
-        while i < len(text):
-            c = text[i]
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif c == "\\":
-                    self.esc = True
-                elif c == '"':
-                    self.in_str = False
-            elif c == '"':
-                self.in_str = True
-            elif c in "{[":
-                self.depth += 1
-            elif self.depth > 0:
-                self.depth -= c in "}]"
-            elif c in ",}]":
+        for i in range(self.pos, len(text)):
+            if self.nesting.step(text[i]) == 0 and text[i] in ",}]":
                 self.pos = i
                 return i
-            i += 1
-        self.pos = i
+        self.pos = len(text)
         return None
+
+
+class _Nesting:
+    """Where JSON text stands, a character at a time: inside a string (escapes followed) or at
+    a depth of brackets."""
+
+    def __init__(self):
+        self.depth, self.in_str, self.esc = 0, False, False
+
+    def step(self, c: str) -> int | None:
+        """Takes the next character: the depth it stands at, None inside a string."""
+        if self.in_str:
+            if self.esc:
+                self.esc = False
+            elif c == "\\":
+                self.esc = True
+            elif c == '"':
+                self.in_str = False
+            return None
+        if c == '"':
+            self.in_str = True
+            return None
+        depth = self.depth
+        self.depth += (c in "{[") - (c in "}]")
+        return depth
 
 
 def _object_end(text: str, start: int) -> int | None:
     """The index after the "}" that closes the object opening at text[start]; None if it has
     not closed yet."""
-    depth, in_str, esc = 0, False, False
+    nesting = _Nesting()
     for i in range(start, len(text)):
-        c = text[i]
-        if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+        if nesting.step(text[i]) == 1 and text[i] in "}]":
+            return i + 1
     return None
 
 
