@@ -12,7 +12,8 @@ import logging
 import os
 import re
 import struct
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -446,9 +447,16 @@ _ARCHS = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# llama.cpp writes Mixtral as a "llama" file whose llama.expert_count is above zero
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # architectures whose Q/K rows llama.cpp's converter permuted (to its rope layout)
 _PERMUTED_ARCHS = {"llama", "mistral"}
+# llama.cpp stores no norm_topk_prob: its graphs renormalize the top-k router weights for
+# Qwen3-MoE (and Mixtral) and not for Qwen2-MoE, and transformers' GGUF reader assumes the same.
+_NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
 
 
 def shard_paths(path: str) -> list[str]:
@@ -485,8 +493,8 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int]) 
     if arch not in _ARCHS:
         raise ModelSourceError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHS)}).")
-    cls, model_type = _ARCHS[arch]
     p = arch + "."
+    cls, model_type = _MIXTRAL if arch == "llama" and meta.get(p + "expert_count") else _ARCHS[arch]
     hidden = int(meta[p + "embedding_length"])
     heads = int(meta[p + "attention.head_count"])
     kv = meta.get(p + "attention.head_count_kv", heads)
@@ -535,7 +543,30 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int]) 
         cfg["attention_bias"] = True
     elif any(n.endswith("attn_q.bias") for n in tensor_names):
         cfg["attention_bias"] = True
+    cfg.update(_moe_config(meta, arch, tensor_names, cfg["num_hidden_layers"]))
     return cfg
+
+
+def _moe_config(meta: dict, arch: str, tensor_names: set[str], layers: int) -> dict:
+    """The mixture-of-experts keys of the HF config, named as its config.json names them ({} for
+    a dense model). Mixtral's experts are feed_forward_length wide and route in every layer."""
+    p = arch + "."
+    experts = int(meta.get(p + "expert_count") or 0)
+    if not experts:
+        return {}
+    top_k = int(meta[p + "expert_used_count"])
+    if arch == "llama":
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k}
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(meta[p + "expert_feed_forward_length"]),
+        "shared_expert_intermediate_size": int(meta.get(p + "expert_shared_feed_forward_length") or 0),
+        # a file that states it (llama.cpp's key for the families that vary) is taken at its word
+        "norm_topk_prob": bool(meta.get(p + "expert_weights_norm", _NORM_TOPK_PROB[arch])),
+        # a layer without a router is dense (HF's mlp_only_layers); llama.cpp writes none such
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+    }
 
 
 def _unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -547,7 +578,8 @@ def _unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
     return t.reshape(n_head, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest).contiguous()
 
 
-def _make_ref(info: GGUFTensorInfo, permute_heads: int | None) -> WeightRef:
+def _make_ref(info: GGUFTensorInfo, permute_heads: int | None, hf_shape: tuple[int, ...] | None = None) -> WeightRef:
+    """``hf_shape``: the HF tensor's shape where it differs from the file's by unit dimensions."""
     dtype = _NATIVE_TORCH.get(info.ggml_type, torch.float32)
     shape = info.shape
 
@@ -564,9 +596,11 @@ def _make_ref(info: GGUFTensorInfo, permute_heads: int | None) -> WeightRef:
         if permute_heads:
             n = permute_heads if rows is None else (rows[1] - rows[0]) // (shape[0] // permute_heads)
             t = _unpermute_rows(t, n)
+        if hf_shape is not None:
+            t = t.reshape(hf_shape)
         return apply_slices(t, rest)
 
-    return WeightRef(shape, dtype, load)
+    return WeightRef(hf_shape or shape, dtype, load)
 
 
 # Linear layers' matrices: kept in their quantized blocks when their type is in _SPLIT.
@@ -583,6 +617,63 @@ def _make_quant_ref(info: GGUFTensorInfo, permute_heads: int | None) -> QuantRef
 
 def _kept_quantized(hf_name: str, info: GGUFTensorInfo) -> bool:
     return hf_name.endswith(_LINEARS) and info.ggml_type in _SPLIT and len(info.shape) == 2
+
+
+# A mixture-of-experts layer's tensors (llama.cpp's name -> HF's below model.layers.N): the router,
+# Qwen2-MoE's shared expert and its sigmoid gate, and the experts, stacked in one 3-D tensor each
+# ("{}": the expert). Mixtral's block_sparse_moe is called mlp, as the model's loader calls it.
+_MOE_PARTS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
+}
+_MOE_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+
+
+def _hf_name(gname: str) -> str | None:
+    m = _MOE_TENSOR.match(gname)
+    part = _MOE_PARTS.get(m[2]) if m else None
+    return f"model.layers.{m[1]}.{part}.weight" if part else gguf_to_hf_name(gname)
+
+
+def _expert(info: GGUFTensorInfo, e: int) -> GGUFTensorInfo:
+    """Expert ``e``'s matrix of a stacked [E, rows, cols] tensor: the 2-D tensor its bytes form
+    (contiguous in the file), so that a rank reads only its rows of it."""
+    size = info.nbytes // info.dims[2]
+    return replace(info, name=f"{info.name}[{e}]", dims=info.dims[:2], offset=info.offset + e * size, nbytes=size)
+
+
+def _refs(hf: str, info: GGUFTensorInfo, permute_heads: int | None, kept: bool) -> Iterator[tuple[str, Any]]:
+    """The HF tensors one GGUF tensor holds: one per expert for stacked experts (each goes to
+    MoEExperts.weight_loader under its checkpoint name, as from safetensors), else itself."""
+    if "{}" in hf:
+        for e in range(info.shape[0]):
+            yield hf.format(e), _make_ref(_expert(info, e), None)
+    elif kept:
+        yield hf, _make_quant_ref(info, permute_heads)
+    else:  # Qwen2-MoE's shared expert gate is a [H] vector in files, a [1, H] matrix in HF
+        yield hf, _make_ref(info, permute_heads, (1, info.shape[-1]) if hf.endswith("shared_expert_gate.weight") else None)
+
+
+def _describe(gnames: set[str], tensors: dict[str, GGUFTensorInfo]) -> str:
+    """GGUF tensor names with their layer folded: "blk.*.ffn_up_exps.weight Q4_K (48 layers)"."""
+    groups = Counter((re.sub(r"^blk\.\d+\.", "blk.*.", g), tensors[g].type_name) for g in gnames)
+    return ", ".join(f"{n} {t}" + (f" ({c} layers)" if c > 1 else "") for (n, t), c in sorted(groups.items())) or "none"
+
+
+def _log_storage(tensors: dict[str, GGUFTensorInfo], kept: set[str], moe: bool) -> None:
+    expanded = {g for g, t in tensors.items() if g not in kept and t.ggml_type not in _NATIVE_TORCH}
+    if kept:
+        log.info("GGUF: %d linear matrices stay quantized (%s); dequantized at load: %s", len(kept),
+                 ", ".join(sorted({tensors[g].type_name for g in kept})), _describe(expanded, tensors))
+    elif expanded:
+        why = " (mixture-of-experts models are served unquantized)" if moe else ""
+        log.info("GGUF: dequantized at load%s: %s", why, _describe(expanded, tensors))
 
 
 def load_gguf(path: str) -> ModelSource:
@@ -611,18 +702,18 @@ def load_gguf(path: str) -> ModelSource:
     arch = meta["general.architecture"]
     permute = arch in _PERMUTED_ARCHS
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    names = {g: gguf_to_hf_name(g) for g in tensors}
-    kept = {g for g, hf in names.items() if hf is not None and _kept_quantized(hf, tensors[g])}
+    names = {g: _hf_name(g) for g in tensors}
+    # The runner serves no quantized mixture of experts yet (it refuses any quantization scheme
+    # with experts), so such a file is expanded whole to the model dtype, dense matrices too.
+    moe = bool(cfg.get("num_experts") or cfg.get("num_local_experts"))
+    kept = set() if moe else {g for g, hf in names.items() if hf is not None and _kept_quantized(hf, tensors[g])}
     if kept:
         cfg["quantization_config"] = {"quant_method": "gguf"}
-        log.info("GGUF: %d linear matrices stay quantized (%s); dequantized at load: %s", len(kept),
-                 ", ".join(sorted({tensors[g].type_name for g in kept})),
-                 ", ".join(sorted(g for g, t in tensors.items() if g not in kept and t.ggml_type not in _NATIVE_TORCH))
-                 or "none")
+    _log_storage(tensors, kept, moe)
 
     def weights() -> Iterator[tuple[str, WeightRef]]:
         for gname, info in tensors.items():
-            hf = gguf_to_hf_name(gname)
+            hf = names[gname]
             if hf is None:
                 if gname not in ("rope_freqs.weight",):
                     log.warning("GGUF tensor %s has no known HF name; skipped", gname)
@@ -632,7 +723,7 @@ def load_gguf(path: str) -> ModelSource:
                 heads = n_head
             elif permute and hf.endswith(("k_proj.weight", "k_proj.bias")):
                 heads = n_kv
-            yield hf, (_make_quant_ref if gname in kept else _make_ref)(info, heads)
+            yield from _refs(hf, info, heads, gname in kept)
 
     return ModelSource(name=gguf_model_name(path), path=path, hf_config=cfg, generation_config=gen,
                        tokenizer=tokenizer, _weights=weights)

@@ -1,0 +1,160 @@
+"""Mixture-of-experts GGUF files (Qwen3-MoE, Qwen2-MoE, Mixtral) in llama.cpp's layout: tiny
+random transformers models are written here as llama.cpp's converter writes them (stacked
+experts, the router as ffn_gate_inp, the shared expert as *_shexp, Mixtral as a "llama" file with
+rope-permuted q/k), then served by kvship and compared with transformers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from conftest import make_tiny_model
+from kvship.loader import resolve_model
+from test_models import our_logits
+
+# fp32 on both sides, as in test_models: only the summation order differs.
+ATOL = 2e-4
+
+# llama.cpp architecture: (transformers config class, extra config). Every layer routed, top 2 of
+# 8 experts; Qwen3-MoE renormalizes the top-k weights and Qwen2-MoE does not, as llama.cpp runs them.
+SPECS = {
+    "qwen3moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, norm_topk_prob=True)),
+    "qwen2moe": ("Qwen2MoeConfig", dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                        norm_topk_prob=False)),
+    "llama": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)),
+}
+
+# HF name below model.layers.N -> llama.cpp's
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+def _rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order for "llama" files: per head, interleaved halves."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
+    cfg = model.config
+    out = {}
+    for name, t in model.state_dict().items():
+        w = t.detach().float().numpy()
+        if name in _TOP:
+            out[_TOP[name]] = w
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        blk = f"blk.{layer}."
+        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+            gate, up = np.split(w, 2, axis=1)
+            out[blk + "ffn_gate_exps.weight"], out[blk + "ffn_up_exps.weight"] = gate, up
+            continue
+        if rest == "mlp.experts.down_proj":
+            out[blk + "ffn_down_exps.weight"] = w
+            continue
+        part, kind = rest.rsplit(".", 1)
+        if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            w = _rope_permute(w, cfg.num_attention_heads if part.endswith("q_proj") else cfg.num_key_value_heads)
+        out[f"{blk}{_LAYER[part]}.{kind}"] = w.squeeze()  # the converter squeezes: the shexp gate is [H]
+    return out
+
+
+def _metadata(w, model, arch: str) -> None:
+    cfg = model.config
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch != "llama":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size - 1)] + ["</s>"])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+
+
+def write_gguf(path, model, arch: str, expert_type=QT.F32) -> None:
+    """``model`` as a GGUF file of ``arch``; the stacked experts in ``expert_type``, a 2-D matrix of
+    the attention in it too (so that a quantized dense matrix sits beside them), the rest F32."""
+    w = gguf.GGUFWriter(str(path), arch)
+    _metadata(w, model, arch)
+    for name, arr in _gguf_tensors(model, arch).items():
+        qtype = expert_type if name.endswith(("_exps.weight", "attn_output.weight")) else QT.F32
+        data = quants.quantize(np.ascontiguousarray(arr), qtype)  # F32: the array itself
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """arch -> (GGUF path, transformers model)."""
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for arch, spec in SPECS.items():
+        model = make_tiny_model(root / arch, arch, seed=3, spec=spec)
+        path = root / f"tiny-{arch}-F32.gguf"
+        write_gguf(path, model, arch)
+        out[arch] = path, model
+    return out
+
+
+def _greedy(path, prompts: list[list[int]]) -> list[list[int]]:
+    from kvship.llm import LLM
+    from kvship.sampling_params import SamplingParams
+
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _check_against(ref, path, prompts: list[list[int]], atol: float = ATOL) -> None:
+    for p, got in zip(prompts, our_logits(path, prompts)):
+        with torch.no_grad():
+            want = ref(torch.tensor([p])).logits[0]
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    for p, got in zip(prompts, _greedy(path, prompts)):
+        assert got == _reference_greedy(ref, p), p
+
+
+def _reference_greedy(ref, prompt: list[int], n: int = 8) -> list[int]:
+    """transformers' argmax tokens, the end-of-sequence token allowed like any other (its generate
+    would hold that one back until min_new_tokens, where the engine ignores the end)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+PROMPTS = [[3, 17, 250, 9, 44], [100 + i for i in range(19)]]
+
+
+@pytest.mark.parametrize("arch", list(SPECS))
+def test_moe_gguf_matches_transformers(models, arch):
+    path, ref = models[arch]
+    c = resolve_model(str(path)).hf_config
+    family = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}[arch]
+    assert c["model_type"] == family and c["num_experts_per_tok"] == 2 and "quantization_config" not in c
+    _check_against(ref, path, PROMPTS)
