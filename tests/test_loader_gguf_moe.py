@@ -158,3 +158,68 @@ def test_moe_gguf_matches_transformers(models, arch):
     family = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}[arch]
     assert c["model_type"] == family and c["num_experts_per_tok"] == 2 and "quantization_config" not in c
     _check_against(ref, path, PROMPTS)
+
+
+def _transformers_reading(path, like):
+    """transformers' own GGUF reader on ``path`` (its gguf package dequantizes), in the model
+    ``like``'s config: its GGUF config mapping knows no expert widths, the tensors are what counts."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, config=like.config, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])  # transformers reads no Mixtral GGUF
+def test_transformers_reads_our_files_as_the_original(models, arch):
+    """An independent check of the layout written above (names, stacking, gate before up)."""
+    path, ref = models[arch]
+    want, got = ref.state_dict(), _transformers_reading(path, ref).state_dict()
+    assert set(got) == set(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def q8_0(models, tmp_path_factory):
+    """The Qwen3-MoE model with Q8_0 experts and attn_output: (path, transformers on its dequantized weights)."""
+    _, model = models["qwen3moe"]
+    path = tmp_path_factory.mktemp("q8") / "tiny-qwen3moe-Q8_0.gguf"
+    write_gguf(path, model, "qwen3moe", QT.Q8_0)
+    return path, _transformers_reading(path, model)
+
+
+def test_quantized_experts_are_expanded_at_load(q8_0, caplog):
+    """The runner serves no quantized mixture of experts: every quantized tensor of the file, a
+    dense matrix too, is expanded at load (and named in the log), and the model is served."""
+    path, ref = q8_0
+    with caplog.at_level("INFO", logger="kvship.loader.gguf"):
+        src = resolve_model(str(path))
+    assert "quantization_config" not in src.hf_config
+    assert ("dequantized at load (mixture-of-experts models are served unquantized): blk.*.attn_output.weight "
+            "Q8_0 (2 layers), blk.*.ffn_down_exps.weight Q8_0 (2 layers), blk.*.ffn_gate_exps.weight Q8_0 (2 layers), "
+            "blk.*.ffn_up_exps.weight Q8_0 (2 layers)") in caplog.text
+    # transformers holds the same dequantized values: only the summation order differs
+    _check_against(ref, path, PROMPTS)
+
+
+def test_experts_shard_over_two_ranks(q8_0):
+    """Each expert goes through MoEExperts.weight_loader: a rank holds its half of every expert's
+    intermediate dimension (rows of gate and up read from their Q8_0 blocks alone, columns of down)."""
+    from kvship.layers.moe import MoEExperts
+    from kvship.models.llama import _expert_name
+    from kvship.parallel import TPContext
+
+    path, ref = q8_0
+    sd = ref.state_dict()
+    gate_up, down = sd["model.layers.1.mlp.experts.gate_up_proj"], sd["model.layers.1.mlp.experts.down_proj"]
+    inter = down.shape[2]
+    refs = [(_expert_name(n), r) for n, r in resolve_model(str(path)).weights() if ".layers.1.mlp.experts." in n]
+    for rank in range(2):
+        experts = MoEExperts(8, 64, inter, TPContext(rank=rank, size=2))
+        for (name, shard), r in refs:
+            param = getattr(experts, name.rsplit(".", 1)[1])
+            param.weight_loader(param, r, shard)
+        half = slice(rank * inter // 2, (rank + 1) * inter // 2)
+        want = torch.cat([gate_up[:, :inter][:, half], gate_up[:, inter:][:, half]], dim=1)
+        torch.testing.assert_close(experts.w13.data, want, rtol=0, atol=0)
+        torch.testing.assert_close(experts.w2.data, down[:, :, half], rtol=0, atol=0)
