@@ -45,7 +45,16 @@ def _rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
+def _experts(out: dict, blk: str, part: str, w: np.ndarray, split: bool) -> None:
+    """[E, rows, cols] as llama.cpp stacks it ("ffn_up_exps"), or as files from before that held
+    one matrix per expert ("ffn_up.E")."""
+    if split:
+        out.update({f"{blk}ffn_{part}.{e}.weight": w[e] for e in range(w.shape[0])})
+    else:
+        out[f"{blk}ffn_{part}_exps.weight"] = w
+
+
+def _gguf_tensors(model, arch: str, split_experts: bool = False) -> dict[str, np.ndarray]:
     cfg = model.config
     out = {}
     for name, t in model.state_dict().items():
@@ -57,10 +66,11 @@ def _gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
         blk = f"blk.{layer}."
         if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
             gate, up = np.split(w, 2, axis=1)
-            out[blk + "ffn_gate_exps.weight"], out[blk + "ffn_up_exps.weight"] = gate, up
+            _experts(out, blk, "gate", gate, split_experts)
+            _experts(out, blk, "up", up, split_experts)
             continue
         if rest == "mlp.experts.down_proj":
-            out[blk + "ffn_down_exps.weight"] = w
+            _experts(out, blk, "down", w, split_experts)
             continue
         part, kind = rest.rsplit(".", 1)
         if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
@@ -92,12 +102,12 @@ def _metadata(w, model, arch: str) -> None:
     w.add_eos_token_id(cfg.eos_token_id)
 
 
-def write_gguf(path, model, arch: str, expert_type=QT.F32) -> None:
+def write_gguf(path, model, arch: str, expert_type=QT.F32, split_experts: bool = False) -> None:
     """``model`` as a GGUF file of ``arch``; the stacked experts in ``expert_type``, a 2-D matrix of
     the attention in it too (so that a quantized dense matrix sits beside them), the rest F32."""
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, model, arch)
-    for name, arr in _gguf_tensors(model, arch).items():
+    for name, arr in _gguf_tensors(model, arch, split_experts).items():
         qtype = expert_type if name.endswith(("_exps.weight", "attn_output.weight")) else QT.F32
         data = quants.quantize(np.ascontiguousarray(arr), qtype)  # F32: the array itself
         w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
@@ -223,3 +233,15 @@ def test_experts_shard_over_two_ranks(q8_0):
         want = torch.cat([gate_up[:, :inter][:, half], gate_up[:, inter:][:, half]], dim=1)
         torch.testing.assert_close(experts.w13.data, want, rtol=0, atol=0)
         torch.testing.assert_close(experts.w2.data, down[:, :, half], rtol=0, atol=0)
+
+
+def test_mixtral_with_one_matrix_per_expert(models, tmp_path):
+    """Mixtral files from before llama.cpp stacked the experts: the same tensors as a stacked file."""
+    path, model = models["llama"]
+    old = tmp_path / "tiny-mixtral-split.gguf"
+    write_gguf(old, model, "llama", split_experts=True)
+    want = {n: r.load() for n, r in resolve_model(str(path)).weights()}
+    got = {n: r.load() for n, r in resolve_model(str(old)).weights()}
+    assert got.keys() == want.keys() and "model.layers.1.mlp.experts.7.down_proj.weight" in got
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)

@@ -633,9 +633,15 @@ _MOE_PARTS = {
     "ffn_down_exps": "mlp.experts.{}.down_proj",
 }
 _MOE_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+# Mixtral files converted before llama.cpp stacked the experts hold one matrix per expert
+# ("blk.N.ffn_gate.E.weight"); llama.cpp still reads them.
+_SPLIT_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
 def _hf_name(gname: str) -> str | None:
+    m = _SPLIT_EXPERT.match(gname)
+    if m:
+        return f"model.layers.{m[1]}.mlp.experts.{m[3]}.{m[2]}_proj.weight"
     m = _MOE_TENSOR.match(gname)
     part = _MOE_PARTS.get(m[2]) if m else None
     return f"model.layers.{m[1]}.{part}.weight" if part else gguf_to_hf_name(gname)
