@@ -2,7 +2,17 @@
 the variable must be set before triton is first imported, hence here, at collection start."""
 import os
 
-import torch
+# Under pytest-xdist the workers share the machine's cores: one torch thread each (and in the
+# servers a test starts, which inherit the variable) instead of one per core per process. With
+# two workers on two cores beside other load, OpenMP's spinning threads had made the
+# CPU-heavy SmolLM2 tests up to ten times slower than on an idle machine.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
