@@ -98,9 +98,36 @@ def test_fused_moe_matches_reference(tokens, top_k):
     renorm = top_k == 8  # Qwen3-MoE renormalizes; Qwen2-MoE does not
     weights, ids = route(x @ router.T, top_k, renorm)
     assert not (ids == dead).any()
-    got = fm.fused_moe_triton(x, w13, w2, weights, ids)
     want = moe_reference(x, router, w13, w2, top_k, renorm)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    grouped = fm.fused_moe_triton(x, w13, w2, weights, ids, config=fm.moe_config(tokens, top_k, num_experts))
+    torch.testing.assert_close(grouped, want, atol=1e-4, rtol=1e-4)
+    # the few-token kernels at any token count (the dispatch sends them only a few)
+    torch.testing.assert_close(fm.fused_moe_gemv(x, w13, w2, weights, ids), want, atol=1e-4, rtol=1e-4)
+
+
+def test_few_tokens_take_the_gemv_kernels(monkeypatch):
+    """fused_moe_triton hands small batches to fused_moe_gemv, larger ones to the grouped GEMMs."""
+    assert fm.few_pairs(1, 8, 128) and fm.few_pairs(4, 8, 128) and not fm.few_pairs(5, 8, 128)
+    assert fm.few_pairs(1, 2, 8) and not fm.few_pairs(2, 2, 8)
+    calls = []
+    gemv = fm.fused_moe_gemv
+    monkeypatch.setattr(fm, "fused_moe_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or gemv(*a, **kw))
+    for tokens in (1, 2, 3):
+        x, router, w13, w2 = _problem(tokens, 2, 8, 32, 16, seed=tokens, dead=0)
+        weights, ids = route(x @ router.T, 2, False)
+        torch.testing.assert_close(fm.fused_moe_triton(x, w13, w2, weights, ids),
+                                   moe_reference(x, router, w13, w2, 2, False), atol=1e-4, rtol=1e-4)
+    assert calls == [1]
+
+
+def test_few_token_kernels_tiles():
+    """Tiles smaller than the shapes: several K steps, N blocks and ragged edges (hidden 40,
+    intermediate 24), bf16 weights rounded as the grouped path rounds them."""
+    x, router, w13, w2 = _problem(3, 3, 8, 40, 24, seed=6, dead=0)
+    weights, ids = route(x @ router.T, 3, True)
+    tile = {"block_n": 4, "block_k": 16, "num_warps": 1, "num_stages": 1}
+    got = fm.fused_moe_gemv(x, w13, w2, weights, ids, gate_up=tile, down=tile)
+    torch.testing.assert_close(got, moe_reference(x, router, w13, w2, 3, True), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("cfg", [fm.MoEConfig(32, 32, 16, 4, 2), fm.MoEConfig(64, 16, 32, 4, 2)])
