@@ -38,7 +38,8 @@ def main() -> None:
               for _ in range(copies)]
     router = torch.randn(e, h, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     gate_up = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=3)
-               for bn, bk, nw in itertools.product([4, 8, 16], [256, 512, 1024], [2, 4, 8])]
+               for bn, bk, nw in itertools.product([4, 8, 16], [256, 512, 1024], [4])]
+    gate_up += [dict(block_n=8, block_k=512, num_warps=nw, num_stages=3) for nw in (2, 8)]
     down = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=3)
             for bn, bk, nw in itertools.product([2, 4, 8, 16], [128, 256, 768], [2, 4])]
     if args.quick:

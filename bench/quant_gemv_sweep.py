@@ -1,6 +1,7 @@
-"""Quantized one-row GEMV (batch-1 decode) on the 8B shape's projections: the Triton kernel of
-kernels/quant_linear.py over a grid of launch settings per weight format, against cuBLAS on the
-bf16 matrix, each timed from a CUDA graph cycling through enough weight copies to overflow L2.
+"""Quantized one-row GEMV (batch-1 decode) on the 8B shape's projections: the word-reading kernel
+of kernels/quant_gemv.py (and for FP8 also quant_linear.py's per-code one) over a grid of launch
+settings per weight format, against cuBLAS on the bf16 matrix and the engine's current one-row
+kernel ("engine"), each timed from a CUDA graph cycling through enough weight copies to overflow L2.
 % BW = the format's real bytes (codes, scales, offsets) ÷ time ÷ measured copy bandwidth.
 Also the dequantizing GEMM at 16 and 256 rows against cuBLAS bf16.
 
@@ -18,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import header, measure_ceilings, table
 from gemv_sweep import SHAPES, time_per_call
+from kvship.kernels.quant_gemv import fits, qgemv_words_triton
 from kvship.kernels.quant_linear import _gemm_config, pack, quant_linear_torch, quant_linear_triton
 from kvship.quant import quantize
 from kvship.quant.insitu import quantize_groups
@@ -26,14 +28,28 @@ FORMATS = {"fp8": lambda w: quantize(w, "fp8"), "int8": lambda w: quantize(w, "i
            "int4 g128": lambda w: quantize(w, "int4"), "int4 g32": lambda w: quantize_groups(w, 4, 32)}
 
 
+def one_row(x, qw, cfg):
+    """The word-reading kernel for settings with block_w, else quant_linear's own one-row kernel."""
+    if "block_w" in cfg:
+        return qgemv_words_triton(x, qw.qweight, qw.scales, qw.biases, None, qw.bits, qw.group_size, qw.k, cfg)
+    return quant_linear_triton(x, qw, None, cfg)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     copy_bw, mm = measure_ceilings()
-    grid = list(itertools.product([8, 16, 32], [128, 256, 512], [4, 8], [2, 3]))
+    grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+            for bn, bk, nw, ns in itertools.product([8, 16, 32], [128, 256, 512], [4, 8], [2, 3])]
+    # the word-reading kernel (kernels/quant_gemv.py): block_w words per row and tile
+    words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=ns)
+             for bn, bw, nw, ns in itertools.product([4, 8, 16], [16, 32, 64, 128], [4, 8], [2, 3])]
     if args.quick:
-        grid = [(16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 8, 3), (8, 512, 4, 2), (32, 256, 8, 3)]
+        grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
+                ((16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 8, 3), (8, 512, 4, 2), (32, 256, 8, 3))]
+        words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=3) for bn, bw, nw in
+                 ((8, 32, 4), (8, 64, 4), (16, 32, 4), (16, 64, 8), (4, 64, 4), (8, 128, 8), (4, 128, 4), (16, 16, 4))]
     rows, gemm_rows = [], []
     for name, n, k in SHAPES[:4]:
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -49,15 +65,16 @@ def main() -> None:
             qws = [qw] + [pack(make(w16.float()), "cuda") for _ in range(copies - 1)]
             ref = quant_linear_torch(x.float(), qw)
             best = None
-            for bn, bk, nw, ns in grid:
-                cfg = dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+            for cfg in words + (grid if qw.fp8 else []):
+                if "block_w" in cfg and not fits(qw.bits, qw.k, qw.group_size, qw.scales.shape[1], False, cfg["block_w"]):
+                    continue
                 try:
-                    out = quant_linear_triton(x, qw, None, cfg).float()
+                    out = one_row(x, qw, cfg).float()
                     err = ((out - ref).norm() / ref.norm()).item()
                     if err > 2e-2:
                         print(f"  {name} {fmt} {cfg}: rel err {err:.1e}, skipped", file=sys.stderr)
                         continue
-                    us = time_per_call(lambda i: quant_linear_triton(x, qws[i], None, cfg), copies)
+                    us = time_per_call(lambda i: one_row(x, qws[i], cfg), copies)
                 except Exception as e:  # out of resources for this setting
                     print(f"  {name} {fmt} {cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
                     continue

@@ -1,0 +1,70 @@
+"""The word-reading one-row GEMV (kernels/quant_gemv.py) against quant_linear's reference
+(dequantize, then F.linear): every tile/group arrangement it takes, symmetric and asymmetric
+codes, 4 and 8 bits, with and without a bias. In the interpreter on CPU (fp32), at an 8B
+projection's size in bf16 on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvship.kernels._triton import HAS_TRITON
+from kvship.kernels.quant_gemv import fits, qgemv_words_triton
+from kvship.kernels.quant_linear import pack, quant_linear_torch
+from kvship.quant import QuantizedTensor
+from kvship.quant.insitu import FP8_MAX, quantize_groups
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+
+
+def _weights(n, k, bits, group, symmetric, seed, fp8=False):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    if fp8:  # E4M3 values with a float32 scale per row or per group (block-wise FP8 checkpoints)
+        group = min(group, k)
+        scales = w.view(n, -1, group).abs().amax(-1) / FP8_MAX
+        codes = (w.view(n, -1, group) / scales[..., None]).view(n, k).to(torch.float8_e4m3fn)
+        return pack(QuantizedTensor(codes, scales, None, 8, group), DEV)
+    qt = quantize_groups(w, bits, group)
+    if symmetric:  # codes centred on 2**(bits-1), no offsets (GPTQ/AWQ symmetric, in-situ int4/int8)
+        qt = QuantizedTensor(qt.codes, qt.scales, None, bits, group)
+    return pack(qt, DEV)
+
+
+# (bits, group, block_w): tiles inside a group, tiles of one group, tiles of several groups, one
+# group per row; 8-bit codes in groups of 16 (GGUF Q6_K's layout) and per row (in-situ int8)
+CASES = [(4, 128, 8), (4, 32, 4), (4, 32, 16), (4, 128, 64), (4, 1 << 20, 16), (8, 16, 8), (8, 1 << 20, 32)]
+
+
+FP8_CASES = [(8, 1 << 20, 32, "fp8"), (8, 128, 16, "fp8"), (8, 128, 64, "fp8")]
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("bits,group,block_w,kind", [(*c, "int") for c in CASES] + FP8_CASES)
+def test_word_gemv_matches_reference(bits, group, block_w, kind, symmetric):
+    if kind == "fp8" and not symmetric:
+        pytest.skip("FP8 codes have no offsets")
+    n, k = (4096, 4096) if GPU else (24, 384)
+    group = min(group, k)
+    w = _weights(n, k, bits, group, symmetric, seed=bits * group + block_w, fp8=kind == "fp8")
+    assert fits(bits, k, group, w.scales.shape[1], False, block_w)
+    dtype = torch.bfloat16 if GPU else torch.float32
+    g = torch.Generator().manual_seed(block_w)
+    x = torch.randn(1, k, generator=g).to(DEV, dtype)
+    bias = torch.randn(n, generator=g).to(DEV, dtype)
+    for b in (None, bias):
+        got = qgemv_words_triton(x, w.qweight, w.scales, w.biases, b, bits, w.group_size, k,
+                                 {"block_n": 8, "block_w": block_w, "num_warps": 4, "num_stages": 2}).float()
+        want = quant_linear_torch(x.float(), w, None if b is None else b.float())
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < (1e-2 if GPU else 1e-5), f"relative error {rel:.2e}"
+
+
+def test_layouts_the_word_kernel_leaves_to_the_other():
+    """Act-order tables, rows that are not whole words, and groups that tiles cut."""
+    assert not fits(4, 384, 32, 12, True, 8)  # g_idx
+    assert not fits(4, 36, 4, 9, False, 1)  # 36 codes: 4.5 words
+    assert not fits(4, 384, 48, 8, False, 8)  # 64-input tiles vs groups of 48
+    assert not fits(8, 64, 2, 32, False, 1)  # groups narrower than a word
