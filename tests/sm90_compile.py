@@ -4,8 +4,9 @@ The interpreter that runs the kernels in CI accepts programs the GPU compiler re
 of dtypes, shapes that only broadcast in numpy): such kernels pass every CPU test and fail on
 the first GPU forward. Triton compiles to a cubin for a named target without a device, so the
 tests do that too. Run as a script (the interpreter must be off, so never inside the test
-process): ``python tests/sm90_compile.py MODULE:KERNEL JSON_ARGS``; the test passes each
-kernel's argument types and constexpr values.
+process): ``python tests/sm90_compile.py JSON_SPECS``; a test builds each kernel's argument
+types and constexpr values (with the helpers below, which a test process may import) and
+passes them to ``compile_in_child``.
 """
 from __future__ import annotations
 
@@ -13,15 +14,54 @@ import importlib
 import inspect
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)
+# A child process (this script, or one that imports this module before triton) compiles, so the
+# interpreter goes off before triton is imported; a test process imports the module only for its
+# helpers and keeps the interpreter on for the kernels it runs and the processes it starts.
+if "pytest" not in sys.modules:
+    os.environ.pop("TRITON_INTERPRET", None)
 
-from triton import compile as triton_compile  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+try:
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
-SM90 = GPUTarget("cuda", 90, 32)
+    SM90 = GPUTarget("cuda", 90, 32)
+except ImportError:  # no triton: the compile tests skip, and the modules that hold them still import
+    pass
+
+
+def ints(*names: str) -> dict[str, str]:
+    """Runtime arguments that are 32-bit integers (sizes, strides)."""
+    return dict.fromkeys(names, "i32")
+
+
+def attention_types(cache: str = "*bf16", scales: str = "*bf16") -> dict[str, str]:
+    """Runtime argument types of paged_attention's prefill kernel, and the decode kernel's
+    without its split outputs (``decode_types``), for a bf16 query and output and a cache of
+    ``cache`` elements with ``scales`` (a 16-bit cache: any pointer, never read)."""
+    return {"q_ptr": "*bf16", "kc_ptr": cache, "vc_ptr": cache, "ks_ptr": scales, "vs_ptr": scales,
+            "bt_ptr": "*i32", "seqlens_ptr": "*i32", "cuq_ptr": "*i32", "out_ptr": "*bf16", "qk_scale": "fp32",
+            **ints("stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+                   "stride_vh", "stride_gb", "stride_gs", "stride_gh", "stride_bt", "stride_ot", "stride_oh")}
+
+
+def decode_types(cache: str = "*bf16", scales: str = "*bf16") -> dict[str, str]:
+    """``attention_types`` and the decode kernel's fp32 partial outputs of a split sequence."""
+    return {**attention_types(cache, scales), "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
+            **ints("stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh")}
+
+
+def compile_in_child(specs: list[dict]) -> None:
+    """Compile every spec (``{"kernel": "MODULE:KERNEL", "types": .., "constexprs": ..}``) in a
+    child process running this script; fails with the compiler's messages unless all compile."""
+    proc = subprocess.run([sys.executable, str(Path(__file__)), json.dumps(specs)], capture_output=True, text=True,
+                          timeout=840)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("ok ") == len(specs), proc.stdout[-4000:]
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict[str, object]) -> None:

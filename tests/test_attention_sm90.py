@@ -4,35 +4,24 @@ as does the GELU-tanh gated activation. The quantized-cache variants are compile
 test_kv_quant.py."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from kvship.kernels._triton import HAS_TRITON
+from sm90_compile import attention_types, compile_in_child, decode_types
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
 MODULE = "kvship.kernels.paged_attention"
-INTS = ("stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
-        "stride_gb", "stride_gs", "stride_gh", "stride_bt", "stride_ot", "stride_oh")
 
 
 def _specs():
-    common = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "ks_ptr": "*bf16", "vs_ptr": "*bf16",
-              "bt_ptr": "*i32", "seqlens_ptr": "*i32", "cuq_ptr": "*i32", "out_ptr": "*bf16", "qk_scale": "fp32",
-              **{n: "i32" for n in INTS}}
-    mid = {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
-           **{n: "i32" for n in ("stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh")}}
     # Gemma 2 9B's local layers (head 256, group 2, window 4096, cap 50): every code path the
     # options add; the other variants (a window alone, a cap alone, other heads) drop some of it
     options = dict(WINDOW=4096, SOFTCAP=50.0 * 1.4426950408889634)
-    yield {"kernel": f"{MODULE}:_decode_kernel", "types": {**common, **mid},
+    yield {"kernel": f"{MODULE}:_decode_kernel", "types": decode_types(),
            "constexprs": dict(GROUP=2, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_N=64,
                               NUM_SPLITS=8, KV_MODE=0, **options)}
-    yield {"kernel": f"{MODULE}:_prefill_kernel", "types": common,
+    yield {"kernel": f"{MODULE}:_prefill_kernel", "types": attention_types(),
            "constexprs": dict(GROUP=2, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, KV_MODE=0,
                               **options)}
     yield {"kernel": "kvship.kernels.activation:_act_and_mul_kernel",
@@ -42,8 +31,4 @@ def _specs():
 
 @pytest.mark.timeout(900)
 def test_window_and_softcap_kernels_compile_for_sm90():
-    specs = list(_specs())
-    script = Path(__file__).with_name("sm90_compile.py")
-    proc = subprocess.run([sys.executable, str(script), json.dumps(specs)], capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("ok ") == len(specs)
+    compile_in_child(list(_specs()))
