@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_tiny_model
+from kvship.kernels import quant_linear
 from kvship.kernels._triton import HAS_TRITON
 from kvship.kernels.quant_linear import (
     DENSE_ROWS,
@@ -20,6 +21,8 @@ from kvship.kernels.quant_linear import (
     pack,
     quant_linear_torch,
     quant_linear_triton,
+    quantize_fp8_rows_torch,
+    quantize_fp8_rows_triton,
 )
 from kvship.quant import QuantizedTensor, UnsupportedQuantization, checkpoint_format, quantize
 from kvship.quant.insitu import quantize_groups
@@ -75,6 +78,45 @@ def test_kernel_matches_reference(kind, m):
     if m >= DENSE_ROWS:  # the 16-bit expansion those rows may use (relative: as above for FP8's subnormals)
         dense, ref = dequantize_triton(w, torch.float32).cpu(), dequantize_torch(w).cpu()
         assert ((dense - ref).norm() / ref.norm()).item() < (1.5e-2 if qt.is_fp8 else 1e-6), kind
+
+
+# Each divided by 1.0 (the row's amax is 448): the top of the range, halfway cases that round to
+# even (17 -> 16 and -19 -> -20 at a step of 2; 15.5 -> 16 carries into the next exponent), and
+# below the smallest subnormal 2**-9: half of it rounds to 0, 1.5 of it to 2, and a negative
+# value or -0 to -0, as torch's cast does.
+_FP8_EDGES = [448.0, -448.0, 17.0, -19.0, 15.5, 2.0 ** -10, 3 * 2.0 ** -10, -2.0 ** -11, -0.0]
+_FP8_EDGES_ROUNDED = [448.0, -448.0, 16.0, -20.0, 16.0, 0.0, 2.0 ** -8, -0.0, -0.0]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("k", [1, 64, 100, 333])
+def test_fp8_activation_rows_match_reference(monkeypatch, dtype, k):
+    """W8A8's per-token FP8 activations: the kernel's codes and scales equal the torch
+    reference's bit for bit (both divisions round to nearest, and the codes are rounded in fp32
+    before the cast). Rows wider than 64 (here) are read in blocks, twice."""
+    monkeypatch.setattr(quant_linear, "FP8_ROWS_BLOCK", 64)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(7, k, generator=g)
+    x[1] = 0.0
+    x[2] *= 1e-3
+    x[3] = torch.tensor(_FP8_EDGES * k)[:k]
+    x[4, 1:] *= 1e-4  # one large value, the rest in FP8's subnormals
+    x[5] *= (6e4 if dtype == torch.float16 else 1e6) / x[5].abs().max()  # amax near fp16's largest
+    x[6, : k // 2] = -x[6, : k // 2].abs()
+    x = x.to(dtype)
+    codes, scales = quantize_fp8_rows_triton(x.to(DEV))
+    ref_codes, ref_scales = quantize_fp8_rows_torch(x)
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (7, 1) and scales.dtype == torch.float32
+    torch.testing.assert_close(scales.cpu(), ref_scales, atol=0, rtol=0)
+    assert torch.equal(codes.cpu().view(torch.uint8), ref_codes.view(torch.uint8))
+    # the reference itself: zeros stay zeros, and the halfway cases round as documented
+    assert ref_scales[1].item() == torch.tensor(1e-12).item() and not ref_codes[1].float().any()
+    if k >= len(_FP8_EDGES):
+        assert ref_scales[3].item() == 1.0
+        got = ref_codes[3, :len(_FP8_EDGES)].float()
+        assert got.tolist() == _FP8_EDGES_ROUNDED
+        assert torch.equal(got.signbit(), torch.tensor(_FP8_EDGES_ROUNDED).signbit())
 
 
 def test_tensor_parallel_slices_keep_groups():

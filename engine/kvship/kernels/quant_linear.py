@@ -11,7 +11,9 @@ for FP8 (block scales are float32 in the checkpoints); g_idx [K] int32 for act-o
 codes once with plain FMAs and one reduction at the end (as kernels/gemv.py does for bf16);
 more rows go through a tiled tensor-core GEMM. Both take the scales of a whole tile of groups
 at once (a [.., groups, group] view of the tile), except for act-order weights, whose groups are
-scattered over K and are looked up per input.
+scattered over K and are looked up per input. FP8 W8A8 (``_dense_matmul``) quantizes its
+activations per token in one kernel (``quantize_fp8_rows_triton``, reference
+``quantize_fp8_rows_torch``).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
+from kvship.kernels.kv_quant import fp8_round
 from kvship.quant.insitu import FP8_MAX
 from kvship.quant.tensor import QuantizedTensor
 
@@ -352,14 +355,78 @@ def _w8a8(x2: torch.Tensor, w: QWeight) -> bool:
             and w.n % 16 == 0 and w.k % 16 == 0 and torch.cuda.get_device_capability(x2.device) >= (8, 9))
 
 
+def quantize_fp8_rows_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token FP8 activations for W8A8: x2 [M, K] -> (codes [M, K] float8_e4m3fn, scales
+    [M, 1] float32) with x2 ~= codes * scales; a row's scale is its amax / 448 (at least 1e-12,
+    so that a row of zeros divides to zeros), and x2 / scale is rounded to nearest, ties to even."""
+    scale = (x2.abs().amax(1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    return (x2.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
+    """One row per program, ``quantize_fp8_rows_torch``'s arithmetic bit for bit: both divisions
+    round to nearest (``/`` is an approximate division on NVIDIA GPUs), and fp8_round rounds in
+    fp32 before the then exact cast. ONE_PASS: the row fits one block and is read once; longer
+    rows are read twice (amax, then codes), the second time from the cache."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * K
+    offs = tl.arange(0, BLOCK_K)
+    if ONE_PASS:
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), 0)
+    else:
+        acc = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, tl.abs(x))
+        amax = tl.max(acc, 0)
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)  # 448: FP8_MAX
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        if not ONE_PASS:
+            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        v = tl.math.div_rn(x, scale)
+        r = fp8_round(v, False)
+        # fp8_round's + 1.5 * 2**23 turns a negative value that rounds to zero into +0; the
+        # torch cast keeps its sign (-0, byte 0x80)
+        sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
+        r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        tl.store(q_row + k0 + offs, r.to(tl.float8e4nv), mask=k0 + offs < K)
+
+
+# Widest row read once; wider ones are read in blocks of this many elements, twice.
+FP8_ROWS_BLOCK = 8192
+
+
+def quantize_fp8_rows_triton(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``quantize_fp8_rows_torch``: one launch instead of four elementwise ones."""
+    m, k = x2.shape
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
+    scales = torch.empty(m, 1, dtype=torch.float32, device=x2.device)
+    block = min(triton.next_power_of_2(k), FP8_ROWS_BLOCK)
+    if m > 0:
+        _fp8_rows_kernel[(m,)](x2, codes, scales, k, x2.stride(0), BLOCK_K=block, ONE_PASS=k <= block,
+                               num_warps=8 if block >= 2048 else 4)
+    return codes, scales
+
+
+def quantize_fp8_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x2):
+        return quantize_fp8_rows_triton(x2)
+    return quantize_fp8_rows_torch(x2)
+
+
 def _dense_matmul(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """Many rows: tensor cores at full rate. FP8 per-row weights multiply FP8 activations
     (quantized per token, dynamically, as vLLM's FP8 W8A8 does); other formats are expanded into
     a transient 16-bit matrix for cuBLAS (compute-bound at these sizes: the expansion costs less
     than the dequantizing GEMM lost)."""
     if _w8a8(x2, w):
-        scale_a = (x2.abs().amax(1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
-        xq = (x2.float() / scale_a).to(torch.float8_e4m3fn)
+        xq, scale_a = quantize_fp8_rows(x2)
         return torch._scaled_mm(xq, w.qweight.t(), scale_a=scale_a, scale_b=w.scales.view(1, -1),
                                 bias=bias, out_dtype=x2.dtype)
     return F.linear(x2, dequantize_triton(w, x2.dtype), bias)
