@@ -41,7 +41,7 @@ def main() -> None:
                for bn, bk, nw in itertools.product([4, 8, 16], [256, 512, 1024], [4])]
     gate_up += [dict(block_n=8, block_k=512, num_warps=nw, num_stages=3) for nw in (2, 8)]
     down = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=3)
-            for bn, bk, nw in itertools.product([2, 4, 8, 16], [128, 256, 768], [2, 4])]
+            for bn, bk, nw in itertools.product([2, 4, 8, 16], [128, 256, 512], [2, 4])]
     if args.quick:
         gate_up, down = gate_up[::4], down[::3]
     rows = []

@@ -36,9 +36,17 @@ def fits(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool, bloc
 
 
 @triton.jit
+def _code_value(c, FP8: tl.constexpr):
+    """Codes (int32 holding one code each) -> their fp32 values, exactly."""
+    if FP8:  # E4M3 bytes: the conversion unit (Hopper converts them in pairs)
+        return c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # 2**23 + code as float bits, - 2**23
+
+
+@triton.jit
 def _qgemv_words_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, K, KW, stride_w, stride_s, ngroups,
                         BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                        G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, X2D: tl.constexpr):
     CODES: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     TILE: tl.constexpr = BLOCK_W * CODES  # inputs per tile
@@ -52,17 +60,20 @@ def _qgemv_words_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, K, KW, s
         wmask = offs_w < KW
         q = tl.load(rows + offs_w[None, :], mask=nmask[:, None] & wmask[None, :], other=0,
                     eviction_policy="evict_first")
-        acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
-        xs = tl.zeros([BLOCK_W], tl.float32)
-        for j in tl.static_range(CODES):
-            x = tl.load(x_ptr + offs_w * CODES + j, mask=wmask, other=0.0).to(tl.float32)
-            c = (q >> (BITS * j)) & MASK
-            if FP8:  # E4M3 bytes: the conversion unit (Hopper converts them in pairs)
-                c = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:  # 2**23 + code, as float bits, minus 2**23
-                c = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            acc += c * x[None, :]
-            xs += x
+        if X2D:  # x as [words, CODES], one contiguous load; codes spread to [rows, words, CODES]
+            offs_j = tl.arange(0, CODES)
+            x = tl.load(x_ptr + offs_w[:, None] * CODES + offs_j[None, :], mask=wmask[:, None],
+                        other=0.0).to(tl.float32)
+            c = _code_value((q[:, :, None] >> (BITS * offs_j)[None, None, :]) & MASK, FP8)
+            acc = tl.sum(c * x[None, :, :], 2)
+            xs = tl.sum(x, 1)
+        else:  # code j of every word at a time, x read with a stride of CODES
+            acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+            xs = tl.zeros([BLOCK_W], tl.float32)
+            for j in tl.static_range(CODES):
+                x = tl.load(x_ptr + offs_w * CODES + j, mask=wmask, other=0.0).to(tl.float32)
+                acc += _code_value((q >> (BITS * j)) & MASK, FP8) * x[None, :]
+                xs += x
         g0 = w0 * CODES // G
         if G >= TILE:  # the tile lies inside group g0 (or the row has one group)
             part = tl.sum(acc, 1)
@@ -104,5 +115,5 @@ def qgemv_words_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         n, k, k * bits // 32, words.stride(0), scales.stride(0), scales.shape[1],
         BITS=bits, FP8=fp8, SYMM=symm, CENTRE=float(1 << (bits - 1)) if symm and not fp8 else 0.0, HAS_BIAS=bias is not None,
         G=group_size if scales.shape[1] > 1 else 1 << 30, BLOCK_N=config["block_n"], BLOCK_W=config["block_w"],
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        X2D=config.get("x2d", True), num_warps=config["num_warps"], num_stages=config["num_stages"])
     return y
