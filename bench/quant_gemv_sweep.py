@@ -43,14 +43,13 @@ def main() -> None:
     grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
             for bn, bk, nw, ns in itertools.product([8, 16, 32], [128, 256, 512], [4, 8], [2, 3])]
     # the word-reading kernel (kernels/quant_gemv.py): block_w words per row and tile
-    words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=ns, x2d=x2d) for bn, bw, nw, ns, x2d in
-             itertools.product([4, 8, 16], [16, 32, 64, 128, 256], [4, 8], [2, 3], [True, False])]
+    words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=ns) for bn, bw, nw, ns in
+             itertools.product([2, 4, 8, 16], [128, 256, 512], [4, 8], [2, 3])]
     if args.quick:
         grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
                 ((16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 8, 3), (8, 512, 4, 2), (32, 256, 8, 3))]
-        words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=3, x2d=x2d) for x2d in (True, False)
-                 for bn, bw, nw in ((8, 32, 4), (8, 64, 4), (16, 32, 4), (16, 64, 8), (4, 128, 4), (4, 256, 4),
-                                    (8, 128, 8))]
+        words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=3) for bn, bw, nw in
+                 ((4, 256, 4), (8, 256, 8), (2, 512, 4), (4, 512, 8), (8, 128, 4))]
     rows, gemm_rows = [], []
     for name, n, k in SHAPES[:4]:
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02

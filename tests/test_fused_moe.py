@@ -106,9 +106,7 @@ def test_fused_moe_matches_reference(tokens, top_k):
 
 
 def test_few_tokens_take_the_gemv_kernels(monkeypatch):
-    """fused_moe_triton hands small batches to fused_moe_gemv, larger ones to the grouped GEMMs."""
-    assert fm.few_pairs(1, 8, 128) and fm.few_pairs(4, 8, 128) and not fm.few_pairs(5, 8, 128)
-    assert fm.few_pairs(1, 2, 8) and not fm.few_pairs(2, 2, 8)
+    """fused_moe_triton hands one token to fused_moe_gemv, more to the grouped GEMMs."""
     calls = []
     gemv = fm.fused_moe_gemv
     monkeypatch.setattr(fm, "fused_moe_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or gemv(*a, **kw))

@@ -21,7 +21,7 @@ so CUDA graphs capture it:
 A block reads its one expert's weights, so batch-1 decode reads only the k selected experts.
 The design follows vLLM's fused_moe (moe_align_block_size, one expert per M-block).
 
-A few tokens (decode at small batch: ``few_pairs``) take a shorter road, ``fused_moe_gemv``:
+One token (batch-1 decode) takes a shorter road, ``fused_moe_gemv``:
 no alignment, no padding to 16-row tensor-core blocks (15 of 16 rows were empty at batch 1, and
 the layer read its experts at 44% of copy bandwidth on the H200), and no summing kernel. One
 program per (pair, block of gate/up rows) streams those rows once with FMAs, as kernels/gemv.py
@@ -348,17 +348,11 @@ def _gemv_down_kernel(h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, stride_h, st
 
 
 # Launch settings of the two few-token kernels: the best of bench/moe_sweep.py on the H200 at
-# Qwen3-30B-A3B's sizes (batch 1).
-GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 4, "num_stages": 3}
-GEMV_DOWN = {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 3}
-
-
-def few_pairs(tokens: int, top_k: int, num_experts: int) -> bool:
-    """Whether ``fused_moe_gemv`` should take the batch. It reads an expert once per pair that
-    picks it, the grouped GEMMs once per batch: equal while the pairs rarely share an expert,
-    which holds up to about a quarter of the experts (Qwen3-30B-A3B: 4 tokens of 8 of 128;
-    Mixtral, 2 of 8: one token)."""
-    return tokens * top_k <= max(top_k, num_experts // 4)
+# Qwen3-30B-A3B's sizes, one token: 28.7 us per layer (62% of copy bandwidth) against 32.2 us
+# (55%) for the grouped GEMMs; at 4 tokens the two paths tie (77.8 and 77.6 us) only with other
+# settings, and these lose (87.7 us), so the kernels take one token.
+GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 2, "num_stages": 3}
+GEMV_DOWN = {"block_n": 2, "block_k": 512, "num_warps": 2, "num_stages": 3}
 
 
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -384,12 +378,12 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                      ids: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor:
-    """The grouped GEMMs, or for a few tokens (and no tiles asked for) ``fused_moe_gemv``."""
+    """The grouped GEMMs, or for one token (and no tiles asked for) ``fused_moe_gemv``."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = w13.shape[0], w2.shape[2], x.shape[1]
     if tokens == 0:
         return torch.zeros_like(x)
-    if config is None and few_pairs(tokens, top_k, num_experts):
+    if config is None and tokens == 1:  # see GEMV_GATE_UP
         return fused_moe_gemv(x, w13, w2, weights, ids)
     cfg = config or moe_config(tokens, top_k, num_experts)
     x = x.contiguous()

@@ -46,7 +46,7 @@ def _code_value(c, FP8: tl.constexpr):
 @triton.jit
 def _qgemv_words_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, K, KW, stride_w, stride_s, ngroups,
                         BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, X2D: tl.constexpr):
+                        G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     CODES: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     TILE: tl.constexpr = BLOCK_W * CODES  # inputs per tile
@@ -60,20 +60,12 @@ def _qgemv_words_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, K, KW, s
         wmask = offs_w < KW
         q = tl.load(rows + offs_w[None, :], mask=nmask[:, None] & wmask[None, :], other=0,
                     eviction_policy="evict_first")
-        if X2D:  # x as [words, CODES], one contiguous load; codes spread to [rows, words, CODES]
-            offs_j = tl.arange(0, CODES)
-            x = tl.load(x_ptr + offs_w[:, None] * CODES + offs_j[None, :], mask=wmask[:, None],
-                        other=0.0).to(tl.float32)
-            c = _code_value((q[:, :, None] >> (BITS * offs_j)[None, None, :]) & MASK, FP8)
-            acc = tl.sum(c * x[None, :, :], 2)
-            xs = tl.sum(x, 1)
-        else:  # code j of every word at a time, x read with a stride of CODES
-            acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
-            xs = tl.zeros([BLOCK_W], tl.float32)
-            for j in tl.static_range(CODES):
-                x = tl.load(x_ptr + offs_w * CODES + j, mask=wmask, other=0.0).to(tl.float32)
-                acc += _code_value((q >> (BITS * j)) & MASK, FP8) * x[None, :]
-                xs += x
+        acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+        xs = tl.zeros([BLOCK_W], tl.float32)
+        for j in tl.static_range(CODES):  # code j of every word; x with a stride of CODES (from L1)
+            x = tl.load(x_ptr + offs_w * CODES + j, mask=wmask, other=0.0).to(tl.float32)
+            acc += _code_value((q >> (BITS * j)) & MASK, FP8) * x[None, :]
+            xs += x
         g0 = w0 * CODES // G
         if G >= TILE:  # the tile lies inside group g0 (or the row has one group)
             part = tl.sum(acc, 1)
@@ -113,7 +105,7 @@ def qgemv_words_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     _qgemv_words_kernel[(triton.cdiv(n, config["block_n"]),)](
         x, words, scales, biases if biases is not None else scales, bias if bias is not None else scales, y,
         n, k, k * bits // 32, words.stride(0), scales.stride(0), scales.shape[1],
-        BITS=bits, FP8=fp8, SYMM=symm, CENTRE=float(1 << (bits - 1)) if symm and not fp8 else 0.0, HAS_BIAS=bias is not None,
-        G=group_size if scales.shape[1] > 1 else 1 << 30, BLOCK_N=config["block_n"], BLOCK_W=config["block_w"],
-        X2D=config.get("x2d", True), num_warps=config["num_warps"], num_stages=config["num_stages"])
+        BITS=bits, FP8=fp8, SYMM=symm, CENTRE=float(1 << (bits - 1)) if symm and not fp8 else 0.0,
+        HAS_BIAS=bias is not None, G=group_size if scales.shape[1] > 1 else 1 << 30, BLOCK_N=config["block_n"],
+        BLOCK_W=config["block_w"], num_warps=config["num_warps"], num_stages=config["num_stages"])
     return y
