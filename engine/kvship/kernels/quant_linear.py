@@ -8,8 +8,9 @@ for FP8 (block scales are float32 in the checkpoints); g_idx [K] int32 for act-o
 
 ``quant_linear_torch`` (unpack, dequantize, F.linear) is the reference and the CPU path.
 ``quant_linear_triton`` runs one of two kernels: one input row (batch-1 decode) streams the
-codes once with plain FMAs and one reduction at the end (as kernels/gemv.py does for bf16);
-more rows go through a tiled tensor-core GEMM. Both take the scales of a whole tile of groups
+codes once with plain FMAs and one reduction at the end (as kernels/gemv.py does for bf16;
+integer codes in kernels/quant_gemv.py's word-reading form, see WORD_GEMV_CONFIGS); more rows
+go through a tiled tensor-core GEMM. Both take the scales of a whole tile of groups
 at once (a [.., groups, group] view of the tile), except for act-order weights, whose groups are
 scattered over K and are looked up per input. FP8 W8A8 (``_dense_matmul``) quantizes its
 activations per token in one kernel (``quantize_fp8_rows_triton``, reference
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
 from kvship.kernels.kv_quant import fp8_round
+from kvship.kernels.quant_gemv import fits, qgemv_words_triton
 from kvship.quant.insitu import FP8_MAX
 from kvship.quant.tensor import QuantizedTensor
 
@@ -218,10 +220,15 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gi_ptr, bias_ptr, y_ptr, M, N, K, 
              mask=mmask[:, None] & nmask[None, :])
 
 
-# Launch settings of the one-row kernel, the best of bench/quant_gemv_sweep.py on the H200 over
-# the 8B projections (8-bit codes: best on q/k/v, o and down; within 10% on gate/up).
+# Launch settings of the one-row kernels, from bench/quant_gemv_sweep.py on the H200 over the 8B
+# projections. FP8 stays on the per-code kernel here (61/48/79% of copy bandwidth on q/k/v, o,
+# gate/up; the word kernel of kernels/quant_gemv.py won only down, 60 against 58%); integer
+# codes go to the word kernel (4-bit: 27-42% against 20-28%, int8: 46-76% against 43-61%),
+# unless their layout is one it leaves (act-order, rows of partial words).
 GEMV_CONFIGS = {8: {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages": 3},
                 4: {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 3}}
+WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
+                     4: {"block_n": 16, "block_w": 256, "num_warps": 8, "num_stages": 3}}
 # From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
 # GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
 DENSE_ROWS = 16
@@ -276,6 +283,14 @@ def _layout(w: QWeight, block_k: int) -> tuple[tuple[torch.Tensor, ...], dict]:
                       G=w.group_size if w.scales.shape[1] > 1 else 1 << 30)
 
 
+def _one_row_config(w: QWeight) -> dict[str, int]:
+    """The word kernel's settings (with block_w) where it takes the layout, else the per-code one's."""
+    words = WORD_GEMV_CONFIGS[w.bits]
+    if not w.fp8 and fits(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, words["block_w"]):
+        return words
+    return GEMV_CONFIGS[w.bits]
+
+
 def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None,
                         config: dict[str, int] | None = None) -> torch.Tensor:
     shape = x.shape
@@ -288,7 +303,10 @@ def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None =
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bias_ptr = bias if bias is not None else w.scales
     if m == 1:
-        cfg = config or GEMV_CONFIGS[w.bits]
+        cfg = config or _one_row_config(w)
+        if "block_w" in cfg:
+            return qgemv_words_triton(x2, w.qweight, w.scales, w.biases, bias, w.bits, w.group_size, w.k,
+                                      cfg).view(*shape[:-1], n)
         ptrs, flags = _layout(w, cfg["block_k"])
         _qgemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
             x2, *ptrs, bias_ptr, y, n, w.k, kp, w.qweight.stride(0), w.scales.stride(0), w.scales.shape[1],
