@@ -110,3 +110,31 @@ def test_gelu_tanh_and_mul_kernel(dtype):
     close(ref, want.to(dtype), dtype, "reference")
     torch.testing.assert_close(activation.act_and_mul(x, "gelu_tanh"), activation.gelu_tanh_and_mul(x))
     torch.testing.assert_close(activation.act_and_mul(x, "silu"), activation.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("q_lens,ctx", [([1, 1, 1, 1], [3, 11, 31, 47]), ([40, 9, 1, 0], [40, 47, 31, 6])])
+def test_blocks_out_of_the_window_are_never_read(q_lens, ctx, monkeypatch):
+    """What a window model's KV cache gives back (KVCacheManager.first_needed_block of each
+    sequence's first new position), filled with NaN, its table entries pointing at the
+    sequence's first held block as the runner writes them: the reference and the Triton
+    kernels (decode, or prefill over chunks) give what they gave on the whole cache. Some first
+    positions sit where one position more would give back a block that is still read."""
+    from kvship.core.kv_cache_manager import KVCacheManager
+
+    window, block_size = 8, 4
+    kv = KVCacheManager(1, block_size, window=window)
+    q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, 4, 2, 64, block_size, torch.float32, seed=11)
+    want = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, 0.125, window=window)
+    table = bt.clone()
+    for b, (n, c) in enumerate(zip(q_lens, ctx)):
+        first = kv.first_needed_block(c - n)
+        kc[bt[b, :first].long()] = vc[bt[b, :first].long()] = float("nan")
+        table[b, :first] = table[b, -(-c // block_size):] = bt[b, first]  # the junk past the end too
+    assert not torch.isfinite(kc).all()  # something was given back
+    torch.testing.assert_close(pa.paged_attention_torch(q, kc, vc, table, sl, cu, 0.125, window=window), want,
+                               rtol=0, atol=0)
+    if HAS_TRITON:
+        monkeypatch.setitem(pa.DECODE_CONFIG, "block_n", 16)
+        monkeypatch.setitem(pa.PREFILL_CONFIG, 64, {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1})
+        out = pa.paged_attention_triton(q, kc, vc, table, sl, cu, 0.125, max(q_lens), window=window)
+        close(out, want, torch.float32, f"triton q_lens={q_lens}")

@@ -31,7 +31,8 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # the blocks it holds, in order of position
+    num_released_blocks: int = 0  # blocks given back before block_table[0] (out of a window model's window)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks, grown as they fill
     num_cached_upto: int = 0  # blocks of block_table already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)

@@ -47,7 +47,8 @@ class LLMEngine:
             raise
         if self.tp_runtime:
             self.tp_runtime.ready = True
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 self.model_config.kv_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.tokenizer)
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
@@ -95,7 +96,8 @@ class LLMEngine:
 
     def _check_prompt(self, ids: list[int], room: int, param: str = "prompt") -> None:
         """Refuse a prompt that is empty, holds ids outside the vocabulary, or leaves fewer than
-        `room` positions of the context (or of the whole KV cache) free."""
+        `room` positions of the context (or of the whole KV cache, of which a window model's
+        sequence holds only what its steps read) free."""
         n = len(ids)
         if n == 0:
             raise InvalidParamsError("the prompt is empty", param)
@@ -107,7 +109,8 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens; the input has {n} tokens"
                 + (", leaving no room for a completion" if room else "") + ". Shorten it.", param)
         capacity = self.kv.num_blocks * self.kv.block_size
-        if n + room > capacity:
+        chunk = self.config.max_num_batched_tokens if self.task == "generate" else n  # embed: whole prompts
+        if self.kv.most_blocks_held(n + room, chunk) > self.kv.num_blocks:
             raise InvalidParamsError(f"the input ({n} tokens) does not fit in the KV cache ({capacity} tokens)", param)
 
     def embed(self, prompts: list[list[int]]) -> list[torch.Tensor]:

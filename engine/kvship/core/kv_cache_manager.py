@@ -4,6 +4,12 @@ A full block is identified by a hash chained over its tokens and all tokens befo
 sequences with the same prefix map to the same blocks. Blocks nobody references stay in the
 free queue (in LRU order) with their contents intact; a later request can revive them until
 they are popped for reuse, at which point their hash is dropped.
+
+When every attention layer slides over the same window (Mistral v0.1, Phi-3-mini), a block
+whose tokens all lie before the window of a sequence's next position is never read again: the
+sequence gives it back as soon as it schedules past it (its hash, if any, keeps it in the
+prefix cache), so a long generation holds about window / block_size + 1 blocks. The sequence
+keeps only the blocks it holds; ``num_released_blocks`` counts the ones given back before them.
 """
 from __future__ import annotations
 
@@ -21,8 +27,10 @@ class Block:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None):
         self.block_size = block_size
+        self.window = window  # ModelConfig.kv_window: None keeps every block while its sequence runs
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
@@ -45,6 +53,22 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def most_blocks_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one sequence of num_tokens tokens holds at once when each step computes
+        at most `chunk` of them: with a window, those a step reads (see first_needed_block)."""
+        if self.window is None:
+            return self.blocks_needed(num_tokens)
+        return min(self.blocks_needed(num_tokens), self.blocks_needed(self.window - 1 + chunk) + 1)
+
+    def first_needed_block(self, position: int) -> int:
+        """The first block that a step computing from ``position`` on reads: its first query sees
+        the last ``window`` positions up to its own, the later ones less far back. Positions only
+        move forward (the overlap's in-flight token counts as computed from its launch on, and a
+        preempted sequence starts again from nothing), so the blocks before are never read again."""
+        if self.window is None:
+            return 0
+        return max(0, position - self.window + 1) // self.block_size
+
     # -- prefix cache -----------------------------------------------------------------------
     def full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Chain hashes of seq's first num_blocks blocks, computed once per block and kept on seq
@@ -55,18 +79,23 @@ class KVCacheManager:
             hashes.append(hash((hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
         return hashes[:num_blocks]
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+    def find_cached_prefix(self, seq: Sequence) -> list[int | None]:
         """Blocks holding the longest cached prefix of seq's tokens. The last token is always
-        left to compute, so that the model produces logits for it."""
+        left to compute, so that the model produces logits for it. With a window, only the
+        prefix's blocks from the window of its first uncomputed position on must be cached (those
+        before are never read): entries before them are None, whether cached or evicted."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed
-        found = []
-        for h in self.full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size):
-            block_id = self.cached.get(h)
-            if block_id is None:
-                break
-            found.append(block_id)
-        return found
+        found: list[int | None] = []
+        run_start = length = 0  # where the current run of cached blocks starts; the best prefix's length
+        for i, h in enumerate(self.full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):
+            found.append(self.cached.get(h))
+            if found[i] is None:
+                run_start = i + 1
+            elif run_start <= self.first_needed_block((i + 1) * self.block_size):
+                length = i + 1
+        skip = self.first_needed_block(length * self.block_size)
+        return [None] * skip + found[skip:length]
 
     def count_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens
@@ -78,33 +107,37 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        first_new = seq.num_cached_upto
+        released = seq.num_released_blocks  # offered when they were given back (if they were full then)
+        first_new = max(seq.num_cached_upto, released)
         if num_full <= first_new:
             return
         hashes = self.full_block_hashes(seq, num_full)
         for i in range(first_new, num_full):
-            block = self.blocks[seq.block_table[i]]
+            block = self.blocks[seq.block_table[i - released]]
             if block.hash is None and hashes[i] not in self.cached:
                 block.hash = hashes[i]
                 self.cached[hashes[i]] = block.block_id
         seq.num_cached_upto = num_full
 
     # -- allocation --------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, revived: list[int] = ()) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) - len(revived)
-        # revived blocks sitting in the free queue stop being free once taken
-        free_after_revive = self.num_free_blocks - sum(1 for b in revived if self.blocks[b].ref_count == 0)
-        return need <= free_after_revive
-
-    def allocate(self, seq: Sequence, num_new_tokens: int, revived: list[int] = ()) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, revived: list[int | None] = ()) -> bool:
         """Give seq blocks for num_new_tokens more tokens (after taking the prefix-cache blocks
-        `revived`). All or nothing: returns False and changes nothing if blocks run short."""
-        if not self.can_allocate(seq, num_new_tokens, revived):
+        `revived`, find_cached_prefix's answer). All or nothing: returns False and changes
+        nothing if blocks run short, except that blocks out of the window are given back first
+        (never read again, they count as free for this very allocation)."""
+        first = self.first_needed_block(seq.num_computed_tokens)
+        self._release_before(seq, first)
+        skip = len(revived[:first])  # a new sequence's cached blocks before its window stay in the cache
+        revived = revived[skip:]
+        need = (self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+                - seq.num_released_blocks - skip - len(seq.block_table) - len(revived))
+        # revived blocks sitting in the free queue stop being free once taken
+        if need > self.num_free_blocks - sum(1 for b in revived if self.blocks[b].ref_count == 0):
             return False
+        seq.num_released_blocks += skip
         for block_id in revived:
             self._take(block_id)
             seq.block_table.append(block_id)
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         for _ in range(need):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
@@ -114,6 +147,17 @@ class KVCacheManager:
             block.ref_count = 1
             seq.block_table.append(block_id)
         return True
+
+    def _release_before(self, seq: Sequence, first: int) -> None:
+        """Give back seq's blocks before block number `first` (out of every layer's window)."""
+        n = min(first - seq.num_released_blocks, len(seq.block_table))
+        if n <= 0:
+            return
+        self.cache_full_blocks(seq)
+        for block_id in seq.block_table[:n]:
+            self._give_back(block_id)
+        del seq.block_table[:n]
+        seq.num_released_blocks += n
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -128,13 +172,17 @@ class KVCacheManager:
         self.cache_full_blocks(seq)
         # Tail blocks first, so that a prefix's first blocks are the last to be evicted.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                if block.hash is None:  # nothing worth keeping: reuse it first
-                    self.free_queue.move_to_end(block_id, last=False)
+            self._give_back(block_id)
         seq.block_table = []
+        seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
         seq.num_cached_upto = 0
+
+    def _give_back(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed more often than taken"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if block.hash is None:  # nothing worth keeping: reuse it first
+                self.free_queue.move_to_end(block_id, last=False)

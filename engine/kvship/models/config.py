@@ -104,6 +104,14 @@ class ModelConfig:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @property
+    def kv_window(self) -> int | None:
+        """The window when every layer slides over the same one (Mistral v0.1, Phi-3-mini): the
+        KV cache then gives back the blocks out of it. None when any layer sees the whole
+        context (Gemma's global layers) or none slides."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 and None not in windows else None
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 

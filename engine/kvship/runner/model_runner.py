@@ -302,23 +302,32 @@ class ModelRunner:
                 fix_rows.append(previous.rows[seq])
                 new.append(0)
             input_ids += new
-            table = seq.block_table
+            table, skip = seq.block_table, seq.num_released_blocks  # block_table[0] holds block number `skip`
             if n == 1:
                 positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
+                slots.append(table[start // bs - skip] * bs + start % bs)
             else:
                 pos = np.arange(start, end)
                 positions += pos.tolist()
-                slots += (np.asarray(table)[pos // bs] * bs + pos % bs).tolist()
+                slots += (np.asarray(table)[pos // bs - skip] * bs + pos % bs).tolist()
             cu.append(cu[-1] + n)
             seq_lens.append(end)
             if end >= seq.num_tokens:  # every token is computed: sample the next one
                 logits_indices.append(cu[-1] - 1)
         num_seqs = len(batch.seqs)
-        width = max(len(s.block_table) for s in batch.seqs)
+        width = max(s.num_released_blocks + len(s.block_table) for s in batch.seqs)
         tables = np.zeros((num_seqs, width), dtype=np.int32)
         for i, s in enumerate(batch.seqs):
-            tables[i, :len(s.block_table)] = s.block_table
+            # Blocks a window model's sequence gave back (core/kv_cache_manager.py) are still
+            # loaded, then masked: the torch path gathers the whole table, the Triton kernels the
+            # tile holding the window's first position. Their entries name the sequence's first
+            # held block rather than the given-back one, which may hold another request's values
+            # by now: a masked key still weighs 0 times its value, and a value that is not finite
+            # (an fp16 overflow elsewhere) would turn that into NaN.
+            r = s.num_released_blocks
+            if r:
+                tables[i, :r] = s.block_table[0]
+            tables[i, r:r + len(s.block_table)] = s.block_table
 
         dev = self.device
         pin = dev.type == "cuda"
