@@ -11,6 +11,7 @@ import torch
 from kvship.kernels import fused_moe as fm
 from kvship.kernels._triton import HAS_TRITON
 from kvship.layers.moe import moe_reference, route
+from kvship.quant import checkpoint_format, quantize
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
@@ -165,6 +166,56 @@ def test_moe_model_on_the_fused_path_matches_transformers(tiny_models, monkeypat
     assert calls
 
 
+def fp8_block(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A matrix [N, K] as a block-wise FP8 checkpoint stores it (Qwen3-30B-A3B-FP8, DeepSeek-V3):
+    E4M3 codes and weight_scale_inv [ceil(N/b), ceil(K/b)], each block's amax / 448."""
+    n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))
+    scale = padded.view(nb, block, kb, block).abs().amax((1, 3)) / 448.0
+    full = scale.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return (w / full).to(torch.float8_e4m3fn), scale
+
+
+def _fp8_stack(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Stacked experts [E, N, K] as MoEExperts holds them: (codes, scales [E, N, G], group),
+    through the loader's own conversion of block-wise checkpoints, or in-situ fp8 per row."""
+    if block is None:
+        parts = [quantize(m, "fp8") for m in w]
+    else:
+        fmt = checkpoint_format({"quant_method": "fp8", "weight_block_size": [block, block]})
+        parts = [fmt.convert(dict(zip(("weight", "weight_scale_inv"), fp8_block(m, block)))) for m in w]
+    scales = torch.stack([p.scales for p in parts])
+    return torch.stack([p.codes for p in parts]), scales, block if scales.shape[2] > 1 else 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("block", [None, 16])
+def test_fp8_experts_match_the_reference_on_dequantized_weights(block):
+    """FP8 codes with scales per row (in-situ fp8, per-channel checkpoints) or per 16 x 16 block
+    (3 ragged blocks along hidden 40, 2 along intermediate 24): the grouped GEMMs (two tilings)
+    and the one-token kernels (K tiles of one block and of several) equal fp32 torch on the
+    dequantized weights, and so does the reference's own dequantization."""
+    x, router, w13, w2 = [t.cpu() for t in _problem(9, 3, 8, 40, 24, seed=8, dead=0)]
+    weights, ids = route(x @ router.T, 3, True)
+    (c13, s13, g13), (c2, s2, g2) = _fp8_stack(w13, block), _fp8_stack(w2, block)
+    assert c13.dtype == torch.float8_e4m3fn and (g13, g2) == ((16, 16) if block else (0, 0))
+    scales = fm.ExpertScales(s13.to(DEV), s2.to(DEV), g13, g2)
+    deq13 = torch.stack([fm.expert_weight(c13, s13, g13, e, torch.float32) for e in range(8)])
+    deq2 = torch.stack([fm.expert_weight(c2, s2, g2, e, torch.float32) for e in range(8)])
+    assert (deq13 - w13).abs().max() < 0.1 * w13.abs().max()  # FP8's 3 mantissa bits
+    x, c13, c2, weights, ids = (t.to(DEV) for t in (x, c13, c2, weights, ids))
+    want = fm.fused_moe_torch(x, deq13.to(DEV), deq2.to(DEV), weights, ids)
+    close = dict(atol=1e-5, rtol=1e-5)  # fp32, only the summation order differs
+    torch.testing.assert_close(fm.fused_moe_torch(x, c13, c2, weights, ids, scales), want, atol=0, rtol=0)
+    for cfg in (fm.moe_config(9, 3, 8), fm.MoEConfig(32, 32, 32, 4, 2)):
+        torch.testing.assert_close(fm.fused_moe_triton(x, c13, c2, weights, ids, config=cfg, scales=scales), want,
+                                   **close)
+    tile = {"block_n": 4, "block_k": 16, "num_warps": 1, "num_stages": 1}
+    for gate_up, down in ((None, None), (tile, tile)):
+        torch.testing.assert_close(fm.fused_moe_gemv(x, c13, c2, weights, ids, gate_up, down, scales), want, **close)
+
+
 def test_moe_config_tiles_grow_with_tokens():
     sizes = [fm.moe_config(t, 8, 128).block_m for t in (1, 64, 300, 1024, 4096)]
     assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
@@ -185,6 +236,24 @@ def test_fused_moe_gpu_real_sizes(tokens):
     got = fm.fused_moe(x, w13, w2, weights, ids)
     want = fm.fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
     _close(got, want, 1.6e-2)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("tokens", [1, 4, 64, 1024])
+def test_fused_moe_fp8_gpu_real_sizes(tokens, block):
+    """Qwen3-30B-A3B's experts in FP8 (its checkpoint's 128 x 128 blocks, or in-situ per row),
+    bf16 activations, against fp32 torch on the dequantized weights."""
+    s = QWEN3_30B
+    x, router, w13, w2 = _problem(tokens, s["top_k"], s["num_experts"], s["hidden"], s["inter"], seed=tokens,
+                                  dead=7, dtype=torch.bfloat16, device="cuda")
+    weights, ids = route(x @ router.T, s["top_k"], True)
+    (c13, s13, g13), (c2, s2, g2) = _fp8_stack(w13.float(), block), _fp8_stack(w2.float(), block)
+    scales = fm.ExpertScales(s13, s2, g13, g2)
+    got = fm.fused_moe(x, c13, c2, weights, ids, scales)
+    deq = [torch.stack([fm.expert_weight(c, sc, g, e, torch.float32) for e in range(s["num_experts"])])
+           for c, sc, g in ((c13, s13, g13), (c2, s2, g2))]
+    _close(got, fm.fused_moe_torch(x.float(), *deq, weights, ids), 1.6e-2)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")

@@ -48,17 +48,42 @@ def our_logits(folder, prompts: list[list[int]], block_size: int = 4, chunk: int
     return [torch.cat(r) for r in results]
 
 
+def assert_logits_match(folder, ref, prompts: list[list[int]], device: str = "cpu", chunks=(None,)) -> None:
+    """Our logits, the prompts run as one batch (whole, or in chunks of each size in ``chunks``
+    over the cached prefix), against transformers' on each prompt alone."""
+    with torch.no_grad():
+        want = [ref(torch.tensor([p])).logits[0] for p in prompts]
+    for chunk in chunks:
+        for got, w in zip(our_logits(folder, prompts, chunk=chunk, device=device), want):
+            torch.testing.assert_close(got, w, atol=ATOL if device == "cpu" else ATOL_GPU, rtol=0)
+
+
+def assert_greedy_matches(folder, ref, prompts: list[list[int]], max_tokens: int) -> None:
+    """Greedy tokens of the engine (the prompts batched together, prefilled in chunks of 16
+    tokens) equal transformers' generate on the same weights; the last prompt, run again,
+    hits the prefix cache and gives the same tokens."""
+    from kvship.llm import LLM
+
+    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=16,
+              max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    again = llm.generate([prompts[-1]], params)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == ours[-1]
+    for p, got in zip(prompts, ours):
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                               do_sample=False, pad_token_id=0)
+        assert got == out[0, len(p):].tolist(), p
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", list(TINY_ARCHS))
 def test_logits_match_transformers(tiny_models, arch, device):
     folder, ref = tiny_models[arch]
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 17, 40)]
-    ours = our_logits(folder, prompts, device=device)
-    for p, got in zip(prompts, ours):
-        with torch.no_grad():
-            want = ref(torch.tensor([p])).logits[0]
-        torch.testing.assert_close(got, want, atol=ATOL if device == "cpu" else ATOL_GPU, rtol=0)
+    assert_logits_match(folder, ref, prompts, device)
 
 
 def test_chunked_prefill_matches_whole(tiny_models):
@@ -109,23 +134,11 @@ def test_moe_experts_match_the_definition():
 def test_moe_models_greedy_match_transformers_batched_and_chunked(tiny_models, arch):
     """Greedy tokens of the engine (batched with other requests, chunked prefill, a prefix hit)
     equal transformers' generate on the same weights."""
-    from kvship.llm import LLM
-
     folder, ref = tiny_models[arch]
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 319, (n,), generator=g).tolist() for n in (6, 21, 33)]
     prompts.append(prompts[2][:24] + [5, 6, 7])  # shares 24 tokens with the third: prefix-cache blocks
-    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=16,
-              max_model_len=256)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    again = llm.generate([prompts[3]], params)[0]
-    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == ours[3]
-    for p, got in zip(prompts, ours):
-        with torch.no_grad():
-            out = ref.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                               pad_token_id=0)
-        assert got == out[0, len(p):].tolist(), (arch, p)
+    assert_greedy_matches(folder, ref, prompts, 12)
 
 
 def test_phi4_mini_partial_rotary_is_refused():

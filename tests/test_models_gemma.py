@@ -10,7 +10,7 @@ import torch
 from conftest import make_tiny_model
 from kvship.models.config import ModelConfig, UnsupportedModelError
 from kvship.sampling_params import SamplingParams
-from test_models import ATOL, ATOL_GPU, DEVICES, our_logits
+from test_models import DEVICES, assert_logits_match
 
 WINDOW = 8
 GEMMA = {
@@ -46,12 +46,7 @@ def _prompts(seed: int) -> list[list[int]]:
 @pytest.mark.parametrize("arch", list(GEMMA))
 def test_logits_match_transformers(models, arch, device):
     folder, ref = models[arch]
-    prompts = _prompts(1)
-    with torch.no_grad():
-        want = [ref(torch.tensor([p])).logits[0] for p in prompts]
-    for chunk in (None, 7):  # whole prompts in one batch; chunks over the cached prefix
-        for got, w in zip(our_logits(folder, prompts, chunk=chunk, device=device), want):
-            torch.testing.assert_close(got, w, atol=ATOL if device == "cpu" else ATOL_GPU, rtol=0)
+    assert_logits_match(folder, ref, _prompts(1), device, chunks=(None, 7))  # whole prompts; chunks over the prefix
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])

@@ -27,6 +27,15 @@ the layer read its experts at 44% of copy bandwidth on the H200), and no summing
 program per (pair, block of gate/up rows) streams those rows once with FMAs, as kernels/gemv.py
 does for dense layers, and stores silu(gate) * up; one program per (token, block of output
 rows) then walks the token's k experts' down rows and adds them up with the router weights.
+
+FP8 experts (``ExpertScales``): w13 and w2 hold float8_e4m3fn codes, and float32 scales per
+output row and per ``group`` inputs multiply them (block-wise checkpoints: their 128 x 128
+block's scale repeated over its rows), or one per row (``group`` 0: per-channel checkpoints and
+in-situ fp8). Every path reads the codes, one byte per weight: the grouped GEMM converts a tile
+to the activations' dtype (exact: E4M3 values are bf16, fp16 and fp32 values) for the tensor
+cores and scales the dot's output, per K tile for block scales (the tile lies in one block) or
+once at the end for row scales; the few-token kernels sum each group's products and scale the
+sum. The reference dequantizes each selected expert (kvship.quant.QuantizedTensor).
 """
 from __future__ import annotations
 
@@ -37,11 +46,34 @@ import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
 from kvship.kernels.activation import silu_mul
+from kvship.quant.tensor import QuantizedTensor
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """The scales of FP8 experts (w13 and w2 then hold float8_e4m3fn codes): float32 w13 [E, 2I,
+    G13] and w2 [E, H, G2], W[e, n, k] = code[e, n, k] * scale[e, n, k // group]; a group of 0
+    means one scale per row (G = 1). Groups are powers of two from 16 (the GEMM's K tile). None:
+    that stack holds 16-bit weights."""
+
+    w13: torch.Tensor | None
+    w2: torch.Tensor | None
+    w13_group: int = 0
+    w2_group: int = 0
+
+
+def expert_weight(w: torch.Tensor, scales: torch.Tensor | None, group: int, e: int, dtype: torch.dtype
+                  ) -> torch.Tensor:
+    """Expert e's matrix of a stack in ``dtype``: w[e] itself, or its FP8 codes dequantized."""
+    if scales is None:
+        return w[e]
+    return QuantizedTensor(w[e], scales[e], None, 8, group or w.shape[2]).dequantize(dtype)
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor) -> torch.Tensor:
+                    ids: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
     inter = w2.shape[2]
+    s = scales or ExpertScales(None, None)
     out = torch.zeros_like(x)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
@@ -53,9 +85,9 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         if n == 0:
             continue
         rows = token_of[start:start + n]
-        h = F.linear(x[rows], w13[e])
+        h = F.linear(x[rows], expert_weight(w13, s.w13, s.w13_group, e, x.dtype))
         h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, w2[e]) * weight_of[start:start + n, None].to(x.dtype)
+        y = F.linear(h, expert_weight(w2, s.w2, s.w2_group, e, x.dtype)) * weight_of[start:start + n, None].to(x.dtype)
         out.index_add_(0, rows, y)
         start += n
     return out
@@ -212,14 +244,25 @@ def _dot(a, b, acc):
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rw_ptr, sorted_ptr, experts_ptr, padded_ptr, num_pairs, N, K,
-                     stride_a, stride_we, stride_wn, stride_out,
-                     A_DIV: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expert_tile(w, like, FP8: tl.constexpr):
+    """A loaded tile of expert weights in the dtype of ``like`` (the activations): FP8 codes
+    arrive as their bytes (masked lanes read 0, +0.0 in E4M3) and convert exactly."""
+    if FP8:
+        return w.to(tl.float8e4nv, bitcast=True).to(like.dtype)
+    return w
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, rw_ptr, sorted_ptr, experts_ptr, padded_ptr, num_pairs, N, K,
+                     stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+                     A_DIV: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[pair, n] = A[pair // A_DIV] . W[e, n] for the BLOCK_M pairs of one expert's block.
 
     GATED (w13): N = I and the program also takes W[e, N + n] (the up row beside each gate
-    row), storing silu(gate) * up. SCALE (w2): rows multiplied by their router weight (fp32)."""
+    row), storing silu(gate) * up. SCALE (w2): rows multiplied by their router weight (fp32).
+    FP8: W holds codes and s_ptr their scales [E, rows, groups], one per row (GROUP 0) or per
+    GROUP inputs (then BLOCK_K divides GROUP: each K tile lies in one group)."""
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):  # a block past the routing's real end
         return
@@ -233,17 +276,33 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, rw_ptr, sorted_ptr, experts_ptr, pad
     a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
     # W[e] is [N, K] row-major: the [BLOCK_K, BLOCK_N] tile is a transposed view, no copy
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_rows = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn  # (FP8) the gate rows' scales
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kmask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
         wmask = kmask[:, None] & nmask[None, :]
-        acc = _dot(a, tl.load(w_ptrs, mask=wmask, other=0.0), acc)
+        w = _expert_tile(tl.load(w_ptrs, mask=wmask, other=0.0), a, FP8)
+        if GROUP > 0:  # this K tile's block scales, on its products
+            s = tl.load(s_rows + k0 // GROUP, mask=nmask, other=0.0)
+            acc += _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * s[None, :]
+        else:
+            acc = _dot(a, w, acc)
         if GATED:
-            acc_up = _dot(a, tl.load(w_ptrs + N * stride_wn, mask=wmask, other=0.0), acc_up)
+            w = _expert_tile(tl.load(w_ptrs + N * stride_wn, mask=wmask, other=0.0), a, FP8)
+            if GROUP > 0:
+                s = tl.load(s_rows + N * stride_sn + k0 // GROUP, mask=nmask, other=0.0)
+                acc_up += _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * s[None, :]
+            else:
+                acc_up = _dot(a, w, acc_up)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if FP8:
+        if GROUP == 0:  # one scale per row: on the sums, once
+            acc = acc * tl.load(s_rows, mask=nmask, other=0.0)[None, :]
+            if GATED:
+                acc_up = acc_up * tl.load(s_rows + N * stride_sn, mask=nmask, other=0.0)[None, :]
     if GATED:
         acc = silu_mul(acc, acc_up)
     if SCALE:
@@ -278,25 +337,68 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
     return MoEConfig(128, 256, 64, 8, 3)
 
 
+def _fp8_operands(w: torch.Tensor, scales: torch.Tensor | None, group: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, int, int, bool, int]:
+    """(weights as the kernels read them, scales, their two strides, FP8, group): FP8 codes go in
+    as bytes; 16-bit weights take their own tensor as the scale pointer, never read."""
+    if scales is None:
+        return w, w, 0, 0, False, 0
+    if w.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or scales.shape[:2] != w.shape[:2]:
+        raise ValueError(f"FP8 experts take float8_e4m3fn codes and float32 scales per row; got {w.dtype} "
+                         f"{tuple(w.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    return w.view(torch.uint8), scales, scales.stride(0), scales.stride(1), True, group
+
+
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, router_weights: torch.Tensor,
               aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_pairs: int, a_div: int, gated: bool,
-              cfg: MoEConfig) -> None:
+              cfg: MoEConfig, scales: torch.Tensor | None = None, group: int = 0) -> None:
     sorted_pairs, block_experts, num_padded = aligned
     n = w.shape[1] // 2 if gated else w.shape[1]
     block_n = max(16, cfg.block_n // 2) if gated else cfg.block_n
+    block_k = min(cfg.block_k, group) if group else cfg.block_k  # a K tile inside one scale block
+    k = w.shape[2]
+    w, s, stride_se, stride_sn, fp8, group = _fp8_operands(w, scales, group)
     grid = (triton.cdiv(n, block_n), block_experts.numel())
     _moe_gemm_kernel[grid](
-        a, w, out, router_weights, sorted_pairs, block_experts, num_padded, num_pairs, n, w.shape[2],
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0), A_DIV=a_div, GATED=gated, SCALE=not gated,
-        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        a, w, s, out, router_weights, sorted_pairs, block_experts, num_padded, num_pairs, n, k,
+        a.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, out.stride(0), A_DIV=a_div, GATED=gated,
+        SCALE=not gated, FP8=fp8, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 @triton.jit
-def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we, stride_wn, stride_h,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_fma(acc, w, x, s_rows, k0, ngroups, nmask, FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """acc + the products of a weight tile [BLOCK_N, BLOCK_K] with x [BLOCK_K], in fp32. FP8
+    codes arrive as their bytes; with GROUP (block scales, GROUP dividing BLOCK_K) each group's
+    products are summed and scaled here, and acc is [BLOCK_N, BLOCK_K // GROUP]."""
+    if FP8:
+        w = w.to(tl.float8e4nv, bitcast=True)
+    p = w.to(tl.float32) * x[None, :]
+    if GROUP > 0:
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        s = tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None] & (g < ngroups)[None, :], other=0.0)
+        return acc + tl.sum(tl.reshape(p, [BLOCK_N, BLOCK_K // GROUP, GROUP]), 2) * s
+    return acc + p
+
+
+@triton.jit
+def _gemv_rows(acc, s_rows, nmask, FP8: tl.constexpr, GROUP: tl.constexpr):
+    """The rows' dot products from _gemv_fma's accumulator: one reduction, then a row scale."""
+    y = tl.sum(acc, 1)
+    if FP8:
+        if GROUP == 0:
+            y = y * tl.load(s_rows, mask=nmask, other=0.0)
+    return y
+
+
+@triton.jit
+def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, ngroups, stride_x, stride_we, stride_wn,
+                         stride_se, stride_sn, stride_h, TOP_K: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr):
     """h[pair, n] = silu(x[t] . W[e, n]) * (x[t] . W[e, N + n]) for pair = t * TOP_K + j and its
-    expert e, n in this program's BLOCK_N rows; N is the intermediate size."""
+    expert e, n in this program's BLOCK_N rows; N is the intermediate size. FP8: scales as in
+    _moe_gemm_kernel (ngroups per row); ACC_K is BLOCK_K, or BLOCK_K // GROUP with block scales."""
     pair = tl.program_id(1)
     t = (pair // TOP_K).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -305,8 +407,10 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we
     offs_k = tl.arange(0, BLOCK_K)
     gate_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
     up_rows = gate_rows + N * stride_wn
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    gate_scales = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    up_scales = gate_scales + N * stride_sn
+    acc_gate = tl.zeros([BLOCK_N, ACC_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, ACC_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < K
@@ -314,17 +418,18 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, N, K, stride_x, stride_we
         wmask = nmask[:, None] & kmask[None, :]
         wg = tl.load(gate_rows + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
         wu = tl.load(up_rows + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        acc_gate += wg.to(tl.float32) * x[None, :]
-        acc_up += wu.to(tl.float32) * x[None, :]
-    h = silu_mul(tl.sum(acc_gate, 1), tl.sum(acc_up, 1))
+        acc_gate = _gemv_fma(acc_gate, wg, x, gate_scales, k0, ngroups, nmask, FP8, GROUP, BLOCK_N, BLOCK_K)
+        acc_up = _gemv_fma(acc_up, wu, x, up_scales, k0, ngroups, nmask, FP8, GROUP, BLOCK_N, BLOCK_K)
+    h = silu_mul(_gemv_rows(acc_gate, gate_scales, nmask, FP8, GROUP), _gemv_rows(acc_up, up_scales, nmask, FP8, GROUP))
     tl.store(h_ptr + pair.to(tl.int64) * stride_h + offs_n, h.to(h_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
-def _gemv_down_kernel(h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, stride_h, stride_we, stride_wn, stride_out,
-                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ngroups, stride_h, stride_we, stride_wn,
+                      stride_se, stride_sn, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr):
     """out[t, n] = sum over the token's k pairs of weight * (h[pair] . W[e, n]); N is the hidden
-    size, K the intermediate one. The sum stays in fp32 and is rounded once."""
+    size, K the intermediate one. The sum stays in fp32 and is rounded once. FP8 as above."""
     t = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
@@ -334,16 +439,17 @@ def _gemv_down_kernel(h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, N, K, stride_h, st
         pair = t * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        scales = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
         h_row = h_ptr + pair.to(tl.int64) * stride_h
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc = tl.zeros([BLOCK_N, ACC_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < K
             h = tl.load(h_row + kk, mask=kmask, other=0.0).to(tl.float32)
             w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                         eviction_policy="evict_first")
-            acc += w.to(tl.float32) * h[None, :]
-        y += tl.load(rw_ptr + pair) * tl.sum(acc, 1)
+            acc = _gemv_fma(acc, w, h, scales, k0, ngroups, nmask, FP8, GROUP, BLOCK_N, BLOCK_K)
+        y += tl.load(rw_ptr + pair) * _gemv_rows(acc, scales, nmask, FP8, GROUP)
     tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -355,49 +461,66 @@ GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 2, "num_stages": 3}
 GEMV_DOWN = {"block_n": 2, "block_k": 512, "num_warps": 2, "num_stages": 3}
 
 
+def _gemv_tile_k(block_k: int, group: int) -> tuple[int, int]:
+    """(BLOCK_K, ACC_K): a K tile of whole scale blocks, and its accumulator's width."""
+    if not group:
+        return block_k, block_k
+    block_k = max(block_k, group)
+    return block_k, block_k // group
+
+
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                    ids: torch.Tensor, gate_up: dict[str, int] | None = None,
-                   down: dict[str, int] | None = None) -> torch.Tensor:
+                   down: dict[str, int] | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """fused_moe_triton's result in two kernels, for a few tokens (see the module's docstring)."""
     tokens, top_k = ids.shape
     inter, hidden = w2.shape[2], x.shape[1]
     x = x.contiguous()
     ids = ids.contiguous()
     gu, dn = gate_up or GEMV_GATE_UP, down or GEMV_DOWN
+    sc = scales or ExpertScales(None, None)
+    w13, s13, se13, sn13, fp8, g13 = _fp8_operands(w13, sc.w13, sc.w13_group)
+    w2, s2, se2, sn2, fp8_2, g2 = _fp8_operands(w2, sc.w2, sc.w2_group)
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    block_k, acc_k = _gemv_tile_k(gu["block_k"], g13)
     _gemv_gate_up_kernel[(triton.cdiv(inter, gu["block_n"]), tokens * top_k)](
-        x, w13, ids, h, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), TOP_K=top_k,
-        BLOCK_N=gu["block_n"], BLOCK_K=gu["block_k"], num_warps=gu["num_warps"], num_stages=gu["num_stages"])
+        x, w13, s13, ids, h, inter, hidden, s13.shape[2] if fp8 else 1, x.stride(0), w13.stride(0), w13.stride(1),
+        se13, sn13, h.stride(0), TOP_K=top_k, FP8=fp8, GROUP=g13, BLOCK_N=gu["block_n"], BLOCK_K=block_k,
+        ACC_K=acc_k, num_warps=gu["num_warps"], num_stages=gu["num_stages"])
     out = torch.empty_like(x)
+    block_k, acc_k = _gemv_tile_k(dn["block_k"], g2)
     _gemv_down_kernel[(triton.cdiv(hidden, dn["block_n"]), tokens)](
-        h, w2, ids, weights.float().contiguous(), out, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=dn["block_n"], BLOCK_K=dn["block_k"], num_warps=dn["num_warps"],
-        num_stages=dn["num_stages"])
+        h, w2, s2, ids, weights.float().contiguous(), out, hidden, inter, s2.shape[2] if fp8_2 else 1, h.stride(0),
+        w2.stride(0), w2.stride(1), se2, sn2, out.stride(0), TOP_K=top_k, FP8=fp8_2, GROUP=g2, BLOCK_N=dn["block_n"],
+        BLOCK_K=block_k, ACC_K=acc_k, num_warps=dn["num_warps"], num_stages=dn["num_stages"])
     return out
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                     ids: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor:
+                     ids: torch.Tensor, config: MoEConfig | None = None,
+                     scales: ExpertScales | None = None) -> torch.Tensor:
     """The grouped GEMMs, or for one token (and no tiles asked for) ``fused_moe_gemv``."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = w13.shape[0], w2.shape[2], x.shape[1]
     if tokens == 0:
         return torch.zeros_like(x)
     if config is None and tokens == 1:  # see GEMV_GATE_UP
-        return fused_moe_gemv(x, w13, w2, weights, ids)
+        return fused_moe_gemv(x, w13, w2, weights, ids, scales=scales)
     cfg = config or moe_config(tokens, top_k, num_experts)
     x = x.contiguous()
     aligned = align_by_expert(ids, num_experts, cfg.block_m)
     pairs = tokens * top_k
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # every pair's row is written
-    _moe_gemm(x, w13, h, weights, aligned, pairs, top_k, True, cfg)
+    sc = scales or ExpertScales(None, None)
+    _moe_gemm(x, w13, h, weights, aligned, pairs, top_k, True, cfg, sc.w13, sc.w13_group)
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm(h, w2, y, weights.flatten().float().contiguous(), aligned, pairs, 1, False, cfg)
+    _moe_gemm(h, w2, y, weights.flatten().float().contiguous(), aligned, pairs, 1, False, cfg, sc.w2, sc.w2_group)
     return y.view(tokens, top_k, hidden).sum(dim=1)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+              ids: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
+    """``scales``: given when w13 and w2 hold FP8 codes."""
     if use_triton(x):
-        return fused_moe_triton(x, w13, w2, weights, ids)
-    return fused_moe_torch(x, w13, w2, weights, ids)
+        return fused_moe_triton(x, w13, w2, weights, ids, scales=scales)
+    return fused_moe_torch(x, w13, w2, weights, ids, scales)

@@ -67,10 +67,18 @@ def bytes_per_token_head(kv_cache_dtype: str, head_dim: int, model_dtype: torch.
 
 
 def allocate(kv_cache_dtype: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-             model_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+             model_dtype: torch.dtype, device, values: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(k_cache, v_cache, k_scales, v_scales) of one layer; the scales are per-group tensors
-    for int4 and None otherwise (the per-layer FP8 scales belong to the attention layer)."""
+    for int4 and None otherwise (the per-layer FP8 scales belong to the attention layer).
+    ``values=False``: a key cache alone (v_cache None), in the model's dtype (multi-head latent
+    attention reads its values from the keys' rows)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if not values:
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"a key-only KV cache is kept in the model's dtype: --kv-cache-dtype {kv_cache_dtype} "
+                             "is not supported for it (auto is)")
+        return torch.zeros(shape, dtype=model_dtype, device=device), None, None, None
     if kv_cache_dtype == "int4":
         packed = (num_blocks, block_size, num_kv_heads, -(-head_dim // 2))
         groups = (num_blocks, block_size, num_kv_heads, -(-head_dim // INT4_GROUP), 2)

@@ -32,7 +32,12 @@ class PagedAttention(nn.Module):
     queries are turned the same way before attention (kv_quant explains why).
 
     ``scale`` multiplies the scores (default head_dim ** -0.5); ``window`` limits this layer to
-    the last ``window`` positions, ``softcap`` caps its scores (kernels/paged_attention.py)."""
+    the last ``window`` positions, ``softcap`` caps its scores (kernels/paged_attention.py).
+
+    The runner sizes and allocates each layer's cache from num_kv_heads and head_dim, a key and
+    a value cache each, or a key cache alone where ``cache_values`` is False (LatentAttention)."""
+
+    cache_values = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding, backend: str,
                  scale: float | None = None, window: int | None = None, softcap: float | None = None):
@@ -94,3 +99,46 @@ class PagedAttention(nn.Module):
             return pa.paged_attention_torch(q, *args, *scales, **options)
         q = kvq.rotate_queries(rotary_store_kv(positions, q, k, v, *store), self.k_rotation)
         return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1], **options)
+
+
+class LatentAttention(PagedAttention):
+    """Multi-head latent attention (DeepSeek-V2) in its absorbed form, over a cache that holds
+    one row per token: the normalized latent c (kv_lora_rank) then the rotated k_pe
+    (qk_rope_head_dim). For DeepSeek-V2-Lite in bf16 that is (512 + 64) x 2 = 1,152 bytes a token
+    and layer, where its 16 heads' keys (192 wide) and values (128) would take 10,240 (12,288
+    as one shape for both).
+
+    The model projects each head's q_nope into the latent space (q_lat = q_nope W_UK), so
+    q.k = q_lat.c + q_pe.k_pe: MQA with one KV "head" of width kv_lora_rank + rope dim. The
+    values are the latents themselves, the first kv_lora_rank columns of the same rows: this
+    layer has a key cache only (cache_values False) and passes it as the value cache too; the
+    output's last rope-dim columns (p . k_pe) are dropped, and the model maps the rest through
+    W_UV. The cache is in the model's dtype (the runner refuses quantized KV caches for it).
+
+    Attention runs the plain-torch paged reference on every device, the GPU included (no
+    Triton kernel for a 576-wide head yet), so the model is not captured in CUDA graphs."""
+
+    cache_values = False
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, rotary: RotaryEmbedding, scale: float):
+        super().__init__(num_heads, 1, kv_lora_rank + rope_dim, rotary, "torch", scale)
+        self.kv_lora_rank = kv_lora_rank
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+                      k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
+        if kvq.kv_mode(k_cache) != kvq.KV_PLAIN or v_cache is not None:
+            raise ValueError("multi-head latent attention keeps its cache in the model's dtype, keys only")
+        self.k_cache = k_cache
+
+    def forward(self, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                k_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q_lat [T, H, kv_lora_rank], q_pe [T, H, rope], latent [T, kv_lora_rank] (normalized),
+        k_pe [T, rope] (both not yet rotated) -> the attention-weighted latents [T, H, kv_lora_rank]."""
+        q_pe, k_pe = rotary_torch(positions, q_pe, k_pe[:, None], self.rotary.cos_sin_cache)
+        q = torch.cat([q_lat, q_pe], dim=-1)
+        row = torch.cat([latent, k_pe[:, 0]], dim=-1)[:, None]  # [T, 1, kv_lora_rank + rope]
+        keep = meta.slot_mapping >= 0
+        kvq.store(row[keep], self.k_cache, None, meta.slot_mapping[keep])
+        out = pa.paged_attention_torch(q, self.k_cache, self.k_cache, meta.block_tables, meta.seq_lens,
+                                       meta.cu_seqlens_q, self.scale)
+        return out[..., :self.kv_lora_rank]

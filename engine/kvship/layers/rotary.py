@@ -1,5 +1,5 @@
-"""Rotary position embedding (rotate-half convention, as HF Llama), with llama3/linear scaling
-and Phi-3's longrope."""
+"""Rotary position embedding (rotate-half convention, as HF Llama), with llama3/linear scaling,
+YaRN and Phi-3's longrope."""
 from __future__ import annotations
 
 import math
@@ -28,7 +28,44 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, longrope)")
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, yarn, longrope)")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    divided by the factor, those that turn more than beta_fast times are kept, and a linear ramp
+    over the dimensions between blends the two (as transformers' _compute_yarn_parameters)."""
+    original = scaling["original_max_position_embeddings"]
+
+    def dim_of(turns: float) -> float:
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+    return inv_freq / scaling["factor"] * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What YaRN multiplies cos and sin by (so q.k by its square): its attention_factor, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are given (DeepSeek), else
+    mscale(factor). 1 for the other kinds (longrope's lives in its own cache)."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
 
 
 def longrope_cache(head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any],
@@ -57,4 +94,7 @@ class RotaryEmbedding(nn.Module):
         else:
             inv_freq = rope_inv_freq(head_dim, theta, scaling)
             cache = build_cos_sin_cache(max_positions, head_dim, inv_freq=inv_freq, device=torch.get_default_device())
+            factor = rope_attention_factor(scaling)
+            if factor != 1.0:
+                cache = cache * factor
         self.register_buffer("cos_sin_cache", cache, persistent=False)

@@ -26,6 +26,8 @@ FAMILIES = {
     # Gemma 2 and text-only Gemma 3 (models/gemma.py)
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    # DeepSeek-V2 and V2-Lite: multi-head latent attention and routed + shared experts (models/deepseek_v2.py)
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     # base models without the output projection, as embedding models are saved
     "LlamaModel": "llama",
     "MistralModel": "llama",
@@ -34,7 +36,7 @@ FAMILIES = {
 }
 _BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
-                "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "deepseek_v2": "deepseek_v2"}
 # architectures refused with a reason of their own
 _REFUSED = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (4B and larger) is not supported: kvship "
                                               "runs text-only Gemma 3 (Gemma3ForCausalLM, model_type gemma3_text)"}
@@ -96,6 +98,15 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # scores -> tanh(s / cap) * cap
     final_logit_softcapping: float | None = None  # the same on the logits
     rope_local_theta: float | None = None  # Gemma 3's sliding layers' rope base (no scaling); None: rope_theta
+    # DeepSeek-V2 (models/deepseek_v2.py): multi-head latent attention when kv_lora_rank > 0. head_dim
+    # is then the rotary part of a query/key head (qk_rope_head_dim), as transformers sets it.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj (DeepSeek-V2, not Lite)
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    moe_groups: tuple[int, int] | None = None  # (n_group, topk_group): group_limited_greedy routing
+    shared_experts_intermediate_size: int = 0  # DeepSeek's always-on experts, ungated, as one MLP
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -152,7 +163,7 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=cfg.get("qk_rope_head_dim") or cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
@@ -168,6 +179,7 @@ class ModelConfig:
             layer_windows=windows,
             **_moe_fields(arch, cfg),
             **_gemma_fields(arch, cfg, local_rope),
+            **_deepseek_fields(arch, cfg),
         )
 
 
@@ -233,3 +245,29 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     sparse_layers=frozenset(i for i in range(cfg["num_hidden_layers"])
                                             if i not in dense and (i + 1) % step == 0))
     return {}
+
+
+def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2's attention and experts; what its model file does not run is refused by name."""
+    if arch != "deepseek_v2":
+        return {}
+    # norm_topk_prob: DeepSeek's own code then skips routed_scaling_factor, transformers ignores it
+    for key, want in (("scoring_func", "softmax"), ("attention_bias", False), ("mlp_bias", False),
+                      ("hidden_act", "silu"), ("norm_topk_prob", False)):
+        if cfg.get(key, want) != want:
+            raise UnsupportedModelError(f"DeepSeek-V2 with {key}={cfg[key]!r} is not supported ({want!r} is)")
+    method = cfg.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedModelError(f"DeepSeek-V2 routing topk_method={method!r} is not supported "
+                                    "(greedy and group_limited_greedy are)")
+    n = cfg["num_hidden_layers"]
+    first_dense, freq = cfg.get("first_k_dense_replace", 0) or 0, cfg.get("moe_layer_freq", 1) or 1
+    return dict(num_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                shared_experts_intermediate_size=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
+                sparse_layers=frozenset(i for i in range(n) if i >= first_dense and i % freq == 0),
+                kv_lora_rank=cfg["kv_lora_rank"],
+                q_lora_rank=cfg.get("q_lora_rank") or 0, qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                v_head_dim=cfg["v_head_dim"], routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                moe_groups=(cfg["n_group"], cfg["topk_group"]) if method == "group_limited_greedy" else None)

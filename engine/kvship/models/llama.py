@@ -81,7 +81,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = MoEExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp)
+        self.experts = MoEExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp,
+                                  quant=cfg.quantization)
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(cfg, tp, cfg.shared_expert_intermediate_size)
@@ -96,15 +97,20 @@ class SparseMoeBlock(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Takes and returns the MLP's partial sums (x) with the residual: the norms reduce over ranks."""
+    """Takes and returns the MLP's partial sums (x) with the residual: the norms reduce over ranks.
+    A family with an attention or routed block of its own (models/deepseek_v2.py) names them in
+    a subclass."""
+
+    attention = LlamaAttention
+    sparse_mlp = SparseMoeBlock
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPContext, backend: str, index: int = 0):
         super().__init__()
         # reduction sites in forward order: 2i (this input norm, from layer 1 on), 2i + 1, ..., 2L (final norm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * index)
-        self.self_attn = LlamaAttention(cfg, rotary, tp, backend, cfg.window(index))
+        self.self_attn = self.attention(cfg, rotary, tp, backend, cfg.window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * index + 1)
-        self.mlp = SparseMoeBlock(cfg, tp) if cfg.is_sparse(index) else LlamaMLP(cfg, tp)
+        self.mlp = self.sparse_mlp(cfg, tp) if cfg.is_sparse(index) else LlamaMLP(cfg, tp)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -117,11 +123,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer = LlamaDecoderLayer
+
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, tp, backend, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer(cfg, rotary, tp, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * cfg.num_hidden_layers)
 
     def forward(self, input_ids, positions, meta):
@@ -134,6 +142,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     backbone = LlamaModel  # the decoder stack a family builds (models/gemma.py has its own)
+    cuda_graphs = True  # decode steps may be captured (every layer's kernels are capturable)
     # checkpoint name fragment -> (our parameter fragment, shard id)
     packed = {
         "q_proj": ("qkv_proj", "q"),

@@ -5,6 +5,7 @@ file and its own entry here."""
 from __future__ import annotations
 
 from kvship.models.config import ModelConfig
+from kvship.models.deepseek_v2 import DeepseekV2ForCausalLM
 from kvship.models.gemma import GemmaForCausalLM
 from kvship.models.llama import LlamaForCausalLM
 
@@ -18,6 +19,7 @@ MODEL_CLASSES = {
     "phi3": LlamaForCausalLM,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
 }
 
 

@@ -72,6 +72,11 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     config.max_model_len = config.max_model_len or limit
     if config.task == "auto":
         config.task = "embed" if source.pooling is not None else "generate"
+    if model_config.kv_lora_rank and config.kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: DeepSeek-V2's latent KV cache is kept in the "
+                         "model's dtype (auto); quantized KV caches are not supported for it")
+    if model_config.kv_lora_rank and model_config.quantization is not None:
+        raise ValueError(f"DeepSeek-V2 is served in 16 bits only, not {model_config.quantization.describe()}")
     if config.task == "embed" and config.tensor_parallel_size > 1:
         raise ValueError("embedding models are served with --tensor-parallel-size 1")
     return source, model_config
@@ -154,7 +159,7 @@ class ModelRunner:
         # graphs: decode only; routed experts only through the fused Triton path (the torch one
         # syncs with the host and its shapes follow the routing)
         if self.device.type == "cuda" and not config.enforce_eager and config.task != "embed" \
-                and (HAS_TRITON or not model_config.num_experts):
+                and (HAS_TRITON or not model_config.num_experts) and self.model.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, 512),
                                        -(-max_model_len // self.block_size), self.device)
             self.graphs.capture()
@@ -168,9 +173,11 @@ class ModelRunner:
 
     # -- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        attn = self.model.attention_layers()[0]
-        per_head = kvq.bytes_per_token_head(self.config.kv_cache_dtype, attn.head_dim, self.dtype)
-        return 2 * len(self.model.attention_layers()) * self.block_size * attn.num_kv_heads * per_head
+        """Every layer's cache for one block: its keys and values, or keys alone (multi-head
+        latent attention: one row of latent and rope key a token, layers/attention.py)."""
+        return sum((1 + attn.cache_values) * self.block_size * attn.num_kv_heads
+                   * kvq.bytes_per_token_head(self.config.kv_cache_dtype, attn.head_dim, self.dtype)
+                   for attn in self.model.attention_layers())
 
     def _num_blocks_to_allocate(self) -> int:
         c = self.config
@@ -226,7 +233,8 @@ class ModelRunner:
     def _bind_kv_cache(self, num_blocks: int) -> None:
         for attn in self.model.attention_layers():
             attn.bind_kv_cache(*kvq.allocate(self.config.kv_cache_dtype, num_blocks, self.block_size,
-                                             attn.num_kv_heads, attn.head_dim, self.dtype, self.device))
+                                             attn.num_kv_heads, attn.head_dim, self.dtype, self.device,
+                                             values=attn.cache_values))
 
     def _allocate_kv_cache(self) -> int:
         n = self.tp.min_int(self._num_blocks_to_allocate())  # every rank holds the same block count

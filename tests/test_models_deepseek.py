@@ -1,0 +1,181 @@
+"""DeepSeek-V2 (multi-head latent attention, routed + shared experts, YaRN) against transformers
+on tiny random checkpoints: logits in fp32 (batched, and in chunks over the cached prefix),
+greedy tokens through the engine (batched with other requests, chunked prefill, a prefix-cache
+hit); the paged cache holding the latent (not per-head keys and values) and sized by its
+bytes; what the family does not run refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from kvship.config import EngineConfig
+from kvship.models.config import ModelConfig, UnsupportedModelError
+from kvship.parallel import SINGLE
+from kvship.sampling_params import SamplingParams
+from test_models import DEVICES, assert_greedy_matches, assert_logits_match
+
+pytestmark = pytest.mark.timeout(300)
+
+MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1,
+           n_routed_experts=8, n_shared_experts=2, moe_intermediate_size=24, routed_scaling_factor=1.5,
+           norm_topk_prob=False,
+           # YaRN as DeepSeek writes it, mscale != mscale_all_dim so that both the rotary's
+           # attention factor and the scores' scale differ from 1
+           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                            "mscale_all_dim": 0.8, "original_max_position_embeddings": 64,
+                            "beta_fast": 32, "beta_slow": 1})
+DEEPSEEK = {
+    # V2-Lite's shape: q_proj, greedy top-k routing
+    "v2-lite": ("DeepseekV2Config", MLA | dict(q_lora_rank=None, num_experts_per_tok=3, topk_method="greedy")),
+    # V2's: a low-rank query (q_a_proj, q_a_layernorm, q_b_proj) and group-limited routing
+    "v2": ("DeepseekV2Config", MLA | dict(q_lora_rank=24, num_experts_per_tok=2, topk_method="group_limited_greedy",
+                                          n_group=4, topk_group=2)),
+}
+LITE_ROPE = {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
+             "beta_slow": 1, "original_max_position_embeddings": 4096}
+# DeepSeek-V2-Lite's config.json (the fields kvship reads)
+V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
+               intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+               vocab_size=102400, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+               v_head_dim=128, first_k_dense_replace=1, moe_layer_freq=1, n_routed_experts=64, n_shared_experts=2,
+               num_experts_per_tok=6, moe_intermediate_size=1408, routed_scaling_factor=1.0, topk_method="greedy",
+               n_group=1, topk_group=1, norm_topk_prob=False, scoring_func="softmax", rope_theta=10000,
+               rope_scaling=LITE_ROPE, max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+               bos_token_id=100000, eos_token_id=100001, torch_dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Attention weights scaled up (transformers draws them with std 0.02) so that attention, and
+    with it the rotary layout and the scales, moves the logits well past the tolerance."""
+    root = tmp_path_factory.mktemp("deepseek")
+    out = {}
+    for name, spec in DEEPSEEK.items():
+        ref = make_tiny_model(root / name, name, spec=spec)
+        with torch.no_grad():
+            for pname, p in ref.named_parameters():
+                if ".self_attn." in pname and "norm" not in pname:
+                    p.mul_(8.0)
+        ref.save_pretrained(root / name)
+        out[name] = (root / name, ref)
+    return out
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 319, (n,), generator=g).tolist() for n in (5, 17, 45)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", list(DEEPSEEK))
+def test_logits_match_transformers(models, arch, device):
+    folder, ref = models[arch]
+    assert_logits_match(folder, ref, _prompts(1), device, chunks=(None, 7))  # whole prompts; chunks over the prefix
+
+
+@pytest.mark.parametrize("arch", list(DEEPSEEK))
+def test_greedy_matches_transformers_batched_chunked_and_cached(models, arch):
+    prompts = _prompts(2)
+    prompts.append(prompts[2][:24] + [5, 6, 7])  # shares 24 tokens with the third: prefix-cache blocks
+    assert_greedy_matches(*models[arch], prompts, 10)
+
+
+def test_cache_holds_the_latent(models):
+    """One key-only row per token and layer: the normalized latent (which transformers'
+    kv_a_layernorm gives for the same input) then the 8 rotary channels; no value cache."""
+    from kvship.llm import LLM
+
+    folder, ref = models["v2-lite"]
+    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=32, block_size=4, max_model_len=64)
+    runner = llm.engine.runner
+    layers = runner.model.attention_layers()
+    assert all(a.k_cache.shape == (32, 4, 1, 32 + 8) and a.v_cache is None for a in layers)
+    assert runner.kv_bytes_per_block() == len(layers) * 4 * (32 + 8) * 4  # fp32
+    prompt = list(range(1, 10))
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    blocks = runner.num_blocks
+    rows = torch.stack([a.k_cache.view(blocks * 4, -1) for a in layers])  # [layers, slots, 40]
+    with torch.no_grad():
+        attn = ref.model.layers[0].self_attn
+        x = ref.model.layers[0].input_layernorm(ref.model.embed_tokens(torch.tensor(prompt)))
+        latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)[:, :32])
+    # the prompt's 9 tokens sit in some 9 slots of layer 0
+    found = [(rows[0, :, :32] - t).abs().amax(-1).min().item() for t in latent]
+    assert max(found) < 1e-5
+
+
+def test_v2_lite_cache_bytes():
+    """DeepSeek-V2-Lite in bf16: (512 + 64) x 2 = 1,152 bytes a token and layer in the cache,
+    where its 16 heads' keys and values in one K/V shape (192 wide) would take 2 x 16 x 192 x 2
+    = 12,288 (10,240 with values at their own 128)."""
+    from kvship.models.registry import model_class
+    from kvship.runner.model_runner import ModelRunner
+
+    cfg = ModelConfig.from_hf(V2_LITE)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg, 4096, SINGLE, "torch")
+    runner = ModelRunner.__new__(ModelRunner)  # only the sizing: no weights, no cache
+    runner.model, runner.block_size, runner.dtype = model, 16, torch.bfloat16
+    runner.config = EngineConfig(model="unused", device="cpu")
+    per_token_layer = runner.kv_bytes_per_block() / (16 * 27)
+    assert per_token_layer == (512 + 64) * 2 == 1152
+    assert 2 * 16 * 192 * 2 / per_token_layer > 10
+
+
+def test_v2_lite_config():
+    cfg = ModelConfig.from_hf(V2_LITE)
+    assert (cfg.architecture, cfg.head_dim, cfg.kv_lora_rank, cfg.q_lora_rank) == ("deepseek_v2", 64, 512, 0)
+    assert cfg.sparse_layers == frozenset(range(1, 27)) and cfg.num_experts == 64 and cfg.num_experts_per_tok == 6
+    assert cfg.shared_experts_intermediate_size == 2 * 1408 and cfg.moe_groups is None
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["factor"] == 40
+
+
+def test_yarn_frequencies_match_transformers():
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvship.layers.rotary import rope_attention_factor, rope_inv_freq
+
+    hf = transformers.DeepseekV2Config(**{k: v for k, v in V2_LITE.items()
+                                          if k not in ("architectures", "model_type", "torch_dtype", "rope_scaling",
+                                                       "rope_theta", "moe_layer_freq", "scoring_func")},
+                                       rope_parameters={**LITE_ROPE, "rope_type": "yarn", "rope_theta": 10000.0})
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = ModelConfig.from_hf(V2_LITE)
+    got = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=0)
+    assert rope_attention_factor(cfg.rope_scaling) == pytest.approx(factor)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(scoring_func="sigmoid"), "scoring_func='sigmoid'"),
+    (dict(norm_topk_prob=True), "norm_topk_prob=True"),
+    (dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
+    (dict(attention_bias=True), "attention_bias=True"),
+])
+def test_unsupported_variants_are_refused_by_name(change, match):
+    with pytest.raises(UnsupportedModelError, match=match):
+        ModelConfig.from_hf(V2_LITE | change)
+
+
+def test_quantized_kv_cache_and_weights_are_refused(models):
+    from kvship.runner.model_runner import load_model
+
+    folder = str(models["v2-lite"][0])
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: DeepSeek-V2"):
+        load_model(EngineConfig(model=folder, device="cpu", kv_cache_dtype="fp8"))
+    with pytest.raises(ValueError, match="DeepSeek-V2 is served in 16 bits|quantized mixture-of-experts"):
+        load_model(EngineConfig(model=folder, device="cpu", quantization="fp8"))
+
+
+def test_tensor_parallel_equals_single_rank(models):
+    """Two ranks: query heads sharded, the latent projection and its cache replicated."""
+    from test_tensor_parallel import _run
+
+    prompts = [list(range(1, 30)), [7, 8, 9]]
+    tokens, steps = _run(models["v2"][0], 2, prompts)
+    ref_tokens, ref_steps = _run(models["v2"][0], 1, prompts)
+    for a, b in zip(steps, ref_steps):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert tokens == ref_tokens
