@@ -20,6 +20,7 @@ NEW_TOKENS = 60
 DECODE_BLOCKS = WINDOW // BLOCK + 1
 CHUNK_BLOCKS = -(-(WINDOW - 1 + CHUNK) // BLOCK) + 1
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+pytestmark = pytest.mark.timeout(300)  # each test takes seconds on two idle cores, the reference included
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,6 @@ def assert_all_blocks_free(llm):
     assert kv.num_free_blocks == kv.num_blocks and all(b.ref_count == 0 for b in kv.blocks)
 
 
-@pytest.mark.timeout(180)
 def test_greedy_matches_transformers_and_keeping_every_block(mistral, prompts, reference):
     folder, _ = mistral
     llm = engine(folder)
@@ -88,7 +88,6 @@ def test_greedy_matches_transformers_and_keeping_every_block(mistral, prompts, r
     assert [o.logprobs for o in outs] == [o.logprobs for o in kept]
 
 
-@pytest.mark.timeout(180)
 def test_decode_holds_the_window_and_prefix_hit(mistral, prompts, reference):
     """One long prompt alone: once its prefill is done, it holds DECODE_BLOCKS at the most.
     Sent again, the prefix cache serves the blocks its last chunk reads (48 tokens computed)."""
@@ -113,7 +112,6 @@ def test_decode_holds_the_window_and_prefix_hit(mistral, prompts, reference):
     assert_all_blocks_free(llm)
 
 
-@pytest.mark.timeout(180)
 def test_longer_than_the_cache_and_preemption(mistral, prompts, reference):
     """12 blocks (48 tokens) run three sequences of up to 110 tokens: each gives back what left
     its window, and when the three outgrow the cache the newest is preempted and recomputed.
