@@ -12,6 +12,9 @@ length *including* the new tokens (already stored in the cache); block_tables [B
 New token i of sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally to
 positions <= its own. Decode is the case q_len == 1 for every sequence.
 
+The torch reference also takes one cache as both (v_cache is k_cache: multi-head latent attention,
+layers/attention.py LatentAttention) and then gathers it once.
+
 Two options a layer may set (both default off):
 - ``window`` (sliding-window attention, Mistral, Gemma 2/3's local layers): a query at position
   p sees keys at positions p - window < k <= p, the last ``window`` tokens including itself
@@ -92,7 +95,7 @@ def _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: 
     longest = int(seq_lens.max())
     tables = block_tables[:, : -(-longest // block_size)].long()
     k = kvq.pages(k_cache, k_scale, tables, d).flatten(1, 2)[:, :longest].transpose(1, 2).float()  # [B, Hkv, L, D]
-    v = kvq.pages(v_cache, v_scale, tables, d).flatten(1, 2)[:, :longest].transpose(1, 2).float()
+    v = k if v_cache is k_cache else kvq.pages(v_cache, v_scale, tables, d).flatten(1, 2)[:, :longest].transpose(1, 2).float()
     qg = q.view(batch, k.shape[1], group, q.shape[-1]).float()  # [B, Hkv, group, D]
     pos = torch.arange(longest, device=q.device)[None, :]
     mask = pos < seq_lens[:, None]
@@ -129,10 +132,10 @@ def paged_attention_torch(
             continue
         qb = q[s:e].transpose(0, 1)  # [Hq, q_len, D]
         kb = gather_kv(k_cache, block_tables[b], ctx, k_scale, d).transpose(0, 1).to(q.dtype)
-        vb = gather_kv(v_cache, block_tables[b], ctx, v_scale, d).transpose(0, 1).to(q.dtype)
+        vb = kb if v_cache is k_cache else gather_kv(v_cache, block_tables[b], ctx, v_scale, d).transpose(0, 1).to(q.dtype)
         if group > 1:
             kb = kb.repeat_interleave(group, dim=0)
-            vb = vb.repeat_interleave(group, dim=0)
+            vb = kb if v_cache is k_cache else vb.repeat_interleave(group, dim=0)
         q_len = e - s
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
