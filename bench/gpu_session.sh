@@ -3,7 +3,7 @@
 #   bash bench/fetch_wheels.sh            # once, on a dev machine: the HTTP stack for serve.py
 #   device run, carry [".whl"]:  bash bench/gpu_session.sh tests latency throughput-8b
 #   second device run:            bash bench/gpu_session.sh throughput-qwen3 serve startup
-#   2 GPUs (nvidia-h200-x2):      bash bench/gpu_session.sh tp tp-profile
+#   2 GPUs (nvidia-h200-x2):      bash bench/gpu_session.sh tp tp-profile, then tp-throughput
 #   kernel profiles:              bash bench/gpu_session.sh profile   (profile-b1: batch 1 only)
 #   GEMV settings sweep:          bash bench/gpu_session.sh gemv
 #   KV-cache dtypes:              bash bench/gpu_session.sh kv-tests throughput-8b-fp8 kv-decode
@@ -42,5 +42,7 @@ bench profile-b1 150 python3 bench/profile_step.py --graphs --batch 1
 bench profile 300 bash -c "python3 bench/profile_step.py --graphs --batch 1 && python3 bench/profile_step.py --graphs --batch 256"
 bench tp-profile 200 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   python3 bench/profile_step.py --graphs --batch 1 --tp 2
+bench tp-throughput 560 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+  python3 bench/throughput.py --tp 1 2 --hf-prompts 0
 bench tp 420 env NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
   python3 bench/tp_latency.py --tp 2 --timeout 130

@@ -71,13 +71,14 @@ def time_gpu_work(obj, method: str, spans: list) -> None:
 
 
 def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "auto",
-               quantization: str | None = None) -> tuple[float, int, float, int]:
+               quantization: str | None = None, tp: int = 1) -> tuple[float, int, float, int]:
     """(seconds, output tokens, fraction of the wall time inside the events bracketing each forward
     pass and each sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle,
-    and the weight bytes a decode step reads)."""
+    and the weight bytes a decode step reads: on rank 0 at tp > 1, whose GPU times are the ones
+    bracketed)."""
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2 * max(map(len, prompts)) + 16,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype,
-              quantization=quantization)
+              quantization=quantization, tensor_parallel_size=tp)
     weight_bytes = weight_bytes_per_token(llm.engine.runner.model)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate(prompts[:4], params[:4])  # warm-up
@@ -130,26 +131,36 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"])
     ap.add_argument("--quantization", default=None, choices=["fp8", "int8", "int4"], help="in-situ weight format")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1],
+                    help="tensor-parallel sizes, each run in turn (e.g. 1 2: TP=1 and TP=2 in the same run)")
     args = ap.parse_args()
     wfmt = args.quantization or "bf16"
     bw, mm = measure_ceilings()
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts, outs = workload(args.num_prompts, args.lo, args.hi, vocab)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = write_shape_folder(args.shape, tmp)
-        dt, produced, busy, wbytes = run_kvship(folder, prompts, outs, args.max_num_seqs, args.kv_cache_dtype,
-                                                args.quantization)
-    limit = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw, mm, args.kv_cache_dtype, wbytes)
-    print(f"kvship done after {time.monotonic() - t0:.0f} s ({dt:.1f} s of generation)", file=sys.stderr, flush=True)
-    rows = [[f"kvship, {wfmt} weights, {args.kv_cache_dtype} KV", f"{produced / dt:,.0f}", f"{dt:.1f}",
-             f"{100 * limit / dt:.0f}%", f"{100 * (1 - busy):.0f}%"]]
+    rows, limits = [], {}
+    for tp in args.tp:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = write_shape_folder(args.shape, tmp)
+            dt, produced, busy, wbytes = run_kvship(folder, prompts, outs, args.max_num_seqs, args.kv_cache_dtype,
+                                                    args.quantization, tp)
+        # tp GPUs side by side: each reads its shard (rank 0's bytes), 1/tp of the KV and of the FLOPs
+        limits[tp] = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw * tp, mm * tp,
+                                   args.kv_cache_dtype, wbytes * tp)
+        print(f"kvship TP={tp} done after {time.monotonic() - t0:.0f} s ({dt:.1f} s of generation)", file=sys.stderr,
+              flush=True)
+        name = f"kvship, {wfmt} weights, {args.kv_cache_dtype} KV" + (f", TP={tp}" if args.tp != [1] else "")
+        rows.append([name, f"{produced / dt:,.0f}", f"{dt:.1f}", f"{100 * limits[tp] / dt:.0f}%",
+                     f"{100 * (1 - busy):.0f}%"])
     if args.hf_prompts:
         hf = run_hf(args.shape, prompts[:args.hf_prompts], outs[:args.hf_prompts], args.hf_batch)
         print(f"HF done after {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}", "-", "-", "-"])
-    rows.append([f"workload limit, {wfmt} weights, {args.kv_cache_dtype} KV (bytes / BW + prefill FLOPs / matmul)",
-                 f"{produced / limit:,.0f}", f"{limit:.1f}", "100%", "0%"])
+    for tp, limit in limits.items():
+        rows.append([f"workload limit, {wfmt} weights, {args.kv_cache_dtype} KV" + (f", TP={tp}" if tp > 1 else "")
+                     + " (bytes / BW + prefill FLOPs / matmul)", f"{sum(outs) / limit:,.0f}", f"{limit:.1f}", "100%",
+                     "0%"])
     print(header(f"Offline throughput, {args.shape} shape, {wfmt} weights, {args.kv_cache_dtype} KV cache, {args.num_prompts} prompts, "
                  f"in/out uniform [{args.lo}, {args.hi}], max_num_seqs {args.max_num_seqs}"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
