@@ -34,8 +34,9 @@ block's scale repeated over its rows), or one per row (``group`` 0: per-channel 
 in-situ fp8). Every path reads the codes, one byte per weight: the grouped GEMM converts a tile
 to the activations' dtype (exact: E4M3 values are bf16, fp16 and fp32 values) for the tensor
 cores and scales the dot's output, per K tile for block scales (the tile lies in one block) or
-once at the end for row scales; the few-token kernels sum each group's products and scale the
-sum. The reference dequantizes each selected expert (kvship.quant.QuantizedTensor).
+once at the end for row scales; the one-token kernels multiply each weight by its block's scale
+in fp32, or each row's reduced sum by the row's scale. The reference dequantizes each selected
+expert (kvship.quant.QuantizedTensor).
 """
 from __future__ import annotations
 
@@ -248,7 +249,7 @@ def _expert_tile(w, like, FP8: tl.constexpr):
     """A loaded tile of expert weights in the dtype of ``like`` (the activations): FP8 codes
     arrive as their bytes (masked lanes read 0, +0.0 in E4M3) and convert exactly."""
     if FP8:
-        return w.to(tl.float8e4nv, bitcast=True).to(like.dtype)
+        w = w.to(tl.float8e4nv, bitcast=True).to(like.dtype)
     return w
 
 
@@ -369,17 +370,17 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, router_weight
 @triton.jit
 def _gemv_fma(acc, w, x, s_rows, k0, ngroups, nmask, FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
-    """acc + the products of a weight tile [BLOCK_N, BLOCK_K] with x [BLOCK_K], in fp32. FP8
-    codes arrive as their bytes; with GROUP (block scales, GROUP dividing BLOCK_K) each group's
-    products are summed and scaled here, and acc is [BLOCK_N, BLOCK_K // GROUP]."""
+    """acc + a weight tile [BLOCK_N, BLOCK_K] times x [BLOCK_K], elementwise in fp32. FP8 codes
+    arrive as their bytes; with GROUP (block scales, GROUP dividing BLOCK_K) each block's scale
+    is loaded once and broadcast over its inputs, as kernels/quant_linear.py does."""
     if FP8:
         w = w.to(tl.float8e4nv, bitcast=True)
-    p = w.to(tl.float32) * x[None, :]
+    w = w.to(tl.float32)
     if GROUP > 0:
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         s = tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None] & (g < ngroups)[None, :], other=0.0)
-        return acc + tl.sum(tl.reshape(p, [BLOCK_N, BLOCK_K // GROUP, GROUP]), 2) * s
-    return acc + p
+        w = w * tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K))
+    return acc + w * x[None, :]
 
 
 @triton.jit
@@ -395,10 +396,10 @@ def _gemv_rows(acc, s_rows, nmask, FP8: tl.constexpr, GROUP: tl.constexpr):
 @triton.jit
 def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, ngroups, stride_x, stride_we, stride_wn,
                          stride_se, stride_sn, stride_h, TOP_K: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[pair, n] = silu(x[t] . W[e, n]) * (x[t] . W[e, N + n]) for pair = t * TOP_K + j and its
     expert e, n in this program's BLOCK_N rows; N is the intermediate size. FP8: scales as in
-    _moe_gemm_kernel (ngroups per row); ACC_K is BLOCK_K, or BLOCK_K // GROUP with block scales."""
+    _moe_gemm_kernel (ngroups per row), GROUP dividing BLOCK_K."""
     pair = tl.program_id(1)
     t = (pair // TOP_K).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -409,8 +410,8 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, ngroups, str
     up_rows = gate_rows + N * stride_wn
     gate_scales = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
     up_scales = gate_scales + N * stride_sn
-    acc_gate = tl.zeros([BLOCK_N, ACC_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, ACC_K], tl.float32)
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < K
@@ -427,7 +428,7 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, ngroups, str
 @triton.jit
 def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ngroups, stride_h, stride_we, stride_wn,
                       stride_se, stride_sn, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[t, n] = sum over the token's k pairs of weight * (h[pair] . W[e, n]); N is the hidden
     size, K the intermediate one. The sum stays in fp32 and is rounded once. FP8 as above."""
     t = tl.program_id(1)
@@ -441,7 +442,7 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ngrou
         rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
         scales = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
         h_row = h_ptr + pair.to(tl.int64) * stride_h
-        acc = tl.zeros([BLOCK_N, ACC_K], tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < K
@@ -461,14 +462,6 @@ GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 2, "num_stages": 3}
 GEMV_DOWN = {"block_n": 2, "block_k": 512, "num_warps": 2, "num_stages": 3}
 
 
-def _gemv_tile_k(block_k: int, group: int) -> tuple[int, int]:
-    """(BLOCK_K, ACC_K): a K tile of whole scale blocks, and its accumulator's width."""
-    if not group:
-        return block_k, block_k
-    block_k = max(block_k, group)
-    return block_k, block_k // group
-
-
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                    ids: torch.Tensor, gate_up: dict[str, int] | None = None,
                    down: dict[str, int] | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
@@ -482,17 +475,15 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     w13, s13, se13, sn13, fp8, g13 = _fp8_operands(w13, sc.w13, sc.w13_group)
     w2, s2, se2, sn2, fp8_2, g2 = _fp8_operands(w2, sc.w2, sc.w2_group)
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    block_k, acc_k = _gemv_tile_k(gu["block_k"], g13)
     _gemv_gate_up_kernel[(triton.cdiv(inter, gu["block_n"]), tokens * top_k)](
         x, w13, s13, ids, h, inter, hidden, s13.shape[2] if fp8 else 1, x.stride(0), w13.stride(0), w13.stride(1),
-        se13, sn13, h.stride(0), TOP_K=top_k, FP8=fp8, GROUP=g13, BLOCK_N=gu["block_n"], BLOCK_K=block_k,
-        ACC_K=acc_k, num_warps=gu["num_warps"], num_stages=gu["num_stages"])
+        se13, sn13, h.stride(0), TOP_K=top_k, FP8=fp8, GROUP=g13, BLOCK_N=gu["block_n"],
+        BLOCK_K=max(gu["block_k"], g13), num_warps=gu["num_warps"], num_stages=gu["num_stages"])  # whole blocks
     out = torch.empty_like(x)
-    block_k, acc_k = _gemv_tile_k(dn["block_k"], g2)
     _gemv_down_kernel[(triton.cdiv(hidden, dn["block_n"]), tokens)](
         h, w2, s2, ids, weights.float().contiguous(), out, hidden, inter, s2.shape[2] if fp8_2 else 1, h.stride(0),
         w2.stride(0), w2.stride(1), se2, sn2, out.stride(0), TOP_K=top_k, FP8=fp8_2, GROUP=g2, BLOCK_N=dn["block_n"],
-        BLOCK_K=block_k, ACC_K=acc_k, num_warps=dn["num_warps"], num_stages=dn["num_stages"])
+        BLOCK_K=max(dn["block_k"], g2), num_warps=dn["num_warps"], num_stages=dn["num_stages"])
     return out
 
 
