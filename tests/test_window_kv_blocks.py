@@ -134,3 +134,18 @@ def test_only_a_window_on_every_layer_frees_blocks():
     assert ModelConfig.from_hf(base).kv_window is None
     gemma = dict(base, architectures=["Gemma2ForCausalLM"], sliding_window=32)  # local and global layers
     assert ModelConfig.from_hf(gemma).kv_window is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_kernels_read_only_held_blocks(mistral, prompts, reference):
+    """The Triton kernels (decode in CUDA graphs) with blocks given back: the table entries before
+    the held ones point at a held block, and the tokens stay transformers' (fp32; one near-tie
+    flip tolerated, as in the other GPU comparisons). Blocks of 16, the kernels' size."""
+    folder, _ = mistral
+    llm = LLM(str(folder), device="cuda", dtype="float32", block_size=16, num_kv_blocks=64,
+              max_num_batched_tokens=CHUNK, max_model_len=256)
+    assert llm.engine.kv.window == WINDOW and llm.engine.runner.graphs is not None
+    outs, (held, _) = run(llm, prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert sum(o.token_ids == want for o, want in zip(outs, reference)) >= len(prompts) - 1
+    assert held <= -(-(WINDOW - 1 + CHUNK) // 16) + 1  # the chunked prefill's bound, in blocks of 16
+    assert_all_blocks_free(llm)
