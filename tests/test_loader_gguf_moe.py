@@ -199,13 +199,13 @@ def q8_0(models, tmp_path_factory):
 
 
 def test_quantized_experts_are_expanded_at_load(q8_0, caplog):
-    """The runner serves no quantized mixture of experts: every quantized tensor of the file, a
-    dense matrix too, is expanded at load (and named in the log), and the model is served."""
+    """Experts are not served in GGUF blocks: every quantized tensor of the file, a dense matrix
+    too, is expanded at load (and named in the log), and the model is served."""
     path, ref = q8_0
     with caplog.at_level("INFO", logger="kvship.loader.gguf"):
         src = resolve_model(str(path))
     assert "quantization_config" not in src.hf_config
-    assert ("dequantized at load (mixture-of-experts models are served unquantized): blk.*.attn_output.weight "
+    assert ("dequantized at load (a mixture-of-experts GGUF is expanded whole): blk.*.attn_output.weight "
             "Q8_0 (2 layers), blk.*.ffn_down_exps.weight Q8_0 (2 layers), blk.*.ffn_gate_exps.weight Q8_0 (2 layers), "
             "blk.*.ffn_up_exps.weight Q8_0 (2 layers)") in caplog.text
     # transformers holds the same dequantized values: only the summation order differs

@@ -8,6 +8,7 @@ from kvship.config import EngineConfig
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.loader import resolve_model
 from kvship.models.config import ModelConfig, UnsupportedModelError
+from kvship.quant import QuantScheme
 from kvship.runner.model_runner import ModelRunner
 from kvship.sampling_params import SamplingParams
 from kvship.sequence import Batch, Sequence
@@ -20,12 +21,15 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def our_logits(folder, prompts: list[list[int]], block_size: int = 4, chunk: int | None = None,
-               device: str = "cpu") -> list[torch.Tensor]:
-    """All-position logits for each prompt, run as one batch (or in chunks of `chunk` tokens)."""
+               device: str = "cpu", quantization: str | None = None) -> list[torch.Tensor]:
+    """All-position logits for each prompt, run as one batch (or in chunks of `chunk` tokens);
+    ``quantization``: --quantization's in-situ method."""
     source = resolve_model(str(folder))
     cfg = EngineConfig(model=str(folder), device=device, dtype="float32", block_size=block_size, num_kv_blocks=256,
                        enforce_eager=True, max_model_len=256)
     mc = ModelConfig.from_hf(source.hf_config)
+    if quantization is not None:
+        mc.quantization = QuantScheme(insitu=quantization)
     runner = ModelRunner(cfg, mc, source.weights())
     kv = KVCacheManager(runner.num_blocks, block_size)
     seqs = [Sequence(f"r{i}", 0, list(p), SamplingParams()) for i, p in enumerate(prompts)]

@@ -678,7 +678,7 @@ def _log_storage(tensors: dict[str, GGUFTensorInfo], kept: set[str], moe: bool) 
         log.info("GGUF: %d linear matrices stay quantized (%s); dequantized at load: %s", len(kept),
                  ", ".join(sorted({tensors[g].type_name for g in kept})), _describe(expanded, tensors))
     elif expanded:
-        why = " (mixture-of-experts models are served unquantized)" if moe else ""
+        why = " (a mixture-of-experts GGUF is expanded whole)" if moe else ""
         log.info("GGUF: dequantized at load%s: %s", why, _describe(expanded, tensors))
 
 
@@ -709,8 +709,9 @@ def load_gguf(path: str) -> ModelSource:
     permute = arch in _PERMUTED_ARCHS
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     names = {g: _hf_name(g) for g in tensors}
-    # The runner serves no quantized mixture of experts yet (it refuses any quantization scheme
-    # with experts), so such a file is expanded whole to the model dtype, dense matrices too.
+    # Experts stay quantized only in FP8 (kvship.layers.moe), not in GGUF blocks, and the runner
+    # refuses other schemes with experts: such a file is expanded whole to the model dtype, dense
+    # matrices too (--quantization fp8 then quantizes it while loading).
     moe = bool(cfg.get("num_experts") or cfg.get("num_local_experts"))
     kept = set() if moe else {g for g, hf in names.items() if hf is not None and _kept_quantized(hf, tensors[g])}
     if kept:

@@ -1,0 +1,167 @@
+"""Mixture-of-experts models with FP8 experts. A tiny Qwen3-MoE checkpoint is written here as
+FP8 checkpoints store one (block-wise codes and ``weight_scale_inv``, Qwen3-30B-A3B-FP8's format;
+compressed-tensors FP8 per channel): it loads with its experts kept FP8 and matches transformers
+running the dequantized weights, on the torch path and on the Triton kernels (the interpreter).
+In-situ ``--quantization fp8`` of a 16-bit one stays close to the 16-bit model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_tiny_model
+from kvship.config import EngineConfig
+from kvship.kernels import fused_moe as fm
+from kvship.kernels._triton import HAS_TRITON
+from kvship.layers.moe import MoEExperts
+from kvship.llm import LLM
+from kvship.loader import resolve_model
+from kvship.models.config import ModelConfig
+from kvship.parallel import TPContext
+from kvship.quant import QuantRef, QuantScheme, checkpoint_format
+from kvship.runner.model_runner import ModelRunner
+from kvship.sampling_params import SamplingParams
+from test_fused_moe import fp8_block
+from test_models import ATOL, our_logits
+from test_quantized_weights import _write_format
+
+# 8 experts of 64 x 64 (two 32 x 32 blocks along hidden and along the expert intermediate
+# size, as _write_format's block-wise FP8 cuts them); layer 1 a dense MLP
+SPEC = ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1]))
+PROMPTS = [torch.randint(0, 319, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 11)]
+
+
+def _fp8_moe_folder(root, fmt: str):
+    """The checkpoint in ``fmt`` (every linear but the router FP8) at root / fmt; returns it
+    with transformers' model on the dequantized weights and the FP8 tensors written."""
+    folder, dequantized = root / fmt, root / (fmt + "-dequantized")
+    make_tiny_model(folder, "qwen3-moe", seed=5, spec=SPEC)
+    tensors = load_file(str(folder / "model.safetensors"))  # one matrix per expert, as checkpoints hold them
+    out, deq, qcfg = _write_format(tensors, fmt, torch.Generator().manual_seed(0))
+    dequantized.mkdir()
+    (dequantized / "config.json").write_text((folder / "config.json").read_text())
+    save_file(deq, str(dequantized / "model.safetensors"))
+    save_file(out, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = qcfg
+    (folder / "config.json").write_text(json.dumps(cfg))
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(dequantized), dtype=torch.float32).eval()
+    return folder, ref, out
+
+
+def _assert_logits_match(folder, ref, **kw) -> None:
+    for p, got in zip(PROMPTS, our_logits(folder, PROMPTS, **kw)):
+        with torch.no_grad():
+            want = ref(torch.tensor([p])).logits[0]
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)  # fp32 on both sides
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), "greedy tokens differ"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-fp8-channel"])
+def test_fp8_checkpoint_keeps_experts_fp8_and_matches_transformers(tmp_path, fmt):
+    folder, ref, written = _fp8_moe_folder(tmp_path, fmt)
+    source = resolve_model(str(folder))
+    runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", dtype="float32", num_kv_blocks=16,
+                                      max_model_len=256, enforce_eager=True),
+                         ModelConfig.from_hf(source.hf_config), source.weights())
+    experts = runner.model.model.layers[0].mlp.experts
+    groups = 2 if fmt == "fp8-block" else 1  # scales per row: one per 32 inputs, or one
+    assert experts.w13.dtype == experts.w2.dtype == torch.float8_e4m3fn
+    assert experts.w13.nbytes == 8 * 128 * 64 and experts.w2.nbytes == 8 * 64 * 64  # a byte a weight
+    assert experts.w13_scale.shape == (8, 128, groups) and experts.w2_scale.shape == (8, 64, groups)
+    key = "model.layers.0.mlp.experts.{}.{}.weight"
+    for e in (0, 5):  # the checkpoint's bytes, gate rows then up rows
+        want = torch.cat([written[key.format(e, "gate_proj")], written[key.format(e, "up_proj")]])
+        assert torch.equal(experts.w13[e].view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(experts.w2[e].view(torch.uint8), written[key.format(e, "down_proj")].view(torch.uint8))
+    scale = written[f"model.layers.0.mlp.experts.5.down_proj.{'weight_scale_inv' if groups == 2 else 'weight_scale'}"]
+    torch.testing.assert_close(experts.w2_scale[5], scale.repeat_interleave(64 // scale.shape[0], 0), atol=0, rtol=0)
+
+    _assert_logits_match(folder, ref)
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_model_len=256)
+    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for p, out in zip(PROMPTS, got):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                pad_token_id=0)[0, len(p):].tolist()
+        assert out.outputs[0].token_ids == want
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(), reason="CPU only: the Triton interpreter")
+def test_fp8_checkpoint_on_the_triton_kernels_matches_transformers(tmp_path, monkeypatch):
+    """The GPU's dispatch, forced: the prompts' prefill on the grouped GEMMs, and a prompt fed
+    a token at a time on the one-token kernels, with the block scales."""
+    folder, ref, _ = _fp8_moe_folder(tmp_path, "fp8-block")
+    calls = []
+    triton_path = fm.fused_moe_triton
+    monkeypatch.setattr(fm, "use_triton", lambda t: True)
+    monkeypatch.setattr(fm, "fused_moe_triton", lambda *a, **kw: calls.append(kw["scales"]) or triton_path(*a, **kw))
+    _assert_logits_match(folder, ref)
+    got = our_logits(folder, PROMPTS[:1], chunk=1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(got, ref(torch.tensor(PROMPTS[:1])).logits[0], atol=ATOL, rtol=0)
+    assert calls and all(s is not None and s.w13_group == s.w2_group == 32 for s in calls)
+
+
+@pytest.mark.timeout(240)
+def test_insitu_fp8_of_a_moe_model(tmp_path, capsys):
+    """--quantization fp8 on a 16-bit (here fp32) Qwen3-MoE: experts FP8 with a scale per row,
+    logits close to the 16-bit model's, and the greedy tokens' agreement reported."""
+    folder = tmp_path / "qwen3-moe"
+    make_tiny_model(folder, "qwen3-moe", seed=5, spec=SPEC)
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_model_len=256, quantization="fp8")
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.float8_e4m3fn and experts.w13_scale.shape[2] == 1
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    fp8 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    full = [o.outputs[0].token_ids for o in LLM(str(folder), device="cpu", dtype="float32",
+                                                  max_model_len=256).generate(PROMPTS, params)]
+    agree = sum(a == b for x, y in zip(fp8, full) for a, b in zip(x, y)) / sum(map(len, full))
+    rel = []
+    for q, w in zip(our_logits(folder, PROMPTS, quantization="fp8"), our_logits(folder, PROMPTS)):
+        rel.append(((q - w).norm() / w.norm()).item())
+    with capsys.disabled():
+        print(f"\nin-situ fp8 MoE: greedy tokens agree {agree:.0%}, logits' relative error {max(rel):.2e}")
+    # FP8 rounds each weight by up to 1/16 of its value (3 mantissa bits): a few percent of the logits
+    assert max(rel) < 6e-2 and agree >= 0.75
+
+
+def test_tensor_parallel_split_inside_a_block_is_refused():
+    """Expert intermediate 48 over two ranks: w13's rows split anywhere (their scales are
+    repeated per row), w2's inputs only between the 16-input blocks."""
+    fmt = checkpoint_format({"quant_method": "fp8", "weight_block_size": [16, 16]})
+
+    def ref(w):
+        codes, scale = fp8_block(w, 16)
+        return QuantRef(lambda: fmt.convert({"weight": codes, "weight_scale_inv": scale}), "fp8")
+
+    experts = MoEExperts(2, 32, 48, TPContext(rank=1, size=2), quant=QuantScheme(checkpoint="fp8"))
+    gate = torch.randn(48, 32)
+    experts.weight_loader(experts.w13, ref(gate), (0, 0))
+    assert experts.w13.dtype == torch.float8_e4m3fn and experts.groups["w13"] == 16
+    want = fmt.convert(dict(zip(("weight", "weight_scale_inv"), fp8_block(gate, 16)))).dequantize()[24:]
+    torch.testing.assert_close(fm.expert_weight(experts.w13, experts.w13_scale, 16, 0, torch.float32)[:24], want)
+    with pytest.raises(ValueError, match="split a quantization group of 16"):
+        experts.weight_loader(experts.w2, ref(torch.randn(32, 48)), (0, None))
+
+
+@pytest.mark.timeout(240)
+def test_fp8_experts_sharded_over_two_ranks_equal_one(tmp_path):
+    """Qwen3-MoE in block-wise FP8 over TP=2 (gloo): each rank holds half of every expert's
+    intermediate rows (gate and up, with their scales) and one of the two 32-input blocks of
+    its down matrix; the logits equal one rank's."""
+    from test_tensor_parallel import _run
+
+    folder, _, _ = _fp8_moe_folder(tmp_path, "fp8-block")
+    tokens1, steps1 = _run(folder, 1)
+    tokens2, steps2 = _run(folder, 2)
+    for a, b in zip(steps2, steps1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert tokens2 == tokens1
