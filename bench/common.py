@@ -59,10 +59,18 @@ def param_count(shape: str) -> int:
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes a decode step reads of the weights: every parameter and quantized matrix, except an
-    untied input embedding (one row per token)."""
+    """Bytes a batch-1 decode step reads of the weights: every parameter and quantized matrix,
+    except an untied input embedding (one row per token) and the routed experts a token does not
+    pick (stacked experts count k of E, whatever their format)."""
     total, seen = 0, set()
     for name, mod in model.named_modules():
+        experts = getattr(mod, "num_experts", 0)
+        if experts and hasattr(mod, "w13"):  # layers.moe.MoEExperts: all its tensors are per expert
+            for p in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel() * p.element_size() * model.cfg.num_experts_per_tok // experts
+            continue
         q = getattr(mod, "qweight", None)
         if q is not None:  # its `weight` parameter is the codes, counted here with the scales
             total += q.nbytes()
