@@ -21,6 +21,18 @@ SHAPES = {
                        head_dim=128, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=40960,
                        rms_norm_eps=1e-6, tie_word_embeddings=True, torch_dtype="bfloat16", bos_token_id=0,
                        eos_token_id=1),
+    # Gemma 2 9B: local (4096-token window) and global layers alternating, soft-capping, GeGLU
+    "gemma2-9b": dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=3584,
+                      intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                      head_dim=256, vocab_size=256000, rope_theta=10000.0, max_position_embeddings=8192,
+                      rms_norm_eps=1e-6, sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                      torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
+    # Phi-4 (14B): fused qkv_proj and gate_up_proj in the checkpoint
+    "phi4": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=5120, intermediate_size=17920,
+                 num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10, vocab_size=100352,
+                 rope_theta=250000.0, max_position_embeddings=16384, original_max_position_embeddings=16384,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
     # routed experts in every layer: 8 of 128 per token. param_count knows no experts (it counts
     # intermediate_size, the dense size this model never uses); latency.py reads the experts.
     "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
