@@ -33,8 +33,7 @@ SHAPES = {
                  num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10, vocab_size=100352,
                  rope_theta=250000.0, max_position_embeddings=16384, original_max_position_embeddings=16384,
                  rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
-    # routed experts in every layer: 8 of 128 per token. param_count knows no experts (it counts
-    # intermediate_size, the dense size this model never uses); latency.py reads the experts.
+    # routed experts in every layer: 8 of 128 per token (param_count counts the 8 a token uses)
     "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
                           intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
@@ -61,13 +60,37 @@ def write_shape_folder(shape: str, root: str | os.PathLike) -> str:
 
 
 def param_count(shape: str) -> int:
+    """Parameters one token computes with: with routed experts (in every layer, as in the shapes
+    here), the k it picks and the router, not the others."""
     c = SHAPES[shape]
     h, i, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    router = 0
+    if c.get("num_experts"):
+        i, router = c["num_experts_per_tok"] * c["moe_intermediate_size"], c["num_experts"] * h
     d = c.get("head_dim", h // c["num_attention_heads"])
     attn = h * d * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2)
-    per_layer = attn + 3 * h * i + 2 * h
+    per_layer = attn + 3 * h * i + router + 2 * h
     embed = v * h * (1 if c["tie_word_embeddings"] else 2)
     return layers * per_layer + embed + h
+
+
+def experts_read(shape: str, batch: int) -> float:
+    """Routed experts one layer reads in a step of ``batch`` tokens, per expert a token picks:
+    E * (1 - (1 - k/E)^batch) / k under uniform routing (1 at batch 1; E/k once every expert is
+    picked). 1 for a dense shape."""
+    c = SHAPES[shape]
+    if not c.get("num_experts"):
+        return 1.0
+    e, k = c["num_experts"], c["num_experts_per_tok"]
+    return e * (1 - (1 - k / e) ** batch) / k
+
+
+def expert_bytes_per_token(model) -> int:
+    """The routed experts' share of weight_bytes_per_token (k of E, in their loaded format)."""
+    return sum(p.numel() * p.element_size() for mod in model.modules()
+               if getattr(mod, "num_experts", 0) and hasattr(mod, "w13")
+               for p in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+               ) * model.cfg.num_experts_per_tok // max(1, model.cfg.num_experts)
 
 
 def weight_bytes_per_token(model) -> int:

@@ -1,7 +1,8 @@
 """Offline throughput: N prompts with input and output lengths uniform in [lo, hi], random
 tokens, ignore_eos. Output tok/s next to the workload's own limit and HF transformers.
 
-The limit: decode steps each read all weights once (at most max_num_seqs sequences per step)
+The limit: decode steps each read all weights once (at most max_num_seqs sequences per step;
+with routed experts, those the step's tokens pick under uniform routing: ``experts_read``)
 plus every generated token's KV context, divided by the measured copy bandwidth; plus the
 prefill FLOPs (2 x params x prompt tokens) divided by the measured matmul rate. The KV bytes
 are the configuration's own: --kv-cache-dtype fp8 halves them, so its limit is higher; so are the
@@ -24,6 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (
     SHAPES,
+    expert_bytes_per_token,
+    experts_read,
     header,
     kv_bytes_per_token,
     measure_ceilings,
@@ -45,9 +48,12 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
 
 
 def limit_seconds(shape: str, prompts, outs, max_num_seqs: int, bw: float, mm: float,
-                  kv_cache_dtype: str = "auto", weight_bytes: int | None = None) -> float:
+                  kv_cache_dtype: str = "auto", weight_bytes: int | None = None, expert_bytes: int = 0) -> float:
+    """expert_bytes: the routed experts' share of weight_bytes (k of E); a full step of
+    max_num_seqs tokens reads experts_read times as many."""
     params = param_count(shape)
     weight_bytes = weight_bytes or params * 2
+    weight_bytes += expert_bytes * (experts_read(shape, max_num_seqs) - 1)
     steps = -(-sum(outs) // max_num_seqs)
     kv_reads = sum(len(p) * o + o * (o + 1) // 2 for p, o in zip(prompts, outs)) * kv_bytes_per_token(
         shape, kv_cache_dtype=kv_cache_dtype)
@@ -71,15 +77,16 @@ def time_gpu_work(obj, method: str, spans: list) -> None:
 
 
 def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "auto",
-               quantization: str | None = None, tp: int = 1) -> tuple[float, int, float, int]:
+               quantization: str | None = None, tp: int = 1) -> tuple[float, int, float, int, int]:
     """(seconds, output tokens, fraction of the wall time inside the events bracketing each forward
     pass and each sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle,
-    and the weight bytes a decode step reads: on rank 0 at tp > 1, whose GPU times are the ones
-    bracketed)."""
+    and the weight bytes a batch-1 decode step reads with the routed experts' share of them: on
+    rank 0 at tp > 1, whose GPU times are the ones bracketed)."""
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2 * max(map(len, prompts)) + 16,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype,
               quantization=quantization, tensor_parallel_size=tp)
     weight_bytes = weight_bytes_per_token(llm.engine.runner.model)
+    expert_bytes = expert_bytes_per_token(llm.engine.runner.model)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate(prompts[:4], params[:4])  # warm-up
     spans: list = []
@@ -95,7 +102,7 @@ def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "
     assert produced == sum(outs), "every request must produce exactly max_tokens tokens"
     del llm
     torch.cuda.empty_cache()
-    return dt, produced, busy / dt, weight_bytes
+    return dt, produced, busy / dt, weight_bytes, expert_bytes
 
 
 def run_hf(shape: str, prompts, outs, batch: int) -> float:
@@ -143,11 +150,11 @@ def main() -> None:
     for tp in args.tp:
         with tempfile.TemporaryDirectory() as tmp:
             folder = write_shape_folder(args.shape, tmp)
-            dt, produced, busy, wbytes = run_kvship(folder, prompts, outs, args.max_num_seqs, args.kv_cache_dtype,
-                                                    args.quantization, tp)
+            dt, produced, busy, wbytes, ebytes = run_kvship(folder, prompts, outs, args.max_num_seqs,
+                                                            args.kv_cache_dtype, args.quantization, tp)
         # tp GPUs side by side: each reads its shard (rank 0's bytes), 1/tp of the KV and of the FLOPs
         limits[tp] = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw * tp, mm * tp,
-                                   args.kv_cache_dtype, wbytes * tp)
+                                   args.kv_cache_dtype, wbytes * tp, ebytes * tp)
         print(f"kvship TP={tp} done after {time.monotonic() - t0:.0f} s ({dt:.1f} s of generation)", file=sys.stderr,
               flush=True)
         name = f"kvship, {wfmt} weights, {args.kv_cache_dtype} KV" + (f", TP={tp}" if args.tp != [1] else "")
