@@ -63,6 +63,9 @@ class ExpertScales:
     w2_group: int = 0
 
 
+NO_SCALES = ExpertScales(None, None)  # 16-bit experts
+
+
 def expert_weight(w: torch.Tensor, scales: torch.Tensor | None, group: int, e: int, dtype: torch.dtype
                   ) -> torch.Tensor:
     """Expert e's matrix of a stack in ``dtype``: w[e] itself, or its FP8 codes dequantized."""
@@ -72,9 +75,8 @@ def expert_weight(w: torch.Tensor, scales: torch.Tensor | None, group: int, e: i
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
+                    ids: torch.Tensor, scales: ExpertScales = NO_SCALES) -> torch.Tensor:
     inter = w2.shape[2]
-    s = scales or ExpertScales(None, None)
     out = torch.zeros_like(x)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
@@ -86,9 +88,9 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         if n == 0:
             continue
         rows = token_of[start:start + n]
-        h = F.linear(x[rows], expert_weight(w13, s.w13, s.w13_group, e, x.dtype))
+        h = F.linear(x[rows], expert_weight(w13, scales.w13, scales.w13_group, e, x.dtype))
         h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, expert_weight(w2, s.w2, s.w2_group, e, x.dtype)) * weight_of[start:start + n, None].to(x.dtype)
+        y = F.linear(h, expert_weight(w2, scales.w2, scales.w2_group, e, x.dtype)) * weight_of[start:start + n, None].to(x.dtype)
         out.index_add_(0, rows, y)
         start += n
     return out
@@ -464,16 +466,15 @@ GEMV_DOWN = {"block_n": 2, "block_k": 512, "num_warps": 2, "num_stages": 3}
 
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                    ids: torch.Tensor, gate_up: dict[str, int] | None = None,
-                   down: dict[str, int] | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
-    """fused_moe_triton's result in two kernels, for a few tokens (see the module's docstring)."""
+                   down: dict[str, int] | None = None, scales: ExpertScales = NO_SCALES) -> torch.Tensor:
+    """fused_moe_triton's result in two kernels, for one token (see the module's docstring)."""
     tokens, top_k = ids.shape
     inter, hidden = w2.shape[2], x.shape[1]
     x = x.contiguous()
     ids = ids.contiguous()
     gu, dn = gate_up or GEMV_GATE_UP, down or GEMV_DOWN
-    sc = scales or ExpertScales(None, None)
-    w13, s13, se13, sn13, fp8, g13 = _fp8_operands(w13, sc.w13, sc.w13_group)
-    w2, s2, se2, sn2, fp8_2, g2 = _fp8_operands(w2, sc.w2, sc.w2_group)
+    w13, s13, se13, sn13, fp8, g13 = _fp8_operands(w13, scales.w13, scales.w13_group)
+    w2, s2, se2, sn2, fp8_2, g2 = _fp8_operands(w2, scales.w2, scales.w2_group)
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _gemv_gate_up_kernel[(triton.cdiv(inter, gu["block_n"]), tokens * top_k)](
         x, w13, s13, ids, h, inter, hidden, s13.shape[2] if fp8 else 1, x.stride(0), w13.stride(0), w13.stride(1),
@@ -489,7 +490,7 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                      ids: torch.Tensor, config: MoEConfig | None = None,
-                     scales: ExpertScales | None = None) -> torch.Tensor:
+                     scales: ExpertScales = NO_SCALES) -> torch.Tensor:
     """The grouped GEMMs, or for one token (and no tiles asked for) ``fused_moe_gemv``."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = w13.shape[0], w2.shape[2], x.shape[1]
@@ -502,15 +503,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
     aligned = align_by_expert(ids, num_experts, cfg.block_m)
     pairs = tokens * top_k
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # every pair's row is written
-    sc = scales or ExpertScales(None, None)
-    _moe_gemm(x, w13, h, weights, aligned, pairs, top_k, True, cfg, sc.w13, sc.w13_group)
+    _moe_gemm(x, w13, h, weights, aligned, pairs, top_k, True, cfg, scales.w13, scales.w13_group)
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm(h, w2, y, weights.flatten().float().contiguous(), aligned, pairs, 1, False, cfg, sc.w2, sc.w2_group)
+    _moe_gemm(h, w2, y, weights.flatten().float().contiguous(), aligned, pairs, 1, False, cfg, scales.w2, scales.w2_group)
     return y.view(tokens, top_k, hidden).sum(dim=1)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
+              ids: torch.Tensor, scales: ExpertScales = NO_SCALES) -> torch.Tensor:
     """``scales``: given when w13 and w2 hold FP8 codes."""
     if use_triton(x):
         return fused_moe_triton(x, w13, w2, weights, ids, scales=scales)

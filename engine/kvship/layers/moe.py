@@ -109,9 +109,7 @@ class MoEExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing (weights, ids) [T, k] -> this rank's partial sums [T, H]."""
-        scales = None
-        if self.w13_scale is not None or self.w2_scale is not None:
-            scales = ExpertScales(self.w13_scale, self.w2_scale, self.groups["w13"], self.groups["w2"])
+        scales = ExpertScales(self.w13_scale, self.w2_scale, self.groups["w13"], self.groups["w2"])  # None: 16-bit
         return fused_moe(x, self.w13, self.w2, weights, ids, scales)
 
 
