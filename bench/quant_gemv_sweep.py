@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import header, measure_ceilings, table
 from gemv_sweep import SHAPES, time_per_call
+from kvship.kernels.fp8_gemv import fp8_gemv_triton
 from kvship.kernels.quant_gemv import fits, qgemv_words_triton
 from kvship.kernels.quant_linear import _gemm_config, pack, quant_linear_torch, quant_linear_triton
 from kvship.quant import quantize
@@ -29,7 +30,10 @@ FORMATS = {"fp8": lambda w: quantize(w, "fp8"), "int8": lambda w: quantize(w, "i
 
 
 def one_row(x, qw, cfg):
-    """The word-reading kernel for settings with block_w, else quant_linear's own one-row kernel."""
+    """The word-reading kernel for settings with block_w, FP8 tensor cores (kernels/fp8_gemv.py)
+    for settings marked tc, else quant_linear's own one-row kernel."""
+    if cfg.get("tc"):
+        return fp8_gemv_triton(x, qw.qweight, qw.scales, 0 if qw.scales.shape[1] == 1 else qw.group_size, None, cfg)
     if "block_w" in cfg:
         return qgemv_words_triton(x, qw.qweight, qw.scales, qw.biases, None, qw.bits, qw.group_size, qw.k, cfg)
     return quant_linear_triton(x, qw, None, cfg)
@@ -38,6 +42,7 @@ def one_row(x, qw, cfg):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     args = ap.parse_args()
     copy_bw, mm = measure_ceilings()
     grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
@@ -45,12 +50,15 @@ def main() -> None:
     # the word-reading kernel (kernels/quant_gemv.py): block_w words per row and tile
     words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=ns) for bn, bw, nw, ns in
              itertools.product([2, 4, 8, 16], [128, 256, 512], [4, 8], [2, 3])]
+    # FP8 on tensor cores: W8A8 with activations quantized in the kernel (a looser check below)
+    tensor_cores = [dict(tc=True, block_n=bn, num_warps=nw, num_stages=ns)
+                    for bn, nw, ns in itertools.product([16, 32, 64, 128], [4, 8], [3, 4, 6])]
     if args.quick:
         grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
                 ((16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 8, 3), (8, 512, 4, 2), (32, 256, 8, 3))]
         words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=3) for bn, bw, nw in
                  ((4, 256, 4), (8, 256, 8), (2, 512, 4), (4, 512, 8), (8, 128, 4))]
-    rows, gemm_rows = [], []
+    rows, gemm_rows, kind_rows = [], [], []
     for name, n, k in SHAPES[:4]:
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         copies16 = max(4, -(-300_000_000 // (n * k * 2)))
@@ -58,20 +66,21 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         cublas = time_per_call(lambda i: torch.nn.functional.linear(x, ws16[i]), copies16)
         ws16 = None
-        for fmt, make in FORMATS.items():
+        for fmt in args.formats:
+            make = FORMATS[fmt]
             qw = pack(make(w16.float()), "cuda")
             nbytes = qw.nbytes()
             copies = max(4, -(-300_000_000 // nbytes))
             qws = [qw] + [pack(make(w16.float()), "cuda") for _ in range(copies - 1)]
             ref = quant_linear_torch(x.float(), qw)
-            best = None
-            for cfg in words + (grid if qw.fp8 else []):
+            best, best_of = None, {}
+            for cfg in words + (grid + tensor_cores if qw.fp8 else []):
                 if "block_w" in cfg and not fits(qw.bits, qw.k, qw.group_size, qw.scales.shape[1], False, cfg["block_w"]):
                     continue
                 try:
                     out = one_row(x, qw, cfg).float()
                     err = ((out - ref).norm() / ref.norm()).item()
-                    if err > 2e-2:
+                    if err > (6e-2 if cfg.get("tc") else 2e-2):
                         print(f"  {name} {fmt} {cfg}: rel err {err:.1e}, skipped", file=sys.stderr)
                         continue
                     us = time_per_call(lambda i: one_row(x, qws[i], cfg), copies)
@@ -80,11 +89,16 @@ def main() -> None:
                     continue
                 if best is None or us < best[0]:
                     best = (us, cfg)
+                kind = "tensor cores" if cfg.get("tc") else "CUDA cores"
+                if kind not in best_of or us < best_of[kind][0]:
+                    best_of[kind] = (us, cfg)
             engine = time_per_call(lambda i: quant_linear_triton(x, qws[i]), copies)  # its own settings
             bw = lambda us: f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}%"
             if best:
                 rows.append([name, f"{n}x{k}", fmt, f"{nbytes / 1e6:.1f}", f"{cublas:.1f}", f"{engine:.1f}", bw(engine),
                              f"{best[0]:.1f}", bw(best[0]), f"{cublas / min(engine, best[0]):.2f}x", str(best[1])])
+                for kind, (us, cfg) in best_of.items():
+                    kind_rows.append([name, fmt, kind, f"{us:.1f}", bw(us), str(cfg)])
             for m in (16, 256):
                 xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 t16 = time_per_call(lambda i: torch.nn.functional.linear(xm, w16), 4)
@@ -96,6 +110,8 @@ def main() -> None:
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s\n")
     print(table(rows, ["weight", "N x K", "format", "MB", "cuBLAS bf16 µs", "engine µs", "engine % BW",
                        "grid best µs", "grid % BW", "speed-up", "grid best setting"]))
+    print()
+    print(table(kind_rows, ["weight", "format", "best on", "µs", "% BW", "setting"]))
     print()
     print(table(gemm_rows, ["weight", "format", "rows", "cuBLAS bf16 µs", "dequant GEMM µs", "speed-up"]))
 

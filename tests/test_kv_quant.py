@@ -33,8 +33,8 @@ def quantize_cache(cache: torch.Tensor, kv_dtype: str, scale: float = FP8_SCALE)
     return kvq.fp8_quantize(cache, s, kvq.FP8_DTYPES[kv_dtype]), s
 
 
-def quant_paged(q_lens, ctx, hq, hkv, d, block_size, kv_dtype, seed):
-    q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, hq, hkv, d, block_size, DTYPE, seed)
+def quant_paged(q_lens, ctx, hq, hkv, d, block_size, kv_dtype, seed, dtype=DTYPE):
+    q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, hq, hkv, d, block_size, dtype, seed)
     (kq, ks), (vq, vs) = quantize_cache(kc, kv_dtype), quantize_cache(vc, kv_dtype, 2 * FP8_SCALE)
     return q, kq, vq, ks, vs, bt, sl, cu
 
@@ -112,6 +112,19 @@ def test_decode_kernel(hq, hkv, d, kv_dtype):
     for ns in [None, 1]:  # CPU: None means several splits and their reduce
         out = pa.paged_attention_triton(q, kq, vq, bt, sl, cu, d**-0.5, 1, num_splits=ns, k_scale=ks, v_scale=vs)
         close(out, ref, DTYPE, f"decode {kv_dtype} splits={ns}")
+
+
+@needs_triton
+@pytest.mark.skipif(GPU, reason="on a GPU test_decode_kernel runs bf16 queries already")
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_kernel_16bit_query(kv_dtype, dtype):
+    """Beside a 16-bit query the kernels dot quantized pages in fp16 (int4 pages dequantized in
+    fp16 arithmetic): the path the GPU runs, here in the interpreter."""
+    q, kq, vq, ks, vs, bt, sl, cu = quant_paged([1, 1, 1], [1, 40, 97], 8, 2, 64, 16, kv_dtype, seed=5, dtype=dtype)
+    ref = pa.paged_attention_torch(q, kq, vq, bt, sl, cu, 64**-0.5, ks, vs)
+    out = pa.paged_attention_triton(q, kq, vq, bt, sl, cu, 64**-0.5, 1, k_scale=ks, v_scale=vs)
+    close(out, ref, dtype, f"decode {kv_dtype} {dtype}")
 
 
 @needs_triton

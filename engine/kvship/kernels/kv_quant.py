@@ -251,26 +251,44 @@ def int4_store_groups(x_even, x_odd, m_even, m_odd, data_ptrs, group_ptrs, hmask
 
 
 @triton.jit
-def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Dequantized float32 [BLOCK_N, BLOCK_D]: token n's packed bytes start at byte_off[n] (the
-    low nibble of byte j is element 2j), group g's scale and minimum sit at grp_off[n] + 2 * g
-    and + 1 (a group: 32 elements, the whole row when shorter). Each row is one load of bytes and
-    one of each group value, the nibbles split and scaled in registers: loading byte, scale and
-    minimum per element made the decode kernel 14x slower than a 16-bit cache."""
+def _nibble_values(c, OUT: tl.constexpr):
+    """4-bit codes (uint8 0..15) -> their exact values in OUT (float16 or float32), by OR-ing
+    each into the mantissa of 1024 (2**23) and subtracting it: integer and add instructions,
+    where an int -> float conversion runs on the GPU's conversion unit at 1/8 of their rate
+    (the decode kernel spent most of its time there)."""
+    # one return at the end: the GPU compiler goes on past a return inside a constexpr branch
+    if OUT == tl.float16:
+        x = (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        x = (c.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return x
+
+
+@triton.jit
+def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   OUT: tl.constexpr):
+    """Dequantized [BLOCK_N, BLOCK_D] in OUT (float16: the attention kernels' dot dtype beside a
+    16-bit query, computed in float16 throughout, so no value passes the conversion unit; or
+    float32): token n's packed bytes start at byte_off[n] (the low nibble of byte j is element
+    2j), group g's scale and minimum sit at grp_off[n] + 2 * g and + 1 (a group: 32 elements,
+    the whole row when shorter). Each row is one load of bytes and one of each group value, the
+    nibbles split and scaled in registers: loading byte, scale and minimum per element made the
+    decode kernel 14x slower than a 16-bit cache."""
     offs_b = tl.arange(0, BLOCK_D // 2)
     b = tl.load(ptr + byte_off[:, None] + offs_b[None, :], mask=tmask[:, None] & (offs_b * 2 < head_dim)[None, :],
-                other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_N, BLOCK_D)).to(tl.float32)  # element 2j, then 2j + 1
+                other=0)
+    codes = tl.reshape(tl.join(_nibble_values(b & 15, OUT), _nibble_values(b >> 4, OUT)),
+                       (BLOCK_N, BLOCK_D))  # element 2j, then 2j + 1
     if BLOCK_D >= 32:
         NG: tl.constexpr = BLOCK_D // 32
         offs_g = tl.arange(0, NG)
         gp = g_ptr + grp_off[:, None] + 2 * offs_g[None, :]
         gmask = tmask[:, None] & (offs_g * 32 < head_dim)[None, :]
-        s = tl.load(gp, mask=gmask, other=0.0).to(tl.float32)
-        z = tl.load(gp + 1, mask=gmask, other=0.0).to(tl.float32)
+        s = tl.load(gp, mask=gmask, other=0.0).to(OUT)
+        z = tl.load(gp + 1, mask=gmask, other=0.0).to(OUT)
         x = tl.reshape(tl.reshape(codes, (BLOCK_N, NG, 32)) * s[:, :, None] + z[:, :, None], (BLOCK_N, BLOCK_D))
     else:
-        s = tl.load(g_ptr + grp_off, mask=tmask, other=0.0).to(tl.float32)
-        z = tl.load(g_ptr + grp_off + 1, mask=tmask, other=0.0).to(tl.float32)
+        s = tl.load(g_ptr + grp_off, mask=tmask, other=0.0).to(OUT)
+        z = tl.load(g_ptr + grp_off + 1, mask=tmask, other=0.0).to(OUT)
         x = codes * s[:, None] + z[:, None]
     return x

@@ -166,8 +166,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 
 _LOG2E = 1.4426950408889634
 
-# Launch settings; the benchmark may override them. Keyed by head_dim where it matters.
+# Launch settings; the benchmark may override them. Keyed by head_dim where it matters, and the
+# decode kernel's by the cache's layout (kv_quant.KV_*): DECODE_CONFIG for 16-bit pages.
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
+DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
+                  kvq.KV_FP8: {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64},
+                  kvq.KV_INT4: {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}}
 PREFILL_CONFIG = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
     # H200 sweep at 4k-token causal prefill: (64, 64, 4, 3) 429 us; (128, 64, 8, 3) 455 us;
@@ -179,16 +183,16 @@ PREFILL_CONFIG = {
 
 @triton.jit
 def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
-             MASKED: tl.constexpr, D_FIRST: tl.constexpr, KV_MODE: tl.constexpr):
+             MASKED: tl.constexpr, D_FIRST: tl.constexpr, KV_MODE: tl.constexpr, DOT: tl.constexpr):
     """A tile of cached keys or values: [BLOCK_D, BLOCK_N] when D_FIRST (keys, for q @ k),
     else [BLOCK_N, BLOCK_D]. tok_off: each token's element (int4: byte) offset in the cache,
     grp_off: its (token, head) group's offset in the int4 scales; tmask is used when MASKED.
     Plain and FP8 tiles come back as stored (FP8's scale is applied by the caller), int4 ones
-    dequantized to float32."""
+    dequantized to DOT, the dots' dtype."""
     # one return at the end: the GPU compiler goes on past a return inside a constexpr branch
     if KV_MODE == 2:
         tile = kvq.int4_load_rows(c_ptr, g_ptr, tok_off, grp_off, tmask, tl.sum(dmask.to(tl.int32), 0),
-                                  tok_off.shape[0], offs_d.shape[0])
+                                  tok_off.shape[0], offs_d.shape[0], DOT)
         if D_FIRST:
             tile = tl.trans(tile)
     else:
@@ -230,14 +234,16 @@ def _attend_tile(
     k_off = page * stride_kb + row * stride_ks + kvh * stride_kh
     v_off = page * stride_vb + row * stride_vs + kvh * stride_vh
     g_off = page * stride_gb + row * stride_gs + kvh * stride_gh  # int4 only (strides 0 otherwise)
-    # The dots' dtype: the query's, except FP8 pages beside a bf16 query, which run in fp16: on
-    # Hopper FP8 converts to fp16 in one instruction per pair and to bf16 only through fp32, and
-    # FP8 values, the probabilities and a query within fp16's range (clamped) lose nothing there.
+    # The dots' dtype: the query's, except quantized pages beside a bf16 query, which run in
+    # fp16: on Hopper FP8 converts to fp16 in one instruction per pair and to bf16 only through
+    # fp32, int4 codes become fp16 values with integer and fp16 instructions alone
+    # (kv_quant.int4_load_rows), and the pages' values, the probabilities and a query within
+    # fp16's range (clamped) lose nothing there that the quantization had not.
     dot_dtype = q.dtype
-    if KV_MODE == 1:
+    if KV_MODE > 0:
         if q.dtype == tl.bfloat16:
             dot_dtype = tl.float16
-    kt = _load_kv(kc_ptr, ks_ptr, k_off, g_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE)
+    kt = _load_kv(kc_ptr, ks_ptr, k_off, g_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE, dot_dtype)
     if dot_dtype == q.dtype:
         qk = tl.dot(q, kt.to(dot_dtype)) * qk_scale
     else:
@@ -258,7 +264,7 @@ def _attend_tile(
     p = tl.exp2(qk - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE)
+    v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, dot_dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype))
     return acc, l_i, m_new
 
@@ -444,19 +450,21 @@ def _prefill_kernel(
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sms: int, block_n: int) -> int:
+def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sms: int, block_n: int,
+                      config: dict | None = None) -> int:
     """How many context splits the decode kernel uses: enough programs for ``waves`` rounds
     over the SMs, a power of two, no more than there are BLOCK_N tiles in the longest
     possible context. Depends on shapes only (CUDA-graph safe)."""
+    config = config or DECODE_CONFIG
     programs = max(1, batch * num_kv_heads)
-    target = DECODE_CONFIG["waves"] * sms
+    target = config["waves"] * sms
     if programs >= target:
         return 1
     splits = next_pow2(-(-target // programs))
     tiles = max(1, -(-max_context // block_n))
     while splits > 1 and splits > tiles:
         splits //= 2
-    return max(1, min(splits, DECODE_CONFIG["max_splits"]))
+    return max(1, min(splits, config["max_splits"]))
 
 
 def paged_attention_triton(
@@ -475,13 +483,15 @@ def paged_attention_triton(
     v_scale: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    decode_config: dict | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``paged_attention_torch`` (same layouts and semantics).
 
     ``max_seqlen_q`` (a host int) picks the path: 1 means every sequence has one new token
     (decode: split-K kernel, graph-capturable); otherwise the varlen prefill kernel.
     ``num_splits`` overrides the decode split count (tests use it; the default depends on
-    shapes only). q, k_cache, v_cache need a contiguous last dim.
+    shapes only), ``decode_config`` the decode launch settings (the benchmark's sweep; default
+    DECODE_CONFIGS for the cache's layout). q, k_cache, v_cache need a contiguous last dim.
     """
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
@@ -510,13 +520,13 @@ def paged_attention_triton(
         block_tables.stride(0), out.stride(0), out.stride(1),
     )
     if max_seqlen_q == 1:
-        cfg = DECODE_CONFIG
+        cfg = decode_config or DECODE_CONFIGS[kv_mode]
         block_n = cfg["block_n"]
         if num_splits is None:
             context = block_tables.shape[1] * block_size
             if window:  # the tiles a windowed query reads, at most
                 context = min(context, window + block_n)
-            num_splits = decode_num_splits(batch, num_kv_heads, context, device_sms(q), block_n)
+            num_splits = decode_num_splits(batch, num_kv_heads, context, device_sms(q), block_n, cfg)
         if num_splits > 1:
             mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
             mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
