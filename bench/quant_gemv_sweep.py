@@ -19,7 +19,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import header, measure_ceilings, table
 from gemv_sweep import SHAPES, time_per_call
-from kvship.kernels.fp8_gemv import fp8_gemv_triton
 from kvship.kernels.quant_gemv import fits, qgemv_words_triton
 from kvship.kernels.quant_linear import _gemm_config, pack, quant_linear_torch, quant_linear_triton
 from kvship.quant import quantize
@@ -30,10 +29,7 @@ FORMATS = {"fp8": lambda w: quantize(w, "fp8"), "int8": lambda w: quantize(w, "i
 
 
 def one_row(x, qw, cfg):
-    """The word-reading kernel for settings with block_w, FP8 tensor cores (kernels/fp8_gemv.py)
-    for settings marked tc, else quant_linear's own one-row kernel."""
-    if cfg.get("tc"):
-        return fp8_gemv_triton(x, qw.qweight, qw.scales, 0 if qw.scales.shape[1] == 1 else qw.group_size, None, cfg)
+    """The word-reading kernel for settings with block_w, else quant_linear's own one-row kernel."""
     if "block_w" in cfg:
         return qgemv_words_triton(x, qw.qweight, qw.scales, qw.biases, None, qw.bits, qw.group_size, qw.k, cfg)
     return quant_linear_triton(x, qw, None, cfg)
@@ -50,9 +46,6 @@ def main() -> None:
     # the word-reading kernel (kernels/quant_gemv.py): block_w words per row and tile
     words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=ns) for bn, bw, nw, ns in
              itertools.product([2, 4, 8, 16], [128, 256, 512], [4, 8], [2, 3])]
-    # FP8 on tensor cores: W8A8 with activations quantized in the kernel (a looser check below)
-    tensor_cores = [dict(tc=True, block_n=bn, num_warps=nw, num_stages=ns)
-                    for bn, nw, ns in itertools.product([16, 32, 64, 128], [4, 8], [3, 4, 6])]
     if args.quick:
         grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
                 ((16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 8, 3), (8, 512, 4, 2), (32, 256, 8, 3))]
@@ -74,13 +67,13 @@ def main() -> None:
             qws = [qw] + [pack(make(w16.float()), "cuda") for _ in range(copies - 1)]
             ref = quant_linear_torch(x.float(), qw)
             best, best_of = None, {}
-            for cfg in words + (grid + tensor_cores if qw.fp8 else []):
+            for cfg in words + (grid if qw.fp8 else []):
                 if "block_w" in cfg and not fits(qw.bits, qw.k, qw.group_size, qw.scales.shape[1], False, cfg["block_w"]):
                     continue
                 try:
                     out = one_row(x, qw, cfg).float()
                     err = ((out - ref).norm() / ref.norm()).item()
-                    if err > (6e-2 if cfg.get("tc") else 2e-2):
+                    if err > 2e-2:
                         print(f"  {name} {fmt} {cfg}: rel err {err:.1e}, skipped", file=sys.stderr)
                         continue
                     us = time_per_call(lambda i: one_row(x, qws[i], cfg), copies)
@@ -89,7 +82,7 @@ def main() -> None:
                     continue
                 if best is None or us < best[0]:
                     best = (us, cfg)
-                kind = "tensor cores" if cfg.get("tc") else "CUDA cores"
+                kind = "word kernel" if "block_w" in cfg else "per-code kernel"
                 if kind not in best_of or us < best_of[kind][0]:
                     best_of[kind] = (us, cfg)
             engine = time_per_call(lambda i: quant_linear_triton(x, qws[i]), copies)  # its own settings

@@ -1,5 +1,5 @@
-"""The quantized-weight kernels, the FP8 tensor-core GEMV and the FP8 W8A8 activation quantizer
-compile for sm_90 (H100/H200), every variant the engine launches, on a machine without a GPU
+"""The quantized-weight kernels and the FP8 W8A8 activation quantizer compile for sm_90
+(H100/H200), every variant the engine launches, on a machine without a GPU
 (tests/sm90_compile.py says why)."""
 from __future__ import annotations
 
@@ -34,12 +34,6 @@ def _specs():
                    "constexprs": {**flags, "HAS_BIAS": bias, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}}
         yield {"kernel": f"{MODULE}:_dequant_kernel", "types": {**W, "out_ptr": "*bf16"},
                "constexprs": {**flags, "BLOCK_N": 32, "BLOCK_K": 64 if bits4 else 128}}
-    for group, one_row, dtype in ((0, True, "bf16"), (128, False, "bf16"), (0, False, "fp16")):
-        yield {"kernel": "kvship.kernels.fp8_gemv:_fp8_gemv_kernel",
-               "types": {"x_ptr": f"*{dtype}", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": f"*{dtype}",
-                         "y_ptr": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "stride_x": "i32",
-                         "stride_w": "i32", "stride_s": "i32", "stride_y": "i32"},
-               "constexprs": {"GROUP": group, "HAS_BIAS": not one_row, "ONE_ROW": one_row, "BLOCK_N": 64}}
     for dtype in ("bf16", "fp16"):  # rows read once (8B's hidden 4096) and twice (its down_proj's 14336)
         for block, one_pass in ((4096, True), (8192, False)):
             yield {"kernel": f"{MODULE}:_fp8_rows_kernel",

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvship.kernels import fp8_gemv
 from kvship.kernels._triton import tl, triton, use_triton
 from kvship.kernels.kv_quant import fp8_round
 from kvship.kernels.quant_gemv import fits, qgemv_words_triton
+from kvship.quant.insitu import FP8_MAX
 from kvship.quant.tensor import QuantizedTensor
 
 
@@ -300,9 +300,6 @@ def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None =
     m, n, kp = x2.shape[0], w.n, w.qweight.shape[1]
     if m >= DENSE_ROWS and config is None:
         return _dense_matmul(x2, w, bias).view(*shape[:-1], n)
-    if config is None and _fp8_tensor_cores(x2, w):
-        group = 0 if w.scales.shape[1] == 1 else w.group_size
-        return fp8_gemv.fp8_gemv_triton(x2, w.qweight, w.scales, group, bias).view(*shape[:-1], n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bias_ptr = bias if bias is not None else w.scales
     if m == 1:
@@ -376,19 +373,12 @@ def _w8a8(x2: torch.Tensor, w: QWeight) -> bool:
             and w.n % 16 == 0 and w.k % 16 == 0 and torch.cuda.get_device_capability(x2.device) >= (8, 9))
 
 
-def _fp8_tensor_cores(x2: torch.Tensor, w: QWeight) -> bool:
-    """FP8 weights times a few rows (decode) on FP8 tensor cores (compute capability 8.9+),
-    W8A8 with activations quantized per 128 inputs (kernels/fp8_gemv.py): converting each weight
-    for CUDA-core FMAs held the one-row kernels to ~60% of copy bandwidth."""
-    return (x2.is_cuda and w.fp8 and x2.dtype in (torch.bfloat16, torch.float16) and w.g_idx is None
-            and fp8_gemv.fits(x2.shape[0], w.k, 0 if w.scales.shape[1] == 1 else w.group_size)
-            and torch.cuda.get_device_capability(x2.device) >= (8, 9))
-
-
 def quantize_fp8_rows_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token FP8 activations for W8A8: x2 [M, K] -> (codes [M, K] float8_e4m3fn, scales
-    [M, 1] float32), one block per row (fp8_gemv.quantize_fp8_blocks_torch)."""
-    return fp8_gemv.quantize_fp8_blocks_torch(x2, max(1, x2.shape[1]))
+    [M, 1] float32) with x2 ~= codes * scales; a row's scale is its amax / 448 (at least 1e-12,
+    so that a row of zeros divides to zeros), and x2 / scale is rounded to nearest, ties to even."""
+    scale = (x2.abs().amax(1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    return (x2.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 @triton.jit
