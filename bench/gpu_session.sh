@@ -7,7 +7,8 @@
 #   kernel profiles:              bash bench/gpu_session.sh profile   (profile-b1: batch 1 only)
 #   GEMV settings sweep:          bash bench/gpu_session.sh gemv
 #   KV-cache dtypes:              bash bench/gpu_session.sh kv-tests throughput-8b-fp8 kv-decode
-#   FP8 tensor-core GEMV, decode attention settings: bash bench/gpu_session.sh fp8-tests kv-sweep fp8-gemv latency-fp8
+#   decode attention settings per KV layout, FP8 GEMV: bash bench/gpu_session.sh kv-sweep fp8-gemv latency-fp8
+#   Qwen3-30B-A3B offline throughput: bash bench/gpu_session.sh throughput-moe
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
@@ -35,12 +36,11 @@ bench gemv 200 python3 bench/gemv_sweep.py
 bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
 bench kv-tests 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_kv_quant.py tests/test_kv_quant_engine.py -k "not perplexity and not greedy_agrees and not prefix_hits"
 bench throughput-8b-fp8 240 python3 bench/throughput.py --kv-cache-dtype fp8 --hf-prompts 0
-bench kv-decode 400 python3 bench/kv_decode.py
-bench fp8-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_gemv.py tests/test_quantized_weights.py \
-  tests/test_kv_quant.py -k "kernel_matches or decode_kernel or prefill_kernel or fits"
+bench kv-decode 290 python3 bench/kv_decode.py
 bench kv-sweep 300 python3 bench/kv_attention_sweep.py
 bench fp8-gemv 240 python3 bench/quant_gemv_sweep.py --formats fp8 --quick
 bench latency-fp8 200 python3 bench/latency.py --quantization none fp8 --no-hf
+bench throughput-moe 290 python3 bench/throughput.py --shape qwen3-30b-a3b --hf-prompts 0
 bench throughput-qwen3 200 python3 bench/throughput.py --shape qwen3-0.6b --num-prompts 256 --hf-prompts 8 --hf-batch 8
 bench serve 240 python3 bench/serve.py --concurrency 1 8 32 64
 bench startup 300 python3 bench/startup.py --quantization none fp8
