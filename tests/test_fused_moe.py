@@ -10,8 +10,10 @@ import torch
 
 from kvship.kernels import fused_moe as fm
 from kvship.kernels._triton import HAS_TRITON
-from kvship.layers.moe import moe_reference, route
-from kvship.quant import checkpoint_format, quantize
+from kvship.layers.moe import MoEExperts, moe_reference, route
+from kvship.parallel import TPContext
+from kvship.quant import QuantizedTensor, QuantRef, QuantScheme, checkpoint_format, quantize
+from kvship.quant.insitu import quantize_groups
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
@@ -177,16 +179,51 @@ def fp8_block(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / full).to(torch.float8_e4m3fn), scale
 
 
-def _fp8_stack(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Stacked experts [E, N, K] as MoEExperts holds them: (codes, scales [E, N, G], group),
-    through the loader's own conversion of block-wise checkpoints, or in-situ fp8 per row."""
+def _fp8(block: int | None):
+    """A matrix [N, K] -> its FP8 QuantizedTensor: through the loader's own conversion of a
+    block-wise checkpoint (``block`` x ``block``), or in-situ fp8 (one scale per row)."""
     if block is None:
-        parts = [quantize(m, "fp8") for m in w]
-    else:
-        fmt = checkpoint_format({"quant_method": "fp8", "weight_block_size": [block, block]})
-        parts = [fmt.convert(dict(zip(("weight", "weight_scale_inv"), fp8_block(m, block)))) for m in w]
-    scales = torch.stack([p.scales for p in parts])
-    return torch.stack([p.codes for p in parts]), scales, block if scales.shape[2] > 1 else 0
+        return lambda m: quantize(m, "fp8")
+    fmt = checkpoint_format({"quant_method": "fp8", "weight_block_size": [block, block]})
+    return lambda m: fmt.convert(dict(zip(("weight", "weight_scale_inv"), fp8_block(m, block))))
+
+
+def _integer(bits: int, group: int | None, symmetric: bool):
+    """A matrix [N, K] -> integer codes in groups of ``group`` inputs (None: one group a row):
+    asymmetric min/max codes with offsets (k-quants, in-situ int4), or symmetric ones centred
+    on 2**(bits - 1) with scale amax / (2**(bits - 1) - 1) (Q8_0, Q4_0, in-situ int8)."""
+    def convert(m: torch.Tensor) -> QuantizedTensor:
+        g = group or m.shape[1]
+        if not symmetric:
+            return quantize_groups(m, bits, g)
+        n, k = m.shape
+        blocks = m.float().view(n, k // g, g)
+        scale = (blocks.abs().amax(2) / ((1 << (bits - 1)) - 1)).clamp_min(1e-12)
+        codes = torch.round(blocks / scale[..., None]) + (1 << (bits - 1))
+        return QuantizedTensor(codes.clamp(0, (1 << bits) - 1).to(torch.uint8).view(n, k), scale, None, bits, g)
+    return convert
+
+
+def _quantized_experts(w13: torch.Tensor, w2: torch.Tensor, convert, device=DEV
+                       ) -> tuple[torch.Tensor, torch.Tensor, fm.ExpertScales]:
+    """Stacked experts [E, 2I, H] and [E, H, I] as MoEExperts holds them once every matrix went
+    through ``convert`` ([N, K] -> QuantizedTensor) and its weight_loader: (w13's codes, w2's,
+    their ExpertScales), on ``device``."""
+    num_experts, inter, hidden = w13.shape[0], w2.shape[2], w2.shape[1]
+    with torch.device(device):
+        experts = MoEExperts(num_experts, hidden, inter, TPContext(), quant=QuantScheme(checkpoint="test"))
+    for e in range(num_experts):
+        for part, m in ((0, w13[e, :inter]), (1, w13[e, inter:]), (None, w2[e])):
+            param = experts.w2 if part is None else experts.w13
+            experts.weight_loader(param, QuantRef(lambda m=m: convert(m.to(device)), "test"), (e, part))
+    return experts.w13.data, experts.w2.data, experts.scales()
+
+
+def _dequantized(c13: torch.Tensor, c2: torch.Tensor, scales: fm.ExpertScales) -> list[torch.Tensor]:
+    """The stacks' weights in fp32, by the reference's dequantization."""
+    inter, hidden = c13.shape[1] // 2, c2.shape[1]
+    return [torch.stack([fm.expert_weight(c, scales, name, e, k, torch.float32) for e in range(c.shape[0])])
+            for c, name, k in ((c13, "w13", hidden), (c2, "w2", inter))]
 
 
 @pytest.mark.timeout(240)
@@ -196,16 +233,13 @@ def test_fp8_experts_match_the_reference_on_dequantized_weights(block):
     (3 ragged blocks along hidden 40, 2 along intermediate 24): the grouped GEMMs (two tilings)
     and the one-token kernels (K tiles of one block and of several) equal fp32 torch on the
     dequantized weights, and so does the reference's own dequantization."""
-    x, router, w13, w2 = [t.cpu() for t in _problem(9, 3, 8, 40, 24, seed=8, dead=0)]
+    x, router, w13, w2 = _problem(9, 3, 8, 40, 24, seed=8, dead=0)
     weights, ids = route(x @ router.T, 3, True)
-    (c13, s13, g13), (c2, s2, g2) = _fp8_stack(w13, block), _fp8_stack(w2, block)
-    assert c13.dtype == torch.float8_e4m3fn and (g13, g2) == ((16, 16) if block else (0, 0))
-    scales = fm.ExpertScales(s13.to(DEV), s2.to(DEV), g13, g2)
-    deq13 = torch.stack([fm.expert_weight(c13, s13, g13, e, torch.float32) for e in range(8)])
-    deq2 = torch.stack([fm.expert_weight(c2, s2, g2, e, torch.float32) for e in range(8)])
+    c13, c2, scales = _quantized_experts(w13, w2, _fp8(block))
+    assert c13.dtype == torch.float8_e4m3fn and (scales.w13_group, scales.w2_group) == ((16, 16) if block else (0, 0))
+    deq13, deq2 = _dequantized(c13, c2, scales)
     assert (deq13 - w13).abs().max() < 0.1 * w13.abs().max()  # FP8's 3 mantissa bits
-    x, c13, c2, weights, ids = (t.to(DEV) for t in (x, c13, c2, weights, ids))
-    want = fm.fused_moe_torch(x, deq13.to(DEV), deq2.to(DEV), weights, ids)
+    want = fm.fused_moe_torch(x, deq13, deq2, weights, ids)
     close = dict(atol=1e-5, rtol=1e-5)  # fp32, only the summation order differs
     torch.testing.assert_close(fm.fused_moe_torch(x, c13, c2, weights, ids, scales), want, atol=0, rtol=0)
     for cfg in (fm.moe_config(9, 3, 8), fm.MoEConfig(32, 32, 32, 4, 2)):
@@ -214,6 +248,68 @@ def test_fp8_experts_match_the_reference_on_dequantized_weights(block):
     tile = {"block_n": 4, "block_k": 16, "num_warps": 1, "num_stages": 1}
     for gate_up, down in ((None, None), (tile, tile)):
         torch.testing.assert_close(fm.fused_moe_gemv(x, c13, c2, weights, ids, gate_up, down, scales), want, **close)
+
+
+INTEGER = [pytest.param(bits, group, symmetric, id=f"{bits}bit-{'g' + str(group) if group else 'row'}-"
+                                                    f"{'symmetric' if symmetric else 'offsets'}")
+           for bits in (4, 8) for group in (32, None) for symmetric in (True, False)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bits, group, symmetric", INTEGER)
+def test_integer_experts_match_the_reference_on_dequantized_weights(bits, group, symmetric):
+    """Integer codes (two a byte for 4 bits), symmetric or with offsets, in groups of 32 (hidden
+    64, intermediate 32: 2 and 1 groups a row) or one group a row (hidden 40, intermediate 24:
+    ragged against every tile), top 2 of 8 experts: one token on the one-token kernels (the
+    dispatch's, and tiles of a few columns) and 9 on the grouped GEMMs (two tilings) equal fp32
+    torch on the dequantized weights."""
+    hidden, inter = (64, 32) if group else (40, 24)
+    x, router, w13, w2 = _problem(9, 2, 8, hidden, inter, seed=bits + 2 * bool(group) + symmetric, dead=0)
+    weights, ids = route(x @ router.T, 2, True)
+    c13, c2, scales = _quantized_experts(w13, w2, _integer(bits, group, symmetric))
+    assert c13.dtype == torch.uint8 and c13.shape == (8, 2 * inter, hidden * bits // 8)
+    assert (scales.w13_bits, scales.w13_group, scales.w13_bias is None) == (bits, group or 0, symmetric)
+    deq13, deq2 = _dequantized(c13, c2, scales)
+    assert (deq13 - w13).abs().max() < (0.2 if bits == 4 else 0.02) * w13.abs().max()
+    want = fm.fused_moe_torch(x, deq13, deq2, weights, ids)
+    torch.testing.assert_close(fm.fused_moe_torch(x, c13, c2, weights, ids, scales), want, atol=0, rtol=0)
+    close = dict(atol=1e-5, rtol=1e-5)  # fp32, only the summation order differs
+    torch.testing.assert_close(fm.fused_moe_triton(x[:1], c13, c2, weights[:1], ids[:1], scales=scales), want[:1],
+                               **close)
+    tile = {"block_n": 4, "block_k": 16, "num_warps": 1, "num_stages": 1}
+    torch.testing.assert_close(fm.fused_moe_gemv(x[1:2], c13, c2, weights[1:2], ids[1:2], tile, tile, scales),
+                               want[1:2], **close)
+    for cfg in (fm.moe_config(9, 2, 8), fm.MoEConfig(32, 32, 32, 4, 2)):
+        torch.testing.assert_close(fm.fused_moe_triton(x, c13, c2, weights, ids, config=cfg, scales=scales), want,
+                                   **close)
+
+
+def test_experts_stored_differently_are_widened_or_refused():
+    """A layer's later experts in a coarser storage (Q4_K beside a Q6_K-like stack: 4 bits in
+    groups of 32 with offsets, into 8 bits in groups of 16) are widened without changing their
+    values; a finer one than the stack is refused, as act-order and odd groups are."""
+    w = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(0))  # w2 [H 32, I 64]
+    experts = MoEExperts(4, 32, 64, TPContext(), quant=QuantScheme(checkpoint="test"))
+    fine, coarse = _integer(8, 16, False)(w[0]), _integer(4, 32, False)(w[1])
+    for e, qt in enumerate((fine, coarse)):
+        experts.weight_loader(experts.w2, QuantRef(lambda qt=qt: qt, "test"), (e, None))
+        # float16 scales and offsets, as the kernels read them
+        torch.testing.assert_close(fm.expert_weight(experts.w2.data, experts.scales(), "w2", e, 64, torch.float32),
+                                   qt.dequantize(), atol=2e-3, rtol=2e-3)
+    symmetric = _integer(8, 32, True)(w[2])  # no offsets, groups of 32: widened too
+    experts.weight_loader(experts.w2, QuantRef(lambda: symmetric, "test"), (2, None))
+    torch.testing.assert_close(fm.expert_weight(experts.w2.data, experts.scales(), "w2", 2, 64, torch.float32),
+                               symmetric.dequantize(), atol=2e-3, rtol=2e-3)
+    experts = MoEExperts(4, 32, 64, TPContext(), quant=QuantScheme(checkpoint="test"))
+    experts.weight_loader(experts.w2, QuantRef(lambda: coarse, "test"), (0, None))
+    with pytest.raises(ValueError, match="stored differently"):
+        experts.weight_loader(experts.w2, QuantRef(lambda: fine, "test"), (1, None))
+    for bad, why in ((_integer(4, 8, False)(w[0]), "groups of 8"),
+                     (QuantizedTensor(coarse.codes, coarse.scales, coarse.biases, 4, 32,
+                                      torch.arange(2, dtype=torch.int32).repeat_interleave(32)), "act-order")):
+        experts = MoEExperts(4, 32, 64, TPContext(), quant=QuantScheme(checkpoint="test"))
+        with pytest.raises(ValueError, match=why):
+            experts.weight_loader(experts.w2, QuantRef(lambda bad=bad: bad, "test"), (0, None))
 
 
 def test_moe_config_tiles_grow_with_tokens():
@@ -248,25 +344,51 @@ def test_fused_moe_fp8_gpu_real_sizes(tokens, block):
     x, router, w13, w2 = _problem(tokens, s["top_k"], s["num_experts"], s["hidden"], s["inter"], seed=tokens,
                                   dead=7, dtype=torch.bfloat16, device="cuda")
     weights, ids = route(x @ router.T, s["top_k"], True)
-    (c13, s13, g13), (c2, s2, g2) = _fp8_stack(w13.float(), block), _fp8_stack(w2.float(), block)
-    scales = fm.ExpertScales(s13, s2, g13, g2)
+    c13, c2, scales = _quantized_experts(w13.float(), w2.float(), _fp8(block), "cuda")
     got = fm.fused_moe(x, c13, c2, weights, ids, scales)
-    deq = [torch.stack([fm.expert_weight(c, sc, g, e, torch.float32) for e in range(s["num_experts"])])
-           for c, sc, g in ((c13, s13, g13), (c2, s2, g2))]
-    _close(got, fm.fused_moe_torch(x.float(), *deq, weights, ids), 1.6e-2)
+    _close(got, fm.fused_moe_torch(x.float(), *_dequantized(c13, c2, scales), weights, ids), 1.6e-2)
+
+
+# Integer storage at real sizes: a Q4_K-like one (4 bits, groups of 32, offsets), a Q6_K-like one
+# (8-bit containers, symmetric, groups of 16), in-situ int8 (a scale per row) and int4 (groups of 128)
+REAL_INTEGER = {"q4_k": _integer(4, 32, False), "q6_k": _integer(8, 16, True),
+                "int8": lambda m: quantize(m, "int8"), "int4": lambda m: quantize(m, "int4")}
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_fused_moe_in_cuda_graph():
+@pytest.mark.parametrize("storage", list(REAL_INTEGER))
+@pytest.mark.parametrize("tokens", [1, 4, 64, 1024])
+def test_fused_moe_integer_gpu_real_sizes(tokens, storage):
+    """Qwen3-30B-A3B's experts in integer codes, bf16 activations, against fp32 torch on the
+    dequantized weights: the one-token kernels (1), the grouped GEMMs' tiles (4, 64, 1024)."""
+    s = QWEN3_30B
+    x, router, w13, w2 = _problem(tokens, s["top_k"], s["num_experts"], s["hidden"], s["inter"], seed=tokens,
+                                  dead=7, dtype=torch.bfloat16, device="cuda")
+    weights, ids = route(x @ router.T, s["top_k"], True)
+    c13, c2, scales = _quantized_experts(w13.float(), w2.float(), REAL_INTEGER[storage], "cuda")
+    assert c13.dtype == torch.uint8 and c13.shape[2] == s["hidden"] * scales.w13_bits // 8
+    got = fm.fused_moe(x, c13, c2, weights, ids, scales)
+    _close(got, fm.fused_moe_torch(x.float(), *_dequantized(c13, c2, scales), weights, ids), 1.6e-2)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("storage", [None, "q4_k", "int8"])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_fused_moe_in_cuda_graph(tokens, storage):
     """Captured once, replayed on new tokens and new routing: no host sync, no routing-dependent
-    shape (a capture with either fails or replays stale work)."""
-    s, tokens = QWEN3_30B, 4
+    shape (a capture with either fails or replays stale work); 16-bit or integer experts, on the
+    one-token kernels (1) and the grouped GEMMs (4)."""
+    s = QWEN3_30B
     x, router, w13, w2 = _problem(tokens, s["top_k"], s["num_experts"], s["hidden"], s["inter"], seed=1, dead=7,
                                   dtype=torch.bfloat16, device="cuda")
+    scales = fm.NO_SCALES
+    if storage is not None:
+        w13, w2, scales = _quantized_experts(w13.float(), w2.float(), REAL_INTEGER[storage], "cuda")
+    ref13, ref2 = _dequantized(w13, w2, scales) if storage else (w13.float(), w2.float())
 
     def step():
         weights, ids = route(x @ router.T, s["top_k"], True)
-        return fm.fused_moe(x, w13, w2, weights, ids)
+        return fm.fused_moe(x, w13, w2, weights, ids, scales)
 
     step()  # compiles
     torch.cuda.synchronize()
@@ -277,7 +399,7 @@ def test_fused_moe_in_cuda_graph():
         x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
         graph.replay()
         weights, ids = route(x @ router.T, s["top_k"], True)  # as in the graph: the same near-ties
-        _close(out, fm.fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids), 1.6e-2)
+        _close(out, fm.fused_moe_torch(x.float(), ref13, ref2, weights, ids), 1.6e-2)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")

@@ -62,39 +62,53 @@ def _specs():
 
     yield from _route_and_align_specs()
 
-    # (weights, scales, group): 16-bit experts (the scale pointer is the weights', never read),
-    # and FP8 codes (their bytes) with a scale per row or per 128 x 128 block
-    storage = (("bf16", "*bf16", 0), ("fp8", "*fp32", 0), ("fp8", "*fp32", 128))
+    # storage: 16-bit experts (the scale pointers are the weights', never read), FP8 codes (their
+    # bytes) with a scale per row or per 128 x 128 block, and integer codes: Q4_K (4 bits in
+    # groups of 32 with offsets), Q6_K (8-bit containers, symmetric, groups of 16), in-situ int8
+    # (a scale per row) and int4 (groups of 128 with offsets)
+    storage = [dict(w="bf16", s="*bf16", FP8=False, INT=False, PACK=1, SYMM=False, CENTRE=0.0, GROUP=0),
+               dict(w="u8", s="*fp32", FP8=True, INT=False, PACK=1, SYMM=False, CENTRE=0.0, GROUP=0),
+               dict(w="u8", s="*fp32", FP8=True, INT=False, PACK=1, SYMM=False, CENTRE=0.0, GROUP=128),
+               dict(w="u8", s="*fp16", FP8=False, INT=True, PACK=2, SYMM=False, CENTRE=0.0, GROUP=32),
+               dict(w="u8", s="*fp16", FP8=False, INT=True, PACK=1, SYMM=True, CENTRE=128.0, GROUP=16),
+               dict(w="u8", s="*fp16", FP8=False, INT=True, PACK=1, SYMM=True, CENTRE=128.0, GROUP=0),
+               dict(w="u8", s="*fp16", FP8=False, INT=True, PACK=2, SYMM=False, CENTRE=0.0, GROUP=128)]
     tiles = {moe_config(t, 8, 128) for t in (1, 300, 1024, 4096)}
     for cfg in sorted(tiles, key=lambda c: c.block_m):
         for gated in (True, False):
-            for dtype, (weights, scales, group) in [("bf16", s) for s in storage] + (
+            for dtype, st in [("bf16", st) for st in storage] + (
                     [("fp32", storage[0])] if cfg.block_m == 16 else []):  # fp32: --dtype float32
-                types = {"a_ptr": f"*{dtype}", "w_ptr": "*u8" if weights == "fp8" else f"*{dtype}", "s_ptr": scales,
-                         "out_ptr": f"*{dtype}", "rw_ptr": "*fp32", "sorted_ptr": "*i32", "experts_ptr": "*i32",
-                         "padded_ptr": "*i32"}
-                types |= dict.fromkeys(("num_pairs", "N", "K", "stride_a", "stride_we", "stride_wn", "stride_se",
-                                        "stride_sn", "stride_out"), "i32")
-                aligned = [n for n in types if n not in ("num_pairs", "stride_sn")]  # Qwen3-30B-A3B: H 2048, I 768
+                w = f"*{dtype}" if st["w"] == "bf16" else "*u8"
+                s = f"*{dtype}" if st["w"] == "bf16" else st["s"]
+                flags = {k: v for k, v in st.items() if k not in ("w", "s")}
+                fp8_group = st["GROUP"] if st["FP8"] else 0
+                types = {"a_ptr": f"*{dtype}", "w_ptr": w, "s_ptr": s, "b_ptr": s, "out_ptr": f"*{dtype}",
+                         "rw_ptr": "*fp32", "sorted_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32"}
+                types |= dict.fromkeys(("num_pairs", "N", "K", "ngroups", "stride_a", "stride_we", "stride_wn",
+                                        "stride_se", "stride_sn", "stride_out"), "i32")
+                # Qwen3-30B-A3B: H 2048, I 768
+                aligned = [n for n in types if n not in ("num_pairs", "ngroups", "stride_sn")]
                 yield {"kernel": "_moe_gemm_kernel", "types": types, "aligned": aligned,
-                       "constexprs": {"A_DIV": 8 if gated else 1, "GATED": gated, "SCALE": not gated,
-                                      "FP8": weights == "fp8", "GROUP": group, "BLOCK_M": cfg.block_m,
+                       "constexprs": {"A_DIV": 8 if gated else 1, "GATED": gated, "SCALE": not gated, **flags,
+                                      "BLOCK_M": cfg.block_m,
                                       "BLOCK_N": max(16, cfg.block_n // 2) if gated else cfg.block_n,
-                                      "BLOCK_K": min(cfg.block_k, group) if group else cfg.block_k},
+                                      "BLOCK_K": min(cfg.block_k, fp8_group) if fp8_group else cfg.block_k},
                        "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}}
-    for weights, scales, group in storage:  # the one-token kernels at their launch settings
-        w = "*u8" if weights == "fp8" else "*bf16"
+    for st in storage:  # the one-token kernels at their launch settings
+        w, s = ("*bf16", "*bf16") if st["w"] == "bf16" else ("*u8", st["s"])
+        flags = {k: v for k, v in st.items() if k not in ("w", "s")}
         for kernel, launch, ptrs, strides in (
-                ("_gemv_gate_up_kernel", GEMV_GATE_UP, {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": scales,
+                ("_gemv_gate_up_kernel", GEMV_GATE_UP, {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "b_ptr": s,
                                                          "ids_ptr": "*i64", "h_ptr": "*bf16"}, ("stride_x", "stride_h")),
-                ("_gemv_down_kernel", GEMV_DOWN, {"h_ptr": "*bf16", "w_ptr": w, "s_ptr": scales, "ids_ptr": "*i64",
-                                                  "rw_ptr": "*fp32", "out_ptr": "*bf16"}, ("stride_h", "stride_out"))):
+                ("_gemv_down_kernel", GEMV_DOWN, {"h_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "b_ptr": s,
+                                                  "ids_ptr": "*i64", "rw_ptr": "*fp32", "out_ptr": "*bf16"},
+                 ("stride_h", "stride_out"))):
             types = ptrs | dict.fromkeys(("N", "K", "ngroups", "stride_we", "stride_wn", "stride_se", "stride_sn",
                                           *strides), "i32")
             yield {"kernel": kernel, "types": types,
                    "aligned": [n for n in types if n not in ("ngroups", "stride_sn", "ids_ptr", "rw_ptr")],
-                   "constexprs": {"TOP_K": 8, "FP8": weights == "fp8", "GROUP": group, "BLOCK_N": launch["block_n"],
-                                  "BLOCK_K": max(launch["block_k"], group)},
+                   "constexprs": {"TOP_K": 8, **flags, "BLOCK_N": launch["block_n"],
+                                  "BLOCK_K": max(launch["block_k"], st["GROUP"])},
                    "options": {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}}
 
 

@@ -13,8 +13,12 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from conftest import make_tiny_model
+from kvship.layers.moe import MoEExperts
 from kvship.loader import resolve_model
+from kvship.parallel import TPContext
+from kvship.quant import QuantScheme
 from test_models import our_logits
+from test_quantized_weights import _GGUF_TYPES
 
 # fp32 on both sides, as in test_models: only the summation order differs.
 ATOL = 2e-4
@@ -102,14 +106,32 @@ def _metadata(w, model, arch: str) -> None:
     w.add_eos_token_id(cfg.eos_token_id)
 
 
-def write_gguf(path, model, arch: str, expert_type=QT.F32, split_experts: bool = False) -> None:
+def _encoded(arr: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
+    """``arr`` in ``qtype``'s blocks: the gguf package's quantization, or for the k-quants it cannot
+    write (Q4_K, Q5_K, Q6_K) random blocks of the same shape, valid once their fp16 scales are
+    finite (test_quantized_weights' offsets) and small (weights of a few hundredths)."""
+    try:
+        return quants.quantize(np.ascontiguousarray(arr), qtype)  # F32: the array itself
+    except NotImplementedError:
+        per_block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (arr.size // per_block, nbytes), dtype=np.uint8)
+        for off in _GGUF_TYPES[qtype.name]:
+            raw[:, off:off + 2] = rng.uniform(2e-5, 1e-4, raw.shape[0]).astype("<f2").view(np.uint8).reshape(-1, 2)
+        return raw.reshape(*arr.shape[:-1], arr.shape[-1] // per_block * nbytes)
+
+
+def write_gguf(path, model, arch: str, expert_type=QT.F32, split_experts: bool = False,
+               types: dict[str, QT] | None = None) -> None:
     """``model`` as a GGUF file of ``arch``; the stacked experts in ``expert_type``, a 2-D matrix of
-    the attention in it too (so that a quantized dense matrix sits beside them), the rest F32."""
+    the attention in it too (so that a quantized dense matrix sits beside them), ``types``
+    naming other types for tensors by name, the rest F32."""
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, model, arch)
+    rng = np.random.default_rng(0)
     for name, arr in _gguf_tensors(model, arch, split_experts).items():
         qtype = expert_type if name.endswith(("_exps.weight", "attn_output.weight")) else QT.F32
-        data = quants.quantize(np.ascontiguousarray(arr), qtype)  # F32: the array itself
+        qtype = (types or {}).get(name, qtype)
+        data = _encoded(arr, qtype, rng)
         w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -198,41 +220,115 @@ def q8_0(models, tmp_path_factory):
     return path, _transformers_reading(path, model)
 
 
-def test_quantized_experts_are_expanded_at_load(q8_0, caplog):
-    """Experts are not served in GGUF blocks: every quantized tensor of the file, a dense matrix
-    too, is expanded at load (and named in the log), and the model is served."""
+def _loaded_experts(path, layer: int, tp: TPContext = TPContext()) -> MoEExperts:
+    """Layer ``layer``'s experts of the GGUF file, loaded as the model loads them (rank ``tp``)."""
+    from kvship.models.llama import _expert_name
+
+    src = resolve_model(str(path))
+    c = src.hf_config
+    experts = MoEExperts(c["num_experts"], c["hidden_size"], c["moe_intermediate_size"], tp,
+                         quant=QuantScheme(checkpoint="gguf"))
+    for n, r in src.weights():
+        if f".layers.{layer}.mlp.experts." in n:
+            name, shard = _expert_name(n)
+            param = getattr(experts, name.rsplit(".", 1)[1])
+            param.weight_loader(param, r, shard)
+    return experts
+
+
+def test_quantized_experts_stay_quantized(q8_0, caplog):
+    """Q8_0 experts and attention output are served in their blocks (the experts as stacked
+    codes, a byte a weight, with a float16 scale per 32), and the logits and greedy tokens
+    equal transformers' on the dequantized weights."""
     path, ref = q8_0
     with caplog.at_level("INFO", logger="kvship.loader.gguf"):
         src = resolve_model(str(path))
-    assert "quantization_config" not in src.hf_config
-    assert ("dequantized at load (a mixture-of-experts GGUF is expanded whole): blk.*.attn_output.weight "
-            "Q8_0 (2 layers), blk.*.ffn_down_exps.weight Q8_0 (2 layers), blk.*.ffn_gate_exps.weight Q8_0 (2 layers), "
-            "blk.*.ffn_up_exps.weight Q8_0 (2 layers)") in caplog.text
-    # transformers holds the same dequantized values: only the summation order differs
+    assert src.hf_config["quantization_config"] == {"quant_method": "gguf"}
+    assert "GGUF: 8 linear matrices stay quantized (Q8_0); dequantized at load: none" in caplog.text
+    experts = _loaded_experts(path, 1)
+    assert experts.w13.dtype == torch.uint8 and experts.w13.shape == (8, 64, 64) and experts.w2.shape == (8, 64, 32)
+    assert experts.w13_scale.dtype == torch.float16 and experts.w13_scale.shape == (8, 64, 2)
+    assert experts.w13_bias is None and experts.groups == {"w13": 32, "w2": 0}  # down: 32 inputs, one group
+    # Q8_0's scales are float16 in the file: the kept experts hold transformers' values exactly
+    sd = ref.state_dict()
+    torch.testing.assert_close(_dequantized(experts)[1], sd["model.layers.1.mlp.experts.down_proj"], rtol=0, atol=0)
     _check_against(ref, path, PROMPTS)
+
+
+def _dequantized(experts: MoEExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacks' weights ([E, 2I, H], [E, H, I]) in fp32, by the reference's dequantization."""
+    from kvship.kernels.fused_moe import expert_weight
+
+    scales, e_range = experts.scales(), range(experts.num_experts)
+    return (torch.stack([expert_weight(experts.w13.data, scales, "w13", e, experts.hidden, torch.float32)
+                         for e in e_range]),
+            torch.stack([expert_weight(experts.w2.data, scales, "w2", e, experts.intermediate, torch.float32)
+                         for e in e_range]))
 
 
 def test_experts_shard_over_two_ranks(q8_0):
     """Each expert goes through MoEExperts.weight_loader: a rank holds its half of every expert's
-    intermediate dimension (rows of gate and up read from their Q8_0 blocks alone, columns of down)."""
-    from kvship.layers.moe import MoEExperts
-    from kvship.models.llama import _expert_name
-    from kvship.parallel import TPContext
-
+    intermediate dimension (rows of gate and up with their scales, columns of down with the
+    scales of its groups), read from the Q8_0 blocks."""
     path, ref = q8_0
     sd = ref.state_dict()
     gate_up, down = sd["model.layers.1.mlp.experts.gate_up_proj"], sd["model.layers.1.mlp.experts.down_proj"]
     inter = down.shape[2]
-    refs = [(_expert_name(n), r) for n, r in resolve_model(str(path)).weights() if ".layers.1.mlp.experts." in n]
     for rank in range(2):
-        experts = MoEExperts(8, 64, inter, TPContext(rank=rank, size=2))
-        for (name, shard), r in refs:
-            param = getattr(experts, name.rsplit(".", 1)[1])
-            param.weight_loader(param, r, shard)
+        w13, w2 = _dequantized(_loaded_experts(path, 1, TPContext(rank=rank, size=2)))
         half = slice(rank * inter // 2, (rank + 1) * inter // 2)
         want = torch.cat([gate_up[:, :inter][:, half], gate_up[:, inter:][:, half]], dim=1)
-        torch.testing.assert_close(experts.w13.data, want, rtol=0, atol=0)
-        torch.testing.assert_close(experts.w2.data, down[:, :, half], rtol=0, atol=0)
+        torch.testing.assert_close(w13, want, rtol=0, atol=0)
+        torch.testing.assert_close(w2, down[:, :, half], rtol=0, atol=0)
+
+
+# Rows of k-quant blocks hold 256 values: hidden and expert intermediate sizes of 256
+WIDE = dict(vocab_size=320, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+            norm_topk_prob=True, max_position_embeddings=256, eos_token_id=319, bos_token_id=0)
+# A Q4_K_M-like mix: 4-bit gate/up with a 6-bit down (llama.cpp's Q4_K_M gives some layers' ffn_down
+# Q6_K), then 5-bit gate/up with a 4-bit down; the attention output in Q8_0
+K_QUANTS = {"blk.0.ffn_gate_exps.weight": QT.Q4_K, "blk.0.ffn_up_exps.weight": QT.Q4_K,
+            "blk.0.ffn_down_exps.weight": QT.Q6_K, "blk.1.ffn_gate_exps.weight": QT.Q5_K,
+            "blk.1.ffn_up_exps.weight": QT.Q5_K, "blk.1.ffn_down_exps.weight": QT.Q4_K}
+
+
+@pytest.fixture(scope="module")
+def k_quants(tmp_path_factory):
+    """Qwen3-MoE (hidden 256) with k-quant experts: (path, transformers reading the file)."""
+    import transformers
+
+    torch.manual_seed(4)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**WIDE),
+                                                          dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("kq") / "tiny-qwen3moe-Q4_K_M.gguf"
+    write_gguf(path, model, "qwen3moe", QT.Q8_0, types=K_QUANTS)
+    return path, _transformers_reading(path, model)
+
+
+@pytest.mark.timeout(120)
+def test_k_quant_experts_stay_quantized_and_match_transformers(k_quants):
+    """Q4_K, Q5_K and Q6_K experts are held as stacked codes (two a byte for Q4_K; Q5_K and Q6_K
+    in 8-bit containers) whose dequantization equals the gguf package's up to their float16
+    scales, and the model's logits and greedy tokens match transformers on the file."""
+    path, ref = k_quants
+    reader = gguf.GGUFReader(str(path))
+    raw = {t.name: np.asarray(t.data) for t in reader.tensors}
+    for layer, (bits13, bits2, biased2) in enumerate(((4, 8, False), (8, 4, True))):
+        experts = _loaded_experts(path, layer)
+        assert experts.w13.dtype == experts.w2.dtype == torch.uint8
+        assert experts.w13.shape == (8, 512, 256 * bits13 // 8) and experts.w2.shape == (8, 256, 256 * bits2 // 8)
+        assert experts.bits == {"w13": bits13, "w2": bits2} and (experts.w2_bias is not None) == biased2
+        assert experts.groups == {"w13": 32, "w2": 32 if biased2 else 16}
+        w13, w2 = _dequantized(experts)
+        for part, got in (("gate", w13[:, :256]), ("up", w13[:, 256:]), ("down", w2)):
+            name = f"blk.{layer}.ffn_{part}_exps.weight"
+            want = quants.dequantize(raw[name], K_QUANTS[name]).reshape(got.shape)
+            # the file's scales (and offsets) are fp16 x 6-bit products, rounded to fp16 here: up to
+            # 2**-11 of |code * scale| + |offset| (< 0.1 for these blocks) apart
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-3, atol=5e-5)
+    # logits of about 1: the fp16 scales move them by ~1e-3 (relative error 5e-4 to 1e-3, fp32 otherwise)
+    _check_against(ref, path, PROMPTS, atol=5e-3)
 
 
 def test_mixtral_with_one_matrix_per_expert(models, tmp_path):

@@ -110,27 +110,38 @@ def test_fp8_checkpoint_on_the_triton_kernels_matches_transformers(tmp_path, mon
     assert calls and all(s is not None and s.w13_group == s.w2_group == 32 for s in calls)
 
 
+# in-situ method -> (experts' code dtype and bits, largest relative error of the logits, least
+# agreement of the greedy tokens). FP8 rounds each weight by up to 1/16 of its value (3 mantissa
+# bits); int8 by half of a row's amax / 127; int4 to 16 levels between a group's min and max (one
+# group of 128 over these rows of 64 and 32 inputs).
+INSITU = {"fp8": (torch.float8_e4m3fn, 8, 6e-2, 0.75), "int8": (torch.uint8, 8, 2e-2, 0.75),
+          "int4": (torch.uint8, 4, 0.25, 0.5)}
+
+
 @pytest.mark.timeout(240)
-def test_insitu_fp8_of_a_moe_model(tmp_path, capsys):
-    """--quantization fp8 on a 16-bit (here fp32) Qwen3-MoE: experts FP8 with a scale per row,
+@pytest.mark.parametrize("method", list(INSITU))
+def test_insitu_quantization_of_a_moe_model(tmp_path, capsys, method):
+    """--quantization fp8 / int8 / int4 on a 16-bit (here fp32) Qwen3-MoE: experts quantized
+    with a scale per row (fp8, int8) or per group of 128 with offsets (int4, two codes a byte),
     logits close to the 16-bit model's, and the greedy tokens' agreement reported."""
+    dtype, bits, max_rel, min_agree = INSITU[method]
     folder = tmp_path / "qwen3-moe"
     make_tiny_model(folder, "qwen3-moe", seed=5, spec=SPEC)
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_model_len=256, quantization="fp8")
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_model_len=256, quantization=method)
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
-    assert experts.w13.dtype == torch.float8_e4m3fn and experts.w13_scale.shape[2] == 1
+    assert experts.w13.dtype == dtype and experts.w13_scale.shape[2] == 1 and experts.bits["w13"] == bits
+    assert experts.w13.shape == (8, 128, 64 * bits // 8) and (experts.w13_bias is not None) == (method == "int4")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    fp8 = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    quantized = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     full = [o.outputs[0].token_ids for o in LLM(str(folder), device="cpu", dtype="float32",
                                                   max_model_len=256).generate(PROMPTS, params)]
-    agree = sum(a == b for x, y in zip(fp8, full) for a, b in zip(x, y)) / sum(map(len, full))
+    agree = sum(a == b for x, y in zip(quantized, full) for a, b in zip(x, y)) / sum(map(len, full))
     rel = []
-    for q, w in zip(our_logits(folder, PROMPTS, quantization="fp8"), our_logits(folder, PROMPTS)):
+    for q, w in zip(our_logits(folder, PROMPTS, quantization=method), our_logits(folder, PROMPTS)):
         rel.append(((q - w).norm() / w.norm()).item())
     with capsys.disabled():
-        print(f"\nin-situ fp8 MoE: greedy tokens agree {agree:.0%}, logits' relative error {max(rel):.2e}")
-    # FP8 rounds each weight by up to 1/16 of its value (3 mantissa bits): a few percent of the logits
-    assert max(rel) < 6e-2 and agree >= 0.75
+        print(f"\nin-situ {method} MoE: greedy tokens agree {agree:.0%}, logits' relative error {max(rel):.2e}")
+    assert max(rel) < max_rel and agree >= min_agree
 
 
 def test_tensor_parallel_split_inside_a_block_is_refused():
@@ -147,7 +158,7 @@ def test_tensor_parallel_split_inside_a_block_is_refused():
     experts.weight_loader(experts.w13, ref(gate), (0, 0))
     assert experts.w13.dtype == torch.float8_e4m3fn and experts.groups["w13"] == 16
     want = fmt.convert(dict(zip(("weight", "weight_scale_inv"), fp8_block(gate, 16)))).dequantize()[24:]
-    torch.testing.assert_close(fm.expert_weight(experts.w13, experts.w13_scale, 16, 0, torch.float32)[:24], want)
+    torch.testing.assert_close(fm.expert_weight(experts.w13, fm.ExpertScales(experts.w13_scale, None, 16), "w13", 0, 32, torch.float32)[:24], want)
     with pytest.raises(ValueError, match="split a quantization group of 16"):
         experts.weight_loader(experts.w2, ref(torch.randn(32, 48)), (0, None))
 

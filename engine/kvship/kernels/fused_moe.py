@@ -28,15 +28,27 @@ program per (pair, block of gate/up rows) streams those rows once with FMAs, as 
 does for dense layers, and stores silu(gate) * up; one program per (token, block of output
 rows) then walks the token's k experts' down rows and adds them up with the router weights.
 
-FP8 experts (``ExpertScales``): w13 and w2 hold float8_e4m3fn codes, and float32 scales per
-output row and per ``group`` inputs multiply them (block-wise checkpoints: their 128 x 128
-block's scale repeated over its rows), or one per row (``group`` 0: per-channel checkpoints and
-in-situ fp8). Every path reads the codes, one byte per weight: the grouped GEMM converts a tile
-to the activations' dtype (exact: E4M3 values are bf16, fp16 and fp32 values) for the tensor
-cores and scales the dot's output, per K tile for block scales (the tile lies in one block) or
-once at the end for row scales; the one-token kernels multiply each weight by its block's scale
-in fp32, or each row's reduced sum by the row's scale. The reference dequantizes each selected
-expert (kvship.quant.QuantizedTensor).
+Quantized experts (``ExpertScales``) keep their codes on the device and are dequantized in
+registers, one byte (or half of one) per weight read:
+
+- FP8: w13 and w2 hold float8_e4m3fn codes, and float32 scales per output row and per ``group``
+  inputs multiply them (block-wise checkpoints: their 128 x 128 block's scale repeated over its
+  rows), or one per row (``group`` 0: per-channel checkpoints and in-situ fp8). The grouped GEMM
+  converts a tile to the activations' dtype (exact: E4M3 values are bf16, fp16 and fp32 values)
+  for the tensor cores and scales the dot's output, per K tile for block scales (the tile lies in
+  one block) or once at the end for row scales; the one-token kernels multiply each weight by its
+  block's scale in fp32, or each row's reduced sum by the row's scale.
+- Integer codes (GGUF k-quants and Q8_0, in-situ int8 / int4, GPTQ / AWQ without act-order):
+  kernels/quant_linear.py's layout per expert. w13 [E, 2I, ceil(H / p)] and w2 [E, H, ceil(I / p)]
+  are uint8, p = 1 code per byte for 8 bits, p = 2 for 4 bits (byte j of a row: input 2j in the
+  low nibble, 2j + 1 in the high one); float16 scales [E, rows, G] and, for asymmetric codes,
+  float16 offsets beside them: W = code * scale + offset (GGUF k-quants: offset = -min; GPTQ /
+  AWQ: -zero * scale), or W = (code - 2**(bits - 1)) * scale for symmetric codes (Q8_0, Q6_K,
+  int8). Every path turns a tile of codes into weights with quant_linear's ``_dequant`` (codes to
+  fp32 without the conversion unit, each group's scale loaded once for the tile) before its dot
+  or FMAs, as the dense layers do.
+
+The reference dequantizes each selected expert (quant_linear's ``dequantize_torch``).
 """
 from __future__ import annotations
 
@@ -47,36 +59,49 @@ import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
 from kvship.kernels.activation import silu_mul
-from kvship.quant.tensor import QuantizedTensor
+from kvship.kernels.quant_linear import QWeight, _dequant, dequantize_torch
 
 
 @dataclass(frozen=True)
 class ExpertScales:
-    """The scales of FP8 experts (w13 and w2 then hold float8_e4m3fn codes): float32 w13 [E, 2I,
-    G13] and w2 [E, H, G2], W[e, n, k] = code[e, n, k] * scale[e, n, k // group]; a group of 0
-    means one scale per row (G = 1). Groups are powers of two from 16 (the GEMM's K tile). None:
-    that stack holds 16-bit weights."""
+    """How quantized experts are stored (see the module's docstring): w13 [E, 2I, G13] and w2
+    [E, H, G2] their scales, float32 for FP8 codes, float16 for integer ones; W[e, n, k] takes
+    scale[e, n, k // group], and a group of 0 means one scale per row (G = 1). Groups are
+    powers of two from 16. ``*_bias``: the offsets of asymmetric integer codes, shaped as the
+    scales (None: FP8, or symmetric codes centred on 2**(bits - 1)); ``*_bits``: 8, or 4 for
+    two codes a byte. A stack whose scales are None holds 16-bit weights."""
 
     w13: torch.Tensor | None
     w2: torch.Tensor | None
     w13_group: int = 0
     w2_group: int = 0
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    w13_bits: int = 8
+    w2_bits: int = 8
+
+    def of(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None, int, int]:
+        """(scales, biases, group, bits) of the stack ``name``, "w13" or "w2"."""
+        return getattr(self, name), getattr(self, name + "_bias"), getattr(self, name + "_group"), \
+            getattr(self, name + "_bits")
 
 
 NO_SCALES = ExpertScales(None, None)  # 16-bit experts
 
 
-def expert_weight(w: torch.Tensor, scales: torch.Tensor | None, group: int, e: int, dtype: torch.dtype
+def expert_weight(w: torch.Tensor, scales: ExpertScales, name: str, e: int, k: int, dtype: torch.dtype
                   ) -> torch.Tensor:
-    """Expert e's matrix of a stack in ``dtype``: w[e] itself, or its FP8 codes dequantized."""
-    if scales is None:
+    """Expert e's matrix [N, k] of the stack ``name`` (w = w13 or w2) in ``dtype``: w[e] itself,
+    or its codes dequantized."""
+    s, b, group, bits = scales.of(name)
+    if s is None:
         return w[e]
-    return QuantizedTensor(w[e], scales[e], None, 8, group or w.shape[2]).dequantize(dtype)
+    return dequantize_torch(QWeight(w[e], s[e], None if b is None else b[e], None, bits, group or k, k)).to(dtype)
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor, scales: ExpertScales = NO_SCALES) -> torch.Tensor:
-    inter = w2.shape[2]
+    hidden, inter = x.shape[1], w13.shape[1] // 2  # (w2's last dimension may hold packed codes)
     out = torch.zeros_like(x)
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)
@@ -88,9 +113,9 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         if n == 0:
             continue
         rows = token_of[start:start + n]
-        h = F.linear(x[rows], expert_weight(w13, scales.w13, scales.w13_group, e, x.dtype))
+        h = F.linear(x[rows], expert_weight(w13, scales, "w13", e, hidden, x.dtype))
         h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, expert_weight(w2, scales.w2, scales.w2_group, e, x.dtype)) * weight_of[start:start + n, None].to(x.dtype)
+        y = F.linear(h, expert_weight(w2, scales, "w2", e, inter, x.dtype)) * weight_of[start:start + n, None].to(x.dtype)
         out.index_add_(0, rows, y)
         start += n
     return out
@@ -247,25 +272,82 @@ def _dot(a, b, acc):
 
 
 @triton.jit
-def _expert_tile(w, like, FP8: tl.constexpr):
-    """A loaded tile of expert weights in the dtype of ``like`` (the activations): FP8 codes
-    arrive as their bytes (masked lanes read 0, +0.0 in E4M3) and convert exactly."""
-    if FP8:
-        w = w.to(tl.float8e4nv, bitcast=True).to(like.dtype)
-    return w
+def _int_weights(q, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0, SYMM: tl.constexpr, CENTRE: tl.constexpr,
+                 GROUP: tl.constexpr, PACK: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr):
+    """Integer codes q [ROWS, TILE] (bytes, or one nibble of each: a tile of TILE * PACK inputs
+    from k0) of the expert whose scales and offsets start at s_ptr and b_ptr -> fp32 weights, by
+    quant_linear's _dequant. A group of GROUP inputs spans GROUP // PACK of the tile's columns."""
+    if GROUP > 0:
+        return _dequant(q, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0 // GROUP, s_ptr, rows, nmask, False,
+                        SYMM, CENTRE, False, GROUP // PACK, TILE, ROWS)
+    else:  # one group per row: wider than any tile
+        return _dequant(q, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, 0, s_ptr, rows, nmask, False, SYMM,
+                        CENTRE, False, 1 << 30, TILE, ROWS)
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, rw_ptr, sorted_ptr, experts_ptr, padded_ptr, num_pairs, N, K,
-                     stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+def _gemm_step(acc, a, w_ptr, s_ptr, b_ptr, rows, nmask, k0, K, stride_wn, stride_sn, ngroups,
+               FP8: tl.constexpr, INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
+               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + a [BLOCK_M, BLOCK_K] . W[rows, k0 : k0 + BLOCK_K]^T, W the expert's
+    matrix at w_ptr (its scales at s_ptr, offsets at b_ptr). 16-bit and FP8 tiles are read as
+    a transposed view of W's rows (no copy), FP8 codes converted exactly and their block scales
+    (GROUP > 0, the K tile inside one block) put on the tile's products; integer codes are
+    dequantized to a's dtype, the two nibbles of 4-bit codes interleaved back into input order."""
+    if INT:
+        WC: tl.constexpr = BLOCK_K // PACK
+        cols = k0 // PACK + tl.arange(0, WC)
+        q = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :],
+                    mask=nmask[:, None] & (cols < (K + PACK - 1) // PACK)[None, :], other=0)
+        if PACK == 2:
+            lo = _int_weights(q & 15, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0, SYMM, CENTRE, GROUP, PACK,
+                              BLOCK_N, WC)
+            hi = _int_weights(q >> 4, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0, SYMM, CENTRE, GROUP, PACK,
+                              BLOCK_N, WC)
+            w = tl.reshape(tl.join(lo.to(a.dtype), hi.to(a.dtype)), [BLOCK_N, BLOCK_K])
+        else:
+            w = _int_weights(q, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0, SYMM, CENTRE, GROUP, PACK,
+                             BLOCK_N, WC).to(a.dtype)
+        return _dot(a, tl.trans(w), acc)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[None, :] * stride_wn + offs_k[:, None], mask=(offs_k < K)[:, None] & nmask[None, :],
+                    other=0.0)
+        if FP8:  # the codes arrive as their bytes (masked lanes read 0, +0.0 in E4M3)
+            w = w.to(tl.float8e4nv, bitcast=True).to(a.dtype)
+            if GROUP > 0:
+                s = tl.load(s_ptr + rows * stride_sn + k0 // GROUP, mask=nmask, other=0.0)
+                return acc + _dot(a, w, tl.zeros(acc.shape, dtype=tl.float32)) * s[None, :]
+            else:
+                return _dot(a, w, acc)
+        else:
+            return _dot(a, w, acc)
+
+
+@triton.jit
+def _row_scale(s_ptr, rows, nmask, stride_sn, FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] factors for the rows' dot products: FP8 scales where there is one a row (GROUP
+    0), put on the sums once; 1 for other storage, whose scales are in the weights already."""
+    if FP8 and GROUP == 0:
+        return tl.load(s_ptr + rows * stride_sn, mask=nmask, other=0.0)
+    else:
+        return tl.full([BLOCK_N], 1.0, tl.float32)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rw_ptr, sorted_ptr, experts_ptr, padded_ptr, num_pairs, N, K,
+                     ngroups, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_out,
                      A_DIV: tl.constexpr, GATED: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr,
+                     INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[pair, n] = A[pair // A_DIV] . W[e, n] for the BLOCK_M pairs of one expert's block.
 
     GATED (w13): N = I and the program also takes W[e, N + n] (the up row beside each gate
     row), storing silu(gate) * up. SCALE (w2): rows multiplied by their router weight (fp32).
     FP8: W holds codes and s_ptr their scales [E, rows, groups], one per row (GROUP 0) or per
-    GROUP inputs (then BLOCK_K divides GROUP: each K tile lies in one group)."""
+    GROUP inputs (then BLOCK_K divides GROUP: each K tile lies in one group). INT: W holds
+    integer codes, PACK a byte, with scales (and, unless SYMM, offsets at b_ptr) per GROUP
+    inputs or per row (GROUP 0); K counts inputs, not bytes."""
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):  # a block past the routing's real end
         return
@@ -275,39 +357,23 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, out_ptr, rw_ptr, sorted_ptr, experts_p
     expert = tl.load(experts_ptr + pid_m).to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
+    gate_rows = offs_n.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
-    # W[e] is [N, K] row-major: the [BLOCK_K, BLOCK_N] tile is a transposed view, no copy
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    s_rows = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn  # (FP8) the gate rows' scales
+    w_e, s_e, b_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se, b_ptr + expert * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kmask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-        wmask = kmask[:, None] & nmask[None, :]
-        w = _expert_tile(tl.load(w_ptrs, mask=wmask, other=0.0), a, FP8)
-        if GROUP > 0:  # this K tile's block scales, on its products
-            s = tl.load(s_rows + k0 // GROUP, mask=nmask, other=0.0)
-            acc += _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * s[None, :]
-        else:
-            acc = _dot(a, w, acc)
+        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        acc = _gemm_step(acc, a, w_e, s_e, b_e, gate_rows, nmask, k0, K, stride_wn, stride_sn, ngroups, FP8, INT, PACK,
+                         SYMM, CENTRE, GROUP, BLOCK_N, BLOCK_K)
         if GATED:
-            w = _expert_tile(tl.load(w_ptrs + N * stride_wn, mask=wmask, other=0.0), a, FP8)
-            if GROUP > 0:
-                s = tl.load(s_rows + N * stride_sn + k0 // GROUP, mask=nmask, other=0.0)
-                acc_up += _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)) * s[None, :]
-            else:
-                acc_up = _dot(a, w, acc_up)
+            acc_up = _gemm_step(acc_up, a, w_e, s_e, b_e, gate_rows + N, nmask, k0, K, stride_wn, stride_sn, ngroups,
+                                FP8, INT, PACK, SYMM, CENTRE, GROUP, BLOCK_N, BLOCK_K)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if FP8:
-        if GROUP == 0:  # one scale per row: on the sums, once
-            acc = acc * tl.load(s_rows, mask=nmask, other=0.0)[None, :]
-            if GATED:
-                acc_up = acc_up * tl.load(s_rows + N * stride_sn, mask=nmask, other=0.0)[None, :]
+    acc = acc * _row_scale(s_e, gate_rows, nmask, stride_sn, FP8, GROUP, BLOCK_N)[None, :]
     if GATED:
-        acc = silu_mul(acc, acc_up)
+        acc = silu_mul(acc, acc_up * _row_scale(s_e, gate_rows + N, nmask, stride_sn, FP8, GROUP, BLOCK_N)[None, :])
     if SCALE:
         acc = acc * tl.load(rw_ptr + pairs, mask=valid, other=0.0)[:, None]
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :]
@@ -340,119 +406,158 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
     return MoEConfig(128, 256, 64, 8, 3)
 
 
-def _fp8_operands(w: torch.Tensor, scales: torch.Tensor | None, group: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, int, int, bool, int]:
-    """(weights as the kernels read them, scales, their two strides, FP8, group): FP8 codes go in
-    as bytes; 16-bit weights take their own tensor as the scale pointer, never read."""
-    if scales is None:
-        return w, w, 0, 0, False, 0
-    if w.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32 or scales.shape[:2] != w.shape[:2]:
-        raise ValueError(f"FP8 experts take float8_e4m3fn codes and float32 scales per row; got {w.dtype} "
-                         f"{tuple(w.shape)} and {scales.dtype} {tuple(scales.shape)}")
-    return w.view(torch.uint8), scales, scales.stride(0), scales.stride(1), True, group
+@dataclass(frozen=True)
+class _Operands:
+    """A stack as the kernels take it: its bytes (16-bit weights as they are), the scales and
+    offsets (stand-ins a kernel never reads: the weights, or the scales for symmetric codes),
+    their strides and groups, and the compile-time flags of its storage."""
+
+    w: torch.Tensor
+    s: torch.Tensor
+    b: torch.Tensor
+    stride_se: int
+    stride_sn: int
+    ngroups: int
+    flags: dict
+
+
+def _operands(w: torch.Tensor, scales: ExpertScales, name: str) -> _Operands:
+    s, b, group, bits = scales.of(name)
+    if s is None:
+        return _Operands(w, w, w, 0, 0, 1, dict(FP8=False, INT=False, PACK=1, SYMM=False, CENTRE=0.0, GROUP=0))
+    fp8 = w.dtype == torch.float8_e4m3fn
+    ok = (fp8 and bits == 8 and b is None and s.dtype == torch.float32) or (
+        w.dtype == torch.uint8 and bits in (4, 8) and (b is None or (b.shape == s.shape and b.stride() == s.stride())))
+    if not ok or s.shape[:2] != w.shape[:2] or (group and (group < 16 or group & (group - 1))):
+        raise ValueError(f"quantized experts take float8_e4m3fn codes with float32 scales, or uint8 codes of 8 or 4 "
+                         f"bits with scales (and offsets) per row or per group of a power of two from 16 inputs; got "
+                         f"{w.dtype} {tuple(w.shape)}, {bits} bits, group {group}, scales {s.dtype} {tuple(s.shape)}"
+                         + ("" if b is None else f", offsets {b.dtype} {tuple(b.shape)}"))
+    symm = b is None and not fp8
+    return _Operands(w.view(torch.uint8), s, s if b is None else b, s.stride(0), s.stride(1), s.shape[2],
+                     dict(FP8=fp8, INT=not fp8, PACK=2 if bits == 4 else 1, SYMM=symm,
+                          CENTRE=float(1 << (bits - 1)) if symm else 0.0, GROUP=group))
 
 
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, router_weights: torch.Tensor,
               aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_pairs: int, a_div: int, gated: bool,
-              cfg: MoEConfig, scales: torch.Tensor | None = None, group: int = 0) -> None:
+              cfg: MoEConfig, scales: ExpertScales, name: str) -> None:
     sorted_pairs, block_experts, num_padded = aligned
     n = w.shape[1] // 2 if gated else w.shape[1]
     block_n = max(16, cfg.block_n // 2) if gated else cfg.block_n
-    block_k = min(cfg.block_k, group) if group else cfg.block_k  # a K tile inside one scale block
-    k = w.shape[2]
-    w, s, stride_se, stride_sn, fp8, group = _fp8_operands(w, scales, group)
+    op = _operands(w, scales, name)
+    group = op.flags["GROUP"]
+    # FP8 block scales go on a K tile's products: the tile must lie inside one block
+    block_k = min(cfg.block_k, group) if group and op.flags["FP8"] else cfg.block_k
     grid = (triton.cdiv(n, block_n), block_experts.numel())
     _moe_gemm_kernel[grid](
-        a, w, s, out, router_weights, sorted_pairs, block_experts, num_padded, num_pairs, n, k,
-        a.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn, out.stride(0), A_DIV=a_div, GATED=gated,
-        SCALE=not gated, FP8=fp8, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        a, op.w, op.s, op.b, out, router_weights, sorted_pairs, block_experts, num_padded, num_pairs, n, a.shape[1],
+        op.ngroups, a.stride(0), op.w.stride(0), op.w.stride(1), op.stride_se, op.stride_sn, out.stride(0),
+        A_DIV=a_div, GATED=gated, SCALE=not gated, BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **op.flags)
 
 
 @triton.jit
-def _gemv_fma(acc, w, x, s_rows, k0, ngroups, nmask, FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """acc + a weight tile [BLOCK_N, BLOCK_K] times x [BLOCK_K], elementwise in fp32. FP8 codes
-    arrive as their bytes; with GROUP (block scales, GROUP dividing BLOCK_K) each block's scale
-    is loaded once and broadcast over its inputs, as kernels/quant_linear.py does."""
-    if FP8:
-        w = w.to(tl.float8e4nv, bitcast=True)
-    w = w.to(tl.float32)
-    if GROUP > 0:
-        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        s = tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None] & (g < ngroups)[None, :], other=0.0)
-        w = w * tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K))
-    return acc + w * x[None, :]
+def _gemv_x(x_row, k0, K, PACK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The activations of a K tile in fp32, as the weights' stored columns pair with them: for
+    4-bit codes (PACK 2) the inputs of the low nibbles and those of the high ones; else the
+    tile twice."""
+    cols = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+    k = cols * PACK
+    x = tl.load(x_row + k, mask=k < K, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if PACK == 2:
+        x_hi = tl.load(x_row + k + 1, mask=k + 1 < K, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        return x, x_hi
+    else:
+        return x, x
 
 
 @triton.jit
-def _gemv_rows(acc, s_rows, nmask, FP8: tl.constexpr, GROUP: tl.constexpr):
-    """The rows' dot products from _gemv_fma's accumulator: one reduction, then a row scale."""
-    y = tl.sum(acc, 1)
-    if FP8:
-        if GROUP == 0:
-            y = y * tl.load(s_rows, mask=nmask, other=0.0)
-    return y
+def _gemv_fma(acc, x, x_hi, w_ptr, s_ptr, b_ptr, rows, nmask, k0, K, stride_wn, stride_sn, ngroups,
+              FP8: tl.constexpr, INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
+              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K // PACK] + the weight tile W[rows, k0 : k0 + BLOCK_K] times the
+    activations (from _gemv_x), elementwise in fp32; one reduction at the end.
+    FP8 codes arrive as their bytes; with GROUP (block scales, GROUP dividing BLOCK_K) each
+    block's scale is loaded once and broadcast over its inputs, as kernels/quant_linear.py does,
+    and integer codes are dequantized by its _dequant."""
+    WC: tl.constexpr = BLOCK_K // PACK
+    cols = k0 // PACK + tl.arange(0, WC)
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :],
+                mask=nmask[:, None] & (cols < (K + PACK - 1) // PACK)[None, :], other=0, eviction_policy="evict_first")
+    if INT:
+        if PACK == 2:
+            lo = _int_weights(w & 15, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0, SYMM, CENTRE, GROUP, PACK,
+                              BLOCK_N, WC)
+            hi = _int_weights(w >> 4, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0, SYMM, CENTRE, GROUP, PACK,
+                              BLOCK_N, WC)
+            return acc + lo * x[None, :] + hi * x_hi[None, :]
+        else:
+            return acc + _int_weights(w, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0, SYMM, CENTRE, GROUP, PACK,
+                                      BLOCK_N, WC) * x[None, :]
+    else:
+        if FP8:
+            w = w.to(tl.float8e4nv, bitcast=True)
+        w = w.to(tl.float32)
+        if FP8 and GROUP > 0:
+            g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :], mask=nmask[:, None] & (g < ngroups)[None, :],
+                        other=0.0)
+            w = w * tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K))
+        return acc + w * x[None, :]
 
 
 @triton.jit
-def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, N, K, ngroups, stride_x, stride_we, stride_wn,
-                         stride_se, stride_sn, stride_h, TOP_K: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr, N, K, ngroups, stride_x, stride_we, stride_wn,
+                         stride_se, stride_sn, stride_h, TOP_K: tl.constexpr, FP8: tl.constexpr, INT: tl.constexpr,
+                         PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[pair, n] = silu(x[t] . W[e, n]) * (x[t] . W[e, N + n]) for pair = t * TOP_K + j and its
-    expert e, n in this program's BLOCK_N rows; N is the intermediate size. FP8: scales as in
-    _moe_gemm_kernel (ngroups per row), GROUP dividing BLOCK_K."""
+    expert e, n in this program's BLOCK_N rows; N is the intermediate size. Storage as in
+    _moe_gemm_kernel (ngroups scales per row); FP8 block scales: GROUP dividing BLOCK_K."""
     pair = tl.program_id(1)
     t = (pair // TOP_K).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    gate_rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-    up_rows = gate_rows + N * stride_wn
-    gate_scales = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
-    up_scales = gate_scales + N * stride_sn
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    gate_rows = offs_n.to(tl.int64)
+    w_e, s_e, b_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se, b_ptr + expert * stride_se
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K // PACK], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K // PACK], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        kmask = kk < K
-        x = tl.load(x_ptr + t * stride_x + kk, mask=kmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        wmask = nmask[:, None] & kmask[None, :]
-        wg = tl.load(gate_rows + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        wu = tl.load(up_rows + kk[None, :], mask=wmask, other=0.0, eviction_policy="evict_first")
-        acc_gate = _gemv_fma(acc_gate, wg, x, gate_scales, k0, ngroups, nmask, FP8, GROUP, BLOCK_N, BLOCK_K)
-        acc_up = _gemv_fma(acc_up, wu, x, up_scales, k0, ngroups, nmask, FP8, GROUP, BLOCK_N, BLOCK_K)
-    h = silu_mul(_gemv_rows(acc_gate, gate_scales, nmask, FP8, GROUP), _gemv_rows(acc_up, up_scales, nmask, FP8, GROUP))
+        x, x_hi = _gemv_x(x_ptr + t * stride_x, k0, K, PACK, BLOCK_K)
+        acc_gate = _gemv_fma(acc_gate, x, x_hi, w_e, s_e, b_e, gate_rows, nmask, k0, K, stride_wn, stride_sn, ngroups,
+                             FP8, INT, PACK, SYMM, CENTRE, GROUP, BLOCK_N, BLOCK_K)
+        acc_up = _gemv_fma(acc_up, x, x_hi, w_e, s_e, b_e, gate_rows + N, nmask, k0, K, stride_wn, stride_sn, ngroups,
+                           FP8, INT, PACK, SYMM, CENTRE, GROUP, BLOCK_N, BLOCK_K)
+    h = silu_mul(tl.sum(acc_gate, 1) * _row_scale(s_e, gate_rows, nmask, stride_sn, FP8, GROUP, BLOCK_N),
+                 tl.sum(acc_up, 1) * _row_scale(s_e, gate_rows + N, nmask, stride_sn, FP8, GROUP, BLOCK_N))
     tl.store(h_ptr + pair.to(tl.int64) * stride_h + offs_n, h.to(h_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
-def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ngroups, stride_h, stride_we, stride_wn,
-                      stride_se, stride_sn, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ngroups, stride_h, stride_we,
+                      stride_wn, stride_se, stride_sn, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr,
+                      INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[t, n] = sum over the token's k pairs of weight * (h[pair] . W[e, n]); N is the hidden
-    size, K the intermediate one. The sum stays in fp32 and is rounded once. FP8 as above."""
+    size, K the intermediate one. The sum stays in fp32 and is rounded once. Storage as above."""
     t = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
+    rows = offs_n.to(tl.int64)
     y = tl.zeros([BLOCK_N], tl.float32)
     for j in range(TOP_K):
         pair = t * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        rows = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-        scales = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+        w_e, s_e, b_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se, b_ptr + expert * stride_se
         h_row = h_ptr + pair.to(tl.int64) * stride_h
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K // PACK], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            kmask = kk < K
-            h = tl.load(h_row + kk, mask=kmask, other=0.0).to(tl.float32)
-            w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            acc = _gemv_fma(acc, w, h, scales, k0, ngroups, nmask, FP8, GROUP, BLOCK_N, BLOCK_K)
-        y += tl.load(rw_ptr + pair) * _gemv_rows(acc, scales, nmask, FP8, GROUP)
+            h, h_hi = _gemv_x(h_row, k0, K, PACK, BLOCK_K)
+            acc = _gemv_fma(acc, h, h_hi, w_e, s_e, b_e, rows, nmask, k0, K, stride_wn, stride_sn, ngroups, FP8, INT,
+                            PACK, SYMM, CENTRE, GROUP, BLOCK_N, BLOCK_K)
+        y += tl.load(rw_ptr + pair) * tl.sum(acc, 1) * _row_scale(s_e, rows, nmask, stride_sn, FP8, GROUP, BLOCK_N)
     tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -469,22 +574,23 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
                    down: dict[str, int] | None = None, scales: ExpertScales = NO_SCALES) -> torch.Tensor:
     """fused_moe_triton's result in two kernels, for one token (see the module's docstring)."""
     tokens, top_k = ids.shape
-    inter, hidden = w2.shape[2], x.shape[1]
+    inter, hidden = w13.shape[1] // 2, x.shape[1]
     x = x.contiguous()
     ids = ids.contiguous()
     gu, dn = gate_up or GEMV_GATE_UP, down or GEMV_DOWN
-    w13, s13, se13, sn13, fp8, g13 = _fp8_operands(w13, scales.w13, scales.w13_group)
-    w2, s2, se2, sn2, fp8_2, g2 = _fp8_operands(w2, scales.w2, scales.w2_group)
+    op13, op2 = _operands(w13, scales, "w13"), _operands(w2, scales, "w2")
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _gemv_gate_up_kernel[(triton.cdiv(inter, gu["block_n"]), tokens * top_k)](
-        x, w13, s13, ids, h, inter, hidden, s13.shape[2] if fp8 else 1, x.stride(0), w13.stride(0), w13.stride(1),
-        se13, sn13, h.stride(0), TOP_K=top_k, FP8=fp8, GROUP=g13, BLOCK_N=gu["block_n"],
-        BLOCK_K=max(gu["block_k"], g13), num_warps=gu["num_warps"], num_stages=gu["num_stages"])  # whole blocks
+        x, op13.w, op13.s, op13.b, ids, h, inter, hidden, op13.ngroups, x.stride(0), op13.w.stride(0),
+        op13.w.stride(1), op13.stride_se, op13.stride_sn, h.stride(0), TOP_K=top_k, BLOCK_N=gu["block_n"],
+        BLOCK_K=max(gu["block_k"], op13.flags["GROUP"]), num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+        **op13.flags)  # whole FP8 blocks
     out = torch.empty_like(x)
     _gemv_down_kernel[(triton.cdiv(hidden, dn["block_n"]), tokens)](
-        h, w2, s2, ids, weights.float().contiguous(), out, hidden, inter, s2.shape[2] if fp8_2 else 1, h.stride(0),
-        w2.stride(0), w2.stride(1), se2, sn2, out.stride(0), TOP_K=top_k, FP8=fp8_2, GROUP=g2, BLOCK_N=dn["block_n"],
-        BLOCK_K=max(dn["block_k"], g2), num_warps=dn["num_warps"], num_stages=dn["num_stages"])
+        h, op2.w, op2.s, op2.b, ids, weights.float().contiguous(), out, hidden, inter, op2.ngroups, h.stride(0),
+        op2.w.stride(0), op2.w.stride(1), op2.stride_se, op2.stride_sn, out.stride(0), TOP_K=top_k,
+        BLOCK_N=dn["block_n"], BLOCK_K=max(dn["block_k"], op2.flags["GROUP"]), num_warps=dn["num_warps"],
+        num_stages=dn["num_stages"], **op2.flags)
     return out
 
 
@@ -493,7 +599,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
                      scales: ExpertScales = NO_SCALES) -> torch.Tensor:
     """The grouped GEMMs, or for one token (and no tiles asked for) ``fused_moe_gemv``."""
     tokens, top_k = ids.shape
-    num_experts, inter, hidden = w13.shape[0], w2.shape[2], x.shape[1]
+    num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, x.shape[1]
     if tokens == 0:
         return torch.zeros_like(x)
     if config is None and tokens == 1:  # see GEMV_GATE_UP
@@ -503,15 +609,15 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
     aligned = align_by_expert(ids, num_experts, cfg.block_m)
     pairs = tokens * top_k
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # every pair's row is written
-    _moe_gemm(x, w13, h, weights, aligned, pairs, top_k, True, cfg, scales.w13, scales.w13_group)
+    _moe_gemm(x, w13, h, weights, aligned, pairs, top_k, True, cfg, scales, "w13")
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm(h, w2, y, weights.flatten().float().contiguous(), aligned, pairs, 1, False, cfg, scales.w2, scales.w2_group)
+    _moe_gemm(h, w2, y, weights.flatten().float().contiguous(), aligned, pairs, 1, False, cfg, scales, "w2")
     return y.view(tokens, top_k, hidden).sum(dim=1)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor, scales: ExpertScales = NO_SCALES) -> torch.Tensor:
-    """``scales``: given when w13 and w2 hold FP8 codes."""
+    """``scales``: given when w13 and w2 hold quantized codes."""
     if use_triton(x):
         return fused_moe_triton(x, w13, w2, weights, ids, scales=scales)
     return fused_moe_torch(x, w13, w2, weights, ids, scales)

@@ -11,14 +11,26 @@ norm_topk_prob) and the experts run in kernels/fused_moe.py: on a GPU, its Trito
 fixed by the token count, no host sync, so decode runs in CUDA graphs); elsewhere its plain-torch
 path, one matmul pair per expert that has tokens. Both read only the selected experts' weights.
 
-FP8 experts (an FP8 checkpoint, block-wise or per channel, or in-situ ``--quantization fp8``)
-stay FP8 on the device: w13 and w2 hold float8_e4m3fn codes, and the buffers w13_scale
-[E, 2I, G] and w2_scale [E, H, G] their float32 scales, one per output row and per block of
-inputs (G = K / 128 for Qwen3-30B-A3B-FP8's 128 x 128 blocks: a block's scale repeated over its
-rows) or one per row (G = 1: per-channel checkpoints, in-situ fp8, which quantizes each row of
-this rank's shard). Repeated per row, scales follow any split of the rows; a tensor-parallel
-split of w2's inputs must fall between blocks (QuantizedTensor.cols says so otherwise). The
-stacks are allocated as the first expert's matrix arrives: its storage decides theirs.
+Quantized experts stay quantized on the device, in the layout kernels/fused_moe.py describes:
+the codes in w13 and w2, and their scales in the buffers w13_scale [E, 2I, G] and w2_scale
+[E, H, G], one per output row and per ``groups[name]`` inputs (G = K / group), or one per row
+(group 0, G = 1).
+
+- FP8 (an FP8 checkpoint, block-wise or per channel, or in-situ ``--quantization fp8``):
+  float8_e4m3fn codes and float32 scales (Qwen3-30B-A3B-FP8's 128 x 128 blocks: a block's scale
+  repeated over its rows; per-channel checkpoints and in-situ fp8, which quantizes each row of
+  this rank's shard: one per row).
+- Integer codes (GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K experts, in-situ ``int8`` per row
+  and ``int4`` in groups of 128, GPTQ / AWQ without act-order): uint8 codes as
+  kvship.kernels.quant_linear.pack lays out a matrix, bits[name] 8 (one a byte) or 4 (two a
+  byte, the low nibble first: w13 [E, 2I, ceil(H / 2)]), float16 scales, and for asymmetric
+  codes (k-quants' -min, GPTQ's zero points) float16 offsets w13_bias / w2_bias beside them.
+  Types whose codes need more than 4 bits (Q5_K, Q6_K) sit in 8-bit containers.
+
+Repeated per row, scales follow any split of the rows; a tensor-parallel split of w2's inputs
+must fall between groups (QuantizedTensor.cols says so otherwise). The stacks are allocated as
+the first expert's matrix arrives: its storage decides theirs, and later matrices stored more
+coarsely (a Q4_K expert in a Q6_K stack) are widened to it; a finer one is refused.
 """
 from __future__ import annotations
 
@@ -27,15 +39,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvship.kernels.fused_moe import ExpertScales, fused_moe, route
+from kvship.kernels.quant_linear import pack
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor, quantize
+from kvship.quant.tensor import widened
 
 __all__ = ["MoEExperts", "moe_reference", "route"]  # the models take route from here
 
 
 class MoEExperts(nn.Module):
-    """``quant``: the model's kvship.quant.QuantScheme; experts are quantized only to FP8 (the
-    runner refuses other schemes for mixtures of experts)."""
+    """``quant``: the model's kvship.quant.QuantScheme (None: 16-bit experts)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPContext, quant=None):
         super().__init__()
@@ -44,9 +57,10 @@ class MoEExperts(nn.Module):
         self.hidden = hidden
         self.intermediate = tp.shard(intermediate, "moe intermediate size")
         self.quant = quant
-        self.groups = {"w13": 0, "w2": 0}  # FP8: inputs per scale, 0 for one scale per row
-        self.register_buffer("w13_scale", None)
-        self.register_buffer("w2_scale", None)
+        self.groups = {"w13": 0, "w2": 0}  # inputs per scale, 0 for one scale per row
+        self.bits = {"w13": 8, "w2": 8}  # integer codes: 4 (two a byte) or 8
+        for name in ("w13_scale", "w2_scale", "w13_bias", "w2_bias"):
+            self.register_buffer(name, None)
         if quant is None:
             self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.intermediate), requires_grad=False)
@@ -74,31 +88,57 @@ class MoEExperts(nn.Module):
                            self.quant.insitu)
         if stack.numel() == 0:
             stack = self._allocate(name, src)
-        if isinstance(src, QuantizedTensor) != (stack.dtype == torch.float8_e4m3fn):
-            raise ValueError(f"the experts of one layer come partly in FP8, partly in 16 bits ({name})")
+        if isinstance(src, QuantizedTensor) != (getattr(self, name + "_scale") is not None):
+            raise ValueError(f"the experts of one layer come partly quantized, partly in 16 bits ({name})")
         if isinstance(src, QuantizedTensor):
-            if _group(src) != self.groups[name]:
-                raise ValueError(f"the experts of one layer have different FP8 scale blocks ({name})")
-            getattr(self, name + "_scale")[expert, rows].copy_(src.scales)
-            src = src.codes
+            packed = pack(self._conform(name, src), stack.device)
+            getattr(self, name + "_scale")[expert, rows].copy_(packed.scales)
+            if packed.biases is not None:
+                getattr(self, name + "_bias")[expert, rows].copy_(packed.biases)
+            src = packed.qweight
         stack.data[expert, rows].copy_(src)
 
+    def _conform(self, name: str, qt: QuantizedTensor) -> QuantizedTensor:
+        """``qt`` in its stack's storage (set by the stack's first matrix): the same, or widened
+        to more bits, smaller groups or explicit offsets; never narrowed."""
+        fp8, bits, group = getattr(self, name).dtype == torch.float8_e4m3fn, self.bits[name], self.groups[name]
+        biased = getattr(self, name + "_bias") is not None
+        if qt.is_fp8 or fp8:
+            if qt.is_fp8 != fp8 or _group(qt) != group:
+                raise ValueError(f"the experts of one layer have different FP8 storage ({name})")
+            return qt
+        mine = _group(qt)
+        if (qt.bits, mine, qt.biases is not None) == (bits, group, biased):
+            return qt
+        if qt.bits > bits or (qt.biases is not None and not biased) or (group == 0) != (mine == 0) or \
+                (group and mine % group) or qt.g_idx is not None:
+            raise ValueError(f"the experts of one layer are stored differently ({name}: {bits}-bit codes in groups of "
+                             f"{group or 'a row'}{' with offsets' if biased else ''}, then {qt.bits}-bit in groups "
+                             f"of {mine or 'a row'}{' with offsets' if qt.biases is not None else ''}); a layer's "
+                             "experts must share one storage or come coarsest last")
+        return widened(qt, bits, group or qt.group_size, biased)
+
     def _allocate(self, name: str, first) -> nn.Parameter:
-        """The stack ``name`` stored as ``first`` (its first matrix) is: FP8 codes and scales, or
-        16-bit (a checkpoint that leaves its experts unquantized)."""
+        """The stack ``name`` stored as ``first`` (its first matrix) is: quantized codes, scales
+        (and offsets), or 16-bit (a checkpoint that leaves its experts unquantized)."""
         device = getattr(self, name).device
         rows, cols = (2 * self.intermediate, self.hidden) if name == "w13" else (self.hidden, self.intermediate)
         if isinstance(first, QuantizedTensor):
-            if not first.is_fp8 or first.g_idx is not None:
-                raise ValueError("quantized experts are served in FP8 only")
             group = _group(first)
+            if first.g_idx is not None:
+                raise ValueError("experts quantized with act-order (GPTQ desc_act, a g_idx table) are not supported; "
+                                 "use a checkpoint quantized without it")
             if group and (group < 16 or group & (group - 1)):
-                raise ValueError(f"FP8 experts with blocks of {group} inputs are not supported (powers of two "
-                                 "from 16 are, as 128 is)")
-            self.groups[name] = group
-            self.register_buffer(name + "_scale", torch.empty(self.num_experts, rows, first.scales.shape[1],
-                                                              dtype=torch.float32, device=device))
-            dtype = torch.float8_e4m3fn
+                raise ValueError(f"quantized experts with groups of {group} inputs are not supported (powers of two "
+                                 "from 16 are, as 32 and 128 are)")
+            self.groups[name], self.bits[name] = group, first.bits
+            shape = (self.num_experts, rows, first.scales.shape[1])
+            sdtype = torch.float32 if first.is_fp8 else torch.float16  # as quant_linear.pack stores them
+            self.register_buffer(name + "_scale", torch.empty(shape, dtype=sdtype, device=device))
+            if first.biases is not None:
+                self.register_buffer(name + "_bias", torch.empty(shape, dtype=sdtype, device=device))
+            dtype = torch.float8_e4m3fn if first.is_fp8 else torch.uint8
+            cols = -(-cols // 2) if first.bits == 4 else cols
         else:
             dtype = self._dtype
         stack = nn.Parameter(torch.empty(self.num_experts, rows, cols, dtype=dtype, device=device),
@@ -107,14 +147,18 @@ class MoEExperts(nn.Module):
         setattr(self, name, stack)
         return stack
 
+    def scales(self) -> ExpertScales:
+        """How the stacks are stored, as the kernels take it (no scales: 16-bit)."""
+        return ExpertScales(self.w13_scale, self.w2_scale, self.groups["w13"], self.groups["w2"], self.w13_bias,
+                            self.w2_bias, self.bits["w13"], self.bits["w2"])
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing (weights, ids) [T, k] -> this rank's partial sums [T, H]."""
-        scales = ExpertScales(self.w13_scale, self.w2_scale, self.groups["w13"], self.groups["w2"])  # None: 16-bit
-        return fused_moe(x, self.w13, self.w2, weights, ids, scales)
+        return fused_moe(x, self.w13, self.w2, weights, ids, self.scales())
 
 
 def _group(qt: QuantizedTensor) -> int:
-    """Inputs per scale of an FP8 matrix, 0 for one scale per row."""
+    """Inputs per scale of a quantized matrix, 0 for one scale per row."""
     return 0 if qt.scales.shape[1] == 1 else qt.group_size
 
 

@@ -616,7 +616,10 @@ def _make_quant_ref(info: GGUFTensorInfo, permute_heads: int | None) -> QuantRef
 
 
 def _kept_quantized(hf_name: str, info: GGUFTensorInfo) -> bool:
-    return hf_name.endswith(_LINEARS) and info.ggml_type in _SPLIT and len(info.shape) == 2
+    """A linear matrix, or a stack of experts' matrices ([E, rows, cols], one per expert), in a
+    type kvship serves in its blocks: dense layers with kernels/quant_linear.py, experts with
+    kernels/fused_moe.py. The router (mlp.gate) is not among them: it stays 16-bit."""
+    return hf_name.endswith(_LINEARS) and info.ggml_type in _SPLIT and len(info.shape) == (3 if "{}" in hf_name else 2)
 
 
 # A mixture-of-experts layer's tensors (llama.cpp's name -> HF's below model.layers.N): the router,
@@ -659,7 +662,7 @@ def _refs(hf: str, info: GGUFTensorInfo, permute_heads: int | None, kept: bool) 
     MoEExperts.weight_loader under its checkpoint name, as from safetensors), else itself."""
     if "{}" in hf:
         for e in range(info.shape[0]):
-            yield hf.format(e), _make_ref(_expert(info, e), None)
+            yield hf.format(e), _make_quant_ref(_expert(info, e), None) if kept else _make_ref(_expert(info, e), None)
     elif kept:
         yield hf, _make_quant_ref(info, permute_heads)
     else:  # Qwen2-MoE's shared expert gate is a [H] vector in files, a [1, H] matrix in HF
@@ -672,14 +675,13 @@ def _describe(gnames: set[str], tensors: dict[str, GGUFTensorInfo]) -> str:
     return ", ".join(f"{n} {t}" + (f" ({c} layers)" if c > 1 else "") for (n, t), c in sorted(groups.items())) or "none"
 
 
-def _log_storage(tensors: dict[str, GGUFTensorInfo], kept: set[str], moe: bool) -> None:
+def _log_storage(tensors: dict[str, GGUFTensorInfo], kept: set[str]) -> None:
     expanded = {g for g, t in tensors.items() if g not in kept and t.ggml_type not in _NATIVE_TORCH}
     if kept:
         log.info("GGUF: %d linear matrices stay quantized (%s); dequantized at load: %s", len(kept),
                  ", ".join(sorted({tensors[g].type_name for g in kept})), _describe(expanded, tensors))
     elif expanded:
-        why = " (a mixture-of-experts GGUF is expanded whole)" if moe else ""
-        log.info("GGUF: dequantized at load%s: %s", why, _describe(expanded, tensors))
+        log.info("GGUF: dequantized at load: %s", _describe(expanded, tensors))
 
 
 def load_gguf(path: str) -> ModelSource:
@@ -709,14 +711,10 @@ def load_gguf(path: str) -> ModelSource:
     permute = arch in _PERMUTED_ARCHS
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     names = {g: _hf_name(g) for g in tensors}
-    # Experts stay quantized only in FP8 (kvship.layers.moe), not in GGUF blocks, and the runner
-    # refuses other schemes with experts: such a file is expanded whole to the model dtype, dense
-    # matrices too (--quantization fp8 then quantizes it while loading).
-    moe = bool(cfg.get("num_experts") or cfg.get("num_local_experts"))
-    kept = set() if moe else {g for g, hf in names.items() if hf is not None and _kept_quantized(hf, tensors[g])}
+    kept = {g for g, hf in names.items() if hf is not None and _kept_quantized(hf, tensors[g])}
     if kept:
         cfg["quantization_config"] = {"quant_method": "gguf"}
-    _log_storage(tensors, kept, moe)
+    _log_storage(tensors, kept)
 
     def weights() -> Iterator[tuple[str, WeightRef]]:
         for gname, info in tensors.items():

@@ -19,14 +19,6 @@ class QuantScheme:
     checkpoint: str | None = None
     insitu: str | None = None
 
-    @property
-    def fp8(self) -> bool:
-        """Whether the quantized matrices are FP8: the one form mixture-of-experts layers keep
-        their experts in (kvship.layers.moe)."""
-        if self.insitu is not None:
-            return self.insitu == "fp8"
-        return self.checkpoint in ("fp8", "compressed-tensors-fp8")
-
     def describe(self) -> str:
         if self.insitu is None:
             return self.checkpoint

@@ -87,7 +87,7 @@ def groups(k: int, group_size: int) -> int:
     return -(-k // group_size)
 
 
-def _widened(t: QuantizedTensor, bits: int, group: int, explicit_bias: bool) -> QuantizedTensor:
+def widened(t: QuantizedTensor, bits: int, group: int, explicit_bias: bool) -> QuantizedTensor:
     """The same values with ``bits``-bit codes, groups of ``group`` (a divisor of t's) and, if
     asked, the offset stored explicitly instead of implied by symmetric codes."""
     codes, biases = t.codes, t.biases
@@ -121,6 +121,6 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
         raise ValueError(f"a fused layer's quantized tensors have group sizes {sorted({p.group_size for p in parts})} "
                          "that do not divide one another")
     explicit = any(p.biases is not None for p in parts)
-    parts = [_widened(p, bits, group, explicit) for p in parts]
+    parts = [widened(p, bits, group, explicit) for p in parts]
     return QuantizedTensor(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                            torch.cat([p.biases for p in parts]) if explicit else None, bits, group, first.g_idx)

@@ -91,9 +91,6 @@ def _weight_quantization(config: EngineConfig, model_config: ModelConfig) -> Qua
         if scheme is not None and scheme.checkpoint != "gguf":
             raise ValueError(f"the checkpoint is already quantized ({scheme.checkpoint}); drop --quantization")
         scheme = QuantScheme(checkpoint=scheme and scheme.checkpoint, insitu=config.quantization)
-    if scheme is not None and model_config.num_experts and not scheme.fp8:
-        raise ValueError(f"quantized mixture-of-experts models are served with FP8 experts only (an fp8 or "
-                         f"compressed-tensors FP8 checkpoint, or --quantization fp8), not {scheme.describe()}")
     if scheme is not None:
         log.info("weights: %s", scheme.describe())
     return scheme
