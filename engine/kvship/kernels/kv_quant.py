@@ -74,10 +74,8 @@ def allocate(kv_cache_dtype: str, num_blocks: int, block_size: int, num_kv_heads
     ``values=False``: a key cache alone (v_cache None), in the model's dtype (multi-head latent
     attention reads its values from the keys' rows)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    if not values:
-        if kv_cache_dtype != "auto":
-            raise ValueError(f"a key-only KV cache is kept in the model's dtype: --kv-cache-dtype {kv_cache_dtype} "
-                             "is not supported for it (auto is)")
+    if not values:  # the runner refuses a quantized dtype for it (runner/model_runner.py load_model)
+        assert kv_cache_dtype == "auto", kv_cache_dtype
         return torch.zeros(shape, dtype=model_dtype, device=device), None, None, None
     if kv_cache_dtype == "int4":
         packed = (num_blocks, block_size, num_kv_heads, -(-head_dim // 2))

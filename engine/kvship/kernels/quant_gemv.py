@@ -26,13 +26,19 @@ import torch
 from kvship.kernels._triton import tl, triton
 
 
+def tiles_keep_groups(tile: int, group_size: int, ngroups: int) -> bool:
+    """Whether tiles of ``tile`` inputs hold whole groups or lie inside one (or the row has one
+    group), so that a kernel takes a tile's scales as a [.., groups, group] view, without a
+    per-input group table."""
+    return ngroups == 1 or tile % group_size == 0 or group_size % tile == 0
+
+
 def fits(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool, block_w: int) -> bool:
     """Whether the word kernel takes this layout with tiles of ``block_w`` words."""
     codes = 32 // bits
     if bits not in (4, 8) or has_g_idx or k % codes:
         return False
-    tile = block_w * codes
-    return ngroups == 1 or (group_size % codes == 0 and (tile % group_size == 0 or group_size % tile == 0))
+    return ngroups == 1 or (group_size % codes == 0 and tiles_keep_groups(block_w * codes, group_size, ngroups))
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
 from kvship.kernels.kv_quant import fp8_round
-from kvship.kernels.quant_gemv import fits, qgemv_words_triton
+from kvship.kernels.quant_gemv import fits, qgemv_words_triton, tiles_keep_groups
 from kvship.quant.insitu import FP8_MAX
 from kvship.quant.tensor import QuantizedTensor
 
@@ -259,12 +259,11 @@ def _gather_table(w: QWeight, tile: int) -> torch.Tensor | None:
     inputs hold whole groups (or lie inside one)."""
     if w.g_idx is not None:
         return w.g_idx
-    g, ngroups = w.group_size, w.scales.shape[1]
-    if ngroups == 1 or tile % g == 0 or g % tile == 0:
+    if tiles_keep_groups(tile, w.group_size, w.scales.shape[1]):
         return None
     table = getattr(w, "_table", None)
     if table is None:
-        table = (torch.arange(w.k, device=w.qweight.device, dtype=torch.int32) // g)
+        table = (torch.arange(w.k, device=w.qweight.device, dtype=torch.int32) // w.group_size)
         w._table = table
     return table
 
