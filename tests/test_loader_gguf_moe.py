@@ -341,3 +341,26 @@ def test_mixtral_with_one_matrix_per_expert(models, tmp_path):
     assert got.keys() == want.keys() and "model.layers.1.mlp.experts.7.down_proj.weight" in got
     for name, t in want.items():
         torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only: the Triton kernels in the interpreter")
+def test_k_quant_experts_on_the_triton_kernels(k_quants, monkeypatch):
+    """The GPU's dispatch, forced: the Q4_K/Q5_K/Q6_K experts on the grouped GEMMs (a prompt's
+    prefill) and the one-token kernels (a token at a time) match transformers on the file."""
+    from kvship.kernels import fused_moe as fm
+    from kvship.kernels._triton import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("triton not installed")
+    path, ref = k_quants
+    calls = []
+    triton_path = fm.fused_moe_triton
+    monkeypatch.setattr(fm, "use_triton", lambda t: True)
+    monkeypatch.setattr(fm, "fused_moe_triton", lambda *a, **kw: calls.append(a[0].shape[0]) or triton_path(*a, **kw))
+    prompt = [PROMPTS[0][:3]]  # the interpreter is slow: 3 tokens
+    with torch.no_grad():
+        want = ref(torch.tensor(prompt)).logits[0]
+    for chunk in (None, 1):
+        torch.testing.assert_close(our_logits(path, prompt, chunk=chunk)[0], want, atol=5e-3, rtol=0)
+    assert max(calls) == len(prompt[0]) and min(calls) == 1
