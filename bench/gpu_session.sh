@@ -9,6 +9,7 @@
 #   KV-cache dtypes:              bash bench/gpu_session.sh kv-tests throughput-8b-fp8 kv-decode
 #   decode attention settings per KV layout, FP8 GEMV: bash bench/gpu_session.sh kv-sweep fp8-gemv latency-fp8
 #   Qwen3-30B-A3B offline throughput: bash bench/gpu_session.sh throughput-moe
+#   quantized experts (GPU tests, batch-1 by format): bash bench/gpu_session.sh moe-tests latency-moe-q
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
@@ -40,6 +41,10 @@ bench kv-decode 290 python3 bench/kv_decode.py
 bench kv-sweep 300 python3 bench/kv_attention_sweep.py
 bench fp8-gemv 240 python3 bench/quant_gemv_sweep.py --formats fp8 --quick
 bench latency-fp8 200 python3 bench/latency.py --quantization none fp8 --no-hf
+bench moe-tests 250 python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_quantized_moe.py \
+  tests/test_loader_gguf_moe.py tests/test_quantized_weights.py tests/test_kv_quant.py \
+  -k "not perplexity and not greedy_agrees and not prefix_hits and not insitu_quantization_of_the_bundled"
+bench latency-moe-q 300 python3 bench/latency.py --shape qwen3-30b-a3b --quantization none int8 int4-g32 --no-hf
 bench throughput-moe 290 python3 bench/throughput.py --shape qwen3-30b-a3b --hf-prompts 0
 bench throughput-qwen3 200 python3 bench/throughput.py --shape qwen3-0.6b --num-prompts 256 --hf-prompts 8 --hf-batch 8
 bench serve 240 python3 bench/serve.py --concurrency 1 8 32 64
