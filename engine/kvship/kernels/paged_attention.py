@@ -217,16 +217,16 @@ def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, q, q_pos,
-    kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, kv_end,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
-    qk_scale, offs_n, offs_d, dmask,
+    acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """One BLOCK_N tile of keys/values, gathered through the block table, folded into the
-    running softmax state (log2 domain). MASK: 0 none, 1 pos < kv_end, 2 that and causal (and
-    pos > q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain."""
+    running softmax state (log2 domain). ``pages``: where one sequence's KV head lives (the
+    tuple ``_pages`` makes). MASK: 0 none, 1 pos < kv_end, 2 that and causal (and pos >
+    q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain."""
+    (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+     stride_gb, stride_gs, stride_gh, kvh) = pages
     pos = n0 + offs_n
     nmask = pos < kv_end
     if MASK > 0:
@@ -270,6 +270,29 @@ def _attend_tile(
     v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, dot_dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype))
     return acc, l_i, m_new
+
+
+@triton.jit
+def _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+           stride_gb, stride_gs, stride_gh, kvh):
+    """What ``_attend_tile`` reads one sequence's KV head through, as one value: the caches and
+    their scales, the sequence's block-table row, the caches' strides (and the int4 scales'),
+    the KV head."""
+    return (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            stride_gb, stride_gs, stride_gh, kvh)
+
+
+@triton.jit
+def _attend_range(
+    acc, l_i, m_i, q, q_pos, pages, lo, hi, kv_end, qk_scale, offs_n, offs_d, dmask,
+    BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+):
+    """``_attend_tile`` over the tiles from lo up to hi (BLOCK_N apart), all with one MASK."""
+    for n0 in range(lo, hi, offs_n.shape[0]):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
+                                     BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP)
+    return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
@@ -319,14 +342,10 @@ def _decode_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     if KV_MODE == 1:
         qk_scale = qk_scale * tl.load(ks_ptr)
-    for n0 in range(start, end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos,
-            kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, end,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
-            qk_scale, offs_n, offs_d, dmask,
-            BLOCK_SIZE, 1 + (WINDOW > 0), KV_MODE, WINDOW, SOFTCAP,
-        )
+    pages = _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                   stride_vh, stride_gb, stride_gs, stride_gh, kvh)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, start, end, end, qk_scale, offs_n, offs_d, dmask,
+                                  BLOCK_SIZE, 1 + (WINDOW > 0), KV_MODE, WINDOW, SOFTCAP)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_MODE == 1:
@@ -408,6 +427,8 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    pages = _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                   stride_vh, stride_gb, stride_gs, stride_gh, kvh)
     # Keys before the block's first row position are visible to every row: no mask there.
     full_end = ((prefix + mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
     hi = tl.minimum(prefix + (mblk + 1) * BLOCK_M, ctx)
@@ -422,30 +443,13 @@ def _prefill_kernel(
         full_start = tl.cdiv(tl.maximum(last - WINDOW + 1, 0), BLOCK_N) * BLOCK_N
         full_start = tl.maximum(tl.minimum(full_start, full_end), lo)
         full_end = tl.maximum(full_end, full_start)
-        for n0 in range(lo, full_start, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos,
-                kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, ctx,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
-                qk_scale, offs_n, offs_d, dmask,
-                BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP,
-            )
-    for n0 in range(full_start, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos,
-            kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, ctx,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
-            qk_scale, offs_n, offs_d, dmask,
-            BLOCK_SIZE, 0, KV_MODE, WINDOW, SOFTCAP,
-        )
-    for n0 in range(full_end, hi, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos,
-            kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, n0, ctx,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh, kvh,
-            qk_scale, offs_n, offs_d, dmask,
-            BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP,
-        )
+        acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, lo, full_start, ctx, qk_scale, offs_n, offs_d,
+                                      dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP)
+    # unmasked below the diagonal, then masked on it
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, full_start, full_end, ctx, qk_scale, offs_n, offs_d,
+                                  dmask, BLOCK_SIZE, 0, KV_MODE, WINDOW, SOFTCAP)
+    acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, full_end, hi, ctx, qk_scale, offs_n, offs_d,
+                                  dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_MODE == 1:
