@@ -172,19 +172,20 @@ def test_sigterm_under_load_exits_cleanly(server):
         except httpx.HTTPError as exc:
             outcomes.append(type(exc).__name__)
 
-    threads = [threading.Thread(target=client_call, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    server.wait_metric("kvship:num_requests_running", lambda v: v >= 2, timeout=30)
-    # Every client is in the engine (running or queued) or already refused with a 503 (the queue
-    # holds 4) before the signal.
-    deadline = time.monotonic() + 30
-    while True:
+    def settled() -> int:  # clients in the engine (running or queued) or already refused with a 503
         m = server.metrics()
-        settled = m["kvship:num_requests_running"] + m["kvship:num_requests_waiting"] + outcomes.count("http 503")
-        if settled >= 8 or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+        return m["kvship:num_requests_running"] + m["kvship:num_requests_waiting"] + outcomes.count("http 503")
+
+    threads = [threading.Thread(target=client_call, args=(i,)) for i in range(8)]
+    for i, t in enumerate(threads):
+        # One at a time, in order: the first four (two of them streams) run and the others wait,
+        # whatever the machine's load. Started together, the threads reached the server in any
+        # order, and a loaded CI machine once ran only the non-streamed ones.
+        t.start()
+        deadline = time.monotonic() + 30
+        while settled() < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    server.wait_metric("kvship:num_requests_running", lambda v: v >= 2, timeout=30)
     t0 = time.monotonic()
     server.send_signal(signal.SIGTERM)
     # Draining: still listening, no longer ready, refusing new work with an OpenAI-shaped 503.
