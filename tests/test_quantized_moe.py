@@ -1,8 +1,10 @@
-"""Mixture-of-experts models with FP8 experts. A tiny Qwen3-MoE checkpoint is written here as
-FP8 checkpoints store one (block-wise codes and ``weight_scale_inv``, Qwen3-30B-A3B-FP8's format;
-compressed-tensors FP8 per channel): it loads with its experts kept FP8 and matches transformers
-running the dequantized weights, on the torch path and on the Triton kernels (the interpreter).
-In-situ ``--quantization fp8`` of a 16-bit one stays close to the 16-bit model."""
+"""Mixture-of-experts models with quantized experts. A tiny Qwen3-MoE checkpoint is written here as
+quantized checkpoints store one (FP8: block-wise codes and ``weight_scale_inv``, Qwen3-30B-A3B-FP8's
+format, and compressed-tensors FP8 per channel; integer: GPTQ 4- and 8-bit, AWQ and
+compressed-tensors pack-quantized W4A16, Qwen3-30B-A3B-GPTQ-Int4's kind): it loads with its
+experts kept quantized and matches transformers running the dequantized weights, on the torch
+path and on the Triton kernels (the interpreter). GPTQ act-order experts are refused. In-situ
+``--quantization fp8|int8|int4`` of a 16-bit one stays close to the 16-bit model."""
 from __future__ import annotations
 
 import json
@@ -34,9 +36,10 @@ SPEC = ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_experts=8
 PROMPTS = [torch.randint(0, 319, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 11)]
 
 
-def _fp8_moe_folder(root, fmt: str):
-    """The checkpoint in ``fmt`` (every linear but the router FP8) at root / fmt; returns it
-    with transformers' model on the dequantized weights and the FP8 tensors written."""
+def _moe_folder(root, fmt: str):
+    """The checkpoint in ``fmt`` (_write_format's; every linear but the router quantized) at
+    root / fmt; returns it with transformers' model on the dequantized weights and the
+    quantized tensors written."""
     folder, dequantized = root / fmt, root / (fmt + "-dequantized")
     make_tiny_model(folder, "qwen3-moe", seed=5, spec=SPEC)
     tensors = load_file(str(folder / "model.safetensors"))  # one matrix per expert, as checkpoints hold them
@@ -54,18 +57,30 @@ def _fp8_moe_folder(root, fmt: str):
     return folder, ref, out
 
 
-def _assert_logits_match(folder, ref, **kw) -> None:
+def _assert_logits_match(folder, ref, atol=ATOL, **kw) -> None:
     for p, got in zip(PROMPTS, our_logits(folder, PROMPTS, **kw)):
         with torch.no_grad():
             want = ref(torch.tensor([p])).logits[0]
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)  # fp32 on both sides
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)  # fp32 on both sides
         assert torch.equal(got.argmax(-1), want.argmax(-1)), "greedy tokens differ"
+
+
+def _assert_greedy_matches(folder, ref) -> LLM:
+    """8 greedy tokens of each prompt through LLM equal transformers' generate; returns the LLM."""
+    llm = LLM(str(folder), device="cpu", dtype="float32", max_model_len=256)
+    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for p, out in zip(PROMPTS, got):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                pad_token_id=0)[0, len(p):].tolist()
+        assert out.outputs[0].token_ids == want
+    return llm
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fmt", ["fp8-block", "ct-fp8-channel"])
 def test_fp8_checkpoint_keeps_experts_fp8_and_matches_transformers(tmp_path, fmt):
-    folder, ref, written = _fp8_moe_folder(tmp_path, fmt)
+    folder, ref, written = _moe_folder(tmp_path, fmt)
     source = resolve_model(str(folder))
     runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", dtype="float32", num_kv_blocks=16,
                                       max_model_len=256, enforce_eager=True),
@@ -84,21 +99,57 @@ def test_fp8_checkpoint_keeps_experts_fp8_and_matches_transformers(tmp_path, fmt
     torch.testing.assert_close(experts.w2_scale[5], scale.repeat_interleave(64 // scale.shape[0], 0), atol=0, rtol=0)
 
     _assert_logits_match(folder, ref)
-    llm = LLM(str(folder), device="cpu", dtype="float32", max_model_len=256)
-    got = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    for p, out in zip(PROMPTS, got):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([p]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                                pad_token_id=0)[0, len(p):].tolist()
-        assert out.outputs[0].token_ids == want
+    _assert_greedy_matches(folder, ref)
+
+
+# integer checkpoint format -> (the stacks' bits, offsets stored, logits' tolerance). Groups of 32
+# inputs, two to a row of 64 (the scale buffers' last dimension). GPTQ and AWQ files hold fp16
+# scales (and AWQ integer zeros) that kvship keeps exactly but for AWQ's offsets, -zero * scale
+# rounded to fp16 (measured 3e-5 on these logits): the fp32 tolerance. compressed-tensors' own
+# decompressor, the reference, rounds each weight to fp16 (up to 6e-5 here): the dense formats'
+# 2e-3 (test_quantized_weights), measured 2.2e-4.
+INT_FORMATS = {"gptq": (4, False, ATOL), "gptq-8bit": (8, False, ATOL), "awq": (4, True, ATOL),
+               "ct-w4a16": (4, False, 2e-3), "ct-w4a16-asym": (4, True, 2e-3)}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fmt", list(INT_FORMATS))
+def test_integer_checkpoint_keeps_experts_quantized_and_matches_transformers(tmp_path, monkeypatch, fmt):
+    """Every expert's gate/up/down in the file's integer codes (the router in 16 bits), packed as
+    quant_linear lays out a matrix; the torch path dequantizes them one expert at a time."""
+    bits, offsets, atol = INT_FORMATS[fmt]
+    folder, ref, _ = _moe_folder(tmp_path, fmt)
+    read = []
+    expert_weight = fm.expert_weight
+    monkeypatch.setattr(fm, "expert_weight", lambda w, s, name, *a: read.append(s.of(name)[2:])
+                        or expert_weight(w, s, name, *a))
+    llm = _assert_greedy_matches(folder, ref)
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == experts.w2.dtype == torch.uint8 and experts.bits == {"w13": bits, "w2": bits}
+    assert experts.w13.shape == (8, 128, 64 * bits // 8) and experts.w2.shape == (8, 64, 64 * bits // 8)
+    assert experts.groups == {"w13": 32, "w2": 32}
+    assert experts.w13_scale.shape == (8, 128, 2) and experts.w2_scale.shape == (8, 64, 2)
+    assert (experts.w13_bias is not None) == (experts.w2_bias is not None) == offsets
+    assert read and set(read) == {(32, bits)}  # (group, bits) of every expert matrix the torch path read
+    _assert_logits_match(folder, ref, atol=atol)
+
+
+def test_act_order_experts_are_refused(tmp_path):
+    """GPTQ desc_act: each matrix's g_idx visits its inputs out of order, which the expert
+    kernels do not read (dense layers do)."""
+    folder, _, _ = _moe_folder(tmp_path, "gptq-act-order")
+    with pytest.raises(ValueError, match=r"expert 0's down matrix is quantized with act-order \(GPTQ desc_act"):
+        LLM(str(folder), device="cpu", dtype="float32", max_model_len=256)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not HAS_TRITON or torch.cuda.is_available(), reason="CPU only: the Triton interpreter")
-def test_fp8_checkpoint_on_the_triton_kernels_matches_transformers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt", ["fp8-block", "gptq", "awq"])
+def test_checkpoint_on_the_triton_kernels_matches_transformers(tmp_path, monkeypatch, fmt):
     """The GPU's dispatch, forced: the prompts' prefill on the grouped GEMMs, and a prompt fed
-    a token at a time on the one-token kernels, with the block scales."""
-    folder, ref, _ = _fp8_moe_folder(tmp_path, "fp8-block")
+    a token at a time on the one-token kernels, with the FP8 block scales, or 4-bit codes in
+    groups of 32 (GPTQ symmetric, AWQ with offsets)."""
+    folder, ref, _ = _moe_folder(tmp_path, fmt)
     calls = []
     triton_path = fm.fused_moe_triton
     monkeypatch.setattr(fm, "use_triton", lambda t: True)
@@ -170,7 +221,7 @@ def test_fp8_experts_sharded_over_two_ranks_equal_one(tmp_path):
     its down matrix; the logits equal one rank's."""
     from test_tensor_parallel import _run
 
-    folder, _, _ = _fp8_moe_folder(tmp_path, "fp8-block")
+    folder, _, _ = _moe_folder(tmp_path, "fp8-block")
     tokens1, steps1 = _run(folder, 1)
     tokens2, steps2 = _run(folder, 2)
     for a, b in zip(steps2, steps1):

@@ -189,8 +189,9 @@ def _write_format(tensors: dict[str, torch.Tensor], fmt: str, rng: torch.Generat
             out[name] = deq[name] = w
             continue
         n, k = w.shape
-        if fmt in ("gptq", "gptq-act-order"):
-            codes, scale, zero = _int_groups(w, 4, symmetric=fmt == "gptq")
+        if fmt in ("gptq", "gptq-8bit", "gptq-act-order"):
+            bits = 8 if fmt == "gptq-8bit" else 4
+            codes, scale, zero = _int_groups(w, bits, symmetric=fmt != "gptq-act-order")
             g_idx = torch.arange(k) // G
             if fmt == "gptq-act-order":  # inputs visited in a random order: group members scattered over K
                 # (one order per input: q, k and v see the same activations, so GPTQ orders them alike)
@@ -201,8 +202,8 @@ def _write_format(tensors: dict[str, torch.Tensor], fmt: str, rng: torch.Generat
                 c2, scale, zero = _int_groups(wg, 4, symmetric=False)
                 codes = torch.empty_like(c2)
                 codes[:, perm] = c2
-            out[prefix + ".qweight"] = _pack_rows(codes.t().contiguous(), 4)
-            out[prefix + ".qzeros"] = _pack_cols(((zero.t() - 1) % 16).contiguous(), 4)  # v1 files: zero - 1
+            out[prefix + ".qweight"] = _pack_rows(codes.t().contiguous(), bits)
+            out[prefix + ".qzeros"] = _pack_cols(((zero.t() - 1) % (1 << bits)).contiguous(), bits)  # v1 files: zero - 1
             out[prefix + ".scales"] = scale.t().contiguous()
             out[prefix + ".g_idx"] = g_idx.int()
             deq[name] = (codes - zero[:, g_idx]) * scale.float()[:, g_idx]
@@ -253,6 +254,7 @@ def _ct(weights: dict) -> dict:
 
 _QUANT_CONFIGS = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": False, "sym": True},
+    "gptq-8bit": {"quant_method": "gptq", "bits": 8, "group_size": G, "desc_act": False, "sym": True},
     "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": True, "sym": False},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": G, "version": "gemm", "zero_point": True},
     "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},

@@ -21,11 +21,13 @@ the codes in w13 and w2, and their scales in the buffers w13_scale [E, 2I, G] an
   repeated over its rows; per-channel checkpoints and in-situ fp8, which quantizes each row of
   this rank's shard: one per row).
 - Integer codes (GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K experts, in-situ ``int8`` per row
-  and ``int4`` in groups of 128, GPTQ / AWQ without act-order): uint8 codes as
-  kvship.kernels.quant_linear.pack lays out a matrix, bits[name] 8 (one a byte) or 4 (two a
-  byte, the low nibble first: w13 [E, 2I, ceil(H / 2)]), float16 scales, and for asymmetric
-  codes (k-quants' -min, GPTQ's zero points) float16 offsets w13_bias / w2_bias beside them.
-  Types whose codes need more than 4 bits (Q5_K, Q6_K) sit in 8-bit containers.
+  and ``int4`` in groups of 128, GPTQ 4/8-bit, AWQ and compressed-tensors pack-quantized
+  checkpoints): uint8 codes as kvship.kernels.quant_linear.pack lays out a matrix, bits[name] 8
+  (one a byte) or 4 (two a byte, the low nibble first: w13 [E, 2I, ceil(H / 2)]), float16
+  scales, and for asymmetric codes (k-quants' -min, GPTQ's and AWQ's zero points) float16
+  offsets w13_bias / w2_bias beside them. Types whose codes need more than 4 bits (Q5_K, Q6_K)
+  sit in 8-bit containers. Act-order (GPTQ desc_act) experts are refused: the kernels take a
+  group's inputs as consecutive columns, which a g_idx table scatters.
 
 Repeated per row, scales follow any split of the rows; a tensor-parallel split of w2's inputs
 must fall between groups (QuantizedTensor.cols says so otherwise). The stacks are allocated as
@@ -86,6 +88,11 @@ class MoEExperts(nn.Module):
         if self.quant.insitu is not None:  # one matrix at a time, on the device
             src = quantize((src.dequantize() if isinstance(src, QuantizedTensor) else src).to(stack.device),
                            self.quant.insitu)
+        if isinstance(src, QuantizedTensor) and src.g_idx is not None:  # checked on every matrix: GPTQ
+            # drops the table of one whose groups happen to be in order, so the first may pass
+            raise ValueError(f"expert {expert}'s {'down' if part is None else 'gate/up'} matrix is quantized with "
+                             "act-order (GPTQ desc_act, a g_idx table), which mixture-of-experts layers do not "
+                             "support; use a checkpoint quantized with desc_act false")
         if stack.numel() == 0:
             stack = self._allocate(name, src)
         if isinstance(src, QuantizedTensor) != (getattr(self, name + "_scale") is not None):
@@ -111,7 +118,7 @@ class MoEExperts(nn.Module):
         if (qt.bits, mine, qt.biases is not None) == (bits, group, biased):
             return qt
         if qt.bits > bits or (qt.biases is not None and not biased) or (group == 0) != (mine == 0) or \
-                (group and mine % group) or qt.g_idx is not None:
+                (group and mine % group):
             raise ValueError(f"the experts of one layer are stored differently ({name}: {bits}-bit codes in groups of "
                              f"{group or 'a row'}{' with offsets' if biased else ''}, then {qt.bits}-bit in groups "
                              f"of {mine or 'a row'}{' with offsets' if qt.biases is not None else ''}); a layer's "
@@ -125,9 +132,6 @@ class MoEExperts(nn.Module):
         rows, cols = (2 * self.intermediate, self.hidden) if name == "w13" else (self.hidden, self.intermediate)
         if isinstance(first, QuantizedTensor):
             group = _group(first)
-            if first.g_idx is not None:
-                raise ValueError("experts quantized with act-order (GPTQ desc_act, a g_idx table) are not supported; "
-                                 "use a checkpoint quantized without it")
             if group and (group < 16 or group & (group - 1)):
                 raise ValueError(f"quantized experts with groups of {group} inputs are not supported (powers of two "
                                  "from 16 are, as 32 and 128 are)")
