@@ -215,13 +215,14 @@ def test_tensor_parallel_split_inside_a_block_is_refused():
 
 
 @pytest.mark.timeout(240)
-def test_fp8_experts_sharded_over_two_ranks_equal_one(tmp_path):
-    """Qwen3-MoE in block-wise FP8 over TP=2 (gloo): each rank holds half of every expert's
-    intermediate rows (gate and up, with their scales) and one of the two 32-input blocks of
-    its down matrix; the logits equal one rank's."""
+@pytest.mark.parametrize("fmt", ["fp8-block", "awq"])
+def test_quantized_experts_sharded_over_two_ranks_equal_one(tmp_path, fmt):
+    """Qwen3-MoE in block-wise FP8 or AWQ over TP=2 (gloo): each rank holds half of every
+    expert's intermediate rows (gate and up, with their scales and offsets) and one of the two
+    32-input blocks (groups) of its down matrix; the logits equal one rank's."""
     from test_tensor_parallel import _run
 
-    folder, _, _ = _moe_folder(tmp_path, "fp8-block")
+    folder, _, _ = _moe_folder(tmp_path, fmt)
     tokens1, steps1 = _run(folder, 1)
     tokens2, steps2 = _run(folder, 2)
     for a, b in zip(steps2, steps1):
