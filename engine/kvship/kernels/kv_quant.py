@@ -38,6 +38,7 @@ import functools
 import torch
 
 from kvship.kernels._triton import tl, triton
+from kvship.kernels.numerics import small_int_to_float
 
 KV_PLAIN, KV_FP8, KV_INT4 = 0, 1, 2  # the kernels' KV_MODE
 
@@ -249,20 +250,6 @@ def int4_store_groups(x_even, x_odd, m_even, m_odd, data_ptrs, group_ptrs, hmask
 
 
 @triton.jit
-def _nibble_values(c, OUT: tl.constexpr):
-    """4-bit codes (uint8 0..15) -> their exact values in OUT (float16 or float32), by OR-ing
-    each into the mantissa of 1024 (2**23) and subtracting it: integer and add instructions,
-    where an int -> float conversion runs on the GPU's conversion unit at 1/8 of their rate
-    (the decode kernel spent most of its time there)."""
-    # one return at the end: the GPU compiler goes on past a return inside a constexpr branch
-    if OUT == tl.float16:
-        x = (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    else:
-        x = (c.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return x
-
-
-@triton.jit
 def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    OUT: tl.constexpr):
     """Dequantized [BLOCK_N, BLOCK_D] in OUT (float16: the attention kernels' dot dtype beside a
@@ -275,7 +262,7 @@ def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.c
     offs_b = tl.arange(0, BLOCK_D // 2)
     b = tl.load(ptr + byte_off[:, None] + offs_b[None, :], mask=tmask[:, None] & (offs_b * 2 < head_dim)[None, :],
                 other=0)
-    codes = tl.reshape(tl.join(_nibble_values(b & 15, OUT), _nibble_values(b >> 4, OUT)),
+    codes = tl.reshape(tl.join(small_int_to_float(b & 15, OUT), small_int_to_float(b >> 4, OUT)),
                        (BLOCK_N, BLOCK_D))  # element 2j, then 2j + 1
     if BLOCK_D >= 32:
         NG: tl.constexpr = BLOCK_D // 32

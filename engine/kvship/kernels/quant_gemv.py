@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from kvship.kernels._triton import tl, triton
+from kvship.kernels.numerics import small_int_to_float
 
 
 def tiles_keep_groups(tile: int, group_size: int, ngroups: int) -> bool:
@@ -46,7 +47,7 @@ def _code_value(c, FP8: tl.constexpr):
     """Codes (int32 holding one code each) -> their fp32 values, exactly."""
     if FP8:  # E4M3 bytes: the conversion unit (Hopper converts them in pairs)
         return c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # 2**23 + code as float bits, - 2**23
+    return small_int_to_float(c)
 
 
 @triton.jit

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
 from kvship.kernels.kv_quant import fp8_round
+from kvship.kernels.numerics import small_int_to_float
 from kvship.kernels.quant_gemv import fits, qgemv_words_triton, tiles_keep_groups
 from kvship.quant.insitu import FP8_MAX
 from kvship.quant.tensor import QuantizedTensor
@@ -87,15 +88,6 @@ def quant_linear_torch(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = 
 
 
 @triton.jit
-def _small_int_to_float(c):
-    """Non-negative integers below 2**23 -> fp32 exactly, without the conversion unit: OR-ing
-    them into the mantissa of 2**23 and subtracting 2**23. Int-to-float conversions run at a
-    fraction of the FMA rate, and with two 4-bit codes per byte they, not the memory, set the
-    GEMV's speed (the first H200 sweep: 22-36% of copy bandwidth)."""
-    return (c.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
 def _dequant(c, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, group0, g_idx_ptr, k_idx, kmask,
              FP8: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, GATHER: tl.constexpr,
              GE: tl.constexpr, TILE: tl.constexpr, ROWS: tl.constexpr):
@@ -106,7 +98,7 @@ def _dequant(c, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, group0, g_idx_pt
     if FP8:  # the codes arrive as their bytes (masked lanes read as 0, which is +0.0 in E4M3)
         c = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        c = _small_int_to_float(c)
+        c = small_int_to_float(c)
     if SYMM:
         c = c - CENTRE
     if GATHER:
