@@ -277,3 +277,74 @@ def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.c
         z = tl.load(g_ptr + grp_off + 1, mask=tmask, other=0.0).to(OUT)
         x = codes * s[:, None] + z[:, None]
     return x
+
+
+# Packed page reads (the decode kernel's "packed" option, paged_attention.DECODE_CONFIGS): the
+# pages become float16 in the registers their load left them in, by PTX that converts a 32-bit
+# word (four FP8 values, or eight int4 codes) per instance, so the compiler can neither move the
+# conversion past the layout change to the dot's operand (for FP8 it did: the tile then went
+# through shared memory as single bytes) nor unpack element by element. The interpreter runs no
+# PTX: ASM=False computes the same values with Triton operations.
+
+@triton.jit
+def fp8_to_f16(x, ASM: tl.constexpr):
+    """An FP8 tile (e4m3 or e5m2, the last dimension a multiple of 4) as float16, exactly."""
+    if ASM:
+        if x.dtype == tl.float8e5:
+            y = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+                "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+        else:
+            y = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+                "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = x.to(tl.float16)
+    return y
+
+
+@triton.jit
+def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr):
+    """Packed int4 bytes b (uint8, the last dimension a multiple of 4) and each byte's group
+    scale s and minimum z (float16, b's shape) -> (low nibbles, high nibbles) dequantized,
+    code * s + z in float16. ASM: per four bytes, two byte permutes spread them over two words,
+    one LOP3 per pair of codes ORs them into the mantissa of 1024.0 (0x6400), and a packed
+    subtract and FMA give two values per instruction."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1, u0, u1, k; mov.b32 k, 0x64006400;"
+            " prmt.b32 t0, $4, 0, 0x5150; prmt.b32 t1, $4, 0, 0x5352;"
+            " shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;"
+            " lop3.b32 t0, t0, 0x000F000F, k, 0xEA; lop3.b32 t1, t1, 0x000F000F, k, 0xEA;"
+            " lop3.b32 u0, u0, 0x000F000F, k, 0xEA; lop3.b32 u1, u1, 0x000F000F, k, 0xEA;"
+            " sub.f16x2 t0, t0, k; sub.f16x2 t1, t1, k; sub.f16x2 u0, u0, k; sub.f16x2 u1, u1, k;"
+            " fma.rn.f16x2 $0, t0, $5, $7; fma.rn.f16x2 $1, t1, $6, $8;"
+            " fma.rn.f16x2 $2, u0, $5, $7; fma.rn.f16x2 $3, u1, $6, $8; }",
+            "=r,=r,=r,=r,r,r,r,r,r", [b, s, z], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        lo = small_int_to_float(b & 15, tl.float16) * s + z
+        hi = small_int_to_float(b >> 4, tl.float16) * s + z
+    return lo, hi
+
+
+@triton.jit
+def int4_load_rows_packed(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr, ASM: tl.constexpr):
+    """``int4_load_rows`` in float16 (BLOCK_D >= 32), the packed way: a group's scale and
+    minimum are one 32-bit word (loaded as such, so every load of the tile is at least 4 bytes
+    wide and can be pipelined), and the codes are unpacked and scaled by ``int4_bytes_to_f16``."""
+    NG: tl.constexpr = BLOCK_D // 32
+    offs_b = tl.arange(0, BLOCK_D // 2)
+    # (masks as index < bound: the compiler sees them constant over a vector, as not for 2 * index)
+    b = tl.load(ptr + byte_off[:, None] + offs_b[None, :],
+                mask=tmask[:, None] & (offs_b < (head_dim + 1) // 2)[None, :], other=0)
+    offs_g = tl.arange(0, NG)
+    words = (g_ptr + grp_off).to(tl.pointer_type(tl.int32), bitcast=True)  # grp_off is even
+    w = tl.load(words[:, None] + offs_g[None, :], mask=tmask[:, None] & (offs_g < (head_dim + 31) // 32)[None, :],
+                other=0)
+    s = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    z = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, 16)), (BLOCK_N, BLOCK_D // 2))
+    z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG, 16)), (BLOCK_N, BLOCK_D // 2))
+    lo, hi = int4_bytes_to_f16(b, s, z, ASM)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_D))  # element 2j, then 2j + 1

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels import kv_quant as kvq
-from kvship.kernels._triton import device_sms, next_pow2, tl, triton, use_triton
+from kvship.kernels._triton import INTERPRET, device_sms, next_pow2, tl, triton, use_triton
 from kvship.kernels.activation import tanh
 
 
@@ -186,14 +186,34 @@ PREFILL_CONFIG = {
 
 @triton.jit
 def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
-             MASKED: tl.constexpr, D_FIRST: tl.constexpr, KV_MODE: tl.constexpr, DOT: tl.constexpr):
+             MASKED: tl.constexpr, D_FIRST: tl.constexpr, KV_MODE: tl.constexpr, DOT: tl.constexpr,
+             PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0):
     """A tile of cached keys or values: [BLOCK_D, BLOCK_N] when D_FIRST (keys, for q @ k),
     else [BLOCK_N, BLOCK_D]. tok_off: each token's element (int4: byte) offset in the cache,
     grp_off: its (token, head) group's offset in the int4 scales; tmask is used when MASKED.
     Plain and FP8 tiles come back as stored (FP8's scale is applied by the caller), int4 ones
-    dequantized to DOT, the dots' dtype."""
+    dequantized to DOT, the dots' dtype.
+    PACKED (quantized pages, DOT float16): every tile is read token-major, as stored, and comes
+    back as float16 converted in the registers it was loaded into (kv_quant.fp8_to_f16,
+    int4_load_rows_packed; keys transposed after that), by PTX unless INTERPRET. It needs
+    HEAD_DIM (the pages' head size, which dmask holds too) as a compile-time value: int4 rows'
+    masks are then known to be constant over whole 16-byte vectors, and their loads vectorize."""
     # one return at the end: the GPU compiler goes on past a return inside a constexpr branch
-    if KV_MODE == 2:
+    packed: tl.constexpr = (PACKED and HEAD_DIM > 0 and KV_MODE > 0 and DOT == tl.float16
+                            and (KV_MODE == 1 or offs_d.shape[0] >= 32))
+    if packed:
+        if KV_MODE == 2:
+            tile = kvq.int4_load_rows_packed(c_ptr, g_ptr, tok_off, grp_off, tmask, HEAD_DIM, tok_off.shape[0],
+                                             offs_d.shape[0], not INTERPRET)
+        else:
+            m = dmask[None, :]
+            if MASKED:
+                m = m & tmask[:, None]
+            tile = kvq.fp8_to_f16(tl.load(c_ptr + tok_off[:, None] + offs_d[None, :], mask=m, other=0.0),
+                                  not INTERPRET)
+        if D_FIRST:
+            tile = tl.trans(tile)
+    elif KV_MODE == 2:
         tile = kvq.int4_load_rows(c_ptr, g_ptr, tok_off, grp_off, tmask, tl.sum(dmask.to(tl.int32), 0),
                                   tok_off.shape[0], offs_d.shape[0], DOT)
         if D_FIRST:
@@ -219,12 +239,14 @@ def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
 def _attend_tile(
     acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
 ):
     """One BLOCK_N tile of keys/values, gathered through the block table, folded into the
     running softmax state (log2 domain). ``pages``: where one sequence's KV head lives (the
     tuple ``_pages`` makes). MASK: 0 none, 1 pos < kv_end, 2 that and causal (and pos >
-    q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain."""
+    q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain. PACKED,
+    INTERPRET: how quantized pages are read (``_load_kv``)."""
     (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
      stride_gb, stride_gs, stride_gh, kvh) = pages
     pos = n0 + offs_n
@@ -246,7 +268,8 @@ def _attend_tile(
     if KV_MODE > 0:
         if q.dtype == tl.bfloat16:
             dot_dtype = tl.float16
-    kt = _load_kv(kc_ptr, ks_ptr, k_off, g_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE, dot_dtype)
+    kt = _load_kv(kc_ptr, ks_ptr, k_off, g_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE, dot_dtype,
+                  PACKED, INTERPRET, HEAD_DIM)
     if dot_dtype == q.dtype:
         qk = tl.dot(q, kt.to(dot_dtype)) * qk_scale
     else:
@@ -267,7 +290,8 @@ def _attend_tile(
     p = tl.exp2(qk - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, dot_dtype)
+    v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, dot_dtype,
+                 PACKED, INTERPRET, HEAD_DIM)
     acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype))
     return acc, l_i, m_new
 
@@ -286,12 +310,13 @@ def _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_
 def _attend_range(
     acc, l_i, m_i, q, q_pos, pages, lo, hi, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
 ):
     """``_attend_tile`` over the tiles from lo up to hi (BLOCK_N apart), all with one MASK."""
     for n0 in range(lo, hi, offs_n.shape[0]):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
-                                     BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP)
+                                     BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET, HEAD_DIM)
     return acc, l_i, m_i
 
 
@@ -305,7 +330,8 @@ def _decode_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -345,7 +371,8 @@ def _decode_kernel(
     pages = _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                    stride_vh, stride_gb, stride_gs, stride_gh, kvh)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, start, end, end, qk_scale, offs_n, offs_d, dmask,
-                                  BLOCK_SIZE, 1 + (WINDOW > 0), KV_MODE, WINDOW, SOFTCAP)
+                                  BLOCK_SIZE, 1 + (WINDOW > 0), KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET,
+                                  HEAD_DIM)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_MODE == 1:
@@ -548,7 +575,7 @@ def paged_attention_triton(
             qk_scale, *common, *mid_strides,
             GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode, **options,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            PACKED=bool(cfg.get("packed", False)), INTERPRET=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if num_splits > 1:
             _decode_reduce_kernel[(batch, num_q_heads)](
