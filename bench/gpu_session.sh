@@ -10,6 +10,7 @@
 #   decode attention settings per KV layout, FP8 GEMV: bash bench/gpu_session.sh kv-sweep fp8-gemv latency-fp8
 #   Qwen3-30B-A3B offline throughput: bash bench/gpu_session.sh throughput-moe
 #   quantized experts (GPU tests, batch-1 by format): bash bench/gpu_session.sh moe-tests latency-moe-q
+#   integer one-row GEMV (tests, settings sweep, batch 1): bash bench/gpu_session.sh int-gemv-tests int-gemv latency-int
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
@@ -39,6 +40,11 @@ bench kv-tests 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_kv_qua
 bench throughput-8b-fp8 240 python3 bench/throughput.py --kv-cache-dtype fp8 --hf-prompts 0
 bench kv-decode 290 python3 bench/kv_decode.py
 bench kv-sweep 300 python3 bench/kv_attention_sweep.py
+bench int-gemv-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_quant_gemv.py tests/test_quantized_weights.py \
+  -k "pairs or kernel_matches or word_gemv"
+bench int-gemv 300 python3 bench/quant_gemv_sweep.py --formats "int4 g128" "int4 g32" int8 --quick
+bench latency-int 200 python3 bench/latency.py --quantization none int4 int4-g32 int8 --no-hf
+bench latency-moe 150 python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf
 bench fp8-gemv 240 python3 bench/quant_gemv_sweep.py --formats fp8 --quick
 bench latency-fp8 200 python3 bench/latency.py --quantization none fp8 --no-hf
 bench moe-tests 250 python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_quantized_moe.py \

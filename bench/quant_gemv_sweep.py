@@ -1,7 +1,8 @@
-"""Quantized one-row GEMV (batch-1 decode) on the 8B shape's projections: the word-reading kernel
-of kernels/quant_gemv.py (and for FP8 also quant_linear.py's per-code one) over a grid of launch
-settings per weight format, against cuBLAS on the bf16 matrix and the engine's current one-row
-kernel ("engine"), each timed from a CUDA graph cycling through enough weight copies to overflow L2.
+"""Quantized one-row GEMV (batch-1 decode) on the 8B shape's projections: the kernels of
+kernels/quant_gemv.py (for integer codes the fp16-pair one and the word-reading one, for FP8 the
+word-reading one and quant_linear.py's per-code one) over a grid of launch settings per weight
+format, against cuBLAS on the bf16 matrix and the engine's current one-row kernel ("engine"), each
+timed from a CUDA graph cycling through enough weight copies to overflow L2.
 % BW = the format's real bytes (codes, scales, offsets) ÷ time ÷ measured copy bandwidth.
 Also the dequantizing GEMM at 16 and 256 rows against cuBLAS bf16.
 
@@ -19,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import header, measure_ceilings, table
 from gemv_sweep import SHAPES, time_per_call
-from kvship.kernels.quant_gemv import fits, qgemv_words_triton
+from kvship.kernels.quant_gemv import fits, pairs_fit
 from kvship.kernels.quant_linear import _gemm_config, pack, quant_linear_torch, quant_linear_triton
 from kvship.quant import quantize
 from kvship.quant.insitu import quantize_groups
@@ -29,10 +30,20 @@ FORMATS = {"fp8": lambda w: quantize(w, "fp8"), "int8": lambda w: quantize(w, "i
 
 
 def one_row(x, qw, cfg):
-    """The word-reading kernel for settings with block_w, else quant_linear's own one-row kernel."""
-    if "block_w" in cfg:
-        return qgemv_words_triton(x, qw.qweight, qw.scales, qw.biases, None, qw.bits, qw.group_size, qw.k, cfg)
+    """The kernel a setting names: "pairs", "block_w" (word-reading) or else the per-code one."""
     return quant_linear_triton(x, qw, None, cfg)
+
+
+def kernel_of(cfg) -> str:
+    return "pairs kernel" if "pairs" in cfg else "word kernel" if "block_w" in cfg else "per-code kernel"
+
+
+def takes(qw, cfg) -> bool:
+    if "pairs" in cfg:
+        return not qw.fp8 and pairs_fit(qw.bits, qw.k, qw.group_size, qw.scales.shape[1], False)
+    if "block_w" in cfg:
+        return fits(qw.bits, qw.k, qw.group_size, qw.scales.shape[1], False, cfg["block_w"])
+    return True
 
 
 def main() -> None:
@@ -46,11 +57,14 @@ def main() -> None:
     # the word-reading kernel (kernels/quant_gemv.py): block_w words per row and tile
     words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=ns) for bn, bw, nw, ns in
              itertools.product([2, 4, 8, 16], [128, 256, 512], [4, 8], [2, 3])]
+    # the fp16-pair kernel (integer codes)
+    pairs = [dict(pairs=1, block_n=bn, block_w=bw, num_warps=nw, num_stages=ns) for bn, bw, nw, ns in
+             itertools.product([8, 16, 32, 64], [64, 128, 256], [4, 8], [3])]
     if args.quick:
         grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
                 ((16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 8, 3), (8, 512, 4, 2), (32, 256, 8, 3))]
         words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=3) for bn, bw, nw in
-                 ((4, 256, 4), (8, 256, 8), (2, 512, 4), (4, 512, 8), (8, 128, 4))]
+                 ((4, 256, 4), (8, 256, 8), (16, 256, 8), (2, 512, 4), (4, 512, 8), (8, 128, 4))]
     rows, gemm_rows, kind_rows = [], [], []
     for name, n, k in SHAPES[:4]:
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -67,8 +81,8 @@ def main() -> None:
             qws = [qw] + [pack(make(w16.float()), "cuda") for _ in range(copies - 1)]
             ref = quant_linear_torch(x.float(), qw)
             best, best_of = None, {}
-            for cfg in words + (grid if qw.fp8 else []):
-                if "block_w" in cfg and not fits(qw.bits, qw.k, qw.group_size, qw.scales.shape[1], False, cfg["block_w"]):
+            for cfg in words + (grid if qw.fp8 else pairs):
+                if not takes(qw, cfg):
                     continue
                 try:
                     out = one_row(x, qw, cfg).float()
@@ -82,7 +96,7 @@ def main() -> None:
                     continue
                 if best is None or us < best[0]:
                     best = (us, cfg)
-                kind = "word kernel" if "block_w" in cfg else "per-code kernel"
+                kind = kernel_of(cfg)
                 if kind not in best_of or us < best_of[kind][0]:
                     best_of[kind] = (us, cfg)
             engine = time_per_call(lambda i: quant_linear_triton(x, qws[i]), copies)  # its own settings

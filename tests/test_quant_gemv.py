@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvship.kernels._triton import HAS_TRITON
-from kvship.kernels.quant_gemv import fits, qgemv_words_triton
+from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton
 from kvship.kernels.quant_linear import pack, quant_linear_torch
 from kvship.quant import QuantizedTensor
 from kvship.quant.insitu import FP8_MAX, quantize_groups
@@ -67,3 +67,55 @@ def test_layouts_the_word_kernel_leaves_to_the_other():
     assert not fits(4, 36, 4, 9, False, 1)  # 36 codes: 4.5 words
     assert not fits(4, 384, 48, 8, False, 8)  # 64-input tiles vs groups of 48
     assert not fits(8, 64, 2, 32, False, 1)  # groups narrower than a word
+
+
+# (bits, group, block_w) for the pairs kernel: tiles inside a group, of one group, of several;
+# one group per row; 8-bit codes in groups of 16 and per row
+PAIR_CASES = [(4, 128, 8), (4, 32, 4), (4, 32, 16), (4, 128, 64), (4, 1 << 20, 16), (8, 16, 8), (8, 128, 16),
+              (8, 1 << 20, 32)]
+
+
+@pytest.mark.parametrize("bits,group,block_w,symmetric", [(*c, symm) for c in PAIR_CASES for symm in (True, False)])
+def test_pairs_gemv_matches_reference(bits, group, block_w, symmetric):
+    """The fp16-pair kernel: its sums of a word's products are fp16 (relative error ~1e-3), the
+    rest fp32; on CPU the interpreter runs the same pair arithmetic in numpy's fp16."""
+    n, k = (4096, 4096) if GPU else (24, 512)
+    group = min(group, k)
+    w = _weights(n, k, bits, group, symmetric, seed=bits * group + block_w + 7)
+    assert pairs_fit(bits, k, group, w.scales.shape[1], False)
+    dtype = torch.bfloat16 if GPU else torch.float32
+    g = torch.Generator().manual_seed(block_w + 1)
+    x = torch.randn(1, k, generator=g).to(DEV, dtype)
+    bias = torch.randn(n, generator=g).to(DEV, dtype)
+    for b in (None, bias):
+        got = qgemv_pairs_triton(x, w.qweight, w.scales, w.biases, b, bits, w.group_size, k,
+                                 {"block_n": 8, "block_w": block_w, "num_warps": 4, "num_stages": 2}).float()
+        want = quant_linear_torch(x.float(), w, None if b is None else b.float())
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < (1e-2 if GPU else 2e-3), f"relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pairs_gemv_range(bits):
+    """x up to 2**15 in magnitude (and tiny x beside it) gives finite sums within tolerance: the
+    fp16 pairs take x times 2**-X_SHIFT."""
+    n, k = (256, 1024) if GPU else (8, 256)
+    w = _weights(n, k, bits, 32 if bits == 4 else 16, True, seed=3)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, k, generator=g)
+    x[0, ::7] *= 2.0 ** 15 / x[0, ::7].abs().max()  # the largest exactly 2**15
+    x[0, 3::7] *= 1e-4
+    x = x.to(DEV, torch.bfloat16 if GPU else torch.float32)
+    got = qgemv_pairs_triton(x, w.qweight, w.scales, None, None, bits, w.group_size, k,
+                             {"block_n": 8, "block_w": 16, "num_warps": 4, "num_stages": 2}).float()
+    want = quant_linear_torch(x.float(), w)
+    assert torch.isfinite(got).all()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_layouts_the_pairs_kernel_leaves():
+    assert not pairs_fit(4, 384, 32, 12, True)  # g_idx
+    assert not pairs_fit(4, 36, 4, 9, False)  # 36 codes: 4.5 words
+    assert not pairs_fit(8, 64, 2, 32, False)  # groups narrower than a word
+    assert not pairs_fit(4, 384, 48, 8, False)  # groups of 48 are not a power of two
+    assert pairs_fit(4, 4096, 128, 32, False) and pairs_fit(8, 4096, 4096, 1, False)

@@ -34,6 +34,18 @@ def _specs():
                    "constexprs": {**flags, "HAS_BIAS": bias, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64}}
         yield {"kernel": f"{MODULE}:_dequant_kernel", "types": {**W, "out_ptr": "*bf16"},
                "constexprs": {**flags, "BLOCK_N": 32, "BLOCK_K": 64 if bits4 else 128}}
+    # quant_gemv.py's one-row kernels for integer codes (inline PTX in the pairs kernel: compiled here
+    # only, as the interpreter runs its pure-Triton twin), every layout the engine gives them
+    words = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "b_ptr": "*fp16", "bias_ptr": "*bf16",
+             "y_ptr": "*bf16", "N": "i32", "KW": "i32", "stride_w": "i32", "stride_s": "i32", "ngroups": "i32"}
+    for bits, symm, g in ((4, True, 128), (4, False, 32), (4, True, 1 << 30), (8, True, 1 << 30), (8, False, 16)):
+        for bias in (False, True):
+            yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_pairs_kernel", "types": words,
+                   "constexprs": {"BITS": bits, "SYMM": symm, "HAS_BIAS": bias, "G": g, "X_SHIFT": 5, "ASM": True,
+                                  "BLOCK_N": 16, "BLOCK_W": 256}}
+        yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_words_kernel", "types": {**words, "K": "i32"},
+               "constexprs": {"BITS": bits, "FP8": False, "SYMM": symm, "CENTRE": 8.0 if bits == 4 else 128.0,
+                              "HAS_BIAS": False, "G": g, "BLOCK_N": 16, "BLOCK_W": 256}}
     for dtype in ("bf16", "fp16"):  # rows read once (8B's hidden 4096) and twice (its down_proj's 14336)
         for block, one_pass in ((4096, True), (8192, False)):
             yield {"kernel": f"{MODULE}:_fp8_rows_kernel",

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from kvship.kernels._triton import tl, triton, use_triton
 from kvship.kernels.kv_quant import fp8_round
 from kvship.kernels.numerics import small_int_to_float
-from kvship.kernels.quant_gemv import fits, qgemv_words_triton, tiles_keep_groups
+from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton, tiles_keep_groups
 from kvship.quant.insitu import FP8_MAX
 from kvship.quant.tensor import QuantizedTensor
 
@@ -221,6 +221,9 @@ GEMV_CONFIGS = {8: {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages":
                 4: {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 3}}
 WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
                      4: {"block_n": 16, "block_w": 256, "num_warps": 8, "num_stages": 3}}
+# The fp16-pair kernel (quant_gemv.py's second; "pairs") for integer codes where it takes the layout.
+PAIRS_GEMV_CONFIGS = {8: {"pairs": 1, "block_n": 16, "block_w": 256, "num_warps": 8, "num_stages": 3},
+                      4: {"pairs": 1, "block_n": 16, "block_w": 256, "num_warps": 8, "num_stages": 3}}
 # From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
 # GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
 DENSE_ROWS = 16
@@ -274,8 +277,12 @@ def _layout(w: QWeight, block_k: int) -> tuple[tuple[torch.Tensor, ...], dict]:
                       G=w.group_size if w.scales.shape[1] > 1 else 1 << 30)
 
 
-def _one_row_config(w: QWeight) -> dict[str, int]:
-    """The word kernel's settings (with block_w) where it takes the layout, else the per-code one's."""
+def _one_row_config(w: QWeight, dtype: torch.dtype) -> dict[str, int]:
+    """The pairs kernel's settings where it takes the layout and x is 16-bit (its sums are fp16:
+    float32 serving keeps float32 arithmetic), else the word kernel's (with block_w), else the
+    per-code one's."""
+    if dtype != torch.float32 and not w.fp8 and pairs_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None):
+        return PAIRS_GEMV_CONFIGS[w.bits]
     words = WORD_GEMV_CONFIGS[w.bits]
     if not w.fp8 and fits(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, words["block_w"]):
         return words
@@ -294,7 +301,10 @@ def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None =
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bias_ptr = bias if bias is not None else w.scales
     if m == 1:
-        cfg = config or _one_row_config(w)
+        cfg = config or _one_row_config(w, x.dtype)
+        if "pairs" in cfg:
+            return qgemv_pairs_triton(x2, w.qweight, w.scales, w.biases, bias, w.bits, w.group_size, w.k,
+                                      cfg).view(*shape[:-1], n)
         if "block_w" in cfg:
             return qgemv_words_triton(x2, w.qweight, w.scales, w.biases, bias, w.bits, w.group_size, w.k,
                                       cfg).view(*shape[:-1], n)
