@@ -132,7 +132,8 @@ def test_decode_kernel_16bit_query(kv_dtype, dtype):
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (4, 2, 80), (4, 2, 33), (4, 2, 16)])
 def test_decode_kernel_packed(hq, hkv, d, kv_dtype):
     """The decode kernel's packed page reads (decode config "packed": FP8 converted in the load's
-    registers, int4 codes and group words loaded whole): the same values as the reference beside
+    registers, int4 codes and group words loaded whole; True: keys and values, "values": values
+    alone): the same values as the reference beside
     fp16 and bf16 queries, for every head size (33: a short last group and an odd byte; 16: int4
     falls back to the unpacked reads). The interpreter runs the Triton twin of the PTX (the PTX
     itself is compiled by test_kernels_compile_for_sm90 and timed by bench/kv_attention_sweep.py)."""
@@ -140,9 +141,11 @@ def test_decode_kernel_packed(hq, hkv, d, kv_dtype):
         q, kq, vq, ks, vs, bt, sl, cu = quant_paged([1, 1, 1], [1, 40, 97], hq, hkv, d, 16, kv_dtype, seed=seed,
                                                     dtype=dtype)
         ref = pa.paged_attention_torch(q, kq, vq, bt, sl, cu, d**-0.5, ks, vs)
-        cfg = {**pa.DECODE_CONFIGS[kvq.kv_mode(kq)], "packed": True}
-        out = pa.paged_attention_triton(q, kq, vq, bt, sl, cu, d**-0.5, 1, k_scale=ks, v_scale=vs, decode_config=cfg)
-        close(out, ref, dtype, f"packed decode {kv_dtype} {dtype}")
+        for packed in (True, "values"):
+            cfg = {**pa.DECODE_CONFIGS[kvq.kv_mode(kq)], "packed": packed}
+            out = pa.paged_attention_triton(q, kq, vq, bt, sl, cu, d**-0.5, 1, k_scale=ks, v_scale=vs,
+                                            decode_config=cfg)
+            close(out, ref, dtype, f"packed={packed} decode {kv_dtype} {dtype}")
 
 
 @needs_triton
@@ -255,12 +258,12 @@ def _sm90_specs():
                    "types": decode_types(cache, scales),
                    "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64,
                                       NUM_SPLITS=splits, KV_MODE=mode)}
-        if mode > 0:  # the packed page reads (decode config "packed"), with their PTX, at the sweep's tiles
-            for block_n, head_dim in ((128, 128), (64, 80)):
+        if mode > 0:  # the packed page reads (PACKED 1: keys and values, 2: values), with their PTX
+            for block_n, head_dim, packed in ((128, 128, 1), (64, 80, 1), (128, 128, 2)):
                 yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel",
                        "types": decode_types(cache, scales),
                        "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=head_dim, BLOCK_D=128, BLOCK_SIZE=16,
-                                          BLOCK_N=block_n, NUM_SPLITS=8, KV_MODE=mode, PACKED=True)}
+                                          BLOCK_N=block_n, NUM_SPLITS=8, KV_MODE=mode, PACKED=packed)}
         yield {"kernel": "kvship.kernels.paged_attention:_prefill_kernel", "types": attention_types(cache, scales),
                "constexprs": dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
                                   KV_MODE=mode)}

@@ -175,6 +175,11 @@ DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "ma
 DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
                   kvq.KV_FP8: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "max_splits": 64},
                   kvq.KV_INT4: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 8, "max_splits": 64}}
+# A decode config's "packed" (default False): how the kernel reads quantized pages beside a
+# 16-bit query (_load_kv): True, keys and values converted in the registers they were loaded
+# into; "values", values alone (FP8 keys keep the compiler's own read, from shared memory in the
+# dot's layout, which reads whole words for keys); False, both as stored. -> the PACKED constexpr.
+_PACKED = {False: 0, True: 1, "values": 2}
 PREFILL_CONFIG = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
     # H200 sweep at 4k-token causal prefill: (64, 64, 4, 3) 429 us; (128, 64, 8, 3) 455 us;
@@ -239,14 +244,15 @@ def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
 def _attend_tile(
     acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
     INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
 ):
     """One BLOCK_N tile of keys/values, gathered through the block table, folded into the
     running softmax state (log2 domain). ``pages``: where one sequence's KV head lives (the
     tuple ``_pages`` makes). MASK: 0 none, 1 pos < kv_end, 2 that and causal (and pos >
     q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain. PACKED,
-    INTERPRET: how quantized pages are read (``_load_kv``)."""
+    INTERPRET, HEAD_DIM: how quantized pages are read (``_load_kv``); PACKED 1: keys and values
+    packed, 2: values alone (keys as stored), 0: neither."""
     (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
      stride_gb, stride_gs, stride_gh, kvh) = pages
     pos = n0 + offs_n
@@ -269,7 +275,7 @@ def _attend_tile(
         if q.dtype == tl.bfloat16:
             dot_dtype = tl.float16
     kt = _load_kv(kc_ptr, ks_ptr, k_off, g_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE, dot_dtype,
-                  PACKED, INTERPRET, HEAD_DIM)
+                  PACKED == 1, INTERPRET, HEAD_DIM)
     if dot_dtype == q.dtype:
         qk = tl.dot(q, kt.to(dot_dtype)) * qk_scale
     else:
@@ -291,7 +297,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, dot_dtype,
-                 PACKED, INTERPRET, HEAD_DIM)
+                 PACKED > 0, INTERPRET, HEAD_DIM)
     acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype))
     return acc, l_i, m_new
 
@@ -310,7 +316,7 @@ def _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_
 def _attend_range(
     acc, l_i, m_i, q, q_pos, pages, lo, hi, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
     INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
 ):
     """``_attend_tile`` over the tiles from lo up to hi (BLOCK_N apart), all with one MASK."""
@@ -330,7 +336,7 @@ def _decode_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
     INTERPRET: tl.constexpr = False,
 ):
     b = tl.program_id(0)
@@ -575,7 +581,8 @@ def paged_attention_triton(
             qk_scale, *common, *mid_strides,
             GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode, **options,
-            PACKED=bool(cfg.get("packed", False)), INTERPRET=INTERPRET, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            PACKED=_PACKED[cfg.get("packed", False)], INTERPRET=INTERPRET,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if num_splits > 1:
             _decode_reduce_kernel[(batch, num_q_heads)](
