@@ -59,7 +59,8 @@ def main() -> None:
              itertools.product([2, 4, 8, 16], [128, 256, 512], [4, 8], [2, 3])]
     # the fp16-pair kernel (integer codes)
     pairs = [dict(pairs=1, block_n=bn, block_w=bw, num_warps=nw, num_stages=ns) for bn, bw, nw, ns in
-             itertools.product([8, 16, 32, 64], [64, 128, 256], [4, 8], [3])]
+             itertools.product([8, 16, 32, 64], [64, 128, 256, 512], [2, 4, 8], [3])
+             if 8 <= bn * bw // (32 * nw) <= 64]  # words a thread holds
     if args.quick:
         grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
                 ((16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 8, 3), (8, 512, 4, 2), (32, 256, 8, 3))]
