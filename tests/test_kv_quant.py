@@ -135,9 +135,11 @@ def test_decode_kernel_packed(hq, hkv, d, kv_dtype):
     registers, int4 codes and group words loaded whole; True: keys and values, "values": values
     alone): the same values as the reference beside
     fp16 and bf16 queries, for every head size (33: a short last group and an odd byte; 16: int4
-    falls back to the unpacked reads). The interpreter runs the Triton twin of the PTX (the PTX
-    itself is compiled by test_kernels_compile_for_sm90 and timed by bench/kv_attention_sweep.py)."""
-    for dtype, seed in ((torch.float16, d), (torch.bfloat16, d + 1)):
+    falls back to the unpacked reads), and beside a float32 query (--dtype float32 on a GPU),
+    which reads as stored whatever the config says. The interpreter runs the Triton twin of the
+    PTX (the PTX itself is compiled by test_kernels_compile_for_sm90 and timed by
+    bench/kv_attention_sweep.py)."""
+    for dtype, seed in ((torch.float16, d), (torch.bfloat16, d + 1), (torch.float32, d + 2)):
         q, kq, vq, ks, vs, bt, sl, cu = quant_paged([1, 1, 1], [1, 40, 97], hq, hkv, d, 16, kv_dtype, seed=seed,
                                                     dtype=dtype)
         ref = pa.paged_attention_torch(q, kq, vq, bt, sl, cu, d**-0.5, ks, vs)
@@ -253,11 +255,18 @@ def _sm90_specs():
                    "constexprs": dict(HQ=32, HKV=8, HALF=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_HQ=32,
                                       BLOCK_HKV=16 if turn else 8, BLOCK_HALF=64, BLOCK_D=128, KV_MODE=mode,
                                       FP8_E5=kv == "fp8_e5m2", TURN_K=turn)}
+        default = pa.DECODE_CONFIGS[mode]
+        launched = dict(BLOCK_N=default["block_n"], PACKED=pa._PACKED[default.get("packed", False)])
         for splits in (1, 8):
             yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel",
                    "types": decode_types(cache, scales),
-                   "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64,
-                                      NUM_SPLITS=splits, KV_MODE=mode)}
+                   "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, NUM_SPLITS=splits,
+                                      KV_MODE=mode, **launched)}
+        if mode > 0:  # the default config beside a float32 query (--dtype float32): pages read as stored
+            yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel",
+                   "types": {**decode_types(cache, scales), "q_ptr": "*fp32", "out_ptr": "*fp32"},
+                   "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, NUM_SPLITS=8,
+                                      KV_MODE=mode, **launched)}
         if mode > 0:  # the packed page reads (PACKED 1: keys and values, 2: values), with their PTX
             for block_n, head_dim, packed in ((128, 128, 1), (64, 80, 1), (128, 128, 2)):
                 yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel",

@@ -168,17 +168,23 @@ _LOG2E = 1.4426950408889634
 
 # Launch settings; the benchmark may override them. Keyed by head_dim where it matters, and the
 # decode kernel's by the cache's layout (kv_quant.KV_*): DECODE_CONFIG for 16-bit pages.
-# bench/kv_attention_sweep.py on the H200 (8B attention, batch 32 at 8k, 36 settings per layout):
-# 16-bit pages keep (64, 4 warps, 2 stages), 101% of copy bandwidth; FP8 and int4 pages (half and
-# a third of the bytes per tile) gained 1.21x and 1.11x from 128-token tiles (a69cf45).
-DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
-DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
-                  kvq.KV_FP8: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "max_splits": 64},
-                  kvq.KV_INT4: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 8, "max_splits": 64}}
 # A decode config's "packed" (default False): how the kernel reads quantized pages beside a
 # 16-bit query (_load_kv): True, keys and values converted in the registers they were loaded
 # into; "values", values alone (FP8 keys keep the compiler's own read, from shared memory in the
 # dot's layout, which reads whole words for keys); False, both as stored. -> the PACKED constexpr.
+# A float32 query (--dtype float32), and int4 heads under 32 channels, read as stored whatever
+# the config says (_load_kv decides per compiled variant).
+# H200, 2026-12-02, commit 1206f4e, `python3 bench/kv_attention_sweep.py` (8B attention, batch 32
+# at 8k, the best setting per page read, us and % of the layout's bytes at copy bandwidth):
+#   bf16   bn=64 w=4 s=2 waves=4                  246.0 us  101%
+#   fp8    bn=128 w=4 s=3 waves=8 packed=values   190.5 us   65%  1.29x bf16 (as stored 227.9 us)
+#   int4   bn=64 w=4 s=2 waves=4 packed           271.9 us   29%  0.90x bf16 (as stored 686.1 us)
+DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
+DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
+                  kvq.KV_FP8: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 8, "max_splits": 64,
+                               "packed": "values"},
+                  kvq.KV_INT4: {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64,
+                                "packed": True}}
 _PACKED = {False: 0, True: 1, "values": 2}
 PREFILL_CONFIG = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
