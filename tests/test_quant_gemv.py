@@ -79,7 +79,7 @@ PAIR_CASES = [(4, 128, 8), (4, 32, 4), (4, 32, 16), (4, 128, 64), (4, 1 << 20, 1
 def test_pairs_gemv_matches_reference(bits, group, block_w, symmetric):
     """The fp16-pair kernel: its sums of a word's products are fp16 (relative error ~1e-3), the
     rest fp32; on CPU the interpreter runs the same pair arithmetic in numpy's fp16."""
-    n, k = (4096, 4096) if GPU else (24, 512)
+    n, k = (4096, 4096) if GPU else (24 if symmetric else 20, 512)  # 20: rows that are not whole tiles
     group = min(group, k)
     w = _weights(n, k, bits, group, symmetric, seed=bits * group + block_w + 7)
     assert pairs_fit(bits, k, group, w.scales.shape[1], False)

@@ -41,7 +41,8 @@ def _specs():
     for bits, symm, g in ((4, True, 128), (4, False, 32), (4, True, 1 << 30), (8, True, 1 << 30), (8, False, 16)):
         for bias in (False, True):
             yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_pairs_kernel", "types": words,
-                   "constexprs": {"BITS": bits, "SYMM": symm, "HAS_BIAS": bias, "G": g, "CODE_SHIFT": 7 if bits == 4 else 10, "ASM": True,
+                   "constexprs": {"BITS": bits, "SYMM": symm, "HAS_BIAS": bias, "G": g, "ASM": True, "EVEN": bias,
+                                  "CODE_SHIFT": 7 if bits == 4 else 10,
                                   "BLOCK_N": 16, "BLOCK_W": 256}}
         yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_words_kernel", "types": {**words, "K": "i32"},
                "constexprs": {"BITS": bits, "FP8": False, "SYMM": symm, "CENTRE": 8.0 if bits == 4 else 128.0,

@@ -223,23 +223,19 @@ def _lanes(t, mask: tl.constexpr, k: tl.constexpr, b: tl.constexpr, a_lo, a_hi, 
 
 
 @triton.jit
-def _x_pair(x_ptr, w, wmask, j: tl.constexpr, CODES: tl.constexpr, ASM: tl.constexpr):
-    """x's inputs j and j + CODES/2 of words ``w`` as ``_pair``s, broadcast over rows."""
-    lo = tl.load(x_ptr + w * CODES + j, mask=wmask, other=0.0).to(tl.float32)
-    hi = tl.load(x_ptr + w * CODES + j + CODES // 2, mask=wmask, other=0.0).to(tl.float32)
-    return _pair(lo, hi, ASM)[None, :, :]
+def _split4(t):
+    """[..., 4] -> its 4 slices along the last dim (in-register when a thread holds the 4)."""
+    lo, hi = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))  # index 2i + k: k = 0 / 1
+    t0, t2 = tl.split(lo)
+    t1, t3 = tl.split(hi)
+    return t0, t1, t2, t3
 
 
 @triton.jit
-def _step(q, x_ptr, w, wmask, a, BITS: tl.constexpr, ASM: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+def _step(q, x0, x1, x2, x3, a, BITS: tl.constexpr, ASM: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
     """One word of a chain: the sum so far ``a`` (f16x2 pairs in int32; unused when FIRST) plus the
-    word's scaled, centred codes times x's inputs -> the new sum, or its f32 total when LAST."""
-    CODES: tl.constexpr = 32 // BITS
-    x0 = _x_pair(x_ptr, w, wmask, 0, CODES, ASM)
-    x1 = _x_pair(x_ptr, w, wmask, 1, CODES, ASM)
-    if BITS == 4:  # pairs (0, 4), (1, 5), (2, 6), (3, 7); 8 bits: (0, 2), (1, 3)
-        x2 = _x_pair(x_ptr, w, wmask, 2, CODES, ASM)
-        x3 = _x_pair(x_ptr, w, wmask, 3, CODES, ASM)
+    word's scaled, centred codes times x's pairs x0.. (x2, x3 unused for 8 bits) -> the new sum,
+    or its f32 total when LAST."""
     if ASM:
         if BITS == 4:
             if FIRST:
@@ -284,15 +280,48 @@ def _step(q, x_ptr, w, wmask, a, BITS: tl.constexpr, ASM: tl.constexpr, FIRST: t
 
 
 @triton.jit
+def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, ASM: tl.constexpr):
+    """fp32 sums of the chains of tile q [rows, NG, W4, 4 words] whose first words are ``first``
+    [NG, W4]. x's pairs for the tile are made as one [NG, W4, 4 words, pairs] tensor, each pair
+    once per program (the layout change that hands them to the rows' threads goes through shared
+    memory), then sliced in registers."""
+    CODES: tl.constexpr = 32 // BITS
+    PAIRS: tl.constexpr = CODES // 2
+    word = first[:, :, None, None] + tl.arange(0, 4)[None, None, :, None]
+    xo = word * CODES + tl.arange(0, PAIRS)[None, None, None, :]
+    wmask = word < KW
+    lo = tl.load(x_ptr + xo, mask=wmask, other=0.0).to(tl.float32)
+    hi = tl.load(x_ptr + xo + PAIRS, mask=wmask, other=0.0).to(tl.float32)
+    xp = _pair(lo, hi, ASM)
+    q0, q1, q2, q3 = _split4(q)
+    if BITS == 4:  # pairs (0, 4), (1, 5), (2, 6), (3, 7) of words 0..3
+        p0, p1, p2, p3 = _split4(xp)
+        x00, x10, x20, x30 = _split4(p0)
+        x01, x11, x21, x31 = _split4(p1)
+        x02, x12, x22, x32 = _split4(p2)
+        x03, x13, x23, x33 = _split4(p3)
+    else:  # pairs (0, 2), (1, 3)
+        p0, p1 = tl.split(xp)
+        x00, x10, x20, x30 = _split4(p0)
+        x01, x11, x21, x31 = _split4(p1)
+        x02, x12, x22, x32 = x00, x10, x20, x30
+        x03, x13, x23, x33 = x00, x10, x20, x30
+    d = _step(q0, x00[None], x01[None], x02[None], x03[None], q0, BITS, ASM, True, False)
+    d = _step(q1, x10[None], x11[None], x12[None], x13[None], d, BITS, ASM, False, False)
+    d = _step(q2, x20[None], x21[None], x22[None], x23[None], d, BITS, ASM, False, False)
+    return _step(q3, x30[None], x31[None], x32[None], x33[None], d, BITS, ASM, False, True)
+
+
+@triton.jit
 def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride_w, stride_s, ngroups,
                         BITS: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr,
+                        G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """A program's tile is [BLOCK_N rows, BLOCK_W words] = [rows, NG groups, WT words]: NG whole
     groups of G // CODES words, or one part of a group (NG = 1). Each chain of 4 words gives an fp32
     sum that takes its (row, group)'s scale (and offset) into an fp32 accumulator, reduced once at
-    the end. Loaded as a 2-D tile, so that a thread holds the same words of several rows and makes
-    x's pairs once for all of them."""
+    the end. The next tile's words are loaded before this one's arithmetic (a tile ahead in
+    registers). EVEN: N and the row's words are whole tiles (no masks but the look-ahead's)."""
     CODES: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = G // CODES  # words per group
     NG: tl.constexpr = BLOCK_W // WPG if BLOCK_W > WPG else 1
@@ -300,35 +329,42 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stri
     W4: tl.constexpr = WT // 4  # chains per group and row in the tile
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + tl.arange(0, BLOCK_W)[None, :]
     srows = (offs_n.to(tl.int64) * stride_s)[:, None]
     chain = tl.arange(0, NG)[:, None] * WT + 4 * tl.arange(0, W4)[None, :]  # [NG, W4]: first words
     acc = tl.zeros([BLOCK_N, NG, W4], tl.float32)
-    for w0 in range(0, KW, BLOCK_W):
-        offs_w = w0 + tl.arange(0, BLOCK_W)
-        q = tl.load(rows + offs_w[None, :], mask=nmask[:, None] & (offs_w < KW)[None, :], other=0,
+    if EVEN:
+        q = tl.load(rows, eviction_policy="evict_first")
+    else:
+        q = tl.load(rows, mask=nmask[:, None] & (tl.arange(0, BLOCK_W) < KW)[None, :], other=0,
                     eviction_policy="evict_first")
-        # words 4i + 2a + b of a chain: split b, then a (a thread's 4 contiguous words)
-        qa, qb = tl.split(tl.reshape(q, [BLOCK_N, NG, W4, 2, 2]))
-        q0, q2 = tl.split(qa)
-        q1, q3 = tl.split(qb)
-        w = w0 + chain
-        d = _step(q0, x_ptr, w, w < KW, q0, BITS, ASM, True, False)
-        d = _step(q1, x_ptr, w + 1, w + 1 < KW, d, BITS, ASM, False, False)
-        d = _step(q2, x_ptr, w + 2, w + 2 < KW, d, BITS, ASM, False, False)
-        d = _step(q3, x_ptr, w + 3, w + 3 < KW, d, BITS, ASM, False, True)
+    for w0 in range(0, KW, BLOCK_W):
+        nxt = w0 + BLOCK_W
+        if EVEN:
+            q_next = tl.load(rows + nxt, mask=tl.full([BLOCK_N, BLOCK_W], nxt, tl.int32) < KW, other=0,
+                             eviction_policy="evict_first")
+        else:
+            q_next = tl.load(rows + nxt, mask=nmask[:, None] & (nxt + tl.arange(0, BLOCK_W) < KW)[None, :],
+                             other=0, eviction_policy="evict_first")
+        d = _chains(tl.reshape(q, [BLOCK_N, NG, W4, 4]), x_ptr, w0 + chain, KW, BITS, ASM)
         gs = (w0 + tl.arange(0, NG) * WT) * CODES // G
-        m = nmask[:, None] & (gs < ngroups)[None, :]
-        s = tl.load(s_ptr + srows + gs[None, :], mask=m, other=0.0).to(tl.float32)[:, :, None]
+        if EVEN:
+            s = tl.load(s_ptr + srows + gs[None, :]).to(tl.float32)[:, :, None]
+        else:
+            m = nmask[:, None] & (gs < ngroups)[None, :]
+            s = tl.load(s_ptr + srows + gs[None, :], mask=m, other=0.0).to(tl.float32)[:, :, None]
         if SYMM:
             acc += s * d
         else:  # offsets (with the centre taken back): b times x's sum over the chain's inputs
+            w = w0 + chain
             xs = tl.zeros([NG, W4], tl.float32)
             for j in tl.static_range(4 * CODES):
                 xs += tl.load(x_ptr + w * CODES + j, mask=w * CODES + j < KW * CODES, other=0.0).to(tl.float32)
             CENTRE: tl.constexpr = 1 << (BITS - 1)
-            b = tl.load(b_ptr + srows + gs[None, :], mask=m, other=0.0).to(tl.float32)[:, :, None] + CENTRE * s
+            b = tl.load(b_ptr + srows + gs[None, :], mask=nmask[:, None] & (gs < ngroups)[None, :],
+                        other=0.0).to(tl.float32)[:, :, None] + CENTRE * s
             acc += s * d + b * (xs * (1.0 / (1 << CODE_SHIFT)))[None, :, :]
+        q = q_next
     y = tl.sum(tl.sum(acc, 2), 1) * (1 << CODE_SHIFT)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
@@ -358,6 +394,7 @@ def qgemv_pairs_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         n, k * bits // 32, words.stride(0), scales.stride(0), scales.shape[1],
         BITS=bits, SYMM=symm, HAS_BIAS=bias is not None,
         G=group_size if scales.shape[1] > 1 else 1 << 30, CODE_SHIFT=CODE_SHIFT[bits], ASM=not INTERPRET,
+        EVEN=n % config["block_n"] == 0 and (k * bits // 32) % config["block_w"] == 0,
         BLOCK_N=config["block_n"], BLOCK_W=config["block_w"], num_warps=config["num_warps"],
         num_stages=config["num_stages"])
     return y
