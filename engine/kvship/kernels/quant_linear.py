@@ -221,9 +221,15 @@ GEMV_CONFIGS = {8: {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages":
                 4: {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 3}}
 WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
                      4: {"block_n": 16, "block_w": 256, "num_warps": 8, "num_stages": 3}}
-# The fp16-pair kernel (quant_gemv.py's second; "pairs") for integer codes where it takes the layout.
-PAIRS_GEMV_CONFIGS = {8: {"pairs": 1, "block_n": 16, "block_w": 256, "num_warps": 8, "num_stages": 3},
-                      4: {"pairs": 1, "block_n": 16, "block_w": 256, "num_warps": 8, "num_stages": 3}}
+# The fp16-pair kernel (quant_gemv.py's second, "pairs"), from the same sweep at 81efe34: 8-bit codes
+# take it everywhere (61-95% of copy bandwidth against 41-64% for the word kernel, one setting
+# best on all four 8B shapes); 4-bit codes only on tall matrices in groups of 128 or more, where
+# its many rows a program make x's pairs pay (gate/up 57% against 39%). On the narrower ones it
+# tied or lost (25-32% against 26-32%: N / 64 programs leave SMs idle), and in groups of 32
+# (Q4_K's layout) it lost on every shape (26-35% against 30-44%).
+PAIRS_GEMV_CONFIGS = {8: {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
+                      4: {"pairs": 1, "block_n": 64, "block_w": 64, "num_warps": 2, "num_stages": 3}}
+PAIRS_4BIT_MIN_ROWS, PAIRS_4BIT_MIN_GROUP = 16384, 128
 # From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
 # GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
 DENSE_ROWS = 16
@@ -278,10 +284,12 @@ def _layout(w: QWeight, block_k: int) -> tuple[tuple[torch.Tensor, ...], dict]:
 
 
 def _one_row_config(w: QWeight, dtype: torch.dtype) -> dict[str, int]:
-    """The pairs kernel's settings where it takes the layout and x is 16-bit (its sums are fp16:
-    float32 serving keeps float32 arithmetic), else the word kernel's (with block_w), else the
-    per-code one's."""
-    if dtype != torch.float32 and not w.fp8 and pairs_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None):
+    """The pairs kernel's settings where it takes the layout, x is 16-bit (its sums are fp16: float32
+    serving keeps float32 arithmetic) and it measured faster (PAIRS_GEMV_CONFIGS), else the word
+    kernel's (with block_w), else the per-code one's."""
+    pairs = dtype != torch.float32 and not w.fp8 and pairs_fit(w.bits, w.k, w.group_size, w.scales.shape[1],
+                                                               w.g_idx is not None)
+    if pairs and (w.bits == 8 or (w.n >= PAIRS_4BIT_MIN_ROWS and w.group_size >= PAIRS_4BIT_MIN_GROUP)):
         return PAIRS_GEMV_CONFIGS[w.bits]
     words = WORD_GEMV_CONFIGS[w.bits]
     if not w.fp8 and fits(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, words["block_w"]):
