@@ -6,12 +6,14 @@ against the torch reference on two sequences, then timed from a CUDA graph (CUDA
 warm-up, random pages). % BW = the layout's bytes (codes and scales of every key and value
 read, the queries and outputs) ÷ time ÷ copy bandwidth measured in the same run.
 
-Quantized layouts run every setting twice: with the decode config's page reads as they are and
-with "packed" (FP8 converted to fp16 in the registers it was loaded into, int4 codes and group
-words loaded whole and unpacked two codes an instruction: paged_attention._load_kv), FP8 also
-with packed values beside keys as stored ("packed": "values"). The last
-table puts the best of each side by side, against the best 16-bit setting (tokens/s scale as
-1 / us at a fixed batch).
+Quantized layouts run each page read (paged_attention.DECODE_CONFIGS' "packed") over a grid of
+settings: as stored (False), "packed" (FP8 converted to fp16 in the registers it was loaded into,
+int4 codes and group words loaded whole and unpacked two codes an instruction:
+paged_attention._load_kv), FP8 "values" (values packed, keys as stored) and int4 "split" (packed,
+left as even and odd channels, two dots each). Reads that lost clearly at 1206f4e (FP8 as stored
+and packed, int4 as stored) get a narrow grid, the contenders a wide one: about 100 settings,
+about 4 minutes on the H200. The last table puts the best of each side by side, against the best
+16-bit setting (tokens/s scale as 1 / us at a fixed batch).
 
     python bench/kv_attention_sweep.py [--quick] [--layouts fp8,int4]
 """
@@ -87,9 +89,15 @@ def main() -> None:
     args = ap.parse_args()
     layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
     bw, _ = measure_ceilings()
-    grid = list(itertools.product([32, 64, 128], [4, 8], [2, 3, 4]))
+    wide = list(itertools.product([64, 128], [4, 8], [2, 3, 4]))
+    narrow = [(64, 4, 2), (128, 4, 3), (128, 4, 2)]
+    plain = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 3), (128, 8, 3)]
+    # (page read, grid) per layout; the H200 sweep at 1206f4e: bf16 best at (64, 4, 2), FP8 as
+    # stored 227.9 us and packed 240.4 us against 190.5 us for packed values, int4 as stored 686.1 us
+    reads = {"auto": [(False, plain)], "fp8": [(False, narrow), (True, narrow), ("values", wide)],
+             "int4": [(False, narrow), (True, wide), ("split", wide)]}
     if args.quick:
-        grid = [(64, 4, 2), (128, 4, 3), (64, 8, 3)]
+        reads = {kv: [(packed, [(64, 4, 2), (128, 4, 3), (64, 8, 3)]) for packed, _ in r] for kv, r in reads.items()}
     print(header("Paged decode attention by KV layout and launch setting (8B attention, block size 16)"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s\n")
     rows, best, sides = [], {}, []
@@ -98,7 +106,7 @@ def main() -> None:
         nbytes = case_bytes(32, 8000, kv)
         default = pa.DECODE_CONFIGS[kvq.kv_mode(case[1][0])]
         results = []
-        for packed in {"auto": [False], "int4": [False, True]}.get(kv, [False, True, "values"]):
+        for packed, grid in reads.get(kv, reads["fp8"]):
             for block_n, warps, stages in grid:
                 for waves in (4, 8):
                     cfg = {**default, "block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
@@ -139,8 +147,8 @@ def main() -> None:
     print(table(rows, ["KV", "case", "setting", "us", "% BW", "vs default", "rel err"]))
     bf16 = next((us for name, us, *_ in sides if name == "bf16"), None)
     print("\nBest per page read, B=32 ctx=8000 (targets: fp8 >= 1.35x bf16, int4 >= 1.6x):")
-    reads = {False: "as stored", True: "packed", "values": "packed values"}
-    print(table([[name, reads[cfg.get("packed", False)], setting(cfg), f"{us:.1f}",
+    read_names = {False: "as stored", True: "packed", "values": "packed values", "split": "packed split"}
+    print(table([[name, read_names[cfg.get("packed", False)], setting(cfg), f"{us:.1f}",
                   f"{100 * nbytes / (us * 1e-6) / bw:.0f}%", f"{bf16 / us:.2f}x" if bf16 else "-", f"{err:.1e}"]
                  for name, us, cfg, err, nbytes in sides],
                 ["KV", "page read", "setting", "us", "% BW", "vs bf16", "rel err"]))
@@ -149,7 +157,7 @@ def main() -> None:
 
 def setting(cfg: dict) -> str:
     return (f"bn={cfg['block_n']} w={cfg['num_warps']} s={cfg['num_stages']} waves={cfg['waves']}"
-            + {False: "", True: " packed", "values": " packed=values"}[cfg.get("packed", False)])
+            + {False: "", True: " packed", "values": " packed=values", "split": " packed=split"}[cfg.get("packed", False)])
 
 
 if __name__ == "__main__":

@@ -133,7 +133,8 @@ def test_decode_kernel_16bit_query(kv_dtype, dtype):
 def test_decode_kernel_packed(hq, hkv, d, kv_dtype):
     """The decode kernel's packed page reads (decode config "packed": FP8 converted in the load's
     registers, int4 codes and group words loaded whole; True: keys and values, "values": values
-    alone): the same values as the reference beside
+    alone, "split": int4 pages left as even and odd channels, two dots each): the same values as
+    the reference beside
     fp16 and bf16 queries, for every head size (33: a short last group and an odd byte; 16: int4
     falls back to the unpacked reads), and beside a float32 query (--dtype float32 on a GPU),
     which reads as stored whatever the config says. The interpreter runs the Triton twin of the
@@ -143,7 +144,7 @@ def test_decode_kernel_packed(hq, hkv, d, kv_dtype):
         q, kq, vq, ks, vs, bt, sl, cu = quant_paged([1, 1, 1], [1, 40, 97], hq, hkv, d, 16, kv_dtype, seed=seed,
                                                     dtype=dtype)
         ref = pa.paged_attention_torch(q, kq, vq, bt, sl, cu, d**-0.5, ks, vs)
-        for packed in (True, "values"):
+        for packed in (True, "values", "split"):  # "split" beside FP8 pages or a float32 query: True
             cfg = {**pa.DECODE_CONFIGS[kvq.kv_mode(kq)], "packed": packed}
             out = pa.paged_attention_triton(q, kq, vq, bt, sl, cu, d**-0.5, 1, k_scale=ks, v_scale=vs,
                                             decode_config=cfg)
@@ -267,8 +268,11 @@ def _sm90_specs():
                    "types": {**decode_types(cache, scales), "q_ptr": "*fp32", "out_ptr": "*fp32"},
                    "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, NUM_SPLITS=8,
                                       KV_MODE=mode, **launched)}
-        if mode > 0:  # the packed page reads (PACKED 1: keys and values, 2: values), with their PTX
-            for block_n, head_dim, packed in ((128, 128, 1), (64, 80, 1), (128, 128, 2)):
+        if mode > 0:  # the packed page reads (PACKED 1: keys and values, 2: values, 3: int4 split), with their PTX
+            variants = ((128, 128, 1), (64, 80, 1), (128, 128, 2))
+            if mode == 2:  # and the split read (PACKED 3)
+                variants += ((64, 128, 3), (128, 128, 3), (64, 80, 3))
+            for block_n, head_dim, packed in variants:
                 yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel",
                        "types": decode_types(cache, scales),
                        "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=head_dim, BLOCK_D=128, BLOCK_SIZE=16,

@@ -304,12 +304,15 @@ def fp8_to_f16(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr):
+def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr, PINNED: tl.constexpr = False):
     """Packed int4 bytes b (uint8, the last dimension a multiple of 4) and each byte's group
     scale s and minimum z (float16, b's shape) -> (low nibbles, high nibbles) dequantized,
     code * s + z in float16. ASM: per four bytes, two byte permutes spread them over two words,
     one LOP3 per pair of codes ORs them into the mantissa of 1024.0 (0x6400), and a packed
-    subtract and FMA give two values per instruction."""
+    subtract and FMA give two values per instruction. PINNED: the PTX is marked impure, which
+    keeps it in the layout b was loaded in: the compiler otherwise carries a dot operand's layout
+    back through it to the bytes (for values, whose dot runs over tokens, that read shared
+    memory a byte at a time: 32 ld.shared.b8 and 56 prmt per 64-token tile at sm_90)."""
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b32 t0, t1, u0, u1, k; mov.b32 k, 0x64006400;"
@@ -320,7 +323,7 @@ def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr):
             " sub.f16x2 t0, t0, k; sub.f16x2 t1, t1, k; sub.f16x2 u0, u0, k; sub.f16x2 u1, u1, k;"
             " fma.rn.f16x2 $0, t0, $5, $7; fma.rn.f16x2 $1, t1, $6, $8;"
             " fma.rn.f16x2 $2, u0, $5, $7; fma.rn.f16x2 $3, u1, $6, $8; }",
-            "=r,=r,=r,=r,r,r,r,r,r", [b, s, z], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            "=r,=r,=r,=r,r,r,r,r,r", [b, s, z], dtype=(tl.float16, tl.float16), is_pure=not PINNED, pack=4)
     else:
         lo = small_int_to_float(b & 15, tl.float16) * s + z
         hi = small_int_to_float(b >> 4, tl.float16) * s + z
@@ -328,11 +331,13 @@ def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr):
 
 
 @triton.jit
-def int4_load_rows_packed(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr,
-                          BLOCK_D: tl.constexpr, ASM: tl.constexpr):
-    """``int4_load_rows`` in float16 (BLOCK_D >= 32), the packed way: a group's scale and
-    minimum are one 32-bit word (loaded as such, so every load of the tile is at least 4 bytes
-    wide and can be pipelined), and the codes are unpacked and scaled by ``int4_bytes_to_f16``."""
+def int4_load_rows_split(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, ASM: tl.constexpr, PINNED: tl.constexpr = False):
+    """``int4_load_rows`` in float16 (BLOCK_D >= 32), the packed way, as two [BLOCK_N, BLOCK_D // 2]
+    tiles: the even channels (low nibbles) and the odd ones (high nibbles), each in the order
+    ``int4_bytes_to_f16`` leaves it (two neighbours a 32-bit word), so nothing is repacked. A
+    group's scale and minimum are one 32-bit word, loaded as such, so every load of the tile is at
+    least 4 bytes wide and can be pipelined. PINNED: ``int4_bytes_to_f16``'s."""
     NG: tl.constexpr = BLOCK_D // 32
     offs_b = tl.arange(0, BLOCK_D // 2)
     # (masks as index < bound: the compiler sees them constant over a vector, as not for 2 * index)
@@ -346,5 +351,13 @@ def int4_load_rows_packed(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_
     z = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, 16)), (BLOCK_N, BLOCK_D // 2))
     z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG, 16)), (BLOCK_N, BLOCK_D // 2))
-    lo, hi = int4_bytes_to_f16(b, s, z, ASM)
+    return int4_bytes_to_f16(b, s, z, ASM, PINNED)
+
+
+@triton.jit
+def int4_load_rows_packed(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr,
+                          BLOCK_D: tl.constexpr, ASM: tl.constexpr):
+    """``int4_load_rows`` in float16 (BLOCK_D >= 32), the packed way: ``int4_load_rows_split``'s
+    even and odd channels interleaved back into channel order."""
+    lo, hi = int4_load_rows_split(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N, BLOCK_D, ASM)
     return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_D))  # element 2j, then 2j + 1

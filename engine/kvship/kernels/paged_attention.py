@@ -171,9 +171,12 @@ _LOG2E = 1.4426950408889634
 # A decode config's "packed" (default False): how the kernel reads quantized pages beside a
 # 16-bit query (_load_kv): True, keys and values converted in the registers they were loaded
 # into; "values", values alone (FP8 keys keep the compiler's own read, from shared memory in the
-# dot's layout, which reads whole words for keys); False, both as stored. -> the PACKED constexpr.
+# dot's layout, which reads whole words for keys); "split" (int4 pages), keys and values packed
+# and left as their even and odd channels (low and high nibbles), each dot taken as two, with
+# the query's even and odd channels and two accumulators, so the unpacked codes are never
+# interleaved back into channel order; False, both as stored. -> the PACKED constexpr.
 # A float32 query (--dtype float32), and int4 heads under 32 channels, read as stored whatever
-# the config says (_load_kv decides per compiled variant).
+# the config says (_load_kv decides per compiled variant; "split" falls back to True on the host).
 # H200, 2026-12-02, commit 1206f4e, `python3 bench/kv_attention_sweep.py` (8B attention, batch 32
 # at 8k, the best setting per page read, us and % of the layout's bytes at copy bandwidth):
 #   bf16   bn=64 w=4 s=2 waves=4                  246.0 us  101%
@@ -185,7 +188,7 @@ DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
                                "packed": "values"},
                   kvq.KV_INT4: {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64,
                                 "packed": True}}
-_PACKED = {False: 0, True: 1, "values": 2}
+_PACKED = {False: 0, True: 1, "values": 2, "split": 3}
 PREFILL_CONFIG = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
     # H200 sweep at 4k-token causal prefill: (64, 64, 4, 3) 429 us; (128, 64, 8, 3) 455 us;
@@ -258,7 +261,9 @@ def _attend_tile(
     tuple ``_pages`` makes). MASK: 0 none, 1 pos < kv_end, 2 that and causal (and pos >
     q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain. PACKED,
     INTERPRET, HEAD_DIM: how quantized pages are read (``_load_kv``); PACKED 1: keys and values
-    packed, 2: values alone (keys as stored), 0: neither."""
+    packed, 2: values alone (keys as stored), 0: neither; 3: int4 pages beside a 16-bit query
+    in even and odd channels (``int4_load_rows_split``): q and acc are then pairs, (even, odd)
+    channels, q already float16."""
     (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
      stride_gb, stride_gs, stride_gh, kvh) = pages
     pos = n0 + offs_n
@@ -276,16 +281,21 @@ def _attend_tile(
     # fp32, int4 codes become fp16 values with integer and fp16 instructions alone
     # (kv_quant.int4_load_rows), and the pages' values, the probabilities and a query within
     # fp16's range (clamped) lose nothing there that the quantization had not.
-    dot_dtype = q.dtype
-    if KV_MODE > 0:
-        if q.dtype == tl.bfloat16:
-            dot_dtype = tl.float16
-    kt = _load_kv(kc_ptr, ks_ptr, k_off, g_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE, dot_dtype,
-                  PACKED == 1, INTERPRET, HEAD_DIM)
-    if dot_dtype == q.dtype:
-        qk = tl.dot(q, kt.to(dot_dtype)) * qk_scale
+    if PACKED == 3:
+        k_even, k_odd = kvq.int4_load_rows_split(kc_ptr, ks_ptr, k_off, g_off, nmask, HEAD_DIM, offs_n.shape[0],
+                                                 offs_d.shape[0], not INTERPRET)
+        qk = tl.dot(q[1], tl.trans(k_odd), tl.dot(q[0], tl.trans(k_even))) * qk_scale
     else:
-        qk = tl.dot(tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(dot_dtype), kt.to(dot_dtype)) * qk_scale
+        dot_dtype = q.dtype
+        if KV_MODE > 0:
+            if q.dtype == tl.bfloat16:
+                dot_dtype = tl.float16
+        kt = _load_kv(kc_ptr, ks_ptr, k_off, g_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE, dot_dtype,
+                      PACKED == 1, INTERPRET, HEAD_DIM)
+        if dot_dtype == q.dtype:
+            qk = tl.dot(q, kt.to(dot_dtype)) * qk_scale
+        else:
+            qk = tl.dot(tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(dot_dtype), kt.to(dot_dtype)) * qk_scale
     if SOFTCAP > 0:  # cap * tanh(s / cap), s and cap both scaled by log2(e)
         qk = SOFTCAP * tanh(qk / SOFTCAP)
     if MASK == 1:
@@ -302,9 +312,15 @@ def _attend_tile(
     p = tl.exp2(qk - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, dot_dtype,
-                 PACKED > 0, INTERPRET, HEAD_DIM)
-    acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype))
+    if PACKED == 3:
+        v_even, v_odd = kvq.int4_load_rows_split(vc_ptr, vs_ptr, v_off, g_off, nmask, HEAD_DIM, offs_n.shape[0],
+                                                 offs_d.shape[0], not INTERPRET, True)
+        p16 = p.to(tl.float16)
+        acc = (tl.dot(p16, v_even, acc[0] * alpha[:, None]), tl.dot(p16, v_odd, acc[1] * alpha[:, None]))
+    else:
+        v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, dot_dtype,
+                     PACKED > 0, INTERPRET, HEAD_DIM)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype))
     return acc, l_i, m_new
 
 
@@ -361,7 +377,18 @@ def _decode_kernel(
     gmask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
     qmask = gmask[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
+    offs_h = tl.arange(0, BLOCK_D // 2)  # PACKED 3: the even channels 2h, the odd 2h + 1
+    if PACKED == 3:  # the host passes it for int4 pages beside a 16-bit query, BLOCK_D >= 32
+        tl.static_assert(KV_MODE == 2 and BLOCK_D >= 32 and q_ptr.dtype.element_ty != tl.float32)
+        qp = q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + 2 * offs_h[None, :]
+        q_even = tl.load(qp, mask=gmask[:, None] & (2 * offs_h < HEAD_DIM)[None, :], other=0.0)
+        q_odd = tl.load(qp + 1, mask=gmask[:, None] & (2 * offs_h + 1 < HEAD_DIM)[None, :], other=0.0)
+        q = (tl.minimum(tl.maximum(q_even, -65504.0), 65504.0).to(tl.float16),
+             tl.minimum(tl.maximum(q_odd, -65504.0), 65504.0).to(tl.float16))
+        acc = (tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32), tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32))
+    else:
+        q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
 
     # This split's share of the actual context (with a window: of its last WINDOW tokens, from
     # the tile holding the first of them), in whole BLOCK_N tiles.
@@ -376,7 +403,6 @@ def _decode_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     if KV_MODE == 1:
         qk_scale = qk_scale * tl.load(ks_ptr)
@@ -386,19 +412,27 @@ def _decode_kernel(
                                   BLOCK_SIZE, 1 + (WINDOW > 0), KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET,
                                   HEAD_DIM)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    if KV_MODE == 1:
-        o = o * tl.load(vs_ptr)
     if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-            o.to(out_ptr.dtype.element_ty), mask=qmask,
-        )
+        o_ptr = out_ptr + q_row * stride_ot + heads[:, None] * stride_oh
     else:
-        mo = mid_o_ptr + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
-        tl.store(mo, o, mask=qmask)
+        o_ptr = mid_o_ptr + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
+    if PACKED == 3:
+        _store_rows(o_ptr, acc[0] / l_safe[:, None], 2 * offs_h, gmask, vs_ptr, HEAD_DIM, KV_MODE)
+        _store_rows(o_ptr, acc[1] / l_safe[:, None], 2 * offs_h + 1, gmask, vs_ptr, HEAD_DIM, KV_MODE)
+    else:
+        _store_rows(o_ptr, acc / l_safe[:, None], offs_d, gmask, vs_ptr, HEAD_DIM, KV_MODE)
+    if NUM_SPLITS > 1:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, lse, mask=gmask)
+
+
+@triton.jit
+def _store_rows(o_ptr, o, channels, gmask, vs_ptr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr):
+    """The decode output's ``channels`` of each head (o_ptr: each head's row [BLOCK_G, 1]), FP8
+    values' scale applied."""
+    if KV_MODE == 1:
+        o = o * tl.load(vs_ptr)
+    tl.store(o_ptr + channels[None, :], o.to(o_ptr.dtype.element_ty), mask=gmask[:, None] & (channels < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -573,6 +607,9 @@ def paged_attention_triton(
             if window:  # the tiles a windowed query reads, at most
                 context = min(context, window + block_n)
             num_splits = decode_num_splits(batch, num_kv_heads, context, device_sms(q), block_n, cfg)
+        packed = _PACKED[cfg.get("packed", False)]
+        if packed == 3 and not (kv_mode == kvq.KV_INT4 and q.dtype != torch.float32 and block_d >= 32):
+            packed = 1  # "split" is for int4 pages beside a 16-bit query; _load_kv decides the rest
         if num_splits > 1:
             mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
             mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -587,7 +624,7 @@ def paged_attention_triton(
             qk_scale, *common, *mid_strides,
             GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode, **options,
-            PACKED=_PACKED[cfg.get("packed", False)], INTERPRET=INTERPRET,
+            PACKED=packed, INTERPRET=INTERPRET,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if num_splits > 1:
