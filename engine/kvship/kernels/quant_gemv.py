@@ -282,9 +282,10 @@ def _step(q, x0, x1, x2, x3, a, BITS: tl.constexpr, ASM: tl.constexpr, FIRST: tl
 @triton.jit
 def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, ASM: tl.constexpr):
     """fp32 sums of the chains of tile q [rows, NG, W4, 4 words] whose first words are ``first``
-    [NG, W4]. x's pairs for the tile are made as one [NG, W4, 4 words, pairs] tensor, each pair
-    once per program (the layout change that hands them to the rows' threads goes through shared
-    memory), then sliced in registers."""
+    [NG, W4], and the fp32 sums of x over each chain's inputs [NG, W4] (what offsets multiply).
+    x's pairs for the tile are made as one [NG, W4, 4 words, pairs] tensor, each pair once per
+    program (the layout change that hands them to the rows' threads goes through shared memory),
+    then sliced in registers."""
     CODES: tl.constexpr = 32 // BITS
     PAIRS: tl.constexpr = CODES // 2
     word = first[:, :, None, None] + tl.arange(0, 4)[None, None, :, None]
@@ -293,6 +294,7 @@ def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, ASM: tl.constexpr):
     lo = tl.load(x_ptr + xo, mask=wmask, other=0.0).to(tl.float32)
     hi = tl.load(x_ptr + xo + PAIRS, mask=wmask, other=0.0).to(tl.float32)
     xp = _pair(lo, hi, ASM)
+    xsum = tl.sum(tl.sum(lo + hi, 3), 2)
     q0, q1, q2, q3 = _split4(q)
     if BITS == 4:  # pairs (0, 4), (1, 5), (2, 6), (3, 7) of words 0..3
         p0, p1, p2, p3 = _split4(xp)
@@ -309,7 +311,7 @@ def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, ASM: tl.constexpr):
     d = _step(q0, x00[None], x01[None], x02[None], x03[None], q0, BITS, ASM, True, False)
     d = _step(q1, x10[None], x11[None], x12[None], x13[None], d, BITS, ASM, False, False)
     d = _step(q2, x20[None], x21[None], x22[None], x23[None], d, BITS, ASM, False, False)
-    return _step(q3, x30[None], x31[None], x32[None], x33[None], d, BITS, ASM, False, True)
+    return _step(q3, x30[None], x31[None], x32[None], x33[None], d, BITS, ASM, False, True), xsum
 
 
 @triton.jit
@@ -346,7 +348,7 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stri
         else:
             q_next = tl.load(rows + nxt, mask=nmask[:, None] & (nxt + tl.arange(0, BLOCK_W) < KW)[None, :],
                              other=0, eviction_policy="evict_first")
-        d = _chains(tl.reshape(q, [BLOCK_N, NG, W4, 4]), x_ptr, w0 + chain, KW, BITS, ASM)
+        d, xs = _chains(tl.reshape(q, [BLOCK_N, NG, W4, 4]), x_ptr, w0 + chain, KW, BITS, ASM)
         gs = (w0 + tl.arange(0, NG) * WT) * CODES // G
         if EVEN:
             s = tl.load(s_ptr + srows + gs[None, :]).to(tl.float32)[:, :, None]
@@ -356,10 +358,6 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stri
         if SYMM:
             acc += s * d
         else:  # offsets (with the centre taken back): b times x's sum over the chain's inputs
-            w = w0 + chain
-            xs = tl.zeros([NG, W4], tl.float32)
-            for j in tl.static_range(4 * CODES):
-                xs += tl.load(x_ptr + w * CODES + j, mask=w * CODES + j < KW * CODES, other=0.0).to(tl.float32)
             CENTRE: tl.constexpr = 1 << (BITS - 1)
             b = tl.load(b_ptr + srows + gs[None, :], mask=nmask[:, None] & (gs < ngroups)[None, :],
                         other=0.0).to(tl.float32)[:, :, None] + CENTRE * s
