@@ -71,8 +71,8 @@ def test_layouts_the_word_kernel_leaves_to_the_other():
 
 # (bits, group, block_w) for the pairs kernel: tiles inside a group, of one group, of several;
 # one group per row; 8-bit codes in groups of 16 and per row
-PAIR_CASES = [(4, 128, 8), (4, 32, 4), (4, 32, 16), (4, 128, 64), (4, 1 << 20, 16), (8, 16, 8), (8, 128, 16),
-              (8, 1 << 20, 32)]
+PAIR_CASES = [(4, 128, 8), (4, 32, 4), (4, 32, 16), (4, 128, 64), (4, 1 << 20, 16), (4, 64, 16), (8, 16, 8),
+              (8, 128, 16), (8, 1 << 20, 32)]
 
 
 @pytest.mark.parametrize("bits,group,block_w,symmetric", [(*c, symm) for c in PAIR_CASES for symm in (True, False)])
@@ -117,5 +117,6 @@ def test_layouts_the_pairs_kernel_leaves():
     assert not pairs_fit(4, 384, 32, 12, True)  # g_idx
     assert not pairs_fit(4, 36, 4, 9, False)  # 36 codes: 4.5 words
     assert not pairs_fit(8, 64, 2, 32, False)  # groups narrower than a word
-    assert not pairs_fit(4, 384, 48, 8, False)  # groups of 48 are not a power of two
+    assert not pairs_fit(4, 384, 16, 24, False)  # groups of 16 inputs: 2 words, half a chain
+    assert pairs_fit(4, 384, 96, 4, False)  # 3 chains a group
     assert pairs_fit(4, 4096, 128, 32, False) and pairs_fit(8, 4096, 4096, 1, False)

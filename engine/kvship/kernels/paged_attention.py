@@ -182,13 +182,24 @@ _LOG2E = 1.4426950408889634
 #   bf16   bn=64 w=4 s=2 waves=4                  246.0 us  101%
 #   fp8    bn=128 w=4 s=3 waves=8 packed=values   190.5 us   65%  1.29x bf16 (as stored 227.9 us)
 #   int4   bn=64 w=4 s=2 waves=4 packed           271.9 us   29%  0.90x bf16 (as stored 686.1 us)
+# and at 6067e97 (`--layouts bf16,int4`): bf16 250.9 us; int4 bn=64 w=4 s=2 waves=4 packed=split
+# 213.1 us, 36%, 1.18x bf16 (packed 272.1 us).
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
 DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
                   kvq.KV_FP8: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 8, "max_splits": 64,
                                "packed": "values"},
                   kvq.KV_INT4: {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64,
-                                "packed": True}}
+                                "packed": "split"}}
 _PACKED = {False: 0, True: 1, "values": 2, "split": 3}
+
+
+def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, block_d: int) -> int:
+    """The PACKED constexpr a decode config launches: "split" is for int4 pages beside a 16-bit
+    query and blocks of 32+ channels, else the packed read (True); _load_kv decides the rest."""
+    packed = _PACKED[cfg.get("packed", False)]
+    if packed == 3 and not (kv_mode == kvq.KV_INT4 and q_dtype != torch.float32 and block_d >= 32):
+        packed = 1
+    return packed
 PREFILL_CONFIG = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
     # H200 sweep at 4k-token causal prefill: (64, 64, 4, 3) 429 us; (128, 64, 8, 3) 455 us;
@@ -607,9 +618,7 @@ def paged_attention_triton(
             if window:  # the tiles a windowed query reads, at most
                 context = min(context, window + block_n)
             num_splits = decode_num_splits(batch, num_kv_heads, context, device_sms(q), block_n, cfg)
-        packed = _PACKED[cfg.get("packed", False)]
-        if packed == 3 and not (kv_mode == kvq.KV_INT4 and q.dtype != torch.float32 and block_d >= 32):
-            packed = 1  # "split" is for int4 pages beside a 16-bit query; _load_kv decides the rest
+        packed = packed_read(cfg, kv_mode, q.dtype, block_d)
         if num_splits > 1:
             mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
             mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)

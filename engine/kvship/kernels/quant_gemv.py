@@ -281,20 +281,20 @@ def _step(q, x0, x1, x2, x3, a, BITS: tl.constexpr, ASM: tl.constexpr, FIRST: tl
 
 @triton.jit
 def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, ASM: tl.constexpr):
-    """fp32 sums of the chains of tile q [rows, NG, W4, 4 words] whose first words are ``first``
-    [NG, W4], and the fp32 sums of x over each chain's inputs [NG, W4] (what offsets multiply).
-    x's pairs for the tile are made as one [NG, W4, 4 words, pairs] tensor, each pair once per
+    """fp32 sums of the chains of tile q [rows, chains, 4 words] whose first words are ``first``
+    [chains], and the fp32 sums of x over each chain's inputs [chains] (what offsets multiply).
+    x's pairs for the tile are made as one [chains, 4 words, pairs] tensor, each pair once per
     program (the layout change that hands them to the rows' threads goes through shared memory),
     then sliced in registers."""
     CODES: tl.constexpr = 32 // BITS
     PAIRS: tl.constexpr = CODES // 2
-    word = first[:, :, None, None] + tl.arange(0, 4)[None, None, :, None]
-    xo = word * CODES + tl.arange(0, PAIRS)[None, None, None, :]
+    word = first[:, None, None] + tl.arange(0, 4)[None, :, None]
+    xo = word * CODES + tl.arange(0, PAIRS)[None, None, :]
     wmask = word < KW
     lo = tl.load(x_ptr + xo, mask=wmask, other=0.0).to(tl.float32)
     hi = tl.load(x_ptr + xo + PAIRS, mask=wmask, other=0.0).to(tl.float32)
     xp = _pair(lo, hi, ASM)
-    xsum = tl.sum(tl.sum(lo + hi, 3), 2)
+    xsum = tl.sum(tl.sum(lo + hi, 2), 1)
     q0, q1, q2, q3 = _split4(q)
     if BITS == 4:  # pairs (0, 4), (1, 5), (2, 6), (3, 7) of words 0..3
         p0, p1, p2, p3 = _split4(xp)
@@ -319,22 +319,19 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stri
                         BITS: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
                         G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """A program's tile is [BLOCK_N rows, BLOCK_W words] = [rows, NG groups, WT words]: NG whole
-    groups of G // CODES words, or one part of a group (NG = 1). Each chain of 4 words gives an fp32
-    sum that takes its (row, group)'s scale (and offset) into an fp32 accumulator, reduced once at
-    the end. The next tile's words are loaded before this one's arithmetic (a tile ahead in
-    registers). EVEN: N and the row's words are whole tiles (no masks but the look-ahead's)."""
+    """A program's tile is [BLOCK_N rows, BLOCK_W words] = [rows, chains, 4 words]. Each chain's
+    fp32 sum takes its (row, group)'s scale (and offset; a chain lies in one group) into an fp32
+    accumulator, reduced once at the end. The next tile's words are loaded before this one's
+    arithmetic (a tile ahead in registers). EVEN: N and the row's words are whole tiles (no masks
+    but the look-ahead's)."""
     CODES: tl.constexpr = 32 // BITS
-    WPG: tl.constexpr = G // CODES  # words per group
-    NG: tl.constexpr = BLOCK_W // WPG if BLOCK_W > WPG else 1
-    WT: tl.constexpr = BLOCK_W // NG
-    W4: tl.constexpr = WT // 4  # chains per group and row in the tile
+    NCH: tl.constexpr = BLOCK_W // 4
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + tl.arange(0, BLOCK_W)[None, :]
     srows = (offs_n.to(tl.int64) * stride_s)[:, None]
-    chain = tl.arange(0, NG)[:, None] * WT + 4 * tl.arange(0, W4)[None, :]  # [NG, W4]: first words
-    acc = tl.zeros([BLOCK_N, NG, W4], tl.float32)
+    chain = 4 * tl.arange(0, NCH)  # first words of the tile's chains
+    acc = tl.zeros([BLOCK_N, NCH], tl.float32)
     if EVEN:
         q = tl.load(rows, eviction_policy="evict_first")
     else:
@@ -348,35 +345,33 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stri
         else:
             q_next = tl.load(rows + nxt, mask=nmask[:, None] & (nxt + tl.arange(0, BLOCK_W) < KW)[None, :],
                              other=0, eviction_policy="evict_first")
-        d, xs = _chains(tl.reshape(q, [BLOCK_N, NG, W4, 4]), x_ptr, w0 + chain, KW, BITS, ASM)
-        gs = (w0 + tl.arange(0, NG) * WT) * CODES // G
+        d, xs = _chains(tl.reshape(q, [BLOCK_N, NCH, 4]), x_ptr, w0 + chain, KW, BITS, ASM)
+        gs = (w0 + chain) * CODES // G
         if EVEN:
-            s = tl.load(s_ptr + srows + gs[None, :]).to(tl.float32)[:, :, None]
+            s = tl.load(s_ptr + srows + gs[None, :]).to(tl.float32)
         else:
-            m = nmask[:, None] & (gs < ngroups)[None, :]
-            s = tl.load(s_ptr + srows + gs[None, :], mask=m, other=0.0).to(tl.float32)[:, :, None]
+            s = tl.load(s_ptr + srows + gs[None, :], mask=nmask[:, None] & (gs < ngroups)[None, :],
+                        other=0.0).to(tl.float32)
         if SYMM:
             acc += s * d
         else:  # offsets (with the centre taken back): b times x's sum over the chain's inputs
             CENTRE: tl.constexpr = 1 << (BITS - 1)
             b = tl.load(b_ptr + srows + gs[None, :], mask=nmask[:, None] & (gs < ngroups)[None, :],
-                        other=0.0).to(tl.float32)[:, :, None] + CENTRE * s
-            acc += s * d + b * (xs * (1.0 / (1 << CODE_SHIFT)))[None, :, :]
+                        other=0.0).to(tl.float32) + CENTRE * s
+            acc += s * d + b * (xs * (1.0 / (1 << CODE_SHIFT)))[None, :]
         q = q_next
-    y = tl.sum(tl.sum(acc, 2), 1) * (1 << CODE_SHIFT)
+    y = tl.sum(acc, 1) * (1 << CODE_SHIFT)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 def pairs_fit(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool) -> bool:
     """Whether the pairs kernel takes this layout: integer codes of 4 or 8 bits, rows of whole words,
-    no act-order table, groups of whole chains of words whose count is a power of two (tiles hold
-    whole groups or lie inside one), or one group per row."""
+    no act-order table, groups of whole chains of words (or one group per row)."""
     codes = 32 // bits
     if bits not in (4, 8) or has_g_idx or k % codes:
         return False
-    words = group_size // codes
-    return ngroups == 1 or (group_size % (CHAIN * codes) == 0 and words & (words - 1) == 0)
+    return ngroups == 1 or group_size % (CHAIN * codes) == 0
 
 
 def qgemv_pairs_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,

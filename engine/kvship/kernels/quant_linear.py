@@ -221,15 +221,14 @@ GEMV_CONFIGS = {8: {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages":
                 4: {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 3}}
 WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
                      4: {"block_n": 16, "block_w": 256, "num_warps": 8, "num_stages": 3}}
-# The fp16-pair kernel (quant_gemv.py's second, "pairs"), from the same sweep at 81efe34: 8-bit codes
-# take it everywhere (61-95% of copy bandwidth against 41-64% for the word kernel, one setting
-# best on all four 8B shapes); 4-bit codes only on tall matrices in groups of 128 or more, where
-# its many rows a program make x's pairs pay (gate/up 57% against 39%). On the narrower ones it
-# tied or lost (25-32% against 26-32%: N / 64 programs leave SMs idle), and in groups of 32
-# (Q4_K's layout) it lost on every shape (26-35% against 30-44%).
+# The fp16-pair kernel (quant_gemv.py's second, "pairs") for integer codes, from the same sweep:
+# 8-bit at 81efe34 (61-95% of copy bandwidth against 41-64% for the word kernel, one setting best
+# on all four 8B shapes); 4-bit in groups of 32 with offsets (Q4_K's layout) at 6067e97, 8 rows of
+# 256 words (38/33/57/44% on q/k/v, o, gate/up, down against 32/30/44/37%). 4-bit in groups of 128
+# takes the same tile since 6067e97 gave every group size the same [rows, chains, 4 words] layout
+# (the layout of groups of 128 before it measured 27/25/57/32% at its best settings).
 PAIRS_GEMV_CONFIGS = {8: {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
-                      4: {"pairs": 1, "block_n": 64, "block_w": 64, "num_warps": 2, "num_stages": 3}}
-PAIRS_4BIT_MIN_ROWS, PAIRS_4BIT_MIN_GROUP = 16384, 128
+                      4: {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 4, "num_stages": 3}}
 # From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
 # GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
 DENSE_ROWS = 16
@@ -289,7 +288,7 @@ def _one_row_config(w: QWeight, dtype: torch.dtype) -> dict[str, int]:
     kernel's (with block_w), else the per-code one's."""
     pairs = dtype != torch.float32 and not w.fp8 and pairs_fit(w.bits, w.k, w.group_size, w.scales.shape[1],
                                                                w.g_idx is not None)
-    if pairs and (w.bits == 8 or (w.n >= PAIRS_4BIT_MIN_ROWS and w.group_size >= PAIRS_4BIT_MIN_GROUP)):
+    if pairs:
         return PAIRS_GEMV_CONFIGS[w.bits]
     words = WORD_GEMV_CONFIGS[w.bits]
     if not w.fp8 and fits(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, words["block_w"]):
