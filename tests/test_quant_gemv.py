@@ -49,16 +49,23 @@ def test_word_gemv_matches_reference(bits, group, block_w, kind, symmetric):
     group = min(group, k)
     w = _weights(n, k, bits, group, symmetric, seed=bits * group + block_w, fp8=kind == "fp8")
     assert fits(bits, k, group, w.scales.shape[1], False, block_w)
+    _matches_reference(qgemv_words_triton, w, bits, block_w, seed=block_w, cpu_bound=1e-5)
+
+
+def _matches_reference(kernel, w, bits, block_w, seed, cpu_bound):
+    """``kernel`` (a one-row launcher of this module) against dequantize-then-linear, without and
+    with a bias: bf16 inputs on a GPU (bound 1e-2), float32 in the interpreter (``cpu_bound``)."""
+    n, k = w.n, w.k
     dtype = torch.bfloat16 if GPU else torch.float32
-    g = torch.Generator().manual_seed(block_w)
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, k, generator=g).to(DEV, dtype)
     bias = torch.randn(n, generator=g).to(DEV, dtype)
     for b in (None, bias):
-        got = qgemv_words_triton(x, w.qweight, w.scales, w.biases, b, bits, w.group_size, k,
-                                 {"block_n": 8, "block_w": block_w, "num_warps": 4, "num_stages": 2}).float()
+        got = kernel(x, w.qweight, w.scales, w.biases, b, bits, w.group_size, k,
+                     {"block_n": 8, "block_w": block_w, "num_warps": 4, "num_stages": 2}).float()
         want = quant_linear_torch(x.float(), w, None if b is None else b.float())
         rel = ((got - want).norm() / want.norm()).item()
-        assert rel < (1e-2 if GPU else 1e-5), f"relative error {rel:.2e}"
+        assert rel < (1e-2 if GPU else cpu_bound), f"relative error {rel:.2e}"
 
 
 def test_layouts_the_word_kernel_leaves_to_the_other():
@@ -83,16 +90,7 @@ def test_pairs_gemv_matches_reference(bits, group, block_w, symmetric):
     group = min(group, k)
     w = _weights(n, k, bits, group, symmetric, seed=bits * group + block_w + 7)
     assert pairs_fit(bits, k, group, w.scales.shape[1], False)
-    dtype = torch.bfloat16 if GPU else torch.float32
-    g = torch.Generator().manual_seed(block_w + 1)
-    x = torch.randn(1, k, generator=g).to(DEV, dtype)
-    bias = torch.randn(n, generator=g).to(DEV, dtype)
-    for b in (None, bias):
-        got = qgemv_pairs_triton(x, w.qweight, w.scales, w.biases, b, bits, w.group_size, k,
-                                 {"block_n": 8, "block_w": block_w, "num_warps": 4, "num_stages": 2}).float()
-        want = quant_linear_torch(x.float(), w, None if b is None else b.float())
-        rel = ((got - want).norm() / want.norm()).item()
-        assert rel < (1e-2 if GPU else 2e-3), f"relative error {rel:.2e}"
+    _matches_reference(qgemv_pairs_triton, w, bits, block_w, seed=block_w + 1, cpu_bound=2e-3)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
