@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from kvship.kernels._triton import tl, triton, use_triton
 from kvship.kernels.activation import silu_mul
 from kvship.kernels.quant_linear import QWeight, _dequant, dequantize_torch
+from kvship.quant.tensor import code_centre
 
 
 @dataclass(frozen=True)
@@ -439,7 +440,7 @@ def _operands(w: torch.Tensor, scales: ExpertScales, name: str) -> _Operands:
     symm = b is None and not fp8
     return _Operands(w.view(torch.uint8), s, s if b is None else b, s.stride(0), s.stride(1), s.shape[2],
                      dict(FP8=fp8, INT=not fp8, PACK=2 if bits == 4 else 1, SYMM=symm,
-                          CENTRE=float(1 << (bits - 1)) if symm else 0.0, GROUP=group))
+                          CENTRE=float(code_centre(bits, fp8, b is not None)), GROUP=group))
 
 
 def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, router_weights: torch.Tensor,

@@ -25,6 +25,7 @@ import torch
 
 from kvship.kernels._triton import INTERPRET, tl, triton
 from kvship.kernels.numerics import small_int_to_float
+from kvship.quant.tensor import code_centre
 
 
 def tiles_keep_groups(tile: int, group_size: int, ngroups: int) -> bool:
@@ -112,7 +113,7 @@ def qgemv_words_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     _qgemv_words_kernel[(triton.cdiv(n, config["block_n"]),)](
         x, words, scales, biases if biases is not None else scales, bias if bias is not None else scales, y,
         n, k, k * bits // 32, words.stride(0), scales.stride(0), scales.shape[1],
-        BITS=bits, FP8=fp8, SYMM=symm, CENTRE=float(1 << (bits - 1)) if symm and not fp8 else 0.0,
+        BITS=bits, FP8=fp8, SYMM=symm, CENTRE=float(code_centre(bits, fp8, not symm)),
         HAS_BIAS=bias is not None, G=group_size if scales.shape[1] > 1 else 1 << 30, BLOCK_N=config["block_n"],
         BLOCK_W=config["block_w"], num_warps=config["num_warps"], num_stages=config["num_stages"])
     return y

@@ -28,7 +28,7 @@ from kvship.kernels.kv_quant import fp8_round
 from kvship.kernels.numerics import small_int_to_float
 from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton, tiles_keep_groups
 from kvship.quant.insitu import FP8_MAX
-from kvship.quant.tensor import QuantizedTensor
+from kvship.quant.tensor import QuantizedTensor, code_centre
 
 
 @dataclass
@@ -74,8 +74,9 @@ def dequantize_torch(w: QWeight) -> torch.Tensor:
         codes = torch.stack((q & 15, q >> 4), -1).view(q.shape[0], -1)[:, :w.k].float()
     else:
         codes = q.float()
-    if w.biases is None and not w.fp8:
-        codes -= 1 << (w.bits - 1)
+    centre = code_centre(w.bits, w.fp8, w.biases is not None)
+    if centre:
+        codes -= centre
     gi = w.g_idx.long() if w.g_idx is not None else torch.arange(w.k, device=q.device) // w.group_size
     out = codes * w.scales.float()[:, gi]
     if w.biases is not None:
@@ -276,7 +277,8 @@ def _layout(w: QWeight, block_k: int) -> tuple[tuple[torch.Tensor, ...], dict]:
     symm = w.biases is None and not w.fp8
     ptrs = (w.qweight.view(torch.uint8), w.scales, w.biases if w.biases is not None else w.scales,
             table if table is not None else w.scales)
-    return ptrs, dict(BITS4=w.bits == 4, FP8=w.fp8, SYMM=symm, CENTRE=float(1 << (w.bits - 1)) if symm else 0.0,
+    return ptrs, dict(BITS4=w.bits == 4, FP8=w.fp8, SYMM=symm,
+                      CENTRE=float(code_centre(w.bits, w.fp8, w.biases is not None)),
                       GATHER=table is not None,
                       # one group per row: a group wider than any tile (and a power of two, as tile shapes must be)
                       G=w.group_size if w.scales.shape[1] > 1 else 1 << 30)

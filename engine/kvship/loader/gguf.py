@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvship.quant import QuantizedTensor, QuantRef
+from kvship.quant.tensor import code_centre
 
 from .errors import ModelSourceError
 from .gguf_names import gguf_to_hf_name
@@ -121,7 +122,7 @@ def _combine(sp: GGUFSplit) -> np.ndarray:
     nb, per = sp.codes.shape
     q = sp.codes.reshape(nb, -1, sp.group).astype(np.float32)
     if sp.offsets is None:
-        q -= 1 << (sp.bits - 1)
+        q -= code_centre(sp.bits)
     y = sp.scales[:, :, None] * q
     if sp.offsets is not None:
         y += sp.offsets[:, :, None]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tensor import QuantizedTensor
+from .tensor import QuantizedTensor, code_centre
 
 
 class QuantRef:
@@ -147,8 +147,8 @@ def _gptq(t, bits=4, group_size=128, v2=False):
         g_idx = g_idx.to(torch.int32)
         if torch.equal(g_idx, torch.arange(k, dtype=torch.int32) // g):
             g_idx = None  # groups in order: no table needed
-    centre = 1 << (bits - 1)
-    biases = None if bool((zeros == centre).all()) else (-zeros * scales).t().contiguous()
+    # zeros all at the symmetric codes' centre: the implied offset, none stored
+    biases = None if bool((zeros == code_centre(bits)).all()) else (-zeros * scales).t().contiguous()
     return QuantizedTensor(codes.t().contiguous(), scales.t().contiguous(), biases, bits, g, g_idx)
 
 

@@ -75,12 +75,19 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         gi = self.group_index()
         codes = self.codes.float()
-        if self.biases is None and not self.is_fp8:
-            codes -= 1 << (self.bits - 1)
+        centre = code_centre(self.bits, self.is_fp8, self.biases is not None)
+        if centre:
+            codes -= centre
         w = codes * self.scales.float()[:, gi]
         if self.biases is not None:
             w += self.biases.float()[:, gi]
         return w.to(dtype)
+
+
+def code_centre(bits: int, fp8: bool = False, biased: bool = False) -> int:
+    """The code that stands for zero: 2**(bits - 1) for symmetric integer codes (no biases), 0
+    for FP8 codes (they are the values) and for codes whose offset is stored (biases)."""
+    return 0 if fp8 or biased else 1 << (bits - 1)
 
 
 def groups(k: int, group_size: int) -> int:
@@ -92,10 +99,10 @@ def widened(t: QuantizedTensor, bits: int, group: int, explicit_bias: bool) -> Q
     asked, the offset stored explicitly instead of implied by symmetric codes."""
     codes, biases = t.codes, t.biases
     if t.bits != bits and biases is None:  # symmetric: re-centre the codes on the wider middle
-        codes = (codes.to(torch.int16) + ((1 << (bits - 1)) - (1 << (t.bits - 1)))).to(torch.uint8)
+        codes = (codes.to(torch.int16) + (code_centre(bits) - code_centre(t.bits))).to(torch.uint8)
     scales = t.scales
     if explicit_bias and biases is None:
-        biases = -float(1 << (bits - 1)) * scales
+        biases = -float(code_centre(bits)) * scales
     if group != t.group_size:
         rep = t.group_size // group
         scales = scales.repeat_interleave(rep, 1)[:, :groups(codes.shape[1], group)]
