@@ -195,24 +195,6 @@ def fp8_scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # ----------------------------------------------------------------------------- Triton helpers
 
 @triton.jit
-def fp8_round(x, FP8_E5: tl.constexpr):
-    """x (fp32, already divided by the scale) clamped to the format's range and rounded to the
-    nearest FP8 value, ties to even, in fp32 arithmetic: the cast after it is then exact, so
-    the result does not depend on the backend's own conversion (the interpreter's is wrong when
-    rounding carries into the exponent)."""
-    if FP8_E5:  # largest value, mantissa bits, smallest normal exponent
-        fmax, mant, min_exp = 57344.0, 2, -14
-    else:
-        fmax, mant, min_exp = 448.0, 3, -6
-    x = tl.minimum(tl.maximum(x, -fmax), fmax)
-    e = ((x.to(tl.int32, bitcast=True) >> 23) & 255) - 127
-    quantum = ((tl.maximum(e, min_exp) - mant + 127) << 23).to(tl.float32, bitcast=True)  # one ulp there
-    y = x / quantum  # |y| < 16: exact
-    y = (y + 12582912.0) - 12582912.0  # + 1.5 * 2**23 drops the fraction, rounding half to even
-    return y * quantum
-
-
-@triton.jit
 def int4_codes(x, s, z):
     """4-bit codes (int32) of x for a group's scale s and minimum z (fp32, broadcast)."""
     c = tl.minimum(tl.maximum(tl.floor((x - z) / s + 0.5), 0.0), 15.0)

@@ -17,3 +17,21 @@ def small_int_to_float(c, OUT: tl.constexpr = tl.float32):
     else:
         x = (c.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     return x
+
+
+@triton.jit
+def fp8_round(x, FP8_E5: tl.constexpr):
+    """x (fp32, already divided by the scale) clamped to the format's range and rounded to the
+    nearest FP8 value, ties to even, in fp32 arithmetic: the cast after it is then exact, so
+    the result does not depend on the backend's own conversion (the interpreter's is wrong when
+    rounding carries into the exponent)."""
+    if FP8_E5:  # largest value, mantissa bits, smallest normal exponent
+        fmax, mant, min_exp = 57344.0, 2, -14
+    else:
+        fmax, mant, min_exp = 448.0, 3, -6
+    x = tl.minimum(tl.maximum(x, -fmax), fmax)
+    e = ((x.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+    quantum = ((tl.maximum(e, min_exp) - mant + 127) << 23).to(tl.float32, bitcast=True)  # one ulp there
+    y = x / quantum  # |y| < 16: exact
+    y = (y + 12582912.0) - 12582912.0  # + 1.5 * 2**23 drops the fraction, rounding half to even
+    return y * quantum

@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
-from kvship.kernels.kv_quant import fp8_round
-from kvship.kernels.numerics import small_int_to_float
+from kvship.kernels.numerics import fp8_round, small_int_to_float
 from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton, tiles_keep_groups
 from kvship.quant.insitu import FP8_MAX
 from kvship.quant.tensor import QuantizedTensor, code_centre

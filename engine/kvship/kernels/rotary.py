@@ -24,6 +24,7 @@ import torch
 
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import next_pow2, tl, triton, use_triton
+from kvship.kernels.numerics import fp8_round
 from kvship.kernels.paged_attention import store_kv_torch
 
 
@@ -58,7 +59,7 @@ def rotary_torch(
 
 @triton.jit
 def _fp8(x, scale, dst_ty: tl.constexpr, FP8_E5: tl.constexpr):
-    return kvq.fp8_round(x / scale, FP8_E5).to(dst_ty)
+    return fp8_round(x / scale, FP8_E5).to(dst_ty)
 
 
 @triton.jit
