@@ -176,7 +176,7 @@ _LOG2E = 1.4426950408889634
 # the query's even and odd channels and two accumulators, so the unpacked codes are never
 # interleaved back into channel order; False, both as stored. -> the PACKED constexpr.
 # A float32 query (--dtype float32), and int4 heads under 32 channels, read as stored whatever
-# the config says (_load_kv decides per compiled variant; "split" falls back to True on the host).
+# the config says, and "split" beside FP8 pages is the packed read (packed_read decides).
 # H200, 2026-12-02, commit 1206f4e, `python3 bench/kv_attention_sweep.py` (8B attention, batch 32
 # at 8k, the best setting per page read, us and % of the layout's bytes at copy bandwidth):
 #   bf16   bn=64 w=4 s=2 waves=4                  246.0 us  101%
@@ -194,12 +194,17 @@ _PACKED = {False: 0, True: 1, "values": 2, "split": 3}
 
 
 def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, block_d: int) -> int:
-    """The PACKED constexpr a decode config launches: "split" is for int4 pages beside a 16-bit
-    query and blocks of 32+ channels, else the packed read (True); _load_kv decides the rest."""
+    """The PACKED constexpr a decode config launches, the one place that says where packed reads
+    apply: quantized pages beside a 16-bit query (the dots then run in float16), int4 ones in
+    blocks of 32+ channels; "split" only for int4 pages, else the packed read (True)."""
     packed = _PACKED[cfg.get("packed", False)]
-    if packed == 3 and not (kv_mode == kvq.KV_INT4 and q_dtype != torch.float32 and block_d >= 32):
+    if kv_mode == kvq.KV_PLAIN or q_dtype == torch.float32 or (kv_mode == kvq.KV_INT4 and block_d < 32):
+        return 0
+    if packed == 3 and kv_mode != kvq.KV_INT4:
         packed = 1
     return packed
+
+
 PREFILL_CONFIG = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
     # H200 sweep at 4k-token causal prefill: (64, 64, 4, 3) 429 us; (128, 64, 8, 3) 455 us;
@@ -224,9 +229,8 @@ def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
     HEAD_DIM (the pages' head size, which dmask holds too) as a compile-time value: int4 rows'
     masks are then known to be constant over whole 16-byte vectors, and their loads vectorize."""
     # one return at the end: the GPU compiler goes on past a return inside a constexpr branch
-    packed: tl.constexpr = (PACKED and HEAD_DIM > 0 and KV_MODE > 0 and DOT == tl.float16
-                            and (KV_MODE == 1 or offs_d.shape[0] >= 32))
-    if packed:
+    if PACKED:  # the host launches it only where it applies (packed_read)
+        tl.static_assert(HEAD_DIM > 0 and KV_MODE > 0 and DOT == tl.float16 and (KV_MODE == 1 or offs_d.shape[0] >= 32))
         if KV_MODE == 2:
             tile = kvq.int4_load_rows_packed(c_ptr, g_ptr, tok_off, grp_off, tmask, HEAD_DIM, tok_off.shape[0],
                                              offs_d.shape[0], not INTERPRET)

@@ -1,4 +1,6 @@
-"""One-row GEMV (batch-1 decode) for codes of 4 or 8 bits (integers or FP8), read as 32-bit words.
+"""One-row GEMV (batch-1 decode) for codes of 4 or 8 bits (integers or FP8), read as 32-bit words:
+the fp32 word kernel (this docstring) and, for integer codes beside 16-bit activations, the
+fp16-pair kernel below ("packed pairs"), which the engine prefers where it takes the layout.
 
 kernels/quant_linear.py's one-row kernel turns every code into a scaled weight before its FMA:
 split the byte, widen it, convert, re-centre, multiply by the group's scale, then the FMA. For
@@ -148,7 +150,7 @@ def _half_bits(v: float) -> int:
 def _code_pairs(bits: int) -> list[tuple[int, str, int, int]]:
     """Per pair of a word: (right shift, mask, scale, shift) such that, with m the masked bits OR
     0x6400 read as fp16, m * scale + shift = (c - centre) / 2**CODE_SHIFT exactly (both fp16 bits)."""
-    centre, k = 1 << (bits - 1), 2.0 ** -CODE_SHIFT[bits]
+    centre, k = code_centre(bits), 2.0 ** -CODE_SHIFT[bits]  # offset codes are centred too
     low = (_half_bits(k), _half_bits(-(1024 + centre) * k))  # m = 1024 + c
     if bits == 8:
         return [(0, "0x00FF00FF", *low), (8, "0x00FF00FF", *low)]

@@ -9,7 +9,7 @@ for FP8 (block scales are float32 in the checkpoints); g_idx [K] int32 for act-o
 ``quant_linear_torch`` (unpack, dequantize, F.linear) is the reference and the CPU path.
 ``quant_linear_triton`` runs one of two kernels: one input row (batch-1 decode) streams the
 codes once with plain FMAs and one reduction at the end (as kernels/gemv.py does for bf16;
-integer codes in kernels/quant_gemv.py's word-reading form, see WORD_GEMV_CONFIGS); more rows
+integer codes in kernels/quant_gemv.py's fp16-pair or word-reading form, see _one_row_config); more rows
 go through a tiled tensor-core GEMM. Both take the scales of a whole tile of groups
 at once (a [.., groups, group] view of the tile), except for act-order weights, whose groups are
 scattered over K and are looked up per input. FP8 W8A8 (``_dense_matmul``) quantizes its
@@ -215,8 +215,9 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gi_ptr, bias_ptr, y_ptr, M, N, K, 
 # Launch settings of the one-row kernels, from bench/quant_gemv_sweep.py on the H200 over the 8B
 # projections. FP8 stays on the per-code kernel here (61/48/79% of copy bandwidth on q/k/v, o,
 # gate/up; the word kernel of kernels/quant_gemv.py won only down, 60 against 58%); integer
-# codes go to the word kernel (4-bit: 27-42% against 20-28%, int8: 46-76% against 43-61%),
-# unless their layout is one it leaves (act-order, rows of partial words).
+# codes beside float32 activations, or in layouts the pairs kernel leaves, go to the word kernel
+# (4-bit: 27-42% against 20-28%, int8: 46-76% against 43-61%), unless their layout is one it
+# leaves too (act-order, rows of partial words).
 GEMV_CONFIGS = {8: {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages": 3},
                 4: {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 3}}
 WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
