@@ -4,7 +4,7 @@ timed from a CUDA graph that cycles through enough weight copies to overflow L2 
 step, where each layer's weights come from HBM). Prints a table and the GEMV_SHAPES entries
 (engine/kvship/kernels/gemv.py) for the shapes where the best setting beats cuBLAS.
 
-    python bench/gemv_sweep.py [--quick]
+    python bench/gemv_sweep.py [--quick] [--more]
 """
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ from kvship.kernels import gemv
 # (name, N, K): q/k/v, o, gate/up, down of Llama-3-8B at TP=1, then rank slices at TP=2.
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
           ("qkv tp2", 3072, 4096), ("o tp2", 4096, 2048), ("gate_up tp2", 14336, 4096), ("down tp2", 4096, 7168)]
+# --more: the attention projections of Qwen3-30B-A3B (its MLPs are experts) and Gemma-2-9B's and
+# Phi-4's projections, which bench/latency.py's other shapes run through.
+MORE_SHAPES = [("a3b qkv", 5120, 2048), ("a3b o", 2048, 4096), ("gemma2 qkv", 8192, 3584),
+               ("gemma2 o", 3584, 4096), ("gemma2 gate_up", 28672, 3584), ("gemma2 down", 3584, 14336),
+               ("phi4 qkv", 7680, 5120), ("phi4 o", 5120, 5120), ("phi4 down", 5120, 17920)]
 
 
 def time_per_call(fn_per_copy, copies: int, reps: int = 20) -> float:
@@ -50,6 +55,7 @@ def time_per_call(fn_per_copy, copies: int, reps: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a small grid of settings")
+    ap.add_argument("--more", action="store_true", help="the other bench shapes' projections instead of Llama-3-8B's")
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     copy_bw, _ = measure_ceilings()
@@ -57,7 +63,7 @@ def main() -> None:
     if args.quick:
         grid = [(16, 512, 4, 3), (32, 256, 4, 3), (8, 1024, 4, 1)]
     rows, best_table = [], {}
-    for name, n, k in SHAPES:
+    for name, n, k in (MORE_SHAPES if args.more else SHAPES):
         copies = max(4, -(-300_000_000 // (n * k * 2)))  # > 2x the 50 MB L2 every replay
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device=dev, dtype=dt)

@@ -35,6 +35,9 @@ bench latency 150 python3 bench/latency.py
 bench structured 200 python3 bench/structured_overhead.py
 bench latency-nohf 100 python3 bench/latency.py --no-hf
 bench gemv 200 python3 bench/gemv_sweep.py
+bench gemv-more 300 python3 bench/gemv_sweep.py --more
+bench profile-moe 200 python3 bench/profile_step.py --graphs --batch 1 --shape qwen3-30b-a3b
+bench profile-gemma 200 python3 bench/profile_step.py --graphs --batch 1 --shape gemma2-9b
 bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
 bench kv-tests 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_kv_quant.py tests/test_kv_quant_engine.py -k "not perplexity and not greedy_agrees and not prefix_hits"
 bench throughput-8b-fp8 240 python3 bench/throughput.py --kv-cache-dtype fp8 --hf-prompts 0
