@@ -252,8 +252,8 @@ def test_silu_and_mul(inter, dtype):
 @pytest.mark.parametrize("n,k,bias", [(50, 200, False), (33, 64, True)] if not GPU
                          else [(6144, 4096, False), (4096, 14336, False), (1000, 3000, True)])
 def test_gemv(n, k, bias, dtype):
-    """One-row GEMV = F.linear (after SiLU-and-mul when gated), with rows and columns that do not
-    fill the last block."""
+    """One-row GEMV = F.linear (after each gated activation when given one), with rows and columns
+    that do not fill the last block."""
     g = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, k, generator=g).to(dtype).to(DEV)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV)
@@ -262,7 +262,8 @@ def test_gemv(n, k, bias, dtype):
     for cfg in ({"block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 1},
                 {"block_n": 8, "block_k": 128, "num_warps": 4, "num_stages": 3}):
         close(gemv.gemv_triton(x, w, b, cfg), gemv.gemv_torch(x, w, b), dtype, f"gemv {cfg}")
-        close(gemv.gemv_triton(h, w, b, cfg, gated=True), gemv.gemv_torch(h, w, b, gated=True), dtype, "gated")
+        for act in activation.ACTIVATIONS:
+            close(gemv.gemv_triton(h, w, b, cfg, act=act), gemv.gemv_torch(h, w, b, act=act), dtype, act)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -286,14 +287,14 @@ def test_linear_dispatch_only_on_listed_shapes_in_graphs(monkeypatch):
     calls = []
     capturing = [False]
     monkeypatch.setattr(gemv, "gemv_triton",
-                        lambda x, w, b, cfg, gated=False: calls.append(cfg) or gemv.gemv_torch(x, w, b, gated))
+                        lambda x, w, b, cfg, act=None: calls.append(cfg) or gemv.gemv_torch(x, w, b, act))
     monkeypatch.setattr(gemv, "use_triton", lambda t: True)
     monkeypatch.setattr(gemv.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setitem(gemv.GEMV_SHAPES, (8, 16), {"block_n": 8})
     w = torch.randn(8, 16)
     x1 = torch.randn(1, 16)
     torch.testing.assert_close(gemv.linear(x1, w), x1 @ w.T)
-    gemv.silu_mul_linear(torch.randn(1, 32), w)
+    gemv.act_mul_linear(torch.randn(1, 32), w, "silu")
     assert calls == []  # eager: cuBLAS, whose launch costs the host less
     capturing[0] = True
     torch.testing.assert_close(gemv.linear(x1, w), x1 @ w.T)
@@ -302,10 +303,11 @@ def test_linear_dispatch_only_on_listed_shapes_in_graphs(monkeypatch):
     gemv.linear(torch.randn(1, 8), torch.randn(4, 8))  # unlisted shape: cuBLAS
     assert len(calls) == 1
     h = torch.randn(1, 32)
-    torch.testing.assert_close(gemv.silu_mul_linear(h, w), activation.silu_and_mul_torch(h) @ w.T)
-    assert len(calls) == 2
-    gemv.silu_mul_linear(torch.randn(2, 32), w)  # several rows: separate kernels
-    assert len(calls) == 2
+    torch.testing.assert_close(gemv.act_mul_linear(h, w, "silu"), activation.silu_and_mul_torch(h) @ w.T)
+    torch.testing.assert_close(gemv.act_mul_linear(h, w, "gelu_tanh"), activation.gelu_tanh_and_mul_torch(h) @ w.T)
+    assert len(calls) == 3
+    gemv.act_mul_linear(torch.randn(2, 32), w, "silu")  # several rows: separate kernels
+    assert len(calls) == 3
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")

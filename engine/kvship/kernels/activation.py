@@ -99,6 +99,11 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return gelu_tanh_and_mul_torch(x)
 
 
+def act_and_mul_torch(x: torch.Tensor, act: str) -> torch.Tensor:
+    """The reference of ``act_and_mul``; ``act`` is one of ACTIVATIONS."""
+    return gelu_tanh_and_mul_torch(x) if act == "gelu_tanh" else silu_and_mul_torch(x)
+
+
 def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     """``act`` is one of ACTIVATIONS."""
     return gelu_tanh_and_mul(x) if act == "gelu_tanh" else silu_and_mul(x)

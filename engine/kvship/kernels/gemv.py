@@ -9,12 +9,13 @@ kernel, no atomics. It is used only in captured CUDA graphs, on the weight shape
 ``GEMV_SHAPES``, each with the launch settings that beat cuBLAS there in bench/gemv_sweep.py on
 the H200; elsewhere, eagerly, and for more than one row, cuBLAS stays.
 
-With ``gated=True`` the input is the gate/up projection's output [1, 2K] and the kernel applies
-SiLU-and-mul on the fly (silu(gate) * up, rounded to the input dtype as the separate kernel
-does): the MLP's down projection then needs no activation kernel of its own.
+With ``act`` set ("silu" or "gelu_tanh", kernels/activation.py's ACTIVATIONS) the input is the
+gate/up projection's output [1, 2K] and the kernel applies the gated activation on the fly
+(act(gate) * up, rounded to the input dtype as the separate kernel does): the MLP's down
+projection then needs no activation kernel of its own.
 
-``gemv_torch`` (F.linear, after silu_and_mul when gated) is the reference; ``gemv_triton`` the
-kernel; ``linear`` and ``silu_mul_linear`` pick one.
+``gemv_torch`` (F.linear, after the gated activation when ``act`` is set) is the reference;
+``gemv_triton`` the kernel; ``linear`` and ``act_mul_linear`` pick one.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
-from kvship.kernels.activation import silu_and_mul, silu_and_mul_torch, silu_mul
+from kvship.kernels.activation import act_and_mul, act_and_mul_torch, gelu_tanh_mul, silu_mul
 
 DEFAULT_CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
 # (N, K) weight shape -> launch settings, for the shapes where the kernel beat cuBLAS at M = 1
@@ -36,19 +37,31 @@ GEMV_SHAPES: dict[tuple[int, int], dict[str, int]] = {
     (3072, 4096): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 3},
     (4096, 2048): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 1},
     (4096, 7168): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 3},
+    # Qwen3-30B-A3B q/k/v and o (its MLPs are the experts of kernels/fused_moe.py); from
+    # bench/gemv_sweep.py --more, as the rest below
+    (5120, 2048): {"block_n": 4, "block_k": 512, "num_warps": 4, "num_stages": 1},
+    (2048, 4096): {"block_n": 8, "block_k": 2048, "num_warps": 8, "num_stages": 1},
+    # Gemma-2-9B: o, down. q/k/v stays on cuBLAS (83 against 81%), and so does gate/up: the
+    # sweep's 50.1 against 54.3 us did not hold in the engine's profile, where cuBLAS took 49.1 us
+    (3584, 4096): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 3},
+    (3584, 14336): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 3},
+    # Phi-4: o, down (q/k/v: a tie with cuBLAS at 86%)
+    (5120, 5120): {"block_n": 4, "block_k": 512, "num_warps": 4, "num_stages": 1},
+    (5120, 17920): {"block_n": 4, "block_k": 512, "num_warps": 4, "num_stages": 1},
 }
 
 
 def gemv_torch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
 ) -> torch.Tensor:
-    return F.linear(silu_and_mul_torch(x) if gated else x, weight, bias)
+    return F.linear(act_and_mul_torch(x, act) if act else x, weight, bias)
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
@@ -59,9 +72,12 @@ def _gemv_kernel(
         kk = k0 + offs_k
         kmask = kk < K
         x = tl.load(x_ptr + kk, mask=kmask, other=0.0, eviction_policy="evict_last")
-        if GATED:  # x holds [gate | up]: silu(gate) * up, rounded as silu_and_mul's output is
+        if GATED:  # x holds [gate | up]: act(gate) * up, rounded as act_and_mul's output is
             up = tl.load(x_ptr + K + kk, mask=kmask, other=0.0, eviction_policy="evict_last")
-            x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
+            if GELU:
+                x = gelu_tanh_mul(x, up).to(x_ptr.dtype.element_ty)
+            else:
+                x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
         x = x.to(tl.float32)
         w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")  # each weight byte is read once per step
@@ -74,17 +90,18 @@ def _gemv_kernel(
 
 def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict[str, int] | None = None,
-    gated: bool = False,
+    act: str | None = None,
 ) -> torch.Tensor:
-    """Triton twin of ``gemv_torch`` for x with one row ([1, K], or [1, 2K] when gated); W [N, K]."""
+    """Triton twin of ``gemv_torch`` for x with one row ([1, K], or [1, 2K] with ``act``); W [N, K]."""
     n, k = weight.shape
-    assert x.numel() == x.shape[-1] == (2 * k if gated else k) and weight.stride(-1) == 1
+    assert x.numel() == x.shape[-1] == (2 * k if act else k) and weight.stride(-1) == 1
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     cfg = config or DEFAULT_CONFIG
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        HAS_BIAS=bias is not None, GATED=act is not None, GELU=act == "gelu_tanh", BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return y
@@ -109,9 +126,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def silu_mul_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(silu_and_mul(h)): one kernel where ``linear`` would take the GEMV, two otherwise."""
+def act_mul_linear(h: torch.Tensor, weight: torch.Tensor, act: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(act_and_mul(h, act)): one kernel where ``linear`` would take the GEMV, two otherwise."""
     config = _graph_config(h, weight)
     if config is not None:
-        return gemv_triton(h, weight, bias, config, gated=True)
-    return F.linear(silu_and_mul(h), weight, bias)
+        return gemv_triton(h, weight, bias, config, act=act)
+    return F.linear(act_and_mul(h, act), weight, bias)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvship.kernels.activation import act_and_mul
-from kvship.kernels.gemv import linear, silu_mul_linear
+from kvship.kernels.gemv import act_mul_linear, linear
 from kvship.kernels.quant_linear import QWeight, pack, quant_linear
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor, quantize
@@ -168,10 +168,8 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             y = quant_linear(act_and_mul(x, self.act) if self.gated_input else x, self.qweight)
-        elif self.gated_input and self.act == "silu":
-            y = silu_mul_linear(x, self.weight)
         elif self.gated_input:
-            y = linear(act_and_mul(x, self.act), self.weight)
+            y = act_mul_linear(x, self.weight, self.act)
         else:
             y = linear(x, self.weight)
         if not self.reduce:
