@@ -22,9 +22,9 @@ from kvship.kernels import gemv
 # (name, N, K): q/k/v, o, gate/up, down of Llama-3-8B at TP=1, then rank slices at TP=2.
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
           ("qkv tp2", 3072, 4096), ("o tp2", 4096, 2048), ("gate_up tp2", 14336, 4096), ("down tp2", 4096, 7168)]
-# --more: the attention projections of Qwen3-30B-A3B (its MLPs are experts) and Gemma-2-9B's and
+# --more: the attention projections and router of Qwen3-30B-A3B (its MLPs are experts) and Gemma-2-9B's and
 # Phi-4's projections, which bench/latency.py's other shapes run through.
-MORE_SHAPES = [("a3b qkv", 5120, 2048), ("a3b o", 2048, 4096), ("gemma2 qkv", 8192, 3584),
+MORE_SHAPES = [("a3b qkv", 5120, 2048), ("a3b o", 2048, 4096), ("a3b router", 128, 2048), ("gemma2 qkv", 8192, 3584),
                ("gemma2 o", 3584, 4096), ("gemma2 gate_up", 28672, 3584), ("gemma2 down", 3584, 14336),
                ("phi4 qkv", 7680, 5120), ("phi4 o", 5120, 5120), ("phi4 down", 5120, 17920)]
 

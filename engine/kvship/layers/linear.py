@@ -87,6 +87,15 @@ class _Linear(nn.Module):
             self.weight = nn.Parameter(self.qweight.qweight, requires_grad=False)
 
 
+class ReplicatedLinear(nn.Linear):
+    """nn.Linear whose one-row product takes the GEMV kernel inside CUDA graphs (kernels/gemv.py's
+    ``linear``), for small matrices every rank holds whole: a router's, whose cuBLAS call at one
+    token took longer than its bytes warrant."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class ColumnParallelLinear(_Linear):
     """Output features split across ranks; no communication."""
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from kvship.layers.attention import AttentionMetadata, PagedAttention
 from kvship.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from kvship.layers.moe import MoEExperts, route
 from kvship.layers.norm import RMSNorm
 from kvship.layers.rotary import RotaryEmbedding
@@ -80,7 +80,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPContext):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = MoEExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp,
                                   quant=cfg.quantization)
         self.shared_expert = None
