@@ -1,8 +1,8 @@
 """Quantized one-row GEMV (batch-1 decode) on the 8B shape's projections: the kernels of
-kernels/quant_gemv.py (for integer codes the fp16-pair one and the word-reading one, for FP8 the
-word-reading one and quant_linear.py's per-code one) over a grid of launch settings per weight
-format, against cuBLAS on the bf16 matrix and the engine's current one-row kernel ("engine"), each
-timed from a CUDA graph cycling through enough weight copies to overflow L2.
+kernels/quant_gemv.py (the fp16-pair one and the word-reading one; for FP8 also quant_linear.py's
+per-code one) over a grid of launch settings per weight format, against cuBLAS on the bf16 matrix
+and the engine's current one-row kernel ("engine"), each timed from a CUDA graph cycling through
+enough weight copies to overflow L2.
 % BW = the format's real bytes (codes, scales, offsets) ÷ time ÷ measured copy bandwidth.
 Also the dequantizing GEMM at 16 and 256 rows against cuBLAS bf16.
 
@@ -40,7 +40,7 @@ def kernel_of(cfg) -> str:
 
 def takes(qw, cfg) -> bool:
     if "pairs" in cfg:
-        return not qw.fp8 and pairs_fit(qw.bits, qw.k, qw.group_size, qw.scales.shape[1], False)
+        return pairs_fit(qw.bits, qw.k, qw.group_size, qw.scales.shape[1], False)
     if "block_w" in cfg:
         return fits(qw.bits, qw.k, qw.group_size, qw.scales.shape[1], False, cfg["block_w"])
     return True
@@ -57,7 +57,7 @@ def main() -> None:
     # the word-reading kernel (kernels/quant_gemv.py): block_w words per row and tile
     words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=ns) for bn, bw, nw, ns in
              itertools.product([2, 4, 8, 16], [128, 256, 512], [4, 8], [2, 3])]
-    # the fp16-pair kernel (integer codes)
+    # the fp16-pair kernel (16-bit x: integer and FP8 codes)
     pairs = [dict(pairs=1, block_n=bn, block_w=bw, num_warps=nw, num_stages=ns) for bn, bw, nw, ns in
              itertools.product([8, 16, 32, 64], [64, 128, 256, 512], [2, 4, 8], [3])
              if 8 <= bn * bw // (32 * nw) <= 64]  # words a thread holds
@@ -82,7 +82,7 @@ def main() -> None:
             qws = [qw] + [pack(make(w16.float()), "cuda") for _ in range(copies - 1)]
             ref = quant_linear_torch(x.float(), qw)
             best, best_of = None, {}
-            for cfg in words + (grid if qw.fp8 else pairs):
+            for cfg in words + pairs + (grid if qw.fp8 else []):
                 if not takes(qw, cfg):
                     continue
                 try:

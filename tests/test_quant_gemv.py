@@ -1,6 +1,6 @@
-"""The word-reading one-row GEMV (kernels/quant_gemv.py) against quant_linear's reference
-(dequantize, then F.linear): every tile/group arrangement it takes, symmetric and asymmetric
-codes, 4 and 8 bits, with and without a bias. In the interpreter on CPU (fp32), at an 8B
+"""The one-row GEMVs of kernels/quant_gemv.py (word-reading and fp16-pair) against quant_linear's
+reference (dequantize, then F.linear): every tile/group arrangement they take, symmetric and
+asymmetric codes, 4 and 8 bits, FP8, with and without a bias. In the interpreter on CPU (fp32), at an 8B
 projection's size in bf16 on a GPU."""
 from __future__ import annotations
 
@@ -80,15 +80,20 @@ def test_layouts_the_word_kernel_leaves_to_the_other():
 # one group per row; 8-bit codes in groups of 16 and per row
 PAIR_CASES = [(4, 128, 8), (4, 32, 4), (4, 32, 16), (4, 128, 64), (4, 1 << 20, 16), (4, 64, 16), (8, 16, 8),
               (8, 128, 16), (8, 1 << 20, 32)]
+# FP8 per row (in-situ --quantization fp8, per-channel checkpoints) and in blocks of 128 inputs
+FP8_PAIR_CASES = [(8, 1 << 20, 32, "fp8"), (8, 128, 16, "fp8")]
 
 
-@pytest.mark.parametrize("bits,group,block_w,symmetric", [(*c, symm) for c in PAIR_CASES for symm in (True, False)])
-def test_pairs_gemv_matches_reference(bits, group, block_w, symmetric):
+@pytest.mark.parametrize("bits,group,block_w,kind,symmetric",
+                         [(*c, "int", symm) for c in PAIR_CASES for symm in (True, False)]
+                         + [(*c, True) for c in FP8_PAIR_CASES])
+def test_pairs_gemv_matches_reference(bits, group, block_w, kind, symmetric):
     """The fp16-pair kernel: its sums of a word's products are fp16 (relative error ~1e-3), the
     rest fp32; on CPU the interpreter runs the same pair arithmetic in numpy's fp16."""
-    n, k = (4096, 4096) if GPU else (24 if symmetric else 20, 512)  # 20: rows that are not whole tiles
+    fp8 = kind == "fp8"
+    n, k = (4096, 4096) if GPU else (24 if symmetric and not fp8 else 20, 512)  # 20: rows not whole tiles
     group = min(group, k)
-    w = _weights(n, k, bits, group, symmetric, seed=bits * group + block_w + 7)
+    w = _weights(n, k, bits, group, symmetric, seed=bits * group + block_w + 7, fp8=fp8)
     assert pairs_fit(bits, k, group, w.scales.shape[1], False)
     _matches_reference(qgemv_pairs_triton, w, bits, block_w, seed=block_w + 1, cpu_bound=2e-3)
 
@@ -105,6 +110,27 @@ def test_pairs_gemv_range(bits):
     x[0, 3::7] *= 1e-4
     x = x.to(DEV, torch.bfloat16 if GPU else torch.float32)
     got = qgemv_pairs_triton(x, w.qweight, w.scales, None, None, bits, w.group_size, k,
+                             {"block_n": 8, "block_w": 16, "num_warps": 4, "num_stages": 2}).float()
+    want = quant_linear_torch(x.float(), w)
+    assert torch.isfinite(got).all()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_pairs_gemv_fp8_range():
+    """FP8's largest codes (448) times x of 60000 of the same sign in every input of a chain: each
+    lane sums 8 such products, 52500 with the codes scaled by 2**-12 (inf at 2**-11), and the
+    result stays finite and within tolerance (kernels/quant_gemv.py: Range); tiny x beside them."""
+    n, k = (256, 1024) if GPU else (8, 128)
+    w = _weights(n, k, 8, k, True, seed=4, fp8=True)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, k, generator=g)
+    x[0, 3::7] *= 1e-4
+    x[0, 16:32] = 6e4 * torch.where(x[0, 16:32] < 0, -1.0, 1.0)  # the second chain's inputs
+    codes = w.qweight.float()
+    codes[:, 16:32] = 448.0 * x[0, 16:32].sign()
+    w.qweight = codes.to(DEV, torch.float8_e4m3fn)
+    x = x.to(DEV, torch.bfloat16 if GPU else torch.float32)
+    got = qgemv_pairs_triton(x, w.qweight, w.scales, None, None, 8, w.group_size, k,
                              {"block_n": 8, "block_w": 16, "num_warps": 4, "num_stages": 2}).float()
     want = quant_linear_torch(x.float(), w)
     assert torch.isfinite(got).all()

@@ -1,6 +1,6 @@
 """One-row GEMV (batch-1 decode) for codes of 4 or 8 bits (integers or FP8), read as 32-bit words:
-the fp32 word kernel (this docstring) and, for integer codes beside 16-bit activations, the
-fp16-pair kernel below ("packed pairs"), which the engine prefers where it takes the layout.
+the fp32 word kernel (this docstring) and, for codes beside 16-bit activations, the fp16-pair
+kernel below ("packed pairs"), which the engine prefers where it takes the layout.
 
 kernels/quant_linear.py's one-row kernel turns every code into a scaled weight before its FMA:
 split the byte, widen it, convert, re-centre, multiply by the group's scale, then the FMA. For
@@ -139,7 +139,18 @@ def qgemv_words_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 # Range: scaled codes are at most 1/16 (8 bits: 1/8) in magnitude and a lane sums 16 (8) products,
 # so no sum exceeds max |x|: any x fp16 holds (|x| < 65504) is safe, and x below 6e-5 loses only
 # what fp16's subnormals drop (under 3e-8).
-CODE_SHIFT = {4: 7, 8: 10}
+#
+# FP8 (E4M3) codes take the same path with one conversion for two: cvt.rn.f16x2.e4m3x2 turns the
+# word's bytes 0, 1 (and 2, 3) into an fp16 pair, exactly (E4M3 values are fp16 values), so x's
+# pairs are (x_j, x_j+1) for them; one mul.rn.f16x2 by 2**-12 then scales both (exactly: the
+# smallest code, 2**-9, becomes 2**-21, above fp16's least subnormal 2**-24). 448 / 2**12 is under
+# 1/8, so the 8-bit bound above holds for them too. On sm_90 a word costs 6 instructions in the
+# loop (two conversions, which read the word's halves in place, two scalings, two products)
+# against int8's 7 (a shift, two lop3, four fma). (Bits alone give the pair scaled by 2**-8,
+# sign << 15 | (byte & 0x7F) << 7, but take three or four shifts and masks a pair where the
+# conversion takes one, and 448 / 2**8 would bound x at 4096.) The NaN codes (0x7F, 0xFF) are not
+# handled: quantized weights never hold them.
+CODE_SHIFT = {(4, False): 7, (8, False): 10, (8, True): 12}  # (bits, FP8) -> shift
 CHAIN = 4  # words a fp16 sum takes
 
 
@@ -150,7 +161,7 @@ def _half_bits(v: float) -> int:
 def _code_pairs(bits: int) -> list[tuple[int, str, int, int]]:
     """Per pair of a word: (right shift, mask, scale, shift) such that, with m the masked bits OR
     0x6400 read as fp16, m * scale + shift = (c - centre) / 2**CODE_SHIFT exactly (both fp16 bits)."""
-    centre, k = code_centre(bits), 2.0 ** -CODE_SHIFT[bits]  # offset codes are centred too
+    centre, k = code_centre(bits), 2.0 ** -CODE_SHIFT[bits, False]  # offset codes are centred too
     low = (_half_bits(k), _half_bits(-(1024 + centre) * k))  # m = 1024 + c
     if bits == 8:
         return [(0, "0x00FF00FF", *low), (8, "0x00FF00FF", *low)]
@@ -158,10 +169,9 @@ def _code_pairs(bits: int) -> list[tuple[int, str, int, int]]:
     return [(0, "0x000F000F", *low), (0, "0x00F000F0", *high), (8, "0x000F000F", *low), (8, "0x00F000F0", *high)]
 
 
-def _step_ptx(bits: int, first: bool, last: bool) -> str:
-    """PTX of one word's step in a chain: $0 the sum so far as an f16x2 pair (the last step: the
-    f32 total of its two lanes); $1 the word; $2.. x's pairs; after them the sum so far (not in the
-    first step)."""
+def _int_pairs_ptx(bits: int, sum_in: str | None) -> list[str]:
+    """PTX that adds a word of integer codes' products to the f16x2 sum ``sum_in`` (None: starts
+    it) in register a: a lop3 and an fma make each pair of codes, one more fma multiplies it by x's."""
     steps = _code_pairs(bits)
     lines = [".reg .b32 c, t, m, a, k, b;", "mov.b32 m, 0x64006400;"]
     for i, (shift, mask, scale, add) in enumerate(steps):
@@ -170,8 +180,33 @@ def _step_ptx(bits: int, first: bool, last: bool) -> str:
         if i == 0 or (scale, add) != steps[i - 1][2:]:
             lines += [f"mov.b32 k, {scale * 0x10001:#010x};", f"mov.b32 b, {add * 0x10001:#010x};"]
         lines += [f"lop3.b32 c, {'t' if shift else '$1'}, {mask}, m, 0xEA;", "fma.rn.f16x2 c, c, k, b;"]
-        before = "a" if i else None if first else f"${2 + len(steps)}"
-        lines.append(f"mul.rn.f16x2 a, c, ${2 + i};" if before is None else f"fma.rn.f16x2 a, c, ${2 + i}, {before};")
+        lines.append(_product_ptx(2 + i, "a" if i else sum_in))
+    return lines
+
+
+def _fp8_pairs_ptx(sum_in: str | None) -> list[str]:
+    """As ``_int_pairs_ptx`` for a word of E4M3 codes: bytes 0, 1 and 2, 3 each converted as a
+    pair, scaled by 2**-CODE_SHIFT and multiplied by x's pair."""
+    lines = [".reg .b32 c, a, k;", ".reg .b16 h0, h1;", "mov.b32 {h0, h1}, $1;",
+             f"mov.b32 k, {_half_bits(2.0 ** -CODE_SHIFT[8, True]) * 0x10001:#010x};"]
+    for i, half in enumerate(("h0", "h1")):
+        lines += [f"cvt.rn.f16x2.e4m3x2 c, {half};", "mul.rn.f16x2 c, c, k;",
+                  _product_ptx(2 + i, "a" if i else sum_in)]
+    return lines
+
+
+def _product_ptx(x: int, sum_in: str | None) -> str:
+    """a = c times x's pair ($x) plus ``sum_in`` (None: no sum yet)."""
+    return f"mul.rn.f16x2 a, c, ${x};" if sum_in is None else f"fma.rn.f16x2 a, c, ${x}, {sum_in};"
+
+
+def _step_ptx(bits: int, fp8: bool, first: bool, last: bool) -> str:
+    """PTX of one word's step in a chain: $0 the sum so far as an f16x2 pair (the last step: the
+    f32 total of its two lanes); $1 the word; $2.. x's pairs; after them the sum so far (not in the
+    first step)."""
+    pairs = 16 // bits
+    sum_in = None if first else f"${2 + pairs}"
+    lines = _fp8_pairs_ptx(sum_in) if fp8 else _int_pairs_ptx(bits, sum_in)
     if last:
         lines += [".reg .f16 lo, hi;", ".reg .f32 flo, fhi;", "mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;",
                   "cvt.f32.f16 fhi, hi;", "add.f32 $0, flo, fhi;"]
@@ -180,17 +215,21 @@ def _step_ptx(bits: int, first: bool, last: bool) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_PTX_4_FIRST = tl.constexpr(_step_ptx(4, True, False))
-_PTX_4_MID = tl.constexpr(_step_ptx(4, False, False))
-_PTX_4_LAST = tl.constexpr(_step_ptx(4, False, True))
-_PTX_8_FIRST = tl.constexpr(_step_ptx(8, True, False))
-_PTX_8_MID = tl.constexpr(_step_ptx(8, False, False))
-_PTX_8_LAST = tl.constexpr(_step_ptx(8, False, True))
+_PTX_4_FIRST = tl.constexpr(_step_ptx(4, False, True, False))
+_PTX_4_MID = tl.constexpr(_step_ptx(4, False, False, False))
+_PTX_4_LAST = tl.constexpr(_step_ptx(4, False, False, True))
+_PTX_8_FIRST = tl.constexpr(_step_ptx(8, False, True, False))
+_PTX_8_MID = tl.constexpr(_step_ptx(8, False, False, False))
+_PTX_8_LAST = tl.constexpr(_step_ptx(8, False, False, True))
+_PTX_FP8_FIRST = tl.constexpr(_step_ptx(8, True, True, False))
+_PTX_FP8_MID = tl.constexpr(_step_ptx(8, True, False, False))
+_PTX_FP8_LAST = tl.constexpr(_step_ptx(8, True, False, True))
 _P4 = _code_pairs(4)
 _P8 = _code_pairs(8)
 # the interpreter's copies of the constants (fp16 bits of scale and shift)
 _K4, _B4, _K4H, _B4H = tl.constexpr(_P4[0][2]), tl.constexpr(_P4[0][3]), tl.constexpr(_P4[1][2]), tl.constexpr(_P4[1][3])
 _K8, _B8 = tl.constexpr(_P8[0][2]), tl.constexpr(_P8[0][3])
+_FP8_SCALE = tl.constexpr(2.0 ** -CODE_SHIFT[8, True])
 
 
 @triton.jit
@@ -226,6 +265,15 @@ def _lanes(t, mask: tl.constexpr, k: tl.constexpr, b: tl.constexpr, a_lo, a_hi, 
 
 
 @triton.jit
+def _fp8_lanes(t, a_lo, a_hi, xp):
+    """The interpreter's cvt.rn.f16x2.e4m3x2 of bytes 0, 1 of t, its mul by 2**-CODE_SHIFT and the
+    fma with x's pair xp."""
+    c_lo = (_code_value(t & 0xFF, True) * _FP8_SCALE).to(tl.float16)
+    c_hi = (_code_value((t >> 8) & 0xFF, True) * _FP8_SCALE).to(tl.float16)
+    return a_lo + c_lo * _half(xp, False), a_hi + c_hi * _half(xp, True)
+
+
+@triton.jit
 def _split4(t):
     """[..., 4] -> its 4 slices along the last dim (in-register when a thread holds the 4)."""
     lo, hi = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))  # index 2i + k: k = 0 / 1
@@ -235,12 +283,23 @@ def _split4(t):
 
 
 @triton.jit
-def _step(q, x0, x1, x2, x3, a, BITS: tl.constexpr, ASM: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr):
+def _step(q, x0, x1, x2, x3, a, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr, FIRST: tl.constexpr,
+          LAST: tl.constexpr):
     """One word of a chain: the sum so far ``a`` (f16x2 pairs in int32; unused when FIRST) plus the
     word's scaled, centred codes times x's pairs x0.. (x2, x3 unused for 8 bits) -> the new sum,
     or its f32 total when LAST."""
     if ASM:
-        if BITS == 4:
+        if FP8:
+            if FIRST:
+                out = tl.inline_asm_elementwise(_PTX_FP8_FIRST, "=r,r,r,r", [q, x0, x1], dtype=tl.int32,
+                                                is_pure=True, pack=1)
+            elif LAST:
+                out = tl.inline_asm_elementwise(_PTX_FP8_LAST, "=f,r,r,r,r", [q, x0, x1, a], dtype=tl.float32,
+                                                is_pure=True, pack=1)
+            else:
+                out = tl.inline_asm_elementwise(_PTX_FP8_MID, "=r,r,r,r,r", [q, x0, x1, a], dtype=tl.int32,
+                                                is_pure=True, pack=1)
+        elif BITS == 4:
             if FIRST:
                 out = tl.inline_asm_elementwise(_PTX_4_FIRST, "=r,r,r,r,r,r", [q, x0, x1, x2, x3],
                                                 dtype=tl.int32, is_pure=True, pack=1)
@@ -267,7 +326,10 @@ def _step(q, x0, x1, x2, x3, a, BITS: tl.constexpr, ASM: tl.constexpr, FIRST: tl
         else:
             a_lo = _half(a, False)
             a_hi = _half(a, True)
-        if BITS == 4:
+        if FP8:
+            a_lo, a_hi = _fp8_lanes(q, a_lo, a_hi, x0)
+            a_lo, a_hi = _fp8_lanes(q >> 16, a_lo, a_hi, x1)
+        elif BITS == 4:
             a_lo, a_hi = _lanes(q, 0x000F000F, _K4, _B4, a_lo, a_hi, x0)
             a_lo, a_hi = _lanes(q, 0x00F000F0, _K4H, _B4H, a_lo, a_hi, x1)
             a_lo, a_hi = _lanes(q >> 8, 0x000F000F, _K4, _B4, a_lo, a_hi, x2)
@@ -283,19 +345,25 @@ def _step(q, x0, x1, x2, x3, a, BITS: tl.constexpr, ASM: tl.constexpr, FIRST: tl
 
 
 @triton.jit
-def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, ASM: tl.constexpr):
+def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr):
     """fp32 sums of the chains of tile q [rows, chains, 4 words] whose first words are ``first``
     [chains], and the fp32 sums of x over each chain's inputs [chains] (what offsets multiply).
     x's pairs for the tile are made as one [chains, 4 words, pairs] tensor, each pair once per
     program (the layout change that hands them to the rows' threads goes through shared memory),
-    then sliced in registers."""
+    then sliced in registers. Pair p of a word holds inputs p and p + PAIRS (integer codes) or
+    2p and 2p + 1 (FP8: the bytes one conversion takes)."""
     CODES: tl.constexpr = 32 // BITS
     PAIRS: tl.constexpr = CODES // 2
     word = first[:, None, None] + tl.arange(0, 4)[None, :, None]
-    xo = word * CODES + tl.arange(0, PAIRS)[None, None, :]
     wmask = word < KW
-    lo = tl.load(x_ptr + xo, mask=wmask, other=0.0).to(tl.float32)
-    hi = tl.load(x_ptr + xo + PAIRS, mask=wmask, other=0.0).to(tl.float32)
+    if FP8:  # the word's inputs in one load, split into its pairs' halves
+        xw = tl.load(x_ptr + word[:, :, :, None] * CODES + tl.arange(0, CODES)[None, None, None, :],
+                     mask=wmask[:, :, :, None], other=0.0).to(tl.float32)
+        lo, hi = tl.split(tl.reshape(xw, [first.shape[0], 4, PAIRS, 2]))
+    else:
+        xo = word * CODES + tl.arange(0, PAIRS)[None, None, :]
+        lo = tl.load(x_ptr + xo, mask=wmask, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + xo + PAIRS, mask=wmask, other=0.0).to(tl.float32)
     xp = _pair(lo, hi, ASM)
     xsum = tl.sum(tl.sum(lo + hi, 2), 1)
     q0, q1, q2, q3 = _split4(q)
@@ -305,21 +373,21 @@ def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, ASM: tl.constexpr):
         x01, x11, x21, x31 = _split4(p1)
         x02, x12, x22, x32 = _split4(p2)
         x03, x13, x23, x33 = _split4(p3)
-    else:  # pairs (0, 2), (1, 3)
+    else:  # pairs (0, 2), (1, 3); FP8: (0, 1), (2, 3)
         p0, p1 = tl.split(xp)
         x00, x10, x20, x30 = _split4(p0)
         x01, x11, x21, x31 = _split4(p1)
         x02, x12, x22, x32 = x00, x10, x20, x30
         x03, x13, x23, x33 = x00, x10, x20, x30
-    d = _step(q0, x00[None], x01[None], x02[None], x03[None], q0, BITS, ASM, True, False)
-    d = _step(q1, x10[None], x11[None], x12[None], x13[None], d, BITS, ASM, False, False)
-    d = _step(q2, x20[None], x21[None], x22[None], x23[None], d, BITS, ASM, False, False)
-    return _step(q3, x30[None], x31[None], x32[None], x33[None], d, BITS, ASM, False, True), xsum
+    d = _step(q0, x00[None], x01[None], x02[None], x03[None], q0, BITS, FP8, ASM, True, False)
+    d = _step(q1, x10[None], x11[None], x12[None], x13[None], d, BITS, FP8, ASM, False, False)
+    d = _step(q2, x20[None], x21[None], x22[None], x23[None], d, BITS, FP8, ASM, False, False)
+    return _step(q3, x30[None], x31[None], x32[None], x33[None], d, BITS, FP8, ASM, False, True), xsum
 
 
 @triton.jit
 def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride_w, stride_s, ngroups,
-                        BITS: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
                         G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """A program's tile is [BLOCK_N rows, BLOCK_W words] = [rows, chains, 4 words]. Each chain's
@@ -348,7 +416,7 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stri
         else:
             q_next = tl.load(rows + nxt, mask=nmask[:, None] & (nxt + tl.arange(0, BLOCK_W) < KW)[None, :],
                              other=0, eviction_policy="evict_first")
-        d, xs = _chains(tl.reshape(q, [BLOCK_N, NCH, 4]), x_ptr, w0 + chain, KW, BITS, ASM)
+        d, xs = _chains(tl.reshape(q, [BLOCK_N, NCH, 4]), x_ptr, w0 + chain, KW, BITS, FP8, ASM)
         gs = (w0 + chain) * CODES // G
         if EVEN:
             s = tl.load(s_ptr + srows + gs[None, :]).to(tl.float32)
@@ -368,8 +436,9 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stri
         y += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
+
 def pairs_fit(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool) -> bool:
-    """Whether the pairs kernel takes this layout: integer codes of 4 or 8 bits, rows of whole words,
+    """Whether the pairs kernel takes this layout: codes of 4 or 8 bits (FP8: 8), rows of whole words,
     no act-order table, groups of whole chains of words (or one group per row)."""
     codes = 32 // bits
     if bits not in (4, 8) or has_g_idx or k % codes:
@@ -380,16 +449,17 @@ def pairs_fit(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool)
 def qgemv_pairs_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
                        bias: torch.Tensor | None, bits: int, group_size: int, k: int,
                        config: dict[str, int]) -> torch.Tensor:
-    """As ``qgemv_words_triton`` for integer codes of 4 or 8 bits (``pairs_fit`` must hold)."""
+    """As ``qgemv_words_triton`` for 16-bit x (``pairs_fit`` must hold)."""
     n = qweight.shape[0]
     words = qweight.view(torch.uint8).view(torch.int32)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    symm = biases is None
+    fp8 = qweight.dtype == torch.float8_e4m3fn
+    symm = biases is None  # FP8: symmetric about 0
     _qgemv_pairs_kernel[(triton.cdiv(n, config["block_n"]),)](
         x, words, scales, biases if biases is not None else scales, bias if bias is not None else scales, y,
         n, k * bits // 32, words.stride(0), scales.stride(0), scales.shape[1],
-        BITS=bits, SYMM=symm, HAS_BIAS=bias is not None,
-        G=group_size if scales.shape[1] > 1 else 1 << 30, CODE_SHIFT=CODE_SHIFT[bits], ASM=not INTERPRET,
+        BITS=bits, FP8=fp8, SYMM=symm, HAS_BIAS=bias is not None,
+        G=group_size if scales.shape[1] > 1 else 1 << 30, CODE_SHIFT=CODE_SHIFT[bits, fp8], ASM=not INTERPRET,
         EVEN=n % config["block_n"] == 0 and (k * bits // 32) % config["block_w"] == 0,
         BLOCK_N=config["block_n"], BLOCK_W=config["block_w"], num_warps=config["num_warps"],
         num_stages=config["num_stages"])

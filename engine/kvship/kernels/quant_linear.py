@@ -9,7 +9,7 @@ for FP8 (block scales are float32 in the checkpoints); g_idx [K] int32 for act-o
 ``quant_linear_torch`` (unpack, dequantize, F.linear) is the reference and the CPU path.
 ``quant_linear_triton`` runs one of two kernels: one input row (batch-1 decode) streams the
 codes once with plain FMAs and one reduction at the end (as kernels/gemv.py does for bf16;
-integer codes in kernels/quant_gemv.py's fp16-pair or word-reading form, see _one_row_config); more rows
+codes beside 16-bit x in kernels/quant_gemv.py's fp16-pair form, see _one_row_config); more rows
 go through a tiled tensor-core GEMM. Both take the scales of a whole tile of groups
 at once (a [.., groups, group] view of the tile), except for act-order weights, whose groups are
 scattered over K and are looked up per input. FP8 W8A8 (``_dense_matmul``) quantizes its
@@ -213,11 +213,12 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gi_ptr, bias_ptr, y_ptr, M, N, K, 
 
 
 # Launch settings of the one-row kernels, from bench/quant_gemv_sweep.py on the H200 over the 8B
-# projections. FP8 stays on the per-code kernel here (61/48/79% of copy bandwidth on q/k/v, o,
-# gate/up; the word kernel of kernels/quant_gemv.py won only down, 60 against 58%); integer
-# codes beside float32 activations, or in layouts the pairs kernel leaves, go to the word kernel
-# (4-bit: 27-42% against 20-28%, int8: 46-76% against 43-61%), unless their layout is one it
-# leaves too (act-order, rows of partial words).
+# projections. FP8 beside float32 activations (or in layouts the pairs kernel leaves) stays on
+# the per-code kernel here (61/48/79% of copy bandwidth on q/k/v, o, gate/up; the word kernel of
+# kernels/quant_gemv.py won only down, 60 against 58%); integer codes beside float32
+# activations, or in layouts the pairs kernel leaves, go to the word kernel (4-bit: 27-42%
+# against 20-28%, int8: 46-76% against 43-61%), unless their layout is one it leaves too
+# (act-order, rows of partial words).
 GEMV_CONFIGS = {8: {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages": 3},
                 4: {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 3}}
 WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
@@ -228,8 +229,12 @@ WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stag
 # 256 words (38/33/57/44% on q/k/v, o, gate/up, down against 32/30/44/37%). 4-bit in groups of 128
 # takes the same tile since 6067e97 gave every group size the same [rows, chains, 4 words] layout
 # (the layout of groups of 128 before it measured 27/25/57/32% at its best settings).
+# FP8 codes (keyed "fp8") have int8's bytes and, per word, one instruction fewer in the loop on
+# sm_90 (two conversions, two scalings and two products against a shift, two lop3 and four fma),
+# so they start from int8's setting until the sweep has measured them.
 PAIRS_GEMV_CONFIGS = {8: {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
-                      4: {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 4, "num_stages": 3}}
+                      4: {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 4, "num_stages": 3},
+                      "fp8": {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3}}
 # From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
 # GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
 DENSE_ROWS = 16
@@ -285,13 +290,11 @@ def _layout(w: QWeight, block_k: int) -> tuple[tuple[torch.Tensor, ...], dict]:
 
 
 def _one_row_config(w: QWeight, dtype: torch.dtype) -> dict[str, int]:
-    """The pairs kernel's settings where it takes the layout, x is 16-bit (its sums are fp16: float32
-    serving keeps float32 arithmetic) and it measured faster (PAIRS_GEMV_CONFIGS), else the word
-    kernel's (with block_w), else the per-code one's."""
-    pairs = dtype != torch.float32 and not w.fp8 and pairs_fit(w.bits, w.k, w.group_size, w.scales.shape[1],
-                                                               w.g_idx is not None)
-    if pairs:
-        return PAIRS_GEMV_CONFIGS[w.bits]
+    """The pairs kernel's settings (PAIRS_GEMV_CONFIGS) where it takes the layout and x is 16-bit
+    (its sums are fp16: float32 serving keeps float32 arithmetic), else the word kernel's (with
+    block_w) for integer codes, else the per-code one's."""
+    if dtype != torch.float32 and pairs_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None):
+        return PAIRS_GEMV_CONFIGS["fp8" if w.fp8 else w.bits]
     words = WORD_GEMV_CONFIGS[w.bits]
     if not w.fp8 and fits(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, words["block_w"]):
         return words
