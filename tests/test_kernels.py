@@ -200,21 +200,31 @@ def store_inputs(t, num_slots, hq, hkv, d, dtype, g, gain=1.0):
     return cache, pos, slots, qkv, q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
 
 
+def qk_norm_weights(d, dtype, g) -> rotary.QKNorm:
+    """Per-head q/k norm weights near 1 in ``dtype`` (the model's, or float32 as Gemma 3 holds
+    its folded 1 + w)."""
+    w = 1.0 + 0.2 * torch.randn(2, d, generator=g)
+    return rotary.QKNorm(w[0].to(dtype).to(DEV), w[1].to(dtype).to(DEV), 1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_dtype", [None, "model", torch.float32])
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (4, 2, 128, 32)] if not GPU
                          else [(32, 8, 128, 16), (9, 3, 64, 32)])
-def test_rotary_store_kv(hq, hkv, d, block_size, dtype):
-    """Fused rotary + KV store = rotary_torch then store_kv_torch, on strided q/k/v views of a
-    fused qkv projection, with padding tokens (slot -1) that must leave the cache alone."""
+def test_rotary_store_kv(hq, hkv, d, block_size, norm_dtype, dtype):
+    """Fused (per-head q/k RMSNorm +) rotary + KV store = rms_norm_torch, rotary_torch then
+    store_kv_torch, on strided q/k/v views of a fused qkv projection, with padding tokens (slot
+    -1) that must leave the cache alone."""
     t, nb = (13, 4) if not GPU else (2048, 300)
     g = torch.Generator().manual_seed(d + block_size)
-    cache, pos, slots, qkv, q, k, v = store_inputs(t, nb * block_size, hq, hkv, d, dtype, g)
+    cache, pos, slots, qkv, q, k, v = store_inputs(t, nb * block_size, hq, hkv, d, dtype, g, gain=3.0)
+    qk_norm = None if norm_dtype is None else qk_norm_weights(d, dtype if norm_dtype == "model" else norm_dtype, g)
     kc = torch.randn(nb, block_size, hkv, d, generator=g).to(dtype).to(DEV)
     vc = torch.randn(nb, block_size, hkv, d, generator=g).to(dtype).to(DEV)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     kv_before = qkv[:, hq * d :].clone()
-    q_ref = rotary.rotary_store_kv_torch(pos, q.clone(), k, v, cache, kc_ref, vc_ref, slots)
-    q_got = rotary.rotary_store_kv_triton(pos, q, k, v, cache, kc, vc, slots)
+    q_ref = rotary.rotary_store_kv_torch(pos, q.clone(), k, v, cache, kc_ref, vc_ref, slots, qk_norm=qk_norm)
+    q_got = rotary.rotary_store_kv_triton(pos, q, k, v, cache, kc, vc, slots, qk_norm=qk_norm)
     assert q_got.data_ptr() == q.data_ptr()  # rotated in place
     close(q_got, q_ref, dtype, "rotated q")
     close(kc, kc_ref, dtype, "k cache")

@@ -14,7 +14,7 @@ from kvship.kernels import paged_attention as pa
 from kvship.kernels import rotary
 from kvship.kernels._triton import HAS_TRITON
 from sm90_compile import attention_types, compile_in_child, decode_types, ints
-from test_kernels import DEV, GPU, close, make_paged, store_inputs
+from test_kernels import DEV, GPU, close, make_paged, qk_norm_weights, store_inputs
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
@@ -170,14 +170,16 @@ def test_prefill_kernel(hq, hkv, d, kv_dtype):
 @pytest.mark.parametrize("kv_dtype,turn", [("fp8_e4m3", True), ("fp8_e5m2", True), ("fp8_e4m3", False),
                                            ("int4", False)])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 80)] if not GPU else [(32, 8, 128), (9, 3, 64)])
-def test_rotary_store_kernel(hq, hkv, d, kv_dtype, turn):
-    """The fused rotary + quantizing store writes what the reference writes (the same codes
-    but for an fp32 division's last bit, which may move a value across a rounding boundary: a
-    handful of codes one step apart) and leaves padding slots (-1) alone; FP8 keys turned by
-    the Hadamard (d 64) or QR (d 80) matrix as the engine stores them, or not."""
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
+    """The fused (per-head q/k norm +) rotary + quantizing store writes what the reference
+    writes (the same codes but for an fp32 division's last bit, which may move a value across a
+    rounding boundary: a handful of codes one step apart) and leaves padding slots (-1) alone;
+    FP8 keys turned by the Hadamard (d 64) or QR (d 80) matrix as the engine stores them, or not."""
     t, nb, bs = (13, 4, 16) if not GPU else (2048, 300, 16)
     g = torch.Generator().manual_seed(d + hkv)
     cache, pos, slots, _, q, k, v = store_inputs(t, nb * bs, hq, hkv, d, DTYPE, g, gain=3.0)
+    qk_norm = qk_norm_weights(d, DTYPE, g) if norm else None
     kc, vc, ks, vs = kvq.allocate(kv_dtype, nb, bs, hkv, d, DTYPE, DEV)
     if ks is None:
         ks, vs = torch.tensor([FP8_SCALE], device=DEV), torch.tensor([2 * FP8_SCALE], device=DEV)
@@ -188,8 +190,8 @@ def test_rotary_store_kernel(hq, hkv, d, kv_dtype, turn):
     refs = [x.clone() for x in filled]
     rot = kvq.key_rotation(d, torch.device(DEV)) if turn else None
     q_ref = rotary.rotary_store_kv_torch(pos, q.clone(), k, v, cache, refs[0], refs[1], slots,
-                                         *(refs[2:] if kv_dtype == "int4" else (ks, vs)), rot)
-    q_got = rotary.rotary_store_kv_triton(pos, q, k, v, cache, kc, vc, slots, ks, vs, rot)
+                                         *(refs[2:] if kv_dtype == "int4" else (ks, vs)), rot, qk_norm)
+    q_got = rotary.rotary_store_kv_triton(pos, q, k, v, cache, kc, vc, slots, ks, vs, rot, qk_norm)
     close(q_got, q_ref, DTYPE, "rotated q")
     blocks = torch.arange(nb, device=DEV)
     for got, ref, s, what in ((kc, refs[0], ks, "k"), (vc, refs[1], vs, "v")):
@@ -245,17 +247,19 @@ def _sm90_specs():
               "int4": ("*u8", "*fp16")}
     for kv, (cache, scales) in caches.items():
         mode = {"auto": 0, "int4": 2}.get(kv, 1)
-        for turn in ([False, True] if mode == 1 else [False]):
+        # per-head q/k norm weights in bf16 (Qwen3) or float32 (Gemma 3's folded 1 + w), or none
+        norms = [(False, "*bf16"), (True, "*bf16")] + ([(True, "*fp32")] if mode == 0 else [])
+        for turn, (qk_norm, w) in ((t, n) for t in ([False, True] if mode == 1 else [False]) for n in norms):
             types = {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cs_ptr": "*fp32",
                      "kc_ptr": cache, "vc_ptr": cache, "ks_ptr": scales, "vs_ptr": scales,
-                     "r_ptr": "*fp32" if turn else "*bf16", "slot_ptr": "*i64",
+                     "r_ptr": "*fp32" if turn else "*bf16", "slot_ptr": "*i64", "qw_ptr": w, "kw_ptr": w, "eps": "fp32",
                      **ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cs",
                             "stride_kcb", "stride_kcs", "stride_kch", "stride_vcb", "stride_vcs", "stride_vch",
                             "stride_gb", "stride_gs", "stride_gh")}
             yield {"kernel": "kvship.kernels.rotary:_rotary_store_kv_kernel", "types": types,
                    "constexprs": dict(HQ=32, HKV=8, HALF=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_HQ=32,
                                       BLOCK_HKV=16 if turn else 8, BLOCK_HALF=64, BLOCK_D=128, KV_MODE=mode,
-                                      FP8_E5=kv == "fp8_e5m2", TURN_K=turn)}
+                                      FP8_E5=kv == "fp8_e5m2", TURN_K=turn, QK_NORM=qk_norm)}
         default = pa.DECODE_CONFIGS[mode]
         launched = dict(BLOCK_N=default["block_n"], PACKED=pa.packed_read(default, mode, torch.bfloat16, 128))
         for splits in (1, 8):

@@ -17,15 +17,32 @@ or, for int4, each head's rotated vector is quantized as one group; the kernel t
 each head's even and odd elements (the two nibbles of a byte), rotating each element from its
 rotate-half partner. FP8 keys may be turned by an orthogonal matrix on the way (``k_rotation``,
 kv_quant.key_rotation): rotary, rounding, then the product with R, then the quantization.
+
+Qwen3 and Gemma 3 normalize each head of q and k (RMSNorm over head_dim) before rotary; the
+kernel does that too when given ``QKNorm`` weights, in the separate norm's arithmetic (fp32
+statistics as kernels/norm.py computes them, times the weight, rounded to the activation dtype)
+so the fused path rotates the very values the unfused one would. Gemma's (1 + w) is folded into
+its weights at load (models/gemma.py), so one rule serves both.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import next_pow2, tl, triton, use_triton
+from kvship.kernels.norm import rms_norm_torch
 from kvship.kernels.numerics import fp8_round
 from kvship.kernels.paged_attention import store_kv_torch
+
+
+class QKNorm(NamedTuple):
+    """Per-head RMSNorm of q and k before rotary: weights [head_dim] each, and eps."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
 
 
 def build_cos_sin_cache(
@@ -72,23 +89,46 @@ def _to_cache(x, src_ty: tl.constexpr, dst_ty: tl.constexpr, scale, FP8: tl.cons
 
 
 @triton.jit
-def _rotated_halves(src, stride_h, offs_h, cos, sin, offs_d, m, HALF: tl.constexpr):
-    """Both halves [BLOCK_H, BLOCK_HALF] of one token's heads at ``src``, rotated, in fp32."""
+def _rstd(sum_sq, eps, HEAD_DIM: tl.constexpr):
+    """1 / rms from each head's sum of squares, as kernels/norm.py's kernel computes it."""
+    return 1.0 / tl.sqrt(sum_sq / HEAD_DIM + eps)
+
+
+@triton.jit
+def _normed(x, rstd, w_ptr, elem, emask, ty: tl.constexpr):
+    """x [BLOCK_H, N] (elements ``elem`` of each head) normalized and weighted in fp32, rounded to
+    ``ty`` as the separate norm's output is, and back in fp32 for rotary."""
+    w = tl.load(w_ptr + elem, mask=emask, other=0.0).to(tl.float32)[None, :]
+    return (x * rstd[:, None] * w).to(ty).to(tl.float32)
+
+
+@triton.jit
+def _rotated_halves(src, stride_h, offs_h, cos, sin, offs_d, m, w_ptr, eps,
+                    HALF: tl.constexpr, NORM: tl.constexpr):
+    """Both halves [BLOCK_H, BLOCK_HALF] of one token's heads at ``src``, each head RMS-normed
+    with the weights at ``w_ptr`` first when NORM, rotated, in fp32. The statistics come from
+    the halves already loaded, so a head rotated in place is read once, before it is written."""
     p = src + offs_h[:, None] * stride_h + offs_d[None, :]
     x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = _rstd(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), eps, 2 * HALF)
+        dmask = offs_d < HALF
+        x1 = _normed(x1, rstd, w_ptr, offs_d, dmask, src.dtype.element_ty)
+        x2 = _normed(x2, rstd, w_ptr, offs_d + HALF, dmask, src.dtype.element_ty)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 @triton.jit
-def _rotate_heads(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask, scale,
-                  H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+def _rotate_heads(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask, scale, w_ptr, eps,
+                  H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
                   FP8: tl.constexpr = False, FP8_E5: tl.constexpr = False):
-    """Rotate the H heads of one token at ``src`` into ``dst`` (rotate-half layout); the two
-    may be the same place, and ``dst``'s dtype is the one written (FP8: divided by scale)."""
+    """Rotate the H heads of one token at ``src`` (normed first when NORM) into ``dst``
+    (rotate-half layout); the two may be the same place, and ``dst``'s dtype is the one written
+    (FP8: divided by scale)."""
     offs_h = tl.arange(0, BLOCK_H)
     m = (offs_h[:, None] < H) & dmask[None, :]
-    r1, r2 = _rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, HALF)
+    r1, r2 = _rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, w_ptr, eps, HALF, NORM)
     o = dst + offs_h[:, None] * stride_dst_h + offs_d[None, :]
     src_ty = src.dtype.element_ty  # (one assignment each: a tuple of dtypes does not compile on the GPU)
     dst_ty = dst.dtype.element_ty
@@ -97,14 +137,15 @@ def _rotate_heads(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask,
 
 
 @triton.jit
-def _store_turned_fp8_keys(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask, scale, r_ptr,
+def _store_turned_fp8_keys(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask, scale, r_ptr, w_ptr, eps,
                            H: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_E5: tl.constexpr):
-    """FP8 keys turned by R (kv_quant.key_rotation): rotary, rounded to k's dtype, times R
-    (the halves against R's top and bottom rows), quantized. BLOCK_H >= 16 for tl.dot."""
+                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, FP8_E5: tl.constexpr):
+    """FP8 keys turned by R (kv_quant.key_rotation): (normed when NORM,) rotary, rounded to k's
+    dtype, times R (the halves against R's top and bottom rows), quantized. BLOCK_H >= 16 for
+    tl.dot."""
     offs_h = tl.arange(0, BLOCK_H)
     m = (offs_h[:, None] < H) & dmask[None, :]
-    r1, r2 = _rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, HALF)
+    r1, r2 = _rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, w_ptr, eps, HALF, NORM)
     ty = src.dtype.element_ty
     cols = tl.arange(0, BLOCK_D)
     rm = dmask[:, None] & (cols < HEAD_DIM)[None, :]
@@ -117,36 +158,57 @@ def _store_turned_fp8_keys(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_
 
 
 @triton.jit
-def _heads_at(src, stride_h, offs_h, elem, pos, cs_ptr, m,
-              ROTATE: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _head_rstd(src, stride_h, offs_h, hmask, eps, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """1 / rms [BLOCK_H] of each of one token's heads at ``src`` (read only: k, never written)."""
+    cols = tl.arange(0, BLOCK_D)
+    m = hmask[:, None] & (cols < HEAD_DIM)[None, :]
+    x = tl.load(src + (offs_h * stride_h)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    return _rstd(tl.sum(x * x, axis=1), eps, HEAD_DIM)
+
+
+@triton.jit
+def _heads_at(src, stride_h, offs_h, elem, pos, cs_ptr, m, rstd, w_ptr,
+              ROTATE: tl.constexpr, NORM: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Elements ``elem`` [BLOCK_P] of every head of one token [BLOCK_H, BLOCK_P] in fp32,
-    rotated (from each element's rotate-half partner, in the reference's order of operations)
-    and rounded to the source dtype when ROTATE, as stored otherwise."""
+    normed by ``rstd`` and the weights at ``w_ptr`` when NORM, rotated (from each element's
+    rotate-half partner, in the reference's order of operations) and rounded to the source
+    dtype when ROTATE, as stored otherwise."""
     p = src + (offs_h * stride_h)[:, None]
+    ty = src.dtype.element_ty
+    emask = elem < HEAD_DIM
     x = tl.load(p + elem[None, :], mask=m, other=0.0).to(tl.float32)
+    if NORM:
+        x = _normed(x, rstd, w_ptr, elem, emask, ty)
     if ROTATE:
         first = elem < HALF
         j = tl.where(first, elem, elem - HALF)
-        partner = tl.load(p + tl.where(first, elem + HALF, elem - HALF)[None, :], mask=m, other=0.0).to(tl.float32)
-        cos = tl.load(cs_ptr + pos + j, mask=elem < HEAD_DIM, other=0.0)[None, :].to(tl.float32)
-        sin = tl.load(cs_ptr + pos + HALF + j, mask=elem < HEAD_DIM, other=0.0)[None, :].to(tl.float32)
+        other = tl.where(first, elem + HALF, elem - HALF)
+        partner = tl.load(p + other[None, :], mask=m, other=0.0).to(tl.float32)
+        if NORM:
+            partner = _normed(partner, rstd, w_ptr, other, emask, ty)
+        cos = tl.load(cs_ptr + pos + j, mask=emask, other=0.0)[None, :].to(tl.float32)
+        sin = tl.load(cs_ptr + pos + HALF + j, mask=emask, other=0.0)[None, :].to(tl.float32)
         x = tl.where(first[None, :], x * cos - partner * sin, x * cos + partner * sin)
-        x = x.to(src.dtype.element_ty).to(tl.float32)
+        x = x.to(ty).to(tl.float32)
     return x
 
 
 @triton.jit
-def _store_int4_heads(src, stride_h, pos, cs_ptr, dst, stride_dst_h, grp, stride_grp_h,
-                      ROTATE: tl.constexpr, H: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One token's H heads (keys rotated first when ROTATE) quantized to int4 groups at dst."""
+def _store_int4_heads(src, stride_h, pos, cs_ptr, dst, stride_dst_h, grp, stride_grp_h, w_ptr, eps,
+                      ROTATE: tl.constexpr, NORM: tl.constexpr, H: tl.constexpr, HALF: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One token's H heads (keys normed when NORM and rotated when ROTATE first) quantized to
+    int4 groups at dst."""
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < H
+    rstd = tl.full((BLOCK_H,), 1.0, tl.float32)
+    if NORM:
+        rstd = _head_rstd(src, stride_h, offs_h, hmask, eps, HEAD_DIM, 2 * BLOCK_P)
     even = 2 * tl.arange(0, BLOCK_P)
     m_even = hmask[:, None] & (even < HEAD_DIM)[None, :]
     m_odd = hmask[:, None] & (even + 1 < HEAD_DIM)[None, :]
-    x_even = _heads_at(src, stride_h, offs_h, even, pos, cs_ptr, m_even, ROTATE, HALF, HEAD_DIM)
-    x_odd = _heads_at(src, stride_h, offs_h, even + 1, pos, cs_ptr, m_odd, ROTATE, HALF, HEAD_DIM)
+    x_even = _heads_at(src, stride_h, offs_h, even, pos, cs_ptr, m_even, rstd, w_ptr, ROTATE, NORM, HALF, HEAD_DIM)
+    x_odd = _heads_at(src, stride_h, offs_h, even + 1, pos, cs_ptr, m_odd, rstd, w_ptr, ROTATE, NORM, HALF, HEAD_DIM)
     data = dst + offs_h[:, None] * stride_dst_h + (even // 2)[None, :]
     kvq.int4_store_groups(x_even, x_odd, m_even, m_odd, data, grp + offs_h * stride_grp_h, hmask,
                           HEAD_DIM, BLOCK_H, BLOCK_P)
@@ -163,19 +225,19 @@ def _cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_d, dmask, HALF: tl.constexpr):
 
 @triton.jit
 def _rotary_store_kv_kernel(
-    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, r_ptr, slot_ptr,
+    pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, r_ptr, slot_ptr, qw_ptr, kw_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_gb, stride_gs, stride_gh,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_MODE: tl.constexpr, FP8_E5: tl.constexpr, TURN_K: tl.constexpr,
+    KV_MODE: tl.constexpr, FP8_E5: tl.constexpr, TURN_K: tl.constexpr, QK_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     dmask = offs_d < HALF
     cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_d, dmask, HALF)
     q = q_ptr + t * stride_qt
-    _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, HQ, HALF, BLOCK_HQ)
+    _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, qw_ptr, eps, HQ, HALF, BLOCK_HQ, QK_NORM)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # -1: a padding token, nothing to store
         page = slot // BLOCK_SIZE
@@ -186,9 +248,9 @@ def _rotary_store_kv_kernel(
             grp = page * stride_gb + row * stride_gs
             pos = tl.load(pos_ptr + t).to(tl.int64) * stride_cs
             _store_int4_heads(k_ptr + t * stride_kt, stride_kh, pos, cs_ptr, kc, stride_kch, ks_ptr + grp, stride_gh,
-                              True, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_HALF)
+                              kw_ptr, eps, True, QK_NORM, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_HALF)
             _store_int4_heads(v_ptr + t * stride_vt, stride_vh, pos, cs_ptr, vc, stride_vch, vs_ptr + grp, stride_gh,
-                              False, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_HALF)
+                              kw_ptr, eps, False, False, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_HALF)
         else:
             k_scale = 1.0
             v_scale = 1.0
@@ -197,10 +259,11 @@ def _rotary_store_kv_kernel(
                 v_scale = tl.load(vs_ptr)
             if TURN_K:
                 _store_turned_fp8_keys(k_ptr + t * stride_kt, stride_kh, kc, stride_kch, cos, sin, offs_d, dmask,
-                                       k_scale, r_ptr, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_D, FP8_E5)
+                                       k_scale, r_ptr, kw_ptr, eps, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_D, QK_NORM,
+                                       FP8_E5)
             else:
                 _rotate_heads(k_ptr + t * stride_kt, stride_kh, kc, stride_kch, cos, sin, offs_d, dmask, k_scale,
-                              HKV, HALF, BLOCK_HKV, KV_MODE == 1, FP8_E5)
+                              kw_ptr, eps, HKV, HALF, BLOCK_HKV, QK_NORM, KV_MODE == 1, FP8_E5)
             offs_h = tl.arange(0, BLOCK_HKV)
             offs_v = tl.arange(0, BLOCK_D)
             m = (offs_h[:, None] < HKV) & (offs_v[None, :] < HEAD_DIM)
@@ -211,17 +274,20 @@ def _rotary_store_kv_kernel(
 
 
 def rotary_store_kv_torch(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                          k_scale=None, v_scale=None, k_rotation=None) -> torch.Tensor:
-    """Reference: rotate q and k, store k and v into their slots; returns the rotated q (not
-    turned by ``k_rotation``, which only the stored FP8 keys are: see kv_quant)."""
+                          k_scale=None, v_scale=None, k_rotation=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+    """Reference: norm q and k per head (``qk_norm``), rotate them, store k and v into their
+    slots; returns the rotated q (not turned by ``k_rotation``, which only the stored FP8 keys
+    are: see kv_quant)."""
+    if qk_norm is not None:
+        q, k = rms_norm_torch(q, qk_norm.q_weight, qk_norm.eps), rms_norm_torch(k, qk_norm.k_weight, qk_norm.eps)
     q, k = rotary_torch(positions, q, k, cos_sin_cache)
     store_kv_torch(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_rotation)
     return q
 
 
 def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                           k_scale=None, v_scale=None, k_rotation=None) -> torch.Tensor:
-    """Triton twin of ``rotary_store_kv_torch``; q is rotated in place and returned."""
+                           k_scale=None, v_scale=None, k_rotation=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+    """Triton twin of ``rotary_store_kv_torch``; q is normed and rotated in place and returned."""
     for x in (q, k, v, cos_sin_cache, k_cache, v_cache):
         assert x.stride(-1) == 1, "last dim must be contiguous"
     t, hq, d = q.shape
@@ -232,22 +298,24 @@ def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, 
     group_strides = k_scale.stride()[:3] if mode == kvq.KV_INT4 else (0, 0, 0)
     assert mode != kvq.KV_INT4 or k_scale.stride()[-2:] == (2, 1) and v_scale.stride() == k_scale.stride()
     scales = (k_cache, v_cache) if mode == kvq.KV_PLAIN else (k_scale, v_scale)  # plain: unread
+    norm = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (q, q, 0.0)  # else unread
     if t > 0:
         _rotary_store_kv_kernel[(t,)](
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, *scales, k_rotation if turn else q, slot_mapping,
+            *norm,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *group_strides,
             HQ=hq, HKV=hkv, HALF=d // 2, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
             BLOCK_HQ=next_pow2(hq), BLOCK_HKV=max(16, next_pow2(hkv)) if turn else next_pow2(hkv),
             BLOCK_HALF=max(16, next_pow2(d // 2)), BLOCK_D=next_pow2(d),  # >= 16: int4 groups are 16 bytes
-            KV_MODE=mode, FP8_E5=k_cache.dtype == torch.float8_e5m2, TURN_K=turn,
+            KV_MODE=mode, FP8_E5=k_cache.dtype == torch.float8_e5m2, TURN_K=turn, QK_NORM=qk_norm is not None,
             num_warps=4,
         )
     return q
 
 
 def rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                    k_scale=None, v_scale=None, k_rotation=None) -> torch.Tensor:
-    args = (positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_rotation)
+                    k_scale=None, v_scale=None, k_rotation=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+    args = (positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_rotation, qk_norm)
     return rotary_store_kv_triton(*args) if use_triton(q) else rotary_store_kv_torch(*args)

@@ -8,7 +8,8 @@ from torch import nn
 
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels import paged_attention as pa
-from kvship.kernels.rotary import rotary_store_kv, rotary_store_kv_torch, rotary_torch
+from kvship.kernels.norm import rms_norm_torch
+from kvship.kernels.rotary import QKNorm, rotary_store_kv, rotary_store_kv_torch, rotary_torch
 from kvship.layers.rotary import RotaryEmbedding
 
 
@@ -23,7 +24,8 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    """Rotary embedding, the KV-cache store and attention: the first two fused on the GPU.
+    """Rotary embedding, the KV-cache store and attention: the first two fused on the GPU, with
+    the per-head q/k norms of Qwen3 and Gemma 3 when forward is given them (``QKNorm``).
 
     With a quantized cache (kernels/kv_quant.py) the kernels also take k_scale and v_scale: for
     FP8 this layer's own one-element tensors (the checkpoint's, 1.0, or measured on the first
@@ -74,24 +76,30 @@ class PagedAttention(nn.Module):
             self.k_rotation = kvq.key_rotation(self.head_dim, k_cache.device)
         self.k_scale, self.v_scale = k_scales, v_scales
 
-    def _measure_kv_scales(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """--calculate-kv-scales: the largest magnitudes of this step's keys (as stored: rotary,
-        then R) and values set the FP8 scales, once (blocks already written keep their
+    def _measure_kv_scales(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           qk_norm: QKNorm | None) -> None:
+        """--calculate-kv-scales: the largest magnitudes of this step's keys (as stored: normed,
+        rotary, then R) and values set the FP8 scales, once (blocks already written keep their
         meaning); later outliers saturate."""
         dtype = self.k_cache.dtype
+        if qk_norm is not None:
+            k = rms_norm_torch(k, qk_norm.k_weight, qk_norm.eps)
         k = rotary_torch(positions, k, k, self.rotary.cos_sin_cache)[1].float() @ self.k_rotation
         self.fp8_k_scale.copy_(kvq.fp8_scale_from_amax(k.abs().amax(), dtype))
         self.fp8_v_scale.copy_(kvq.fp8_scale_from_amax(v.abs().amax(), dtype))
         self.measure_kv_scales = False
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k and v [T, Hkv, D], not yet rotated -> attention output [T, Hq, D]."""
+        """q [T, Hq, D], k and v [T, Hkv, D], not yet normed (``qk_norm``) nor rotated -> attention
+        output [T, Hq, D]."""
         if self.measure_kv_scales:
-            self._measure_kv_scales(positions, k, v)
+            self._measure_kv_scales(positions, k, v, qk_norm)
         scales = (self.k_scale, self.v_scale)
-        store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, *scales, self.k_rotation)
+        store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, *scales, self.k_rotation,
+                 qk_norm)
         args = (self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
         options = dict(window=self.window, softcap=self.softcap)
         if self.force_torch:

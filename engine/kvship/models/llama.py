@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvship.layers.attention import AttentionMetadata, PagedAttention
+from kvship.layers.attention import AttentionMetadata, PagedAttention, QKNorm
 from kvship.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from kvship.layers.moe import MoEExperts, route
@@ -51,9 +51,9 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(positions, q, k, v, meta)
+        # the per-head norms run inside the rotary + KV-store kernel (one launch instead of three)
+        qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+        out = self.attn(positions, q, k, v, meta, qk_norm)
         return self.o_proj(out.flatten(1))
 
 
