@@ -89,15 +89,16 @@ def main() -> None:
     args = ap.parse_args()
     layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
     bw, _ = measure_ceilings()
-    wide = list(itertools.product([64, 128], [4, 8], [2, 3, 4]))
-    narrow = [(64, 4, 2), (128, 4, 3), (128, 4, 2)]
-    plain = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 3), (128, 8, 3)]
+    # stages: 2 to 4 keep one buffer per tile, 5 two, 7 three (paged_attention.DECODE_CONFIGS)
+    wide = list(itertools.product([64, 128], [4, 8], [2, 3, 5])) + [(64, 4, 7), (32, 4, 5)]
+    narrow = [(64, 4, 2), (128, 4, 3), (128, 4, 2), (64, 4, 5)]
+    plain = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 3), (128, 8, 3), (64, 4, 5)]
     # (page read, grid) per layout; the H200 sweep at 1206f4e: bf16 best at (64, 4, 2), FP8 as
     # stored 227.9 us and packed 240.4 us against 190.5 us for packed values, int4 as stored 686.1 us
     reads = {"auto": [(False, plain)], "fp8": [(False, narrow), (True, narrow), ("values", wide)],
              "int4": [(False, narrow), (True, wide), ("split", wide)]}
     if args.quick:
-        reads = {kv: [(packed, [(64, 4, 2), (128, 4, 3), (64, 8, 3)]) for packed, _ in r] for kv, r in reads.items()}
+        reads = {kv: [(packed, [(64, 4, 2), (128, 4, 3), (64, 4, 5)]) for packed, _ in r] for kv, r in reads.items()}
     print(header("Paged decode attention by KV layout and launch setting (8B attention, block size 16)"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s\n")
     rows, best, sides = [], {}, []

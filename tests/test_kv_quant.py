@@ -60,6 +60,27 @@ def test_int4_roundtrip_and_packing():
     assert torch.equal(kvq.int4_dequantize(*kvq.int4_quantize(const), 8), const)
 
 
+def test_int4_word_order_constants():
+    """The split read's PTX (kv_quant.int4_bytes_to_f16, WORD_ORDER), which the interpreter does
+    not run, on every byte value: a word's low nibbles ORed into 1024.0's mantissa and its high
+    ones into 64.0's are the codes plus that power of two, bytes 0 and 2 from the word, 1 and 3
+    from it shifted by 8, element j holding byte int4_word_order(j) as the interpreter's twin
+    arranges them."""
+    x = torch.arange(256)
+    b = torch.stack([x, (7 * x + 3) % 256, (13 * x + 5) % 256, (29 * x + 11) % 256], -1)  # each a permutation
+    w = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
+
+    def pair(x: torch.Tensor) -> torch.Tensor:  # a 32-bit word as two float16, low half first
+        return torch.stack([x & 0xFFFF, x >> 16], -1).to(torch.int16).view(torch.float16).float()
+
+    lo = torch.cat([pair((w & 0x000F000F) | 0x64006400) - 1024,
+                    pair(((w >> 8) & 0x000F000F) | 0x64006400) - 1024], -1)
+    hi = torch.cat([pair((w & 0x00F000F0) | 0x54005400) - 64,
+                    pair(((w >> 8) & 0x00F000F0) | 0x54005400) - 64], -1)
+    order = [0, 2, 1, 3]  # int4_word_order within a word
+    assert torch.equal(lo, (b[:, order] & 15).float()) and torch.equal(hi, (b[:, order] >> 4).float())
+
+
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_store_saturates_and_scales(kv_dtype):
     dtype = kvq.FP8_DTYPES[kv_dtype]

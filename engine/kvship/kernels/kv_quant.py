@@ -286,40 +286,78 @@ def fp8_to_f16(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr, PINNED: tl.constexpr = False):
+def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr, PINNED: tl.constexpr = False, WORD_ORDER: tl.constexpr = False):
     """Packed int4 bytes b (uint8, the last dimension a multiple of 4) and each byte's group
     scale s and minimum z (float16, b's shape) -> (low nibbles, high nibbles) dequantized,
-    code * s + z in float16. ASM: per four bytes, two byte permutes spread them over two words,
-    one LOP3 per pair of codes ORs them into the mantissa of 1024.0 (0x6400), and a packed
-    subtract and FMA give two values per instruction. PINNED: the PTX is marked impure, which
-    keeps it in the layout b was loaded in: the compiler otherwise carries a dot operand's layout
-    back through it to the bytes (for values, whose dot runs over tokens, that read shared
-    memory a byte at a time: 32 ld.shared.b8 and 56 prmt per 64-token tile at sm_90)."""
+    code * s + z in float16. ASM: one LOP3 per pair of codes ORs them into the mantissa of a
+    power of two, a packed subtract leaves the codes exact and a packed FMA scales them, two
+    values per instruction. PINNED: the PTX is marked impure, which keeps it in the layout b was
+    loaded in: the compiler otherwise carries a dot operand's layout back through it to the
+    bytes (for values, whose dot runs over tokens, that read shared memory a byte at a time: 32
+    ld.shared.b8 and 56 prmt per 64-token tile at sm_90).
+    WORD_ORDER (the split read): the four bytes of a word come back in the order (0, 2, 1, 3)
+    (``int4_word_order``), the order in which one word holds them without moving bytes: the
+    nibbles of bytes 0 and 2 sit 16 bits apart, as a pair of float16 does, so one LOP3 makes a
+    pair (low nibbles under 1024.0's exponent, high ones, already 4 bits up, under 64.0's) and
+    one shift serves bytes 1 and 3: 13 instructions per 8 codes, against 16 with the two byte
+    permutes and shifts that channel order takes. Bytes 0 and 2 then share a scale: the four
+    bytes of a word must be in one group (a group is 16 bytes)."""
     if ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1, u0, u1, k; mov.b32 k, 0x64006400;"
-            " prmt.b32 t0, $4, 0, 0x5150; prmt.b32 t1, $4, 0, 0x5352;"
-            " shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;"
-            " lop3.b32 t0, t0, 0x000F000F, k, 0xEA; lop3.b32 t1, t1, 0x000F000F, k, 0xEA;"
-            " lop3.b32 u0, u0, 0x000F000F, k, 0xEA; lop3.b32 u1, u1, 0x000F000F, k, 0xEA;"
-            " sub.f16x2 t0, t0, k; sub.f16x2 t1, t1, k; sub.f16x2 u0, u0, k; sub.f16x2 u1, u1, k;"
-            " fma.rn.f16x2 $0, t0, $5, $7; fma.rn.f16x2 $1, t1, $6, $8;"
-            " fma.rn.f16x2 $2, u0, $5, $7; fma.rn.f16x2 $3, u1, $6, $8; }",
-            "=r,=r,=r,=r,r,r,r,r,r", [b, s, z], dtype=(tl.float16, tl.float16), is_pure=not PINNED, pack=4)
+        if WORD_ORDER:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 w1, k, c; mov.b32 k, 0x64006400; mov.b32 c, 0x54005400; shr.b32 w1, $4, 8;"
+                " lop3.b32 $0, $4, 0x000F000F, k, 0xEA; lop3.b32 $1, w1, 0x000F000F, k, 0xEA;"
+                " lop3.b32 $2, $4, 0x00F000F0, c, 0xEA; lop3.b32 $3, w1, 0x00F000F0, c, 0xEA;"
+                " sub.f16x2 $0, $0, k; sub.f16x2 $1, $1, k; sub.f16x2 $2, $2, c; sub.f16x2 $3, $3, c;"
+                " fma.rn.f16x2 $0, $0, $5, $7; fma.rn.f16x2 $1, $1, $6, $8;"
+                " fma.rn.f16x2 $2, $2, $5, $7; fma.rn.f16x2 $3, $3, $6, $8; }",
+                "=r,=r,=r,=r,r,r,r,r,r", [b, s, z], dtype=(tl.float16, tl.float16), is_pure=not PINNED, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t0, t1, u0, u1, k; mov.b32 k, 0x64006400;"
+                " prmt.b32 t0, $4, 0, 0x5150; prmt.b32 t1, $4, 0, 0x5352;"
+                " shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;"
+                " lop3.b32 t0, t0, 0x000F000F, k, 0xEA; lop3.b32 t1, t1, 0x000F000F, k, 0xEA;"
+                " lop3.b32 u0, u0, 0x000F000F, k, 0xEA; lop3.b32 u1, u1, 0x000F000F, k, 0xEA;"
+                " sub.f16x2 t0, t0, k; sub.f16x2 t1, t1, k; sub.f16x2 u0, u0, k; sub.f16x2 u1, u1, k;"
+                " fma.rn.f16x2 $0, t0, $5, $7; fma.rn.f16x2 $1, t1, $6, $8;"
+                " fma.rn.f16x2 $2, u0, $5, $7; fma.rn.f16x2 $3, u1, $6, $8; }",
+                "=r,=r,=r,=r,r,r,r,r,r", [b, s, z], dtype=(tl.float16, tl.float16), is_pure=not PINNED, pack=4)
     else:
         lo = small_int_to_float(b & 15, tl.float16) * s + z
         hi = small_int_to_float(b >> 4, tl.float16) * s + z
+        if WORD_ORDER:
+            lo, hi = _in_word_order(lo), _in_word_order(hi)
     return lo, hi
 
 
 @triton.jit
+def int4_word_order(j):
+    """The byte that index j of a WORD_ORDER tile (``int4_bytes_to_f16``) holds: j with its two
+    lowest bits swapped (positions 1 and 2 of every 4 exchanged), so channels 2 * that and
+    2 * that + 1 are its low and high nibbles. Its own inverse."""
+    return (j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1)
+
+
+@triton.jit
+def _in_word_order(x):
+    """A [rows, bytes] tile in channel order rearranged as int4_word_order says (what the PTX
+    yields, for the interpreter)."""
+    n: tl.constexpr = x.shape[0]
+    p: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(x, (n, p // 4, 2, 2)), (0, 1, 3, 2)), (n, p))
+
+
+@triton.jit
 def int4_load_rows_split(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, ASM: tl.constexpr, PINNED: tl.constexpr = False):
+                         BLOCK_D: tl.constexpr, ASM: tl.constexpr, PINNED: tl.constexpr = False,
+                         WORD_ORDER: tl.constexpr = False):
     """``int4_load_rows`` in float16 (BLOCK_D >= 32), the packed way, as two [BLOCK_N, BLOCK_D // 2]
     tiles: the even channels (low nibbles) and the odd ones (high nibbles), each in the order
     ``int4_bytes_to_f16`` leaves it (two neighbours a 32-bit word), so nothing is repacked. A
     group's scale and minimum are one 32-bit word, loaded as such, so every load of the tile is at
-    least 4 bytes wide and can be pipelined. PINNED: ``int4_bytes_to_f16``'s."""
+    least 4 bytes wide and can be pipelined. PINNED, WORD_ORDER: ``int4_bytes_to_f16``'s (with
+    WORD_ORDER, index j of both tiles holds byte int4_word_order(j): channels 2 * that and + 1)."""
     NG: tl.constexpr = BLOCK_D // 32
     offs_b = tl.arange(0, BLOCK_D // 2)
     # (masks as index < bound: the compiler sees them constant over a vector, as not for 2 * index)
@@ -333,7 +371,7 @@ def int4_load_rows_split(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N
     z = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, 16)), (BLOCK_N, BLOCK_D // 2))
     z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG, 16)), (BLOCK_N, BLOCK_D // 2))
-    return int4_bytes_to_f16(b, s, z, ASM, PINNED)
+    return int4_bytes_to_f16(b, s, z, ASM, PINNED, WORD_ORDER)
 
 
 @triton.jit

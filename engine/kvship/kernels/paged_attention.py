@@ -184,11 +184,20 @@ _LOG2E = 1.4426950408889634
 #   int4   bn=64 w=4 s=2 waves=4 packed           271.9 us   29%  0.90x bf16 (as stored 686.1 us)
 # and at 6067e97 (`--layouts bf16,int4`): bf16 250.9 us; int4 bn=64 w=4 s=2 waves=4 packed=split
 # 213.1 us, 36%, 1.18x bf16 (packed 272.1 us).
+# num_stages: a tile's page ids come from the block table, a load the tile's loads depend on, and
+# Triton's pipeliner spreads num_stages - 2 stages over the two (Triton 3.x AssignLatencies):
+# 2, 3 and 4 stages all keep one buffer per tile (the next tile is loaded only after this one's
+# dots: no load overlaps the compute of the program that issued it), 5 and 6 two, 7 three
+# (TTGIR at sm_90). The quantized layouts, which move half or less of bf16's bytes per token
+# and did not reach copy bandwidth single-buffered, take 5, at 64 tokens: 4 programs an SM
+# (fp8 118 registers and 56 KB shared, int4 128 and 44 KB) each with a tile in flight while it
+# computes the last, against fp8's 3 programs (162 registers, 74 KB) at 128 tokens and 3 stages.
+# Chosen from the compiled kernels, not yet timed: bench/kv_attention_sweep.py sweeps 2 to 7.
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
 DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
-                  kvq.KV_FP8: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 8, "max_splits": 64,
+                  kvq.KV_FP8: {"block_n": 64, "num_warps": 4, "num_stages": 5, "waves": 8, "max_splits": 64,
                                "packed": "values"},
-                  kvq.KV_INT4: {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64,
+                  kvq.KV_INT4: {"block_n": 64, "num_warps": 4, "num_stages": 5, "waves": 4, "max_splits": 64,
                                 "packed": "split"}}
 _PACKED = {False: 0, True: 1, "values": 2, "split": 3}
 
@@ -277,8 +286,8 @@ def _attend_tile(
     q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain. PACKED,
     INTERPRET, HEAD_DIM: how quantized pages are read (``_load_kv``); PACKED 1: keys and values
     packed, 2: values alone (keys as stored), 0: neither; 3: int4 pages beside a 16-bit query
-    in even and odd channels (``int4_load_rows_split``): q and acc are then pairs, (even, odd)
-    channels, q already float16."""
+    in even and odd channels, bytes in word order (``int4_load_rows_split``): q and acc are then
+    pairs, (even, odd) channels in that order (``_split_channels``), q already float16."""
     (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
      stride_gb, stride_gs, stride_gh, kvh) = pages
     pos = n0 + offs_n
@@ -298,7 +307,7 @@ def _attend_tile(
     # fp16's range (clamped) lose nothing there that the quantization had not.
     if PACKED == 3:
         k_even, k_odd = kvq.int4_load_rows_split(kc_ptr, ks_ptr, k_off, g_off, nmask, HEAD_DIM, offs_n.shape[0],
-                                                 offs_d.shape[0], not INTERPRET)
+                                                 offs_d.shape[0], not INTERPRET, False, True)
         qk = tl.dot(q[1], tl.trans(k_odd), tl.dot(q[0], tl.trans(k_even))) * qk_scale
     else:
         dot_dtype = q.dtype
@@ -329,7 +338,7 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     if PACKED == 3:
         v_even, v_odd = kvq.int4_load_rows_split(vc_ptr, vs_ptr, v_off, g_off, nmask, HEAD_DIM, offs_n.shape[0],
-                                                 offs_d.shape[0], not INTERPRET, True)
+                                                 offs_d.shape[0], not INTERPRET, True, True)
         p16 = p.to(tl.float16)
         acc = (tl.dot(p16, v_even, acc[0] * alpha[:, None]), tl.dot(p16, v_odd, acc[1] * alpha[:, None]))
     else:
@@ -392,12 +401,12 @@ def _decode_kernel(
     gmask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
     qmask = gmask[:, None] & dmask[None, :]
-    offs_h = tl.arange(0, BLOCK_D // 2)  # PACKED 3: the even channels 2h, the odd 2h + 1
+    even = _split_channels(BLOCK_D)  # PACKED 3: the even channels, and the odd ones (even + 1)
     if PACKED == 3:  # the host passes it for int4 pages beside a 16-bit query, BLOCK_D >= 32
         tl.static_assert(KV_MODE == 2 and BLOCK_D >= 32 and q_ptr.dtype.element_ty != tl.float32)
-        qp = q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + 2 * offs_h[None, :]
-        q_even = tl.load(qp, mask=gmask[:, None] & (2 * offs_h < HEAD_DIM)[None, :], other=0.0)
-        q_odd = tl.load(qp + 1, mask=gmask[:, None] & (2 * offs_h + 1 < HEAD_DIM)[None, :], other=0.0)
+        qp = q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + even[None, :]
+        q_even = tl.load(qp, mask=gmask[:, None] & (even < HEAD_DIM)[None, :], other=0.0)
+        q_odd = tl.load(qp + 1, mask=gmask[:, None] & (even + 1 < HEAD_DIM)[None, :], other=0.0)
         q = (tl.minimum(tl.maximum(q_even, -65504.0), 65504.0).to(tl.float16),
              tl.minimum(tl.maximum(q_odd, -65504.0), 65504.0).to(tl.float16))
         acc = (tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32), tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32))
@@ -432,13 +441,21 @@ def _decode_kernel(
     else:
         o_ptr = mid_o_ptr + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
     if PACKED == 3:
-        _store_rows(o_ptr, acc[0] / l_safe[:, None], 2 * offs_h, gmask, vs_ptr, HEAD_DIM, KV_MODE)
-        _store_rows(o_ptr, acc[1] / l_safe[:, None], 2 * offs_h + 1, gmask, vs_ptr, HEAD_DIM, KV_MODE)
+        _store_rows(o_ptr, acc[0] / l_safe[:, None], even, gmask, vs_ptr, HEAD_DIM, KV_MODE)
+        _store_rows(o_ptr, acc[1] / l_safe[:, None], even + 1, gmask, vs_ptr, HEAD_DIM, KV_MODE)
     else:
         _store_rows(o_ptr, acc / l_safe[:, None], offs_d, gmask, vs_ptr, HEAD_DIM, KV_MODE)
     if NUM_SPLITS > 1:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, lse, mask=gmask)
+
+
+@triton.jit
+def _split_channels(BLOCK_D: tl.constexpr):
+    """The even channel that each column of the split read's tiles (PACKED 3) holds, in the order
+    int4_load_rows_split leaves them (WORD_ORDER: kv_quant.int4_word_order); the odd one is the
+    next. The query is loaded and the output stored in this order, so the dots need no repacking."""
+    return 2 * kvq.int4_word_order(tl.arange(0, BLOCK_D // 2))
 
 
 @triton.jit
