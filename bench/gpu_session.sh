@@ -38,6 +38,9 @@ bench gemv 200 python3 bench/gemv_sweep.py
 bench gemv-more 300 python3 bench/gemv_sweep.py --more
 bench profile-moe 200 python3 bench/profile_step.py --graphs --batch 1 --shape qwen3-30b-a3b
 bench profile-gemma 200 python3 bench/profile_step.py --graphs --batch 1 --shape gemma2-9b
+bench gemv-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "gemv or linear_dispatch"
+bench latency-gemma 200 python3 bench/latency.py --shape gemma2-9b --no-hf
+bench latency-phi4 200 python3 bench/latency.py --shape phi4 --no-hf
 bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
 bench kv-tests 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_kv_quant.py tests/test_kv_quant_engine.py -k "not perplexity and not greedy_agrees and not prefix_hits"
 bench throughput-8b-fp8 240 python3 bench/throughput.py --kv-cache-dtype fp8 --hf-prompts 0
@@ -49,7 +52,7 @@ bench int-gemv 300 python3 bench/quant_gemv_sweep.py --formats "int4 g128" "int4
 bench latency-int 200 python3 bench/latency.py --quantization none int4 int4-g32 int8 --no-hf
 bench latency-moe 150 python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf
 bench fp8-gemv 240 python3 bench/quant_gemv_sweep.py --formats fp8 --quick
-bench latency-fp8 200 python3 bench/latency.py --quantization none fp8 --no-hf
+bench latency-fp8 280 python3 bench/latency.py --quantization none fp8 int8 --no-hf
 bench moe-tests 250 python3 -m pytest -q -p no:cacheprovider tests/test_fused_moe.py tests/test_quantized_moe.py \
   tests/test_loader_gguf_moe.py tests/test_quantized_weights.py tests/test_kv_quant.py \
   -k "not perplexity and not greedy_agrees and not prefix_hits and not insitu_quantization_of_the_bundled"
