@@ -5,6 +5,8 @@ the tokens pick (gate, up and down rows); % BW = bytes ÷ time ÷ copy bandwidth
 same run. Routing is computed outside the timed region (same for both paths).
 
     python bench/moe_sweep.py [--tokens 1 4] [--quick]
+
+The one-token settings in fused_moe.py (GEMV_GATE_UP, GEMV_DOWN) come from the best line here.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, header, measure_ceilings, table
@@ -37,11 +40,17 @@ def main() -> None:
                torch.randn(e, h, inter, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02)
               for _ in range(copies)]
     router = torch.randn(e, h, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
-    gate_up = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=3)
-               for bn, bk, nw in itertools.product([4, 8, 16], [256, 512, 1024], [4])]
-    gate_up += [dict(block_n=8, block_k=512, num_warps=nw, num_stages=3) for nw in (2, 8)]
-    down = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=3)
-            for bn, bk, nw in itertools.product([2, 4, 8, 16], [128, 256, 512], [2, 4])]
+    # K tiles up to the whole row (one pass: every load of a program in flight at once; the loops
+    # are not software-pipelined, num_stages has no effect), kept where each thread holds 32 to 256
+    # fp32 accumulators (fewer: too little in flight; more: registers spill). A gate/up program
+    # holds 2 x block_n rows, a down program block_n rows of each of the k experts.
+    def tiles(block_ns, rows_per_n, width):
+        return [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=3)
+                for bn, bk, nw in itertools.product(block_ns, [256, 512, 1024, 2048], [2, 4, 8])
+                if bk <= triton.next_power_of_2(width) and 32 <= rows_per_n * bn * bk / (32 * nw) <= 256]
+
+    gate_up = [t for t in tiles([4, 8, 16], 2, h) if t["block_k"] >= 512]
+    down = tiles([1, 2, 4, 8], k, inter)
     if args.quick:
         gate_up, down = gate_up[::4], down[::3]
     rows = []

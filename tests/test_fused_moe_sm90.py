@@ -108,7 +108,8 @@ def _specs():
             yield {"kernel": kernel, "types": types,
                    "aligned": [n for n in types if n not in ("ngroups", "stride_sn", "ids_ptr", "rw_ptr")],
                    "constexprs": {"TOP_K": 8, **flags, "BLOCK_N": launch["block_n"],
-                                  "BLOCK_K": max(launch["block_k"], st["GROUP"])},
+                                  "BLOCK_K": max(launch["block_k"], st["GROUP"]),
+                                  **({"BLOCK_J": 8} if kernel == "_gemv_down_kernel" else {})},
                    "options": {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}}
 
 

@@ -26,7 +26,8 @@ no alignment, no padding to 16-row tensor-core blocks (15 of 16 rows were empty 
 the layer read its experts at 44% of copy bandwidth on the H200), and no summing kernel. One
 program per (pair, block of gate/up rows) streams those rows once with FMAs, as kernels/gemv.py
 does for dense layers, and stores silu(gate) * up; one program per (token, block of output
-rows) then walks the token's k experts' down rows and adds them up with the router weights.
+rows) then reads those rows of all the token's k experts together and adds them up with the
+router weights.
 
 Quantized experts (``ExpertScales``) keep their codes on the device and are dequantized in
 registers, one byte (or half of one) per weight read:
@@ -461,9 +462,9 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, router_weight
 def _gemv_x(x_row, k0, K, PACK: tl.constexpr, BLOCK_K: tl.constexpr):
     """The activations of a K tile in fp32, as the weights' stored columns pair with them: for
     4-bit codes (PACK 2) the inputs of the low nibbles and those of the high ones; else the
-    tile twice."""
+    tile twice. [1, BLOCK_K // PACK] from one row's start, [R, ..] from R rows' ([R, 1])."""
     cols = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-    k = cols * PACK
+    k = (cols * PACK)[None, :]
     x = tl.load(x_row + k, mask=k < K, other=0.0, eviction_policy="evict_last").to(tl.float32)
     if PACK == 2:
         x_hi = tl.load(x_row + k + 1, mask=k + 1 < K, other=0.0, eviction_policy="evict_last").to(tl.float32)
@@ -477,7 +478,8 @@ def _gemv_fma(acc, x, x_hi, w_rows, s_ptr, b_ptr, rows, nmask, k0, K, stride_sn,
               FP8: tl.constexpr, INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BLOCK_N, BLOCK_K // PACK] + the weight tile W[rows, k0 : k0 + BLOCK_K] times the
-    activations (from _gemv_x), elementwise in fp32; one reduction at the end. w_rows: the
+    activations (from _gemv_x: one row for all, or one per weight row), elementwise in fp32;
+    one reduction at the end. w_rows: the
     rows' first bytes [BLOCK_N, 1], computed once before the K loop: computed per tile, their
     64-bit multiplies were the one difference in the 16-bit kernels' code when batch-1 bf16
     decode of the Qwen3-30B-A3B shape fell 7% (266.9 -> 248.6 tok/s on the H200, 8d98e88).
@@ -494,10 +496,10 @@ def _gemv_fma(acc, x, x_hi, w_rows, s_ptr, b_ptr, rows, nmask, k0, K, stride_sn,
                               BLOCK_N, WC)
             hi = _int_weights(w >> 4, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0, SYMM, CENTRE, GROUP, PACK,
                               BLOCK_N, WC)
-            return acc + lo * x[None, :] + hi * x_hi[None, :]
+            return acc + lo * x + hi * x_hi
         else:
             return acc + _int_weights(w, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0, SYMM, CENTRE, GROUP, PACK,
-                                      BLOCK_N, WC) * x[None, :]
+                                      BLOCK_N, WC) * x
     else:
         if FP8:
             w = w.to(tl.float8e4nv, bitcast=True)
@@ -507,7 +509,7 @@ def _gemv_fma(acc, x, x_hi, w_rows, s_ptr, b_ptr, rows, nmask, k0, K, stride_sn,
             s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :], mask=nmask[:, None] & (g < ngroups)[None, :],
                         other=0.0)
             w = w * tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP)), (BLOCK_N, BLOCK_K))
-        return acc + w * x[None, :]
+        return acc + w * x
 
 
 @triton.jit
@@ -544,35 +546,49 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr, N, K, ngrou
 def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ngroups, stride_h, stride_we,
                       stride_wn, stride_se, stride_sn, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr,
                       INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[t, n] = sum over the token's k pairs of weight * (h[pair] . W[e, n]); N is the hidden
-    size, K the intermediate one. The sum stays in fp32 and is rounded once. Storage as above."""
+    size, K the intermediate one. The sum stays in fp32 and is rounded once. Storage as above.
+
+    The program's tile holds the BLOCK_N rows of all k experts at once (row r: choice
+    r // BLOCK_N, output row r % BLOCK_N; BLOCK_J the k choices rounded up to a power of two),
+    so every expert's rows are in flight together. Taken one expert after the other (read its id,
+    then its rows, 768 inputs each at Qwen3-30B-A3B's size), a program made 16 dependent round
+    trips to memory for 3 KB of weights, and the kernel read at 45% of copy bandwidth on the H200.
+    Scales and offsets are addressed by each row's offset from the stack's start (stride 1)."""
     t = tl.program_id(1)
+    r = tl.arange(0, BLOCK_J * BLOCK_N)
+    real = r // BLOCK_N < TOP_K
+    pairs = t * TOP_K + tl.minimum(r // BLOCK_N, TOP_K - 1)  # padding rows address the last choice, masked
+    n = tl.program_id(0) * BLOCK_N + r % BLOCK_N
+    nmask = (n < N) & real
+    experts = tl.load(ids_ptr + pairs).to(tl.int64)
+    n64 = n.to(tl.int64)
+    w_rows = (w_ptr + experts * stride_we + n64 * stride_wn)[:, None]
+    s_rows = experts * stride_se + n64 * stride_sn
+    h_rows = (h_ptr + pairs.to(tl.int64) * stride_h)[:, None]
+    acc = tl.zeros([BLOCK_J * BLOCK_N, BLOCK_K // PACK], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        h, h_hi = _gemv_x(h_rows, k0, K, PACK, BLOCK_K)
+        acc = _gemv_fma(acc, h, h_hi, w_rows, s_ptr, b_ptr, s_rows, nmask, k0, K, 1, ngroups, FP8, INT,
+                        PACK, SYMM, CENTRE, GROUP, BLOCK_J * BLOCK_N, BLOCK_K)
+    rw = tl.load(rw_ptr + pairs, mask=real, other=0.0)
+    y = rw * tl.sum(acc, 1) * _row_scale(s_ptr, s_rows, nmask, 1, FP8, GROUP, BLOCK_J * BLOCK_N)
+    y = tl.sum(tl.reshape(y, [BLOCK_J, BLOCK_N]), 0)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
-    rows = offs_n.to(tl.int64)
-    y = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(TOP_K):
-        pair = t * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_e, s_e, b_e = w_ptr + expert * stride_we, s_ptr + expert * stride_se, b_ptr + expert * stride_se
-        h_row = h_ptr + pair.to(tl.int64) * stride_h
-        w_rows = w_e + rows[:, None] * stride_wn
-        acc = tl.zeros([BLOCK_N, BLOCK_K // PACK], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            h, h_hi = _gemv_x(h_row, k0, K, PACK, BLOCK_K)
-            acc = _gemv_fma(acc, h, h_hi, w_rows, s_e, b_e, rows, nmask, k0, K, stride_sn, ngroups, FP8, INT,
-                            PACK, SYMM, CENTRE, GROUP, BLOCK_N, BLOCK_K)
-        y += tl.load(rw_ptr + pair) * tl.sum(acc, 1) * _row_scale(s_e, rows, nmask, stride_sn, FP8, GROUP, BLOCK_N)
-    tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=nmask)
+    tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-# Launch settings of the two few-token kernels: the best of bench/moe_sweep.py on the H200 at
+# Launch settings of the two few-token kernels, from bench/moe_sweep.py on the H200 at
 # Qwen3-30B-A3B's sizes, one token: 28.7 us per layer (62% of copy bandwidth) against 32.2 us
-# (55%) for the grouped GEMMs; at 4 tokens the two paths tie (77.8 and 77.6 us) only with other
-# settings, and these lose (87.7 us), so the kernels take one token.
+# (55%) for the grouped GEMMs, with the down kernel taking its experts one after the other; at 4
+# tokens the two paths tie (77.8 and 77.6 us) only with other settings, and these lose (87.7 us),
+# so the kernels take one token. The down kernel's tile now holds all k experts' rows: 2 rows
+# each (16 a program, 1,024 programs) and K tiles of 256, which divide 768 (three passes, no
+# masked lanes) and leave 64 fp32 accumulators a thread at 2 warps (512: 128, beside the loaded
+# weights and activations, near the 255-register limit). Not measured yet: moe_sweep's grid has it.
 GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 2, "num_stages": 3}
-GEMV_DOWN = {"block_n": 2, "block_k": 512, "num_warps": 2, "num_stages": 3}
+GEMV_DOWN = {"block_n": 2, "block_k": 256, "num_warps": 2, "num_stages": 3}
 
 
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -595,7 +611,8 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     _gemv_down_kernel[(triton.cdiv(hidden, dn["block_n"]), tokens)](
         h, op2.w, op2.s, op2.b, ids, weights.float().contiguous(), out, hidden, inter, op2.ngroups, h.stride(0),
         op2.w.stride(0), op2.w.stride(1), op2.stride_se, op2.stride_sn, out.stride(0), TOP_K=top_k,
-        BLOCK_N=dn["block_n"], BLOCK_K=max(dn["block_k"], op2.flags["GROUP"]), num_warps=dn["num_warps"],
+        BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=dn["block_n"], BLOCK_K=max(dn["block_k"], op2.flags["GROUP"]),
+        num_warps=dn["num_warps"],
         num_stages=dn["num_stages"], **op2.flags)
     return out
 
