@@ -169,7 +169,9 @@ def test_decode_kernel_packed(hq, hkv, d, kv_dtype):
             cfg = {**pa.DECODE_CONFIGS[kvq.kv_mode(kq)], "packed": packed}
             out = pa.paged_attention_triton(q, kq, vq, bt, sl, cu, d**-0.5, 1, k_scale=ks, v_scale=vs,
                                             decode_config=cfg)
-            close(out, ref, dtype, f"packed={packed} decode {kv_dtype} {dtype}")
+            # a float32 query's dots take TF32 on a GPU (10 mantissa bits, as fp16's)
+            bound = torch.float16 if GPU and dtype == torch.float32 else dtype
+            close(out, ref, bound, f"packed={packed} decode {kv_dtype} {dtype}")
 
 
 @needs_triton

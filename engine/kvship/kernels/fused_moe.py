@@ -580,15 +580,13 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr, N, K
 
 
 # Launch settings of the two few-token kernels, from bench/moe_sweep.py on the H200 at
-# Qwen3-30B-A3B's sizes, one token: 28.7 us per layer (62% of copy bandwidth) against 32.2 us
-# (55%) for the grouped GEMMs, with the down kernel taking its experts one after the other; at 4
-# tokens the two paths tie (77.8 and 77.6 us) only with other settings, and these lose (87.7 us),
-# so the kernels take one token. The down kernel's tile now holds all k experts' rows: 2 rows
-# each (16 a program, 1,024 programs) and K tiles of 256, which divide 768 (three passes, no
-# masked lanes) and leave 64 fp32 accumulators a thread at 2 warps (512: 128, beside the loaded
-# weights and activations, near the 255-register limit). Not measured yet: moe_sweep's grid has it.
+# Qwen3-30B-A3B's sizes, one token (2026-12-02, a9ffafc): 25.4 us per layer (70% of copy
+# bandwidth) against 31.1 us (57%) for the grouped GEMMs. The down kernel's tile holds all k
+# experts' rows (4 each, 32 a program) in K tiles of 256, which divide 768 (three passes, no
+# masked lanes); it took 28.7 us (62%) when it took its experts one after the other. At 4 tokens
+# the grouped GEMMs win (76.5 against 82.9 us), so the kernels take one token.
 GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 2, "num_stages": 3}
-GEMV_DOWN = {"block_n": 2, "block_k": 256, "num_warps": 2, "num_stages": 3}
+GEMV_DOWN = {"block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 3}
 
 
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

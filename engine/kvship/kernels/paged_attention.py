@@ -186,18 +186,15 @@ _LOG2E = 1.4426950408889634
 # 213.1 us, 36%, 1.18x bf16 (packed 272.1 us).
 # num_stages: a tile's page ids come from the block table, a load the tile's loads depend on, and
 # Triton's pipeliner spreads num_stages - 2 stages over the two (Triton 3.x AssignLatencies):
-# 2, 3 and 4 stages all keep one buffer per tile (the next tile is loaded only after this one's
-# dots: no load overlaps the compute of the program that issued it), 5 and 6 two, 7 three
-# (TTGIR at sm_90). The quantized layouts, which move half or less of bf16's bytes per token
-# and did not reach copy bandwidth single-buffered, take 5, at 64 tokens: 4 programs an SM
-# (fp8 118 registers and 56 KB shared, int4 128 and 44 KB) each with a tile in flight while it
-# computes the last, against fp8's 3 programs (162 registers, 74 KB) at 128 tokens and 3 stages.
-# Chosen from the compiled kernels, not yet timed: bench/kv_attention_sweep.py sweeps 2 to 7.
+# 2, 3 and 4 stages all keep one buffer per tile, 5 and 6 two, 7 three (TTGIR at sm_90). Double
+# buffering did not pay on the H200 (2026-12-02, a9ffafc, `--quick`, batch 32 at 8k): fp8 at 64
+# tokens and 5 stages 204.8 us against 190.9 at 128 tokens and 3; int4 split 229.1 against 203.6
+# at 2 stages (1.23x bf16's 250.6 us; 213.1 before the word-order unpack of a0b92ac).
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
 DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
-                  kvq.KV_FP8: {"block_n": 64, "num_warps": 4, "num_stages": 5, "waves": 8, "max_splits": 64,
+                  kvq.KV_FP8: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 8, "max_splits": 64,
                                "packed": "values"},
-                  kvq.KV_INT4: {"block_n": 64, "num_warps": 4, "num_stages": 5, "waves": 4, "max_splits": 64,
+                  kvq.KV_INT4: {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64,
                                 "packed": "split"}}
 _PACKED = {False: 0, True: 1, "values": 2, "split": 3}
 
