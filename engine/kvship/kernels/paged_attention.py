@@ -175,8 +175,9 @@ _LOG2E = 1.4426950408889634
 # and left as their even and odd channels (low and high nibbles), each dot taken as two, with
 # the query's even and odd channels and two accumulators, so the unpacked codes are never
 # interleaved back into channel order; False, both as stored. -> the PACKED constexpr.
-# A float32 query (--dtype float32), and int4 heads under 32 channels, read as stored whatever
-# the config says, and "split" beside FP8 pages is the packed read (packed_read decides).
+# A float32 query (--dtype float32), and int4 heads under 32 channels or short of a power of
+# two, read as stored whatever the config says, and "split" beside FP8 pages is the packed read
+# (packed_read decides).
 # H200, 2026-12-02, commit 1206f4e, `python3 bench/kv_attention_sweep.py` (8B attention, batch 32
 # at 8k, the best setting per page read, us and % of the layout's bytes at copy bandwidth):
 #   bf16   bn=64 w=4 s=2 waves=4                  246.0 us  101%
@@ -199,12 +200,17 @@ DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
 _PACKED = {False: 0, True: 1, "values": 2, "split": 3}
 
 
-def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, block_d: int) -> int:
+def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, head_dim: int, block_d: int) -> int:
     """The PACKED constexpr a decode config launches, the one place that says where packed reads
-    apply: quantized pages beside a 16-bit query (the dots then run in float16), int4 ones in
-    blocks of 32+ channels; "split" only for int4 pages, else the packed read (True)."""
+    apply: quantized pages beside a 16-bit query (the dots then run in float16), int4 ones whose
+    heads fill their block of 32+ channels; "split" only for int4 pages, else the packed read
+    (True). int4 heads of 80 channels read packed gave wrong outputs on the H200 at long contexts
+    (tests/test_kv_quant.py::test_decode_kernel, 2026-12-02) while 64 and 128 matched, so heads
+    that leave part of their block empty read as stored, as they did when that test last passed."""
     packed = _PACKED[cfg.get("packed", False)]
-    if kv_mode == kvq.KV_PLAIN or q_dtype == torch.float32 or (kv_mode == kvq.KV_INT4 and block_d < 32):
+    if kv_mode == kvq.KV_PLAIN or q_dtype == torch.float32:
+        return 0
+    if kv_mode == kvq.KV_INT4 and (block_d < 32 or head_dim != block_d):
         return 0
     if packed == 3 and kv_mode != kvq.KV_INT4:
         packed = 1
@@ -636,7 +642,7 @@ def paged_attention_triton(
             if window:  # the tiles a windowed query reads, at most
                 context = min(context, window + block_n)
             num_splits = decode_num_splits(batch, num_kv_heads, context, device_sms(q), block_n, cfg)
-        packed = packed_read(cfg, kv_mode, q.dtype, block_d)
+        packed = packed_read(cfg, kv_mode, q.dtype, head_dim, block_d)
         if num_splits > 1:
             mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
             mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
