@@ -174,6 +174,14 @@ def test_decode_kernel_packed(hq, hkv, d, kv_dtype):
             close(out, ref, bound, f"packed={packed} decode {kv_dtype} {dtype}")
 
 
+def test_int4_tiles_hold_a_whole_group():
+    """int4 pages are read in tiles of at least 32 channels (a 16-channel K gave the sm_90
+    compiler's q @ k dot a broadcast operand layout: pa.head_block); other layouts keep the head
+    size rounded up to a power of two."""
+    assert [pa.head_block(d, kvq.KV_INT4) for d in (9, 16, 32, 33, 80, 128)] == [32, 32, 32, 64, 128, 128]
+    assert [pa.head_block(d, m) for d in (16, 80) for m in (kvq.KV_PLAIN, kvq.KV_FP8)] == [16, 16, 128, 128]
+
+
 @needs_triton
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", HEADS)

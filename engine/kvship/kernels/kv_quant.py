@@ -238,7 +238,7 @@ def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.c
     16-bit query, computed in float16 throughout, so no value passes the conversion unit; or
     float32): token n's packed bytes start at byte_off[n] (the low nibble of byte j is element
     2j), group g's scale and minimum sit at grp_off[n] + 2 * g and + 1 (a group: 32 elements,
-    the whole row when shorter). Each row is one load of bytes and one of each group value, the
+    the last one short when the head is; BLOCK_D >= 32, paged_attention.head_block). Each row is one load of bytes and one of each group value, the
     nibbles split and scaled in registers: loading byte, scale and minimum per element made the
     decode kernel 14x slower than a 16-bit cache."""
     offs_b = tl.arange(0, BLOCK_D // 2)
@@ -246,19 +246,14 @@ def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.c
                 other=0)
     codes = tl.reshape(tl.join(small_int_to_float(b & 15, OUT), small_int_to_float(b >> 4, OUT)),
                        (BLOCK_N, BLOCK_D))  # element 2j, then 2j + 1
-    if BLOCK_D >= 32:
-        NG: tl.constexpr = BLOCK_D // 32
-        offs_g = tl.arange(0, NG)
-        gp = g_ptr + grp_off[:, None] + 2 * offs_g[None, :]
-        gmask = tmask[:, None] & (offs_g * 32 < head_dim)[None, :]
-        s = tl.load(gp, mask=gmask, other=0.0).to(OUT)
-        z = tl.load(gp + 1, mask=gmask, other=0.0).to(OUT)
-        x = tl.reshape(tl.reshape(codes, (BLOCK_N, NG, 32)) * s[:, :, None] + z[:, :, None], (BLOCK_N, BLOCK_D))
-    else:
-        s = tl.load(g_ptr + grp_off, mask=tmask, other=0.0).to(OUT)
-        z = tl.load(g_ptr + grp_off + 1, mask=tmask, other=0.0).to(OUT)
-        x = codes * s[:, None] + z[:, None]
-    return x
+    tl.static_assert(BLOCK_D >= 32)  # paged_attention.head_block says why
+    NG: tl.constexpr = BLOCK_D // 32
+    offs_g = tl.arange(0, NG)
+    gp = g_ptr + grp_off[:, None] + 2 * offs_g[None, :]
+    gmask = tmask[:, None] & (offs_g * 32 < head_dim)[None, :]
+    s = tl.load(gp, mask=gmask, other=0.0).to(OUT)
+    z = tl.load(gp + 1, mask=gmask, other=0.0).to(OUT)
+    return tl.reshape(tl.reshape(codes, (BLOCK_N, NG, 32)) * s[:, :, None] + z[:, :, None], (BLOCK_N, BLOCK_D))
 
 
 # Packed page reads (the decode kernel's "packed" option, paged_attention.DECODE_CONFIGS): the

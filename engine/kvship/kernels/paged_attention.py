@@ -217,6 +217,22 @@ def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, head_dim: int, bl
     return packed
 
 
+def head_block(head_dim: int, kv_mode: int) -> int:
+    """The kernels' BLOCK_D, channels a tile holds per head (the q @ k dot's K): the head size
+    rounded up to a power of two, and for int4 pages at least one group (32 channels). Below
+    that the sm_90 compiler mis-lays the q @ k dot: its operand from the int4 bytes is an 8-bit
+    load widened through a join, for which Triton (3.6) picks kWidth 8, eight consecutive
+    channels per thread; four threads then span 32 channels, and a 16-channel K is held twice
+    over (the dot's operands, in the TTGIR, carry kWidth = 8 for a 16x16 query tile), which gave
+    wrong outputs for 16-channel heads on the H200 (test_decode_kernel_packed[4-2-16-int4], rel
+    err 0.32) while the interpreter matched. 32 channels fill those four threads exactly, as
+    64 and 128 do; the channels past the head are masked on load and store."""
+    block_d = next_pow2(head_dim)
+    if kv_mode == kvq.KV_INT4:
+        block_d = max(block_d, kvq.INT4_GROUP)
+    return block_d
+
+
 PREFILL_CONFIG = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
     # H200 sweep at 4k-token causal prefill: (64, 64, 4, 3) 429 us; (128, 64, 8, 3) 455 us;
@@ -620,8 +636,8 @@ def paged_attention_triton(
         return out
     qk_scale = float(scale) * _LOG2E
     options = dict(WINDOW=window or 0, SOFTCAP=(softcap or 0.0) * _LOG2E)  # compile-time, per model
-    block_d = next_pow2(head_dim)
     kv_mode = kvq.kv_mode(k_cache)
+    block_d = head_block(head_dim, kv_mode)
     if kv_mode == kvq.KV_INT4:
         assert k_scale.stride() == v_scale.stride() and k_scale.stride()[-2:] == (2, 1)
         group_strides = k_scale.stride()[:3]
