@@ -206,7 +206,9 @@ def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
     """The fused (per-head q/k norm +) rotary + quantizing store writes what the reference
     writes (the same codes but for an fp32 division's last bit, which may move a value across a
     rounding boundary: a handful of codes one step apart) and leaves padding slots (-1) alone;
-    FP8 keys turned by the Hadamard (d 64) or QR (d 80) matrix as the engine stores them, or not."""
+    FP8 keys turned by the Hadamard (d 64) or QR (d 80) matrix as the engine stores them, or not.
+    With the norm, keys in a 16-bit dtype may themselves round one step apart (_fragile_heads):
+    their heads are held to a looser bound and their int4 groups are not compared."""
     t, nb, bs = (13, 4, 16) if not GPU else (2048, 300, 16)
     g = torch.Generator().manual_seed(d + hkv)
     cache, pos, slots, _, q, k, v = store_inputs(t, nb * bs, hq, hkv, d, DTYPE, g, gain=3.0)
@@ -225,20 +227,40 @@ def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
     q_got = rotary.rotary_store_kv_triton(pos, q, k, v, cache, kc, vc, slots, ks, vs, rot, qk_norm)
     close(q_got, q_ref, DTYPE, "rotated q")
     blocks = torch.arange(nb, device=DEV)
+    fragile = torch.zeros(nb * bs, hkv, dtype=torch.bool, device=DEV)  # cache heads [nb, bs, hkv]
+    if norm and DTYPE != torch.float32:
+        stored = slots >= 0
+        fragile[slots[stored]] = _fragile_heads(k, qk_norm, DTYPE)[stored]
+    fragile = fragile.view(nb, bs, hkv)
     for got, ref, s, what in ((kc, refs[0], ks, "k"), (vc, refs[1], vs, "v")):
+        loose = fragile if what == "k" else torch.zeros_like(fragile)
         if kv_dtype == "int4":
             s_ref = refs[2] if what == "k" else refs[3]
-            torch.testing.assert_close(s, s_ref, rtol=1e-3, atol=0, msg=f"{what} int4 scales")
+            torch.testing.assert_close(s[~loose], s_ref[~loose], rtol=1e-3, atol=0, msg=f"{what} int4 scales")
             a, b = kvq.pages(got, s, blocks, d), kvq.pages(ref, s_ref, blocks, d)
             step = kvq.int4_group_values(s_ref, d)[0].abs()  # (slots never written hold noise)
         else:
             a, b = kvq.pages(got, s, blocks, d), kvq.pages(ref, s, blocks, d)
             step = b.abs() * 2.0 ** -(3 if kv_dtype == "fp8_e4m3" else 2) + 1e-6
+        # a key one step apart (at most 2^-7 of it, so of its head's length) moves its head's
+        # stored values (turned by R: all of them) by up to that step: a few such keys a head, 2^-5
+        slack = loose[..., None] * 2.0**-5 * b.norm(dim=-1, keepdim=True)
         off = (a - b).abs() > 1e-6
-        assert ((a - b).abs() <= step * 1.001 + 1e-6).all(), f"{what}: more than one step apart"
+        assert ((a - b).abs() <= step * 1.001 + 1e-6 + slack).all(), f"{what}: more than one step apart"
         assert off.float().mean() < 0.01, f"{what}: {int(off.sum())} of {off.numel()} values differ"
         untouched = ~_stored(slots, nb * bs)
         assert torch.equal(_bytes(got)[untouched], _bytes(ref)[untouched]), f"{what}: padding slots written"
+
+
+def _fragile_heads(k: torch.Tensor, qk_norm: rotary.QKNorm, dtype: torch.dtype, rel: float = 2.0**-18):
+    """[T, Hkv]: the heads of k holding a normed value (rms_norm_torch's arithmetic, in fp32)
+    that rounds to ``dtype`` one way or the other when 1/rms moves by ``rel``. The kernel's 1/rms
+    is the reference's but for its last bits (on a GPU: approximate square root and division,
+    another summation order, a few units in the last place where ``rel`` allows 32 or more), so
+    in these heads, and only in these, a normed key may round one step apart from the reference's."""
+    kf = k.float()
+    y = kf * torch.rsqrt(kf.pow(2).mean(-1, keepdim=True) + qk_norm.eps) * qk_norm.k_weight.float()
+    return ((y * (1 - rel)).to(dtype) != (y * (1 + rel)).to(dtype)).any(-1)
 
 
 def _stored(slots, n):

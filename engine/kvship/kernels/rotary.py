@@ -21,8 +21,10 @@ kv_quant.key_rotation): rotary, rounding, then the product with R, then the quan
 Qwen3 and Gemma 3 normalize each head of q and k (RMSNorm over head_dim) before rotary; the
 kernel does that too when given ``QKNorm`` weights, in the separate norm's arithmetic (fp32
 statistics as kernels/norm.py computes them, times the weight, rounded to the activation dtype)
-so the fused path rotates the very values the unfused one would. Gemma's (1 + w) is folded into
-its weights at load (models/gemma.py), so one rule serves both.
+so the fused path rotates the values the unfused one would, but for the last bits of 1/rms (the
+order of the sum, a GPU's approximate square root and division), which may round a normed value
+lying next to a rounding boundary one step the other way. Gemma's (1 + w) is folded into its
+weights at load (models/gemma.py), so one rule serves both.
 """
 from __future__ import annotations
 
