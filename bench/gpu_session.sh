@@ -11,6 +11,8 @@
 #   Qwen3-30B-A3B offline throughput: bash bench/gpu_session.sh throughput-moe
 #   quantized experts (GPU tests, batch-1 by format): bash bench/gpu_session.sh moe-tests latency-moe-q
 #   integer one-row GEMV (tests, settings sweep, batch 1): bash bench/gpu_session.sh int-gemv-tests int-gemv latency-int
+#   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
+#   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
@@ -38,6 +40,9 @@ bench gemv 200 python3 bench/gemv_sweep.py
 bench gemv-more 300 python3 bench/gemv_sweep.py --more
 bench profile-moe 200 python3 bench/profile_step.py --graphs --batch 1 --shape qwen3-30b-a3b
 bench profile-gemma 200 python3 bench/profile_step.py --graphs --batch 1 --shape gemma2-9b
+bench gpu-verify 240 python3 -m pytest -q -p no:cacheprovider --tb=short "tests/test_kv_quant.py::test_rotary_store_kernel" \
+  "tests/test_kv_quant.py::test_decode_kernel_packed" "tests/test_kv_quant.py::test_decode_kernel" \
+  "tests/test_fused_moe.py::test_moe_model_in_cuda_graphs_matches_transformers" tests/test_models.py -k "not phi4_mini"
 bench gemv-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "gemv or linear_dispatch"
 bench latency-gemma 200 python3 bench/latency.py --shape gemma2-9b --no-hf
 bench latency-phi4 200 python3 bench/latency.py --shape phi4 --no-hf
