@@ -314,7 +314,7 @@ def _sm90_specs():
                                       BLOCK_HKV=16 if turn else 8, BLOCK_HALF=64, BLOCK_D=128, KV_MODE=mode,
                                       FP8_E5=kv == "fp8_e5m2", TURN_K=turn, QK_NORM=qk_norm)}
         default = pa.DECODE_CONFIGS[mode]
-        launched = dict(BLOCK_N=default["block_n"], PACKED=pa.packed_read(default, mode, torch.bfloat16, 128, 128))
+        launched = dict(BLOCK_N=default["block_n"], PACKED=pa.packed_read(default, mode, torch.bfloat16, 128))
         for splits in (1, 8):
             yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel",
                    "types": decode_types(cache, scales),
@@ -325,7 +325,7 @@ def _sm90_specs():
                    "types": {**decode_types(cache, scales), "q_ptr": "*fp32", "out_ptr": "*fp32"},
                    "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, NUM_SPLITS=8,
                                       KV_MODE=mode, BLOCK_N=default["block_n"],
-                                      PACKED=pa.packed_read(default, mode, torch.float32, 128, 128))}
+                                      PACKED=pa.packed_read(default, mode, torch.float32, 128))}
         if mode > 0:  # the packed page reads (PACKED 1: keys and values, 2: values, 3: int4 split), with their PTX
             variants = ((128, 128, 1), (64, 80, 1), (128, 128, 2))
             if mode == 2:  # and the split read (PACKED 3)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvship.kernels._triton import next_pow2, tl, triton
-from kvship.kernels.norm import fused_add_rms_norm_torch
+from kvship.kernels.norm import fused_add_rms_norm_torch, rms_rstd
 
 
 def allreduce_add_rms_norm_torch(
@@ -60,8 +60,7 @@ def _allreduce_add_rms_norm_kernel(
     h = (reduced.to(tl.float32) + r).to(res_out_ptr.dtype.element_ty)
     tl.store(res_out_ptr + row * stride_res_out + offs, h, mask=mask)
     hf = h.to(tl.float32)
-    var = tl.sum(hf * hf, axis=0) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = rms_rstd(tl.sum(hf * hf, axis=0), eps, N)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offs, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 

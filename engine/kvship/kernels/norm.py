@@ -27,6 +27,14 @@ def fused_add_rms_norm_torch(
 
 
 @triton.jit
+def rms_rstd(sum_sq, eps, N):
+    """1 / rms from a row's sum of squares over N elements, the arithmetic every norm kernel
+    shares (this one's, the fused all-reduce norm's and rotary's per-head q/k norm): one rounding
+    of the mean, a square root and a division, as the unfused kernels always computed it."""
+    return 1.0 / tl.sqrt(sum_sq / N + eps)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
@@ -43,8 +51,7 @@ def _rms_norm_kernel(
         x_round = x.to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_res_out + offs, x_round, mask=mask)
         x = x_round.to(tl.float32)
-    var = tl.sum(x * x, axis=0) / N
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = rms_rstd(tl.sum(x * x, axis=0), eps, N)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = x * rstd * w
     tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)

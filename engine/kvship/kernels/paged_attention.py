@@ -200,17 +200,18 @@ DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
 _PACKED = {False: 0, True: 1, "values": 2, "split": 3}
 
 
-def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, head_dim: int, block_d: int) -> int:
+def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, head_dim: int) -> int:
     """The PACKED constexpr a decode config launches, the one place that says where packed reads
     apply: quantized pages beside a 16-bit query (the dots then run in float16), int4 ones whose
-    heads fill their block (head_block: 32 channels or more, so a 16-channel head does not);
-    "split" only for int4 pages, else the packed read (True). int4 heads of 80 channels read packed gave wrong outputs on the H200 at long contexts
-    (tests/test_kv_quant.py::test_decode_kernel, 2026-12-02) while 64 and 128 matched, so heads
-    that leave part of their block empty read as stored, as they did when that test last passed."""
+    heads fill their tile (head_block: a power of two of 32 channels or more); "split" only for
+    int4 pages, else the packed read (True). int4 heads of 80 channels read packed gave wrong
+    outputs on the H200 at long contexts (tests/test_kv_quant.py::test_decode_kernel, 2026-12-02)
+    while 64 and 128 matched, so heads that leave part of their tile empty read as stored, as
+    they did when that test last passed."""
     packed = _PACKED[cfg.get("packed", False)]
     if kv_mode == kvq.KV_PLAIN or q_dtype == torch.float32:
         return 0
-    if kv_mode == kvq.KV_INT4 and head_dim != block_d:
+    if kv_mode == kvq.KV_INT4 and head_dim != head_block(head_dim, kv_mode):
         return 0
     if packed == 3 and kv_mode != kvq.KV_INT4:
         packed = 1
@@ -658,7 +659,7 @@ def paged_attention_triton(
             if window:  # the tiles a windowed query reads, at most
                 context = min(context, window + block_n)
             num_splits = decode_num_splits(batch, num_kv_heads, context, device_sms(q), block_n, cfg)
-        packed = packed_read(cfg, kv_mode, q.dtype, head_dim, block_d)
+        packed = packed_read(cfg, kv_mode, q.dtype, head_dim)
         if num_splits > 1:
             mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
             mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)

@@ -34,7 +34,7 @@ import torch
 
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import next_pow2, tl, triton, use_triton
-from kvship.kernels.norm import rms_norm_torch
+from kvship.kernels.norm import rms_norm_torch, rms_rstd
 from kvship.kernels.numerics import fp8_round
 from kvship.kernels.paged_attention import store_kv_torch
 
@@ -91,12 +91,6 @@ def _to_cache(x, src_ty: tl.constexpr, dst_ty: tl.constexpr, scale, FP8: tl.cons
 
 
 @triton.jit
-def _rstd(sum_sq, eps, HEAD_DIM: tl.constexpr):
-    """1 / rms from each head's sum of squares, as kernels/norm.py's kernel computes it."""
-    return 1.0 / tl.sqrt(sum_sq / HEAD_DIM + eps)
-
-
-@triton.jit
 def _normed(x, rstd, w_ptr, elem, emask, ty: tl.constexpr):
     """x [BLOCK_H, N] (elements ``elem`` of each head) normalized and weighted in fp32, rounded to
     ``ty`` as the separate norm's output is, and back in fp32 for rotary."""
@@ -114,7 +108,7 @@ def _rotated_halves(src, stride_h, offs_h, cos, sin, offs_d, m, w_ptr, eps,
     x1 = tl.load(p, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
     if NORM:
-        rstd = _rstd(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), eps, 2 * HALF)
+        rstd = rms_rstd(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), eps, 2 * HALF)
         dmask = offs_d < HALF
         x1 = _normed(x1, rstd, w_ptr, offs_d, dmask, src.dtype.element_ty)
         x2 = _normed(x2, rstd, w_ptr, offs_d + HALF, dmask, src.dtype.element_ty)
@@ -165,7 +159,7 @@ def _head_rstd(src, stride_h, offs_h, hmask, eps, HEAD_DIM: tl.constexpr, BLOCK_
     cols = tl.arange(0, BLOCK_D)
     m = hmask[:, None] & (cols < HEAD_DIM)[None, :]
     x = tl.load(src + (offs_h * stride_h)[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    return _rstd(tl.sum(x * x, axis=1), eps, HEAD_DIM)
+    return rms_rstd(tl.sum(x * x, axis=1), eps, HEAD_DIM)
 
 
 @triton.jit
