@@ -39,6 +39,8 @@ bench latency-nohf 100 python3 bench/latency.py --no-hf
 bench gemv 200 python3 bench/gemv_sweep.py
 bench gemv-more 300 python3 bench/gemv_sweep.py --more
 bench profile-moe 200 python3 bench/profile_step.py --graphs --batch 1 --shape qwen3-30b-a3b
+bench profile-int4 200 python3 bench/profile_step.py --graphs --batch 1 --quantization int4
+bench profile-fp8 200 python3 bench/profile_step.py --graphs --batch 1 --quantization fp8
 bench profile-gemma 200 python3 bench/profile_step.py --graphs --batch 1 --shape gemma2-9b
 bench gpu-verify 240 python3 -m pytest -q -p no:cacheprovider --tb=short "tests/test_kv_quant.py::test_rotary_store_kernel" \
   "tests/test_kv_quant.py::test_decode_kernel_packed" "tests/test_kv_quant.py::test_decode_kernel" \

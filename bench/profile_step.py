@@ -5,6 +5,7 @@ mode by default so that every kernel is attributed (the CUDA-graph replay runs t
 with less launch overhead); --graphs profiles the graph replays instead.
 
     python bench/profile_step.py [--shape llama3-8b] [--batch 1] [--context 512] [--steps 32] [--graphs] [--tp 1]
+                                 [--quantization fp8|int8|int4|int4-g32]
 
 With --tp N the profile is rank 0's (its share of the weights plus the all-reduces).
 """
@@ -21,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, header, table, write_shape_folder
 from kvship.llm import LLM
+from kvship.quant import insitu
 from kvship.sampling_params import SamplingParams
 
 
@@ -33,13 +35,17 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--quantization", choices=["fp8", "int8", "int4", "int4-g32"], help="in-situ weight format")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
+    insitu.INT4_GROUP = 32 if args.quantization == "int4-g32" else 128
+    method = "int4" if args.quantization == "int4-g32" else args.quantization
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
         llm = LLM(folder, load_format="dummy", dtype="bfloat16" if cuda else "float32",
                   max_model_len=args.context + 2 * args.steps + 64, max_num_seqs=max(8, args.batch),
-                  enforce_eager=not args.graphs, tensor_parallel_size=args.tp)
+                  enforce_eager=not args.graphs, tensor_parallel_size=args.tp,
+                  quantization=method)
         eng = llm.engine
         vocab = eng.model_config.vocab_size
         g = torch.Generator().manual_seed(0)
@@ -71,7 +77,7 @@ def main() -> None:
             for name, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:args.top]]
     rows.append(["total (all kernels)", f"{total:.1f}", f"{sum(v[1] for v in per_kernel.values()):.0f}", "100%"])
     print(header(f"Decode step profile, {args.shape} shape, batch {args.batch}, context {args.context}, "
-                 f"{'CUDA graphs' if args.graphs else 'eager'}, TP={args.tp}"))
+                 f"{'CUDA graphs' if args.graphs else 'eager'}, TP={args.tp}, weights {args.quantization or 'bf16'}"))
     print(table(rows, ["kernel", "µs / step", "launches / step", "share"]))
 
 
