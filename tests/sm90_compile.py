@@ -64,12 +64,20 @@ def compile_in_child(specs: list[dict]) -> None:
     assert proc.stdout.count("ok ") == len(specs), proc.stdout[-4000:]
 
 
+def with_defaults(kernel, constexprs: dict[str, object]) -> dict[str, object]:
+    """``constexprs`` and the defaults of the compile-time arguments it leaves out (so that a
+    kernel can gain an option without every caller's list naming it). PDL is on where a kernel
+    takes it: on sm_90 the engine launches those kernels with it (kernels/_triton.pdl)."""
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    if "PDL" in kernel.arg_names:
+        defaults["PDL"] = True
+    return {**defaults, **constexprs}
+
+
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict[str, object]) -> None:
     """``types``: Triton type strings for the runtime arguments (``*bf16``, ``*u8``, ``i32``,
-    ``fp32``); ``constexprs``: values of the compile-time ones (those left out take their
-    defaults, so that a kernel can gain an option without every caller's list naming it)."""
-    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
-    constexprs = {**defaults, **constexprs}
+    ``fp32``); ``constexprs``: values of the compile-time ones (``with_defaults``)."""
+    constexprs = with_defaults(kernel, constexprs)
     sig = {name: ("constexpr" if name in constexprs else types[name]) for name in kernel.arg_names}
     triton_compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=SM90)
 

@@ -28,10 +28,11 @@ from kvship.kernels import fused_moe
 SMEM_SM90 = 232448  # bytes of shared memory one block may take on sm_90
 for spec in json.loads(sys.argv[2]):
     kernel = getattr(fused_moe, spec["kernel"])
-    sig = {n: ("constexpr" if n in spec["constexprs"] else spec["types"][n]) for n in kernel.arg_names}
+    constexprs = sm90_compile.with_defaults(kernel, spec["constexprs"])
+    sig = {n: ("constexpr" if n in constexprs else spec["types"][n]) for n in kernel.arg_names}
     # what a launch tells the compiler of 16-aligned pointers and sizes: it pipelines the loads
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in spec["aligned"]}
-    src = ASTSource(fn=kernel, signature=sig, constexprs=spec["constexprs"], attrs=attrs)
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     out = triton_compile(src, target=sm90_compile.SM90, options=spec["options"])
     assert out.metadata.shared <= SMEM_SM90, (spec, out.metadata.shared)
     print("ok", spec["kernel"], spec["constexprs"], spec["options"], out.metadata.shared)

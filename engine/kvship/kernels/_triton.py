@@ -74,5 +74,45 @@ def device_sms(t: torch.Tensor) -> int:
     return 4
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+# Programmatic dependent launch (Hopper on): a kernel launched with it may start while the
+# kernel before it in the stream is still finishing, runs what does not depend on that kernel
+# (a GEMV's first weight tile) and then waits for it at ``pdl_wait``. At batch 1 a decode step
+# is some 400 short kernels, each paying a launch, a ramp-up and a drain; this overlaps them.
+# KVSHIP_PDL=0 turns it off (the benchmarks' comparison).
+PDL_ENABLED = os.environ.get("KVSHIP_PDL", "1") != "0"
+
+
+def pdl(t: torch.Tensor) -> bool:
+    """Whether kernels working on ``t`` launch with programmatic dependent launch: a GPU of
+    compute capability 9 or more (griddepcontrol is sm_90 PTX), not the interpreter."""
+    if not (PDL_ENABLED and HAS_TRITON and t.is_cuda) or INTERPRET:
+        return False
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
+    """A PDL-aware kernel's launch options: its PDL constexpr and the launch attribute, which
+    must agree (a kernel launched early that never waits would race the one before)."""
+    on = pdl(t)
+    return {"PDL": on, "launch_pdl": on}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """The rule for a kernel launched with ``launch_pdl``: before it reads anything an earlier
+    kernel writes, and before any store of its own, it waits here for the previous kernel to
+    finish (which, as that kernel waited too, means every earlier one). Only data no kernel
+    writes (weights) may be read before. Then it lets the next kernel launch: that one starts
+    once all of this kernel's programs are past this point, one kernel ahead at most."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvship.kernels._triton import tl, triton, use_triton
+from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -50,7 +50,8 @@ def gelu_tanh_mul(a, b):
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_inter, BLOCK: tl.constexpr, GELU: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_inter, BLOCK: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_inter
@@ -74,7 +75,7 @@ def _act_and_mul_triton(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     block = 1024
     if rows > 0:
         _act_and_mul_kernel[(rows, triton.cdiv(i, block))](
-            x2, out, x2.stride(0), out.stride(0), i, BLOCK=block, GELU=gelu, num_warps=4
+            x2, out, x2.stride(0), out.stride(0), i, BLOCK=block, GELU=gelu, num_warps=4, **pdl_launch(x2)
         )
     return out.view(*shape[:-1], i)
 

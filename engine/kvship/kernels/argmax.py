@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvship.kernels._triton import next_pow2, tl, triton, use_triton
+from kvship.kernels._triton import next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
 
 CHUNK = 4096
 
@@ -21,7 +21,8 @@ def argmax_torch(logits: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, NUM_CHUNKS, CHUNK: tl.constexpr):
+def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, NUM_CHUNKS, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -33,7 +34,8 @@ def _chunk_max_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, NUM_CHUNKS, CHUNK: t
 
 
 @triton.jit
-def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, NUM_CHUNKS, BLOCK: tl.constexpr):
+def _pick_chunk_kernel(val_ptr, idx_ptr, out_ptr, NUM_CHUNKS, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < NUM_CHUNKS
@@ -53,8 +55,10 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     idxs = torch.empty(b, chunks, dtype=torch.int32, device=logits.device)
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b > 0:
-        _chunk_max_kernel[(b, chunks)](logits, vals, idxs, v, logits.stride(0), chunks, CHUNK=CHUNK, num_warps=8)
-        _pick_chunk_kernel[(b,)](vals, idxs, out, chunks, BLOCK=next_pow2(chunks), num_warps=1)
+        _chunk_max_kernel[(b, chunks)](logits, vals, idxs, v, logits.stride(0), chunks, CHUNK=CHUNK, num_warps=8,
+                                       **pdl_launch(logits))
+        _pick_chunk_kernel[(b,)](vals, idxs, out, chunks, BLOCK=next_pow2(chunks), num_warps=1,
+                                 **pdl_launch(logits))
     return out
 
 

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvship.kernels._triton import tl, triton, use_triton
+from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.activation import silu_mul
 from kvship.kernels.quant_linear import QWeight, _dequant, dequantize_torch
 from kvship.quant.tensor import code_centre
@@ -133,8 +133,9 @@ def route_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> t
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
     """One token: softmax over its experts, then k times the largest left (lowest index on a tie)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_POW2)
     x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
@@ -164,7 +165,7 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
         e_pow2 = triton.next_power_of_2(num_experts)
         _route_kernel[(tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
                                  RENORMALIZE=renormalize, E_POW2=e_pow2, K_POW2=triton.next_power_of_2(top_k),
-                                 num_warps=1 if e_pow2 <= 256 else 4)
+                                 num_warps=1 if e_pow2 <= 256 else 4, **pdl_launch(router_logits))
     return weights, ids
 
 
@@ -516,10 +517,11 @@ def _gemv_fma(acc, x, x_hi, w_rows, s_ptr, b_ptr, rows, nmask, k0, K, stride_sn,
 def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr, N, K, ngroups, stride_x, stride_we, stride_wn,
                          stride_se, stride_sn, stride_h, TOP_K: tl.constexpr, FP8: tl.constexpr, INT: tl.constexpr,
                          PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """h[pair, n] = silu(x[t] . W[e, n]) * (x[t] . W[e, N + n]) for pair = t * TOP_K + j and its
     expert e, n in this program's BLOCK_N rows; N is the intermediate size. Storage as in
     _moe_gemm_kernel (ngroups scales per row); FP8 block scales: GROUP dividing BLOCK_K."""
+    pdl_wait(PDL)
     pair = tl.program_id(1)
     t = (pair // TOP_K).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -546,7 +548,7 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr, N, K, ngrou
 def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ngroups, stride_h, stride_we,
                       stride_wn, stride_se, stride_sn, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr,
                       INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[t, n] = sum over the token's k pairs of weight * (h[pair] . W[e, n]); N is the hidden
     size, K the intermediate one. The sum stays in fp32 and is rounded once. Storage as above.
 
@@ -556,6 +558,7 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr, N, K
     then its rows, 768 inputs each at Qwen3-30B-A3B's size), a program made 16 dependent round
     trips to memory for 3 KB of weights, and the kernel read at 45% of copy bandwidth on the H200.
     Scales and offsets are addressed by each row's offset from the stack's start (stride 1)."""
+    pdl_wait(PDL)
     t = tl.program_id(1)
     r = tl.arange(0, BLOCK_J * BLOCK_N)
     real = r // BLOCK_N < TOP_K
@@ -604,14 +607,13 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         x, op13.w, op13.s, op13.b, ids, h, inter, hidden, op13.ngroups, x.stride(0), op13.w.stride(0),
         op13.w.stride(1), op13.stride_se, op13.stride_sn, h.stride(0), TOP_K=top_k, BLOCK_N=gu["block_n"],
         BLOCK_K=max(gu["block_k"], op13.flags["GROUP"]), num_warps=gu["num_warps"], num_stages=gu["num_stages"],
-        **op13.flags)  # whole FP8 blocks
+        **op13.flags, **pdl_launch(x))  # whole FP8 blocks
     out = torch.empty_like(x)
     _gemv_down_kernel[(triton.cdiv(hidden, dn["block_n"]), tokens)](
         h, op2.w, op2.s, op2.b, ids, weights.float().contiguous(), out, hidden, inter, op2.ngroups, h.stride(0),
         op2.w.stride(0), op2.w.stride(1), op2.stride_se, op2.stride_sn, out.stride(0), TOP_K=top_k,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=dn["block_n"], BLOCK_K=max(dn["block_k"], op2.flags["GROUP"]),
-        num_warps=dn["num_warps"],
-        num_stages=dn["num_stages"], **op2.flags)
+        num_warps=dn["num_warps"], num_stages=dn["num_stages"], **op2.flags, **pdl_launch(x))
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvship.kernels._triton import next_pow2, tl, triton, use_triton
+from kvship.kernels._triton import next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -39,8 +39,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
     N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -79,7 +80,7 @@ def _launch(x, residual, weight, eps):
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps, **pdl_launch(x2),
         )
     if residual is not None:
         return out.view(shape), res_out.view(shape)

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels import kv_quant as kvq
-from kvship.kernels._triton import INTERPRET, device_sms, next_pow2, tl, triton, use_triton
+from kvship.kernels._triton import INTERPRET, device_sms, next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.activation import tanh
 
 
@@ -403,8 +403,9 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -491,8 +492,9 @@ def _store_rows(o_ptr, o, channels, gmask, vs_ptr, HEAD_DIM: tl.constexpr, KV_MO
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, cuq_ptr, out_ptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     q_row = tl.load(cuq_ptr + b)
@@ -675,14 +677,14 @@ def paged_attention_triton(
             GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode, **options,
             PACKED=packed, INTERPRET=INTERPRET,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q),
         )
         if num_splits > 1:
             _decode_reduce_kernel[(batch, num_q_heads)](
                 mid_o, mid_lse, cu_seqlens_q, out,
                 *mid_strides, out.stride(0), out.stride(1),
                 NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-                num_warps=4,
+                num_warps=4, **pdl_launch(q),
             )
         return out
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from kvship.kernels._triton import INTERPRET, tl, triton
+from kvship.kernels._triton import INTERPRET, pdl_launch, pdl_wait, tl, triton
 from kvship.kernels.numerics import small_int_to_float
 from kvship.quant.tensor import code_centre
 
@@ -56,7 +56,8 @@ def _code_value(c, FP8: tl.constexpr):
 @triton.jit
 def _qgemv_words_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, K, KW, stride_w, stride_s, ngroups,
                         BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                        G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     CODES: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     TILE: tl.constexpr = BLOCK_W * CODES  # inputs per tile
@@ -117,7 +118,7 @@ def qgemv_words_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         n, k, k * bits // 32, words.stride(0), scales.stride(0), scales.shape[1],
         BITS=bits, FP8=fp8, SYMM=symm, CENTRE=float(code_centre(bits, fp8, not symm)),
         HAS_BIAS=bias is not None, G=group_size if scales.shape[1] > 1 else 1 << 30, BLOCK_N=config["block_n"],
-        BLOCK_W=config["block_w"], num_warps=config["num_warps"], num_stages=config["num_stages"])
+        BLOCK_W=config["block_w"], num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_launch(x))
     return y
 
 
@@ -389,12 +390,13 @@ def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.
 def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride_w, stride_s, ngroups,
                         BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
                         G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     """A program's tile is [BLOCK_N rows, BLOCK_W words] = [rows, chains, 4 words]. Each chain's
     fp32 sum takes its (row, group)'s scale (and offset; a chain lies in one group) into an fp32
     accumulator, reduced once at the end. The next tile's words are loaded before this one's
-    arithmetic (a tile ahead in registers). EVEN: N and the row's words are whole tiles (no masks
-    but the look-ahead's)."""
+    arithmetic (a tile ahead in registers); the first is loaded before x exists (with PDL: while
+    the kernel before finishes). EVEN: N and the row's words are whole tiles (no masks but the
+    look-ahead's)."""
     CODES: tl.constexpr = 32 // BITS
     NCH: tl.constexpr = BLOCK_W // 4
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -408,6 +410,7 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stri
     else:
         q = tl.load(rows, mask=nmask[:, None] & (tl.arange(0, BLOCK_W) < KW)[None, :], other=0,
                     eviction_policy="evict_first")
+    pdl_wait(PDL)
     for w0 in range(0, KW, BLOCK_W):
         nxt = w0 + BLOCK_W
         if EVEN:
@@ -462,5 +465,5 @@ def qgemv_pairs_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         G=group_size if scales.shape[1] > 1 else 1 << 30, CODE_SHIFT=CODE_SHIFT[bits, fp8], ASM=not INTERPRET,
         EVEN=n % config["block_n"] == 0 and (k * bits // 32) % config["block_w"] == 0,
         BLOCK_N=config["block_n"], BLOCK_W=config["block_w"], num_warps=config["num_warps"],
-        num_stages=config["num_stages"])
+        num_stages=config["num_stages"], **pdl_launch(x))
     return y

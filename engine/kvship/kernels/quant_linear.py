@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvship.kernels._triton import tl, triton, use_triton
+from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.numerics import fp8_round, small_int_to_float
 from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton, tiles_keep_groups
 from kvship.quant.insitu import FP8_MAX
@@ -130,8 +130,9 @@ def _dequant(c, s_ptr, b_ptr, offs_n, nmask, stride_s, ngroups, group0, g_idx_pt
 @triton.jit
 def _qgemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gi_ptr, bias_ptr, y_ptr, N, K, KP, stride_w, stride_s, ngroups,
                   BITS4: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, GATHER: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One input row. BLOCK_K counts stored columns (bytes of two codes each for 4 bits)."""
+    pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
@@ -327,7 +328,7 @@ def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None =
         _qgemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
             x2, *ptrs, bias_ptr, y, n, w.k, kp, w.qweight.stride(0), w.scales.stride(0), w.scales.shape[1],
             HAS_BIAS=bias is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags, **pdl_launch(x2))
     elif m > 0:
         cfg = config or _gemm_config(m)
         ptrs, flags = _layout(w, cfg["block_k"])

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from kvship.kernels import kv_quant as kvq
-from kvship.kernels._triton import next_pow2, tl, triton, use_triton
+from kvship.kernels._triton import next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.norm import rms_norm_torch, rms_rstd
 from kvship.kernels.numerics import fp8_round
 from kvship.kernels.paged_attention import store_kv_torch
@@ -226,8 +226,9 @@ def _rotary_store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_gb, stride_gs, stride_gh,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_MODE: tl.constexpr, FP8_E5: tl.constexpr, TURN_K: tl.constexpr, QK_NORM: tl.constexpr,
+    KV_MODE: tl.constexpr, FP8_E5: tl.constexpr, TURN_K: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     dmask = offs_d < HALF
@@ -306,7 +307,7 @@ def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, 
             BLOCK_HQ=next_pow2(hq), BLOCK_HKV=max(16, next_pow2(hkv)) if turn else next_pow2(hkv),
             BLOCK_HALF=max(16, next_pow2(d // 2)), BLOCK_D=next_pow2(d),  # >= 16: int4 groups are 16 bytes
             KV_MODE=mode, FP8_E5=k_cache.dtype == torch.float8_e5m2, TURN_K=turn, QK_NORM=qk_norm is not None,
-            num_warps=4,
+            num_warps=4, **pdl_launch(q),
         )
     return q
 
