@@ -41,6 +41,7 @@ bench gemv 200 python3 bench/gemv_sweep.py
 bench gemv-more 300 python3 bench/gemv_sweep.py --more
 bench profile-moe 200 python3 bench/profile_step.py --graphs --batch 1 --shape qwen3-30b-a3b
 bench profile-int4 200 python3 bench/profile_step.py --graphs --batch 1 --quantization int4
+bench profile-int4-nopdl 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --quantization int4
 bench profile-fp8 200 python3 bench/profile_step.py --graphs --batch 1 --quantization fp8
 bench profile-gemma 200 python3 bench/profile_step.py --graphs --batch 1 --shape gemma2-9b
 bench gpu-verify 240 python3 -m pytest -q -p no:cacheprovider --tb=short "tests/test_kv_quant.py::test_rotary_store_kernel" \
@@ -58,8 +59,8 @@ bench int-gemv-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_qua
   -k "pairs or kernel_matches or word_gemv"
 bench int-gemv 300 python3 bench/quant_gemv_sweep.py --formats "int4 g128" "int4 g32" int8 --quick
 bench latency-int 200 python3 bench/latency.py --quantization none int4 int4-g32 int8 --no-hf
-bench pdl-ab 300 bash -c "KVSHIP_PDL=0 python3 bench/latency.py --quantization none int4 --no-hf && \
-  KVSHIP_PDL=1 python3 bench/latency.py --quantization none int4 --no-hf"
+bench pdl-ab 330 bash -c "KVSHIP_PDL=0 python3 bench/latency.py --quantization none fp8 int4 --no-hf && \
+  KVSHIP_PDL=1 python3 bench/latency.py --quantization none fp8 int4 --no-hf"
 bench latency-moe 150 python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf
 bench fp8-gemv 240 python3 bench/quant_gemv_sweep.py --formats fp8 --quick
 bench latency-fp8 280 python3 bench/latency.py --quantization none fp8 int8 --no-hf
