@@ -12,8 +12,6 @@
 #   quantized experts (GPU tests, batch-1 by format): bash bench/gpu_session.sh moe-tests latency-moe-q
 #   integer one-row GEMV (tests, settings sweep, batch 1): bash bench/gpu_session.sh int-gemv-tests int-gemv latency-int
 #   programmatic dependent launch off and on (KVSHIP_PDL), batch 1: bash bench/gpu_session.sh pdl-ab
-#   the kernels fused on 2026-12-02 evening (merge in the decode kernel, activation in the quantized
-#   GEMV, routing in the MoE kernels): bash bench/gpu_session.sh gpu-verify-fusions
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
@@ -49,11 +47,6 @@ bench profile-gemma 200 python3 bench/profile_step.py --graphs --batch 1 --shape
 bench gpu-verify 240 python3 -m pytest -q -p no:cacheprovider --tb=short "tests/test_kv_quant.py::test_rotary_store_kernel" \
   "tests/test_kv_quant.py::test_decode_kernel_packed" "tests/test_kv_quant.py::test_decode_kernel" \
   "tests/test_fused_moe.py::test_moe_model_in_cuda_graphs_matches_transformers" tests/test_models.py -k "not phi4_mini"
-bench gpu-verify-fusions 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py -k "decode" \
-  tests/test_quant_gemv.py::test_gated_pairs_gemv_equals_unfused tests/test_quant_gemv.py::test_quant_act_mul_linear_dispatch \
-  "tests/test_kv_quant.py::test_decode_kernel" "tests/test_kv_quant.py::test_rotary_store_kernel" \
-  "tests/test_fused_moe.py::test_fused_moe_matches_reference" "tests/test_fused_moe.py::test_fp8_experts_match_the_reference_on_dequantized_weights" \
-  "tests/test_fused_moe.py::test_moe_model_in_cuda_graphs_matches_transformers[qwen3-moe]"
 bench gemv-tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "gemv or linear_dispatch"
 bench latency-gemma 200 python3 bench/latency.py --shape gemma2-9b --no-hf
 bench latency-phi4 200 python3 bench/latency.py --shape phi4 --no-hf

@@ -50,9 +50,8 @@ def attention_types(cache: str = "*bf16", scales: str = "*bf16") -> dict[str, st
 
 
 def decode_types(cache: str = "*bf16", scales: str = "*bf16") -> dict[str, str]:
-    """``attention_types`` and the decode kernel's fp32 partial outputs of a split sequence,
-    with the counters its splits merge by."""
-    return {**attention_types(cache, scales), "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "count_ptr": "*i32",
+    """``attention_types`` and the decode kernel's fp32 partial outputs of a split sequence."""
+    return {**attention_types(cache, scales), "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
             **ints("stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh")}
 
 

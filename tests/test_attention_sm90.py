@@ -1,14 +1,13 @@
 """The paged attention kernels with a sliding window and a soft cap (Gemma 2's local layers, head
 256) compile for sm_90 (H100/H200) on a machine without a GPU (tests/sm90_compile.py says why),
-the decode kernel with its splits merged in it and without (then by the reduce kernel), as does
-the GELU-tanh gated activation. The quantized-cache variants are compiled by
+as does the GELU-tanh gated activation. The quantized-cache variants are compiled by
 test_kv_quant.py."""
 from __future__ import annotations
 
 import pytest
 
 from kvship.kernels._triton import HAS_TRITON
-from sm90_compile import attention_types, compile_in_child, decode_types, ints
+from sm90_compile import attention_types, compile_in_child, decode_types
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
@@ -19,15 +18,9 @@ def _specs():
     # Gemma 2 9B's local layers (head 256, group 2, window 4096, cap 50): every code path the
     # options add; the other variants (a window alone, a cap alone, other heads) drop some of it
     options = dict(WINDOW=4096, SOFTCAP=50.0 * 1.4426950408889634)
-    for merge in (True, False):  # the splits merged by the decode kernel, or by the reduce kernel below
-        yield {"kernel": f"{MODULE}:_decode_kernel", "types": decode_types(),
-               "constexprs": dict(GROUP=2, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_N=64,
-                                  NUM_SPLITS=8, KV_MODE=0, MERGE=merge, **options)}
-    yield {"kernel": f"{MODULE}:_decode_reduce_kernel",
-           "types": {"mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "cuq_ptr": "*i32", "out_ptr": "*bf16",
-                     **ints("stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh", "stride_ot",
-                            "stride_oh")},
-           "constexprs": dict(NUM_SPLITS=8, HEAD_DIM=256, BLOCK_D=256)}
+    yield {"kernel": f"{MODULE}:_decode_kernel", "types": decode_types(),
+           "constexprs": dict(GROUP=2, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_N=64,
+                              NUM_SPLITS=8, KV_MODE=0, **options)}
     yield {"kernel": f"{MODULE}:_prefill_kernel", "types": attention_types(),
            "constexprs": dict(GROUP=2, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, KV_MODE=0,
                               **options)}

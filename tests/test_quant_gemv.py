@@ -1,21 +1,15 @@
 """The one-row GEMVs of kernels/quant_gemv.py (word-reading and fp16-pair) against quant_linear's
 reference (dequantize, then F.linear): every tile/group arrangement they take, symmetric and
 asymmetric codes, 4 and 8 bits, FP8, with and without a bias. In the interpreter on CPU (fp32), at an 8B
-projection's size in bf16 on a GPU. The pairs kernel with the gated activation fused in against
-act_and_mul then the kernel, and the dispatch that picks one or the other (quant_act_mul_linear,
-the MLP's down projection in layers/linear.py)."""
+projection's size in bf16 on a GPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvship.kernels import activation, quant_linear
 from kvship.kernels._triton import HAS_TRITON
-from kvship.kernels.activation import gelu_tanh_and_mul_triton, silu_and_mul_triton
 from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton
-from kvship.kernels.quant_linear import pack, quant_act_mul_linear, quant_act_mul_linear_torch, quant_linear_torch
-from kvship.layers.linear import RowParallelLinear
-from kvship.parallel import TPContext
+from kvship.kernels.quant_linear import pack, quant_linear_torch
 from kvship.quant import QuantizedTensor
 from kvship.quant.insitu import FP8_MAX, quantize_groups
 
@@ -150,105 +144,3 @@ def test_layouts_the_pairs_kernel_leaves():
     assert not pairs_fit(4, 384, 16, 24, False)  # groups of 16 inputs: 2 words, half a chain
     assert pairs_fit(4, 384, 96, 4, False)  # 3 chains a group
     assert pairs_fit(4, 4096, 128, 32, False) and pairs_fit(8, 4096, 4096, 1, False)
-
-
-# ---- the gated activation inside the pairs kernel ----------------------------------------------
-ACT_AND_MUL = {"silu": silu_and_mul_triton, "gelu_tanh": gelu_tanh_and_mul_triton}
-# (bits, group, block_w, kind, symmetric, k): int4 symmetric in groups of 128, with offsets in
-# groups of 32 (Q4_K), per row with a last tile of half the words; int8 with offsets in groups of
-# 16 (Q6_K), per row; FP8 per row (a partial last tile) and in blocks of 128
-GATED_CASES = [(4, 128, 8, "int", True, 256), (4, 32, 16, "int", False, 256), (4, 1 << 20, 16, "int", True, 224),
-               (8, 16, 8, "int", False, 256), (8, 1 << 20, 32, "int", True, 256),
-               (8, 1 << 20, 32, "fp8", True, 224), (8, 128, 16, "fp8", True, 256)]
-
-
-@pytest.mark.parametrize("act", list(ACT_AND_MUL))
-@pytest.mark.parametrize("bits,group,block_w,kind,symmetric,k", GATED_CASES)
-def test_gated_pairs_gemv_equals_unfused(bits, group, block_w, kind, symmetric, k, act):
-    """x = [gate | up] with ``act``: the product of act_and_mul(x) (its kernel, whose bf16 rounding
-    the fused one repeats), bit for bit, with and without a bias; near the reference too."""
-    fp8 = kind == "fp8"
-    n, k = (4096, 4096) if GPU else (12, k)  # 12: rows not whole tiles
-    group = min(group, k)
-    w = _weights(n, k, bits, group, symmetric, seed=bits * group + block_w + 11, fp8=fp8)
-    assert pairs_fit(bits, k, group, w.scales.shape[1], False)
-    g = torch.Generator().manual_seed(block_w + 3)
-    h = torch.randn(1, 2 * k, generator=g).to(DEV, torch.bfloat16)
-    bias = torch.randn(n, generator=g).to(DEV, torch.bfloat16)
-    cfg = {"block_n": 8, "block_w": block_w, "num_warps": 4, "num_stages": 2}
-    for b in (None, bias):
-        got = qgemv_pairs_triton(h, w.qweight, w.scales, w.biases, b, bits, w.group_size, k, cfg, act=act)
-        want = qgemv_pairs_triton(ACT_AND_MUL[act](h), w.qweight, w.scales, w.biases, b, bits, w.group_size, k, cfg)
-        assert torch.equal(got, want)
-        ref = quant_act_mul_linear_torch(h, w, act, b).float()
-        assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-2
-
-
-@pytest.fixture
-def dispatch_calls(monkeypatch):
-    """The calls of the pairs kernel (their ``act``) and of act_and_mul that quant_linear.py makes.
-    Off the GPU its dispatch takes the Triton paths for CPU tensors too (the interpreter), as it
-    does on a GPU."""
-    calls = {"pairs": [], "act_and_mul": []}
-    pairs, act_and_mul = quant_linear.qgemv_pairs_triton, quant_linear.act_and_mul
-
-    def spy_pairs(*args, act=None):
-        calls["pairs"].append(act)
-        return pairs(*args, act=act)
-
-    def spy_act_and_mul(x, act):
-        calls["act_and_mul"].append(act)
-        return act_and_mul(x, act)
-
-    if not GPU:
-        for module in (quant_linear, activation):
-            monkeypatch.setattr(module, "use_triton", lambda t: True)
-    monkeypatch.setattr(quant_linear, "qgemv_pairs_triton", spy_pairs)
-    monkeypatch.setattr(quant_linear, "act_and_mul", spy_act_and_mul)
-    return calls
-
-
-def _gated_layer(w, act):
-    layer = RowParallelLinear(w.k, w.n, False, TPContext(), gated_input=True, act=act)
-    layer.qweight = w  # as _finish packs it on a GPU (on a CPU it keeps the dequantized matrix)
-    return layer
-
-
-# layouts the pairs kernel takes and ones it leaves to the word and per-code kernels
-_GROUPED = quantize_groups(torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * 0.05, 4, 32)
-DISPATCH_CASES = {
-    "int4-g32": (_GROUPED, torch.bfloat16, 1, True),
-    "int4-g32-float32-x": (_GROUPED, torch.float32, 1, False),  # fp32 sums: the word kernel
-    "int4-g32-two-rows": (_GROUPED, torch.bfloat16, 2, False),
-    "int4-act-order": (QuantizedTensor(_GROUPED.codes, _GROUPED.scales, _GROUPED.biases, 4, 32,
-                                       (torch.arange(64) % 2).int()), torch.bfloat16, 1, False),
-    "int8-partial-word": (quantize_groups(torch.randn(8, 66, generator=torch.Generator().manual_seed(2)), 8, 66),
-                          torch.float16, 1, False),  # 16.5 words: the per-code kernel
-}
-
-
-@pytest.mark.parametrize("act", list(ACT_AND_MUL))
-@pytest.mark.parametrize("case", list(DISPATCH_CASES))
-def test_quant_act_mul_linear_dispatch(dispatch_calls, case, act):
-    """One row of 16-bit x in a layout the pairs kernel takes: the fused kernel alone; otherwise
-    act_and_mul, then quant_linear's kernel (none of them the pairs kernel here). Either way the
-    unfused result, exactly; the MLP's down projection (RowParallelLinear with gated_input) takes
-    the same path."""
-    qt, dtype, rows, fused = DISPATCH_CASES[case]
-    w = pack(qt, DEV)
-    h = torch.randn(rows, 2 * w.k, generator=torch.Generator().manual_seed(rows)).to(DEV, dtype)
-    want = quant_linear.quant_linear(ACT_AND_MUL[act](h), w)
-    dispatch_calls["pairs"].clear()
-    for got in (quant_act_mul_linear(h, w, act), _gated_layer(w, act)(h)):
-        assert torch.equal(got, want)
-    assert dispatch_calls["act_and_mul"] == ([] if fused else [act, act])
-    assert dispatch_calls["pairs"] == ([act, act] if fused else [])
-
-
-@pytest.mark.parametrize("act", list(ACT_AND_MUL))
-def test_gated_quantized_layer_on_cpu_is_the_reference(act):
-    """Without Triton's paths (CPU tensors) the down projection is act_and_mul's reference, then
-    quant_linear's: quant_act_mul_linear_torch."""
-    w = pack(_GROUPED, "cpu")
-    h = torch.randn(3, 2 * w.k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    assert torch.equal(_gated_layer(w, act)(h), quant_act_mul_linear_torch(h, w, act))

@@ -40,24 +40,19 @@ def _specs():
     words = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "b_ptr": "*fp16", "bias_ptr": "*bf16",
              "y_ptr": "*bf16", "N": "i32", "KW": "i32", "stride_w": "i32", "stride_s": "i32", "ngroups": "i32"}
     for bits, symm, g in ((4, True, 128), (4, False, 32), (4, True, 1 << 30), (8, True, 1 << 30), (8, False, 16)):
-        # ungated with and without a bias; the MLP's down projection (no bias) with silu and gelu_tanh
-        for bias, gated, gelu in ((False, False, False), (True, False, False), (False, True, False),
-                                  (False, True, True)):
+        for bias in (False, True):
             yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_pairs_kernel", "types": words,
                    "constexprs": {"BITS": bits, "FP8": False, "SYMM": symm, "HAS_BIAS": bias, "G": g, "ASM": True,
-                                  "EVEN": bias or gelu, "CODE_SHIFT": CODE_SHIFT[bits, False], "GATED": gated,
-                                  "GELU": gelu, "BLOCK_N": 16, "BLOCK_W": 256}}
+                                  "EVEN": bias, "CODE_SHIFT": CODE_SHIFT[bits, False],
+                                  "BLOCK_N": 16, "BLOCK_W": 256}}
         yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_words_kernel", "types": {**words, "K": "i32"},
                "constexprs": {"BITS": bits, "FP8": False, "SYMM": symm, "CENTRE": 8.0 if bits == 4 else 128.0,
                               "HAS_BIAS": False, "G": g, "BLOCK_N": 16, "BLOCK_W": 256}}
-    # FP8 (float32 scales) per row and in blocks of 128 inputs, ungated and as the down projection
-    for g, bias, gated, gelu in ((1 << 30, False, False, False), (128, True, False, False), (1 << 30, False, True, False),
-                                 (128, False, True, True)):
+    for g, bias in ((1 << 30, False), (128, True)):  # FP8 (float32 scales) per row and in blocks of 128 inputs
         yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_pairs_kernel",
                "types": {**words, "s_ptr": "*fp32", "b_ptr": "*fp32"},
                "constexprs": {"BITS": 8, "FP8": True, "SYMM": True, "HAS_BIAS": bias, "G": g, "ASM": True,
-                              "EVEN": bias or gelu, "CODE_SHIFT": CODE_SHIFT[8, True], "GATED": gated, "GELU": gelu,
-                              "BLOCK_N": 8, "BLOCK_W": 512}}
+                              "EVEN": bias, "CODE_SHIFT": CODE_SHIFT[8, True], "BLOCK_N": 8, "BLOCK_W": 512}}
     for dtype in ("bf16", "fp16"):  # rows read once (8B's hidden 4096) and twice (its down_proj's 14336)
         for block, one_pass in ((4096, True), (8192, False)):
             yield {"kernel": f"{MODULE}:_fp8_rows_kernel",

@@ -30,8 +30,7 @@ kernels/rotary.py: ``rotary_store_kv``; ``store_kv_torch`` here is its reference
   program holds all query heads of one KV head (the group padded to a power of two >= 16 rows
   for ``tl.dot``), so each K/V tile is read once per KV head — split over the context
   (flash-decoding: each split covers an equal, BLOCK_N-aligned share of the sequence's actual
-  length, computed in the kernel; the last of a KV head's splits to finish merges them by their
-  log-sum-exp, or, with decode config "fused_merge": False, a second kernel does).
+  length, computed in the kernel; a second kernel merges the splits by their log-sum-exp).
   Otherwise a varlen prefill kernel: one program per (query head, BLOCK_M new tokens,
   sequence), causal over the cached prefix plus the new tokens, with unmasked tiles below the
   diagonal and masked ones on it.
@@ -179,8 +178,6 @@ _LOG2E = 1.4426950408889634
 # A float32 query (--dtype float32), and int4 heads under 32 channels or short of a power of
 # two, read as stored whatever the config says, and "split" beside FP8 pages is the packed read
 # (packed_read decides).
-# A decode config's "fused_merge" (default True): split contexts are merged by the decode
-# kernel's last split of each KV head (no second launch); False, by _decode_reduce_kernel.
 # H200, 2026-12-02, commit 1206f4e, `python3 bench/kv_attention_sweep.py` (8B attention, batch 32
 # at 8k, the best setting per page read, us and % of the layout's bytes at copy bandwidth):
 #   bf16   bn=64 w=4 s=2 waves=4                  246.0 us  101%
@@ -301,13 +298,12 @@ def _attend_tile(
     acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, page=None,
+    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
 ):
     """One BLOCK_N tile of keys/values, gathered through the block table, folded into the
     running softmax state (log2 domain). ``pages``: where one sequence's KV head lives (the
     tuple ``_pages`` makes). MASK: 0 none, 1 pos < kv_end, 2 that and causal (and pos >
-    q_pos - WINDOW when WINDOW > 0). ``page`` (MASK > 0): the tile's block-table entries if
-    the caller read them (``_tile_pages``). SOFTCAP: the scores' cap in the log2 domain. PACKED,
+    q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain. PACKED,
     INTERPRET, HEAD_DIM: how quantized pages are read (``_load_kv``); PACKED 1: keys and values
     packed, 2: values alone (keys as stored), 0: neither; 3: int4 pages beside a 16-bit query
     in even and odd channels, bytes in word order (``int4_load_rows_split``): q and acc are then
@@ -317,9 +313,7 @@ def _attend_tile(
     pos = n0 + offs_n
     nmask = pos < kv_end
     if MASK > 0:
-        if page is None:
-            page = _tile_pages(bt_row, pos, nmask, BLOCK_SIZE)
-        page = page.to(tl.int64)
+        page = tl.load(bt_row + pos // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
     else:
         page = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
     row = (pos % BLOCK_SIZE).to(tl.int64)
@@ -375,12 +369,6 @@ def _attend_tile(
 
 
 @triton.jit
-def _tile_pages(bt_row, pos, mask, BLOCK_SIZE: tl.constexpr):
-    """The block-table entries (page ids) of positions ``pos``; 0 where ``mask`` is off."""
-    return tl.load(bt_row + pos // BLOCK_SIZE, mask=mask, other=0)
-
-
-@triton.jit
 def _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
            stride_gb, stride_gs, stride_gh, kvh):
     """What ``_attend_tile`` reads one sequence's KV head through, as one value: the caches and
@@ -395,19 +383,9 @@ def _attend_range(
     acc, l_i, m_i, q, q_pos, pages, lo, hi, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, lo_page=None,
+    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
 ):
-    """``_attend_tile`` over the tiles from lo up to hi (BLOCK_N apart), all with one MASK.
-    ``lo_page`` (MASK > 0): the first tile's page ids, if the caller read them; that tile then
-    comes before the loop, so that the ids are held only until it is done. (Selecting them
-    inside the loop kept them live through it: twice BLOCK_N ids per thread, in the K and V
-    tiles' layouts, and ptxas 12.8 then fit the bf16 kernel in 32 registers with a 3.8 KB stack.)"""
-    if lo_page is not None:
-        if lo < hi:
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, pages, lo, kv_end, qk_scale, offs_n, offs_d, dmask,
-                                         BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET, HEAD_DIM,
-                                         lo_page)
-        lo += offs_n.shape[0]
+    """``_attend_tile`` over the tiles from lo up to hi (BLOCK_N apart), all with one MASK."""
     for n0 in range(lo, hi, offs_n.shape[0]):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
                                      BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET, HEAD_DIM)
@@ -416,7 +394,7 @@ def _attend_range(
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, count_ptr,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh,
@@ -425,39 +403,21 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, MERGE: tl.constexpr = True, PDL: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     q_row = tl.load(cuq_ptr + b)
-    q_end = tl.load(cuq_ptr + b + 1)
-    seq_len = tl.load(seqlens_ptr + b)
-    offs_n = tl.arange(0, BLOCK_N)
-
-    # This split's share of the actual context (with a window: of its last WINDOW tokens, from
-    # the tile holding the first of them), in whole BLOCK_N tiles.
-    first = 0
-    if WINDOW > 0:
-        first = (tl.maximum(seq_len - WINDOW, 0) // BLOCK_N) * BLOCK_N
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
-    start = first + split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    start_page = _tile_pages(bt_row, start + offs_n, (start + offs_n < end) & (q_end > q_row), BLOCK_SIZE)
-    # The above runs before the PDL wait, while the kernel before this one (rotary's KV store)
-    # finishes, so the dependent reads lengths -> block table are done by then. That kernel does
-    # not write them (the batch's layout is copied from the host before the step; no kernel of
-    # it writes that: _triton.pdl_wait's rule); the query and the new token's K/V are its output,
-    # read after the wait. A program without a token waits too before it returns: one that has
-    # ended counts as having let the next kernel launch.
-    pdl_wait(PDL)
-    if q_end <= q_row:  # no new token for this sequence
+    if tl.load(cuq_ptr + b + 1) <= q_row:  # no new token for this sequence
         return
     q_row = q_row.to(tl.int64)
+    seq_len = tl.load(seqlens_ptr + b)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
     dmask = offs_d < HEAD_DIM
     gmask = offs_g < GROUP
     heads = kvh * GROUP + offs_g
@@ -475,18 +435,27 @@ def _decode_kernel(
         q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
 
+    # This split's share of the actual context (with a window: of its last WINDOW tokens, from
+    # the tile holding the first of them), in whole BLOCK_N tiles.
+    first = 0
     q_pos = offs_g  # read only with a window: then every head's query is the last token
     if WINDOW > 0:
+        first = (tl.maximum(seq_len - WINDOW, 0) // BLOCK_N) * BLOCK_N
         q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
+    start = first + split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     if KV_MODE == 1:
         qk_scale = qk_scale * tl.load(ks_ptr)
     pages = _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                    stride_vh, stride_gb, stride_gs, stride_gh, kvh)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, start, end, end, qk_scale, offs_n, offs_d, dmask,
                                   BLOCK_SIZE, 1 + (WINDOW > 0), KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET,
-                                  HEAD_DIM, start_page)
+                                  HEAD_DIM)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     if NUM_SPLITS == 1:
         o_ptr = out_ptr + q_row * stride_ot + heads[:, None] * stride_oh
@@ -500,20 +469,6 @@ def _decode_kernel(
     if NUM_SPLITS > 1:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, lse, mask=gmask)
-        if MERGE:
-            # The split that finishes last merges the KV head's splits, saving a second launch:
-            # each counts itself in (b, kvh)'s counter after its stores (the barrier puts every
-            # thread's stores before the one thread's atomic, whose release publishes them; its
-            # acquire, in the last split, makes the others' visible to the merge's loads). The
-            # last one zeroes the counter for the next launch (count_ptr: _merge_counts).
-            tl.debug_barrier()
-            count = count_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                tl.store(count, 0)
-                for i in tl.static_range(GROUP):
-                    _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh * GROUP + i, q_row, stride_mob, stride_moh,
-                                  stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh, NUM_SPLITS, HEAD_DIM,
-                                  BLOCK_D)
 
 
 @triton.jit
@@ -534,12 +489,19 @@ def _store_rows(o_ptr, o, channels, gmask, vs_ptr, HEAD_DIM: tl.constexpr, KV_MO
 
 
 @triton.jit
-def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, h, q_row,
-                  stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
-                  NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Query head h's output (row q_row of sequence b) from its splits' outputs, each weighted by
-    its share of the softmax (its log2-sum-exp; -inf: a split that saw no key)."""
-    offs_s = tl.arange(0, triton.next_power_of_2(NUM_SPLITS))
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, cuq_ptr, out_ptr,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl_wait(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    q_row = tl.load(cuq_ptr + b)
+    if tl.load(cuq_ptr + b + 1) <= q_row:
+        return
+    q_row = q_row.to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     smask = offs_s < NUM_SPLITS
     dmask = offs_d < HEAD_DIM
@@ -555,23 +517,6 @@ def _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, h, q_row,
     denom = tl.where(denom > 0.0, denom, 1.0)
     res = tl.sum(o * w[:, None], 0) / denom
     tl.store(out_ptr + q_row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=dmask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, cuq_ptr, out_ptr,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
-):
-    """The decode kernel's splits merged by a second launch (decode config "fused_merge": False)."""
-    pdl_wait(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    q_row = tl.load(cuq_ptr + b)
-    if tl.load(cuq_ptr + b + 1) <= q_row:
-        return
-    _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, h, q_row.to(tl.int64), stride_mob, stride_moh, stride_mos,
-                  stride_mlb, stride_mlh, stride_ot, stride_oh, NUM_SPLITS, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
@@ -637,24 +582,6 @@ def _prefill_kernel(
     if KV_MODE == 1:
         o = o * tl.load(vs_ptr)
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=qmask)
-
-
-# Per device, the decode kernel's split counters (one per sequence and KV head), zero between
-# launches: the split that merges zeroes its counter, so nothing is zeroed per step and a CUDA
-# graph replays as captured. A launch that needs more counters than the device's last buffer has
-# allocates a larger one, and the older ones stay allocated for the graphs that captured them.
-# The decode graphs (runner/cuda_graph.py) run each batch size once eagerly before capturing it,
-# so the buffer a capture uses was allocated outside it; largest batches first, so in practice
-# one buffer. A buffer first allocated during a capture would come from the graph's pool (kept,
-# as it is held here) with its zeroing captured, which replays harmlessly.
-_MERGE_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _merge_counts(device: torch.device, n: int) -> torch.Tensor:
-    held = _MERGE_COUNTS.setdefault(device, [])
-    if not held or held[-1].numel() < n:
-        held.append(torch.zeros(next_pow2(n), dtype=torch.int32, device=device))
-    return held[-1]
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sms: int, block_n: int,
@@ -735,13 +662,9 @@ def paged_attention_triton(
                 context = min(context, window + block_n)
             num_splits = decode_num_splits(batch, num_kv_heads, context, device_sms(q), block_n, cfg)
         packed = packed_read(cfg, kv_mode, q.dtype, head_dim)
-        merge = cfg.get("fused_merge", True)
-        counts = seq_lens  # unread unless the splits merge in the kernel
         if num_splits > 1:
             mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
             mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-            if merge:
-                counts = _merge_counts(q.device, batch * num_kv_heads)
         else:
             mid_o = mid_lse = out  # unused
         mid_strides = (
@@ -749,18 +672,18 @@ def paged_attention_triton(
             mid_lse.stride(0), mid_lse.stride(1),
         )
         _decode_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse, counts,
+            q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
             qk_scale, *common, *mid_strides,
             GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode, **options,
-            PACKED=packed, INTERPRET=INTERPRET, MERGE=merge,
+            PACKED=packed, INTERPRET=INTERPRET,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q),
         )
-        if num_splits > 1 and not merge:
+        if num_splits > 1:
             _decode_reduce_kernel[(batch, num_q_heads)](
                 mid_o, mid_lse, cu_seqlens_q, out,
                 *mid_strides, out.stride(0), out.stride(1),
-                NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
                 num_warps=4, **pdl_launch(q),
             )
         return out

@@ -14,10 +14,7 @@ go through a tiled tensor-core GEMM. Both take the scales of a whole tile of gro
 at once (a [.., groups, group] view of the tile), except for act-order weights, whose groups are
 scattered over K and are looked up per input. FP8 W8A8 (``_dense_matmul``) quantizes its
 activations per token in one kernel (``quantize_fp8_rows_triton``, reference
-``quantize_fp8_rows_torch``). ``quant_act_mul_linear`` is ``quant_linear`` after the gated MLP
-activation (act_and_mul), which the one-row pairs kernel applies as it reads x
-(kernels/quant_gemv.py) where it takes the layout; its reference is that composition,
-``quant_act_mul_linear_torch``.
+``quantize_fp8_rows_torch``).
 """
 from __future__ import annotations
 
@@ -27,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
-from kvship.kernels.activation import act_and_mul, act_and_mul_torch
 from kvship.kernels.numerics import fp8_round, small_int_to_float
 from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton, tiles_keep_groups
 from kvship.quant.insitu import FP8_MAX
@@ -89,10 +85,6 @@ def dequantize_torch(w: QWeight) -> torch.Tensor:
 
 def quant_linear_torch(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, dequantize_torch(w).to(x.dtype), bias)
-
-
-def quant_act_mul_linear_torch(h: torch.Tensor, w: QWeight, act: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return quant_linear_torch(act_and_mul_torch(h, act), w, bias)
 
 
 @triton.jit
@@ -479,15 +471,3 @@ def quant_linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) 
     if use_triton(x):
         return quant_linear_triton(x, w, bias)
     return quant_linear_torch(x, w, bias)
-
-
-def quant_act_mul_linear(h: torch.Tensor, w: QWeight, act: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """quant_linear(act_and_mul(h, act), w, bias) for h [.., 2K] = [gate | up]: one kernel where the
-    one-row product takes the pairs kernel (it applies the activation as it reads x), two otherwise
-    (the word and per-code kernels read x as it is)."""
-    if use_triton(h) and h.numel() == h.shape[-1]:
-        cfg = _one_row_config(w, h.dtype)
-        if "pairs" in cfg:
-            return qgemv_pairs_triton(h.reshape(1, -1).contiguous(), w.qweight, w.scales, w.biases, bias, w.bits,
-                                      w.group_size, w.k, cfg, act=act).view(*h.shape[:-1], w.n)
-    return quant_linear(act_and_mul(h, act), w, bias)

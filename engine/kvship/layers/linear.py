@@ -16,8 +16,9 @@ import logging
 import torch
 from torch import nn
 
+from kvship.kernels.activation import act_and_mul
 from kvship.kernels.gemv import act_mul_linear, linear
-from kvship.kernels.quant_linear import QWeight, pack, quant_act_mul_linear, quant_linear
+from kvship.kernels.quant_linear import QWeight, pack, quant_linear
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor, quantize
 from kvship.quant.tensor import concat_rows
@@ -150,9 +151,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(_Linear):
     """Input features split across ranks; partial sums all-reduced. The bias is added once.
     With ``gated_input`` the layer takes a gate/up projection's output [T, 2 * in] and applies
-    ``act``-and-mul first: inside the GEMV kernel for one-row inputs (16-bit weights in CUDA
-    graphs, kernels/gemv.py; quantized ones where the pairs kernel takes their layout,
-    kernels/quant_linear.py), as a kernel of its own otherwise. With
+    ``act``-and-mul first: SiLU inside the GEMV kernel for one-row inputs in CUDA graphs, GELU-tanh
+    (Gemma) as a kernel of its own. With
     ``reduce=False`` it returns this rank's partial sums: the caller reduces them (an RMSNorm
     built with ``reduce_tp`` does, fused with the residual add)."""
 
@@ -176,7 +176,7 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            y = quant_act_mul_linear(x, self.qweight, self.act) if self.gated_input else quant_linear(x, self.qweight)
+            y = quant_linear(act_and_mul(x, self.act) if self.gated_input else x, self.qweight)
         elif self.gated_input:
             y = act_mul_linear(x, self.weight, self.act)
         else:
