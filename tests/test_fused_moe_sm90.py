@@ -100,23 +100,18 @@ def _specs():
         flags = {k: v for k, v in st.items() if k not in ("w", "s")}
         for kernel, launch, ptrs, strides in (
                 ("_gemv_gate_up_kernel", GEMV_GATE_UP, {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "b_ptr": s,
-                                                         "ids_ptr": "*i64", "lg_ptr": "*bf16", "h_ptr": "*bf16"},
-                 ("stride_x", "stride_h")),
+                                                         "ids_ptr": "*i64", "h_ptr": "*bf16"}, ("stride_x", "stride_h")),
                 ("_gemv_down_kernel", GEMV_DOWN, {"h_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "b_ptr": s,
-                                                  "ids_ptr": "*i64", "rw_ptr": "*fp32", "lg_ptr": "*bf16",
-                                                  "out_ptr": "*bf16"},
+                                                  "ids_ptr": "*i64", "rw_ptr": "*fp32", "out_ptr": "*bf16"},
                  ("stride_h", "stride_out"))):
-            types = ptrs | dict.fromkeys(("N", "K", "ngroups", "num_experts", "stride_we", "stride_wn", "stride_se",
-                                          "stride_sn", "stride_lg", *strides), "i32")
-            # given the routing, or routing the token from Qwen3-30B-A3B's 128 router logits
-            for route in ({}, {"ROUTE": True, "RENORMALIZE": True, "E_POW2": 128, "K_POW2": 8}):
-                yield {"kernel": kernel, "types": types,
-                       "aligned": [n for n in types if n not in ("ngroups", "num_experts", "stride_sn", "stride_lg",
-                                                                 "ids_ptr", "rw_ptr", "lg_ptr")],
-                       "constexprs": {"TOP_K": 8, **flags, "BLOCK_N": launch["block_n"],
-                                      "BLOCK_K": max(launch["block_k"], st["GROUP"]), **route,
-                                      **({"BLOCK_J": 8} if kernel == "_gemv_down_kernel" else {})},
-                       "options": {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}}
+            types = ptrs | dict.fromkeys(("N", "K", "ngroups", "stride_we", "stride_wn", "stride_se", "stride_sn",
+                                          *strides), "i32")
+            yield {"kernel": kernel, "types": types,
+                   "aligned": [n for n in types if n not in ("ngroups", "stride_sn", "ids_ptr", "rw_ptr")],
+                   "constexprs": {"TOP_K": 8, **flags, "BLOCK_N": launch["block_n"],
+                                  "BLOCK_K": max(launch["block_k"], st["GROUP"]),
+                                  **({"BLOCK_J": 8} if kernel == "_gemv_down_kernel" else {})},
+                   "options": {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}}
 
 
 @pytest.mark.timeout(900)

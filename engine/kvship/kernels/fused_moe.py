@@ -132,12 +132,13 @@ def route_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> t
 
 
 @triton.jit
-def _top_k(logits_row, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr,
-           K_POW2: tl.constexpr):
-    """One token's routing: softmax over its experts, then k times the largest left (lowest index
-    on a tie) -> (weights [K_POW2] float32, ids [K_POW2] int32), slots from TOP_K on unused."""
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
+    """One token: softmax over its experts, then k times the largest left (lowest index on a tie)."""
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_POW2)
-    x = tl.load(logits_row + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
     e = tl.exp(x - tl.max(x, 0))
     p = e / tl.sum(e, 0)
     p = tl.where(offs < num_experts, p, -1.0)  # never chosen
@@ -152,16 +153,6 @@ def _top_k(logits_row, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constex
         p = tl.where(offs == idx, -1.0, p)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, 0)
-    return top_w, top_i
-
-
-@triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    top_w, top_i = _top_k(logits_ptr + t * stride_l, num_experts, TOP_K, RENORMALIZE, E_POW2, K_POW2)
-    slots = tl.arange(0, K_POW2)
     tl.store(weights_ptr + t * TOP_K + slots, top_w, mask=slots < TOP_K)
     tl.store(ids_ptr + t * TOP_K + slots, top_i.to(tl.int64), mask=slots < TOP_K)
 
@@ -523,24 +514,17 @@ def _gemv_fma(acc, x, x_hi, w_rows, s_ptr, b_ptr, rows, nmask, k0, K, stride_sn,
 
 
 @triton.jit
-def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, lg_ptr, h_ptr, N, K, ngroups, num_experts, stride_x,
-                         stride_we, stride_wn, stride_se, stride_sn, stride_h, stride_lg, TOP_K: tl.constexpr,
-                         FP8: tl.constexpr, INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr,
-                         CENTRE: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr, ROUTE: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
-                         E_POW2: tl.constexpr = 1, K_POW2: tl.constexpr = 1):
+def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr, N, K, ngroups, stride_x, stride_we, stride_wn,
+                         stride_se, stride_sn, stride_h, TOP_K: tl.constexpr, FP8: tl.constexpr, INT: tl.constexpr,
+                         PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """h[pair, n] = silu(x[t] . W[e, n]) * (x[t] . W[e, N + n]) for pair = t * TOP_K + j and its
     expert e, n in this program's BLOCK_N rows; N is the intermediate size. Storage as in
-    _moe_gemm_kernel (ngroups scales per row); FP8 block scales: GROUP dividing BLOCK_K. ROUTE:
-    e is the token's j-th choice by its router logits (_top_k), not read from ids."""
+    _moe_gemm_kernel (ngroups scales per row); FP8 block scales: GROUP dividing BLOCK_K."""
     pdl_wait(PDL)
     pair = tl.program_id(1)
     t = (pair // TOP_K).to(tl.int64)
-    if ROUTE:
-        _, top_i = _top_k(lg_ptr + t * stride_lg, num_experts, TOP_K, RENORMALIZE, E_POW2, K_POW2)
-        expert = tl.sum(tl.where(tl.arange(0, K_POW2) == pair % TOP_K, top_i, 0), 0).to(tl.int64)
-    else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     gate_rows = offs_n.to(tl.int64)
@@ -561,12 +545,10 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, lg_ptr, h_ptr, N, 
 
 
 @triton.jit
-def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, lg_ptr, out_ptr, N, K, ngroups, num_experts, stride_h,
-                      stride_we, stride_wn, stride_se, stride_sn, stride_out, stride_lg, TOP_K: tl.constexpr,
-                      FP8: tl.constexpr, INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr,
-                      CENTRE: tl.constexpr, GROUP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PDL: tl.constexpr, ROUTE: tl.constexpr = False,
-                      RENORMALIZE: tl.constexpr = False, E_POW2: tl.constexpr = 1, K_POW2: tl.constexpr = 1):
+def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ngroups, stride_h, stride_we,
+                      stride_wn, stride_se, stride_sn, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr,
+                      INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out[t, n] = sum over the token's k pairs of weight * (h[pair] . W[e, n]); N is the hidden
     size, K the intermediate one. The sum stays in fp32 and is rounded once. Storage as above.
 
@@ -576,24 +558,16 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, lg_ptr, out_p
     then its rows, 768 inputs each at Qwen3-30B-A3B's size), a program made 16 dependent round
     trips to memory for 3 KB of weights, and the kernel read at 45% of copy bandwidth on the H200.
     Scales and offsets are addressed by each row's offset from the stack's start (stride 1).
-    The expert ids and routing weights (or with ROUTE the router logits they come from) were
-    written two kernels back, so they are read before the wait for the gate/up kernel's h
-    (kernels/_triton.pdl_wait)."""
+    The expert ids and routing weights come from the router, two kernels back, so they are read
+    before the wait for the gate/up kernel's h (kernels/_triton.pdl_wait)."""
     t = tl.program_id(1)
     r = tl.arange(0, BLOCK_J * BLOCK_N)
     real = r // BLOCK_N < TOP_K
-    choice = tl.minimum(r // BLOCK_N, TOP_K - 1)  # padding rows address the last choice, masked
-    pairs = t * TOP_K + choice
+    pairs = t * TOP_K + tl.minimum(r // BLOCK_N, TOP_K - 1)  # padding rows address the last choice, masked
     n = tl.program_id(0) * BLOCK_N + r % BLOCK_N
     nmask = (n < N) & real
-    if ROUTE:
-        top_w, top_i = _top_k(lg_ptr + t.to(tl.int64) * stride_lg, num_experts, TOP_K, RENORMALIZE, E_POW2, K_POW2)
-        pick = tl.arange(0, K_POW2)[None, :] == choice[:, None]
-        experts = tl.sum(tl.where(pick, top_i[None, :], 0), 1).to(tl.int64)
-        rw = tl.where(real, tl.sum(tl.where(pick, top_w[None, :], 0.0), 1), 0.0)
-    else:
-        experts = tl.load(ids_ptr + pairs).to(tl.int64)
-        rw = tl.load(rw_ptr + pairs, mask=real, other=0.0)
+    experts = tl.load(ids_ptr + pairs).to(tl.int64)
+    rw = tl.load(rw_ptr + pairs, mask=real, other=0.0)
     pdl_wait(PDL)
     n64 = n.to(tl.int64)
     w_rows = (w_ptr + experts * stride_we + n64 * stride_wn)[:, None]
@@ -620,42 +594,29 @@ GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 2, "num_stages": 3}
 GEMV_DOWN = {"block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 3}
 
 
-def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor | None,
-                   ids: torch.Tensor | None, gate_up: dict[str, int] | None = None,
-                   down: dict[str, int] | None = None, scales: ExpertScales = NO_SCALES,
-                   routing: tuple[torch.Tensor, int, bool] | None = None) -> torch.Tensor:
-    """fused_moe_triton's result in two kernels, for one token (see the module's docstring).
-    ``routing`` (router logits, top k, renormalize) instead of weights and ids: both kernels
-    route the token themselves, as ``route`` would, and no routing kernel runs between the
-    router and the experts."""
+def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor, gate_up: dict[str, int] | None = None,
+                   down: dict[str, int] | None = None, scales: ExpertScales = NO_SCALES) -> torch.Tensor:
+    """fused_moe_triton's result in two kernels, for one token (see the module's docstring)."""
+    tokens, top_k = ids.shape
     inter, hidden = w13.shape[1] // 2, x.shape[1]
     x = x.contiguous()
-    if routing is not None:
-        logits, top_k, renormalize = routing
-        tokens, num_experts = logits.shape
-        assert logits.stride(-1) == 1
-        ids = rw = logits  # unread
-        route_flags = dict(ROUTE=True, RENORMALIZE=renormalize, E_POW2=triton.next_power_of_2(num_experts),
-                           K_POW2=triton.next_power_of_2(top_k))
-    else:
-        (tokens, top_k), num_experts = ids.shape, 1
-        ids = ids.contiguous()
-        rw = logits = weights.float().contiguous()  # before the gate/up kernel: the down kernel reads it before its wait
-        route_flags = {}
+    ids = ids.contiguous()
     gu, dn = gate_up or GEMV_GATE_UP, down or GEMV_DOWN
     op13, op2 = _operands(w13, scales, "w13"), _operands(w2, scales, "w2")
+    rw = weights.float().contiguous()  # before the gate/up kernel: the down kernel reads it before its wait
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _gemv_gate_up_kernel[(triton.cdiv(inter, gu["block_n"]), tokens * top_k)](
-        x, op13.w, op13.s, op13.b, ids, logits, h, inter, hidden, op13.ngroups, num_experts, x.stride(0),
-        op13.w.stride(0), op13.w.stride(1), op13.stride_se, op13.stride_sn, h.stride(0), logits.stride(0),
-        TOP_K=top_k, BLOCK_N=gu["block_n"], BLOCK_K=max(gu["block_k"], op13.flags["GROUP"]),  # whole FP8 blocks
-        num_warps=gu["num_warps"], num_stages=gu["num_stages"], **op13.flags, **route_flags, **pdl_launch(x))
+        x, op13.w, op13.s, op13.b, ids, h, inter, hidden, op13.ngroups, x.stride(0), op13.w.stride(0),
+        op13.w.stride(1), op13.stride_se, op13.stride_sn, h.stride(0), TOP_K=top_k, BLOCK_N=gu["block_n"],
+        BLOCK_K=max(gu["block_k"], op13.flags["GROUP"]), num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+        **op13.flags, **pdl_launch(x))  # whole FP8 blocks
     out = torch.empty_like(x)
     _gemv_down_kernel[(triton.cdiv(hidden, dn["block_n"]), tokens)](
-        h, op2.w, op2.s, op2.b, ids, rw, logits, out, hidden, inter, op2.ngroups, num_experts, h.stride(0),
-        op2.w.stride(0), op2.w.stride(1), op2.stride_se, op2.stride_sn, out.stride(0), logits.stride(0), TOP_K=top_k,
+        h, op2.w, op2.s, op2.b, ids, rw, out, hidden, inter, op2.ngroups, h.stride(0),
+        op2.w.stride(0), op2.w.stride(1), op2.stride_se, op2.stride_sn, out.stride(0), TOP_K=top_k,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=dn["block_n"], BLOCK_K=max(dn["block_k"], op2.flags["GROUP"]),
-        num_warps=dn["num_warps"], num_stages=dn["num_stages"], **op2.flags, **route_flags, **pdl_launch(x))
+        num_warps=dn["num_warps"], num_stages=dn["num_stages"], **op2.flags, **pdl_launch(x))
     return out
 
 
@@ -686,13 +647,3 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if use_triton(x):
         return fused_moe_triton(x, w13, w2, weights, ids, scales=scales)
     return fused_moe_torch(x, w13, w2, weights, ids, scales)
-
-
-def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool, w13: torch.Tensor,
-               w2: torch.Tensor, scales: ExpertScales = NO_SCALES) -> torch.Tensor:
-    """fused_moe(x, .., *route(router_logits, top_k, renormalize)): one token on the GPU takes
-    fused_moe_gemv's kernels, which route it themselves (a decode step's routing kernel, one a
-    layer, is gone); anything else routes first."""
-    if use_triton(x) and x.shape[0] == 1 and router_logits.stride(-1) == 1:
-        return fused_moe_gemv(x, w13, w2, None, None, scales=scales, routing=(router_logits, top_k, renormalize))
-    return fused_moe(x, w13, w2, *route(router_logits, top_k, renormalize), scales)

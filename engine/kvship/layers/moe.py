@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvship.kernels.fused_moe import ExpertScales, fused_moe, route, routed_moe
+from kvship.kernels.fused_moe import ExpertScales, fused_moe, route
 from kvship.kernels.quant_linear import pack
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor, quantize
@@ -159,11 +159,6 @@ class MoEExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing (weights, ids) [T, k] -> this rank's partial sums [T, H]."""
         return fused_moe(x, self.w13, self.w2, weights, ids, self.scales())
-
-    def routed(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
-        """``forward`` with ``route``'s choice from the router's logits, made inside the expert
-        kernels where they take the token (kernels/fused_moe.routed_moe)."""
-        return routed_moe(x, router_logits, top_k, renormalize, self.w13, self.w2, self.scales())
 
 
 def _group(qt: QuantizedTensor) -> int:

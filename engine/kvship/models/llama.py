@@ -13,7 +13,7 @@ from torch import nn
 from kvship.layers.attention import AttentionMetadata, PagedAttention, QKNorm
 from kvship.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
-from kvship.layers.moe import MoEExperts
+from kvship.layers.moe import MoEExperts, route
 from kvship.layers.norm import RMSNorm
 from kvship.layers.rotary import RotaryEmbedding
 from kvship.loader.source import RowView
@@ -89,7 +89,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts.routed(x, self.gate(x), self.top_k, self.renormalize)
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
