@@ -106,11 +106,9 @@ def pdl_launch(t: torch.Tensor) -> dict[str, bool]:
 def pdl_wait(PDL: tl.constexpr):
     """The rule for a kernel launched with ``launch_pdl``: before it reads anything an earlier
     kernel writes, and before any store of its own, it waits here for the previous kernel to
-    finish (which, as that kernel waited too, means every earlier one). Then it lets the next
-    kernel launch: that one starts once all of this kernel's programs are past this point, so
-    when a kernel starts, every kernel before its predecessor has finished. Before its wait a
-    kernel may therefore read weights and whatever its predecessor does not write (the MoE down
-    kernel: the router's expert ids, two kernels back), and must store nothing."""
+    finish (which, as that kernel waited too, means every earlier one). Only data no kernel
+    writes (weights) may be read before. Then it lets the next kernel launch: that one starts
+    once all of this kernel's programs are past this point, one kernel ahead at most."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

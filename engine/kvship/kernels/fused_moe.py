@@ -557,9 +557,8 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr, N, K
     so every expert's rows are in flight together. Taken one expert after the other (read its id,
     then its rows, 768 inputs each at Qwen3-30B-A3B's size), a program made 16 dependent round
     trips to memory for 3 KB of weights, and the kernel read at 45% of copy bandwidth on the H200.
-    Scales and offsets are addressed by each row's offset from the stack's start (stride 1).
-    The expert ids and routing weights come from the router, two kernels back, so they are read
-    before the wait for the gate/up kernel's h (kernels/_triton.pdl_wait)."""
+    Scales and offsets are addressed by each row's offset from the stack's start (stride 1)."""
+    pdl_wait(PDL)
     t = tl.program_id(1)
     r = tl.arange(0, BLOCK_J * BLOCK_N)
     real = r // BLOCK_N < TOP_K
@@ -567,8 +566,6 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr, N, K
     n = tl.program_id(0) * BLOCK_N + r % BLOCK_N
     nmask = (n < N) & real
     experts = tl.load(ids_ptr + pairs).to(tl.int64)
-    rw = tl.load(rw_ptr + pairs, mask=real, other=0.0)
-    pdl_wait(PDL)
     n64 = n.to(tl.int64)
     w_rows = (w_ptr + experts * stride_we + n64 * stride_wn)[:, None]
     s_rows = experts * stride_se + n64 * stride_sn
@@ -578,6 +575,7 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr, N, K
         h, h_hi = _gemv_x(h_rows, k0, K, PACK, BLOCK_K)
         acc = _gemv_fma(acc, h, h_hi, w_rows, s_ptr, b_ptr, s_rows, nmask, k0, K, 1, ngroups, FP8, INT,
                         PACK, SYMM, CENTRE, GROUP, BLOCK_J * BLOCK_N, BLOCK_K)
+    rw = tl.load(rw_ptr + pairs, mask=real, other=0.0)
     y = rw * tl.sum(acc, 1) * _row_scale(s_ptr, s_rows, nmask, 1, FP8, GROUP, BLOCK_J * BLOCK_N)
     y = tl.sum(tl.reshape(y, [BLOCK_J, BLOCK_N]), 0)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -604,7 +602,6 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     ids = ids.contiguous()
     gu, dn = gate_up or GEMV_GATE_UP, down or GEMV_DOWN
     op13, op2 = _operands(w13, scales, "w13"), _operands(w2, scales, "w2")
-    rw = weights.float().contiguous()  # before the gate/up kernel: the down kernel reads it before its wait
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _gemv_gate_up_kernel[(triton.cdiv(inter, gu["block_n"]), tokens * top_k)](
         x, op13.w, op13.s, op13.b, ids, h, inter, hidden, op13.ngroups, x.stride(0), op13.w.stride(0),
@@ -613,7 +610,7 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         **op13.flags, **pdl_launch(x))  # whole FP8 blocks
     out = torch.empty_like(x)
     _gemv_down_kernel[(triton.cdiv(hidden, dn["block_n"]), tokens)](
-        h, op2.w, op2.s, op2.b, ids, rw, out, hidden, inter, op2.ngroups, h.stride(0),
+        h, op2.w, op2.s, op2.b, ids, weights.float().contiguous(), out, hidden, inter, op2.ngroups, h.stride(0),
         op2.w.stride(0), op2.w.stride(1), op2.stride_se, op2.stride_sn, out.stride(0), TOP_K=top_k,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=dn["block_n"], BLOCK_K=max(dn["block_k"], op2.flags["GROUP"]),
         num_warps=dn["num_warps"], num_stages=dn["num_stages"], **op2.flags, **pdl_launch(x))
