@@ -365,6 +365,56 @@ def test_decode_cuda_graph_capture():
         close(out, ref, dtype, f"graph replay {trial}")
 
 
+@pytest.mark.skipif(not GPU, reason="programmatic dependent launch needs a GPU (sm_90)")
+@pytest.mark.parametrize("pdl_on", [False, True])
+def test_pdl_chain_in_a_cuda_graph(pdl_on, monkeypatch):
+    """A decode step's chain of PDL-aware kernels (residual norm, one-row GEMV, the fp16-pair
+    GEMV reading its first tile before its wait, activation, argmax) replayed from a CUDA graph,
+    each kernel reading its predecessor's output: with programmatic dependent launch (on an
+    sm_90 GPU) the results are the ones without it, bit for bit, every replay."""
+    from kvship.kernels import _triton
+    from kvship.kernels.quant_gemv import qgemv_pairs_triton
+    from kvship.kernels.quant_linear import PAIRS_GEMV_CONFIGS, pack
+    from kvship.quant.insitu import quantize_groups
+
+    if pdl_on and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9")
+    g = torch.Generator(device=DEV).manual_seed(7)
+    x, res = (torch.randn(1, 4096, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    w_norm = torch.rand(4096, device=DEV, generator=g, dtype=torch.bfloat16) + 0.5
+    w1 = torch.randn(4096, 4096, device=DEV, generator=g, dtype=torch.bfloat16) * 0.02
+    w2 = pack(quantize_groups(torch.randn(2 * 4096, 4096, generator=torch.Generator().manual_seed(8)) * 0.02, 4, 128),
+              DEV)
+    cfg1 = gemv.GEMV_SHAPES[(4096, 4096)]
+
+    def chain():
+        h, r = norm.fused_add_rms_norm_triton(x, res, w_norm, 1e-5)
+        y = gemv.gemv_triton(h, w1, config=cfg1)
+        z = qgemv_pairs_triton(y, w2.qweight, w2.scales, w2.biases, None, 4, 128, 4096, PAIRS_GEMV_CONFIGS[4])
+        a = activation.act_and_mul(z, "silu")
+        return r, y, z, a, argmax.argmax_triton(a.float())
+
+    monkeypatch.setattr(_triton, "PDL_ENABLED", False)
+    want = chain()
+    monkeypatch.setattr(_triton, "PDL_ENABLED", pdl_on)
+    assert _triton.pdl(x) == pdl_on
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain()  # compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain()
+    for _ in range(3):
+        for t in got:
+            t.fill_(0)
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
 def test_dispatch_cpu_uses_torch():
     """The dispatch functions take the torch path for CPU tensors."""
     x = torch.randn(3, 8)
