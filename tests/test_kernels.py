@@ -320,6 +320,20 @@ def test_linear_dispatch_only_on_listed_shapes_in_graphs(monkeypatch):
     assert len(calls) == 3
 
 
+def _captured(fn):
+    """(a CUDA graph of fn(), what the captured call returned): fn runs once on a side stream
+    first, so that its kernels compile outside the capture."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
 def test_decode_cuda_graph_capture():
     """rotary + KV store and split-K decode captured in a CUDA graph, replayed on new inputs."""
@@ -340,14 +354,7 @@ def test_decode_cuda_graph_capture():
         rotary.rotary_store_kv_triton(positions, q_in, k_new, v_new, cos_sin, kc, vc, slots)
         pa.paged_attention_triton(q_in, kc, vc, bt, sl, cu, scale, 1, out=out)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compile outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = _captured(step)
     for trial in range(2):
         new_ctx = torch.tensor([c - 7 * trial for c in ctx], dtype=torch.int32, device=DEV)
         sl.copy_(new_ctx)
@@ -398,14 +405,7 @@ def test_pdl_chain_in_a_cuda_graph(pdl_on, monkeypatch):
     want = chain()
     monkeypatch.setattr(_triton, "PDL_ENABLED", pdl_on)
     assert _triton.pdl(x) == pdl_on
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain()  # compile outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = chain()
+    graph, got = _captured(chain)
     for _ in range(3):
         for t in got:
             t.fill_(0)
