@@ -43,6 +43,20 @@ SHAPES = {
 }
 
 
+# In-situ weight formats the benchmarks compare; "int4-g32" is int4 in groups of 32 with offsets,
+# the layout GGUF Q4_K blocks load into.
+WEIGHT_FORMATS = ["fp8", "int8", "int4", "int4-g32"]
+
+
+def insitu_method(fmt: str | None) -> str | None:
+    """The engine's ``quantization`` for a benchmark weight format (None or "none": 16-bit); sets
+    kvship.quant.insitu.INT4_GROUP, which the int4 formats differ by, for the engine built next."""
+    from kvship.quant import insitu
+
+    insitu.INT4_GROUP = 32 if fmt == "int4-g32" else 128
+    return {None: None, "none": None, "int4-g32": "int4"}.get(fmt, fmt)
+
+
 def write_shape_folder(shape: str, root: str | os.PathLike) -> str:
     """config.json + a word-level tokenizer over the whole vocabulary: enough for the engine
     to serve the shape with random weights and detokenize whatever it samples."""

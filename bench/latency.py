@@ -25,8 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (
     SHAPES,
+    WEIGHT_FORMATS,
     _time_cuda,
     header,
+    insitu_method,
     kv_bytes_per_token,
     measure_batch1,
     measure_ceilings,
@@ -38,7 +40,6 @@ from common import (
 from kvship.kernels.fused_moe import fused_moe, fused_moe_torch
 from kvship.layers.moe import route
 from kvship.llm import LLM
-from kvship.quant import insitu
 
 
 def kvship_latency(folder: str, prompt_len: int, out_len: int, eager: bool, quantization: str | None = None
@@ -137,7 +138,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--quantization", nargs="+", choices=["none", "fp8", "int8", "int4", "int4-g32"],
+    ap.add_argument("--quantization", nargs="+", choices=["none", *WEIGHT_FORMATS],
                     help="weight formats to compare (graphs only), instead of the bf16 graphs/eager/HF table; "
                          "int4-g32: in-situ int4 in groups of 32 with offsets, the layout GGUF Q4_K blocks load into")
     args = ap.parse_args()
@@ -181,10 +182,8 @@ def compare_formats(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
         for q in args.quantization:
-            insitu.INT4_GROUP = 32 if q == "int4-g32" else 128
-            method = {"none": None, "int4-g32": "int4"}.get(q, q)
             ttft, rate, replay, nbytes = kvship_latency(folder, args.prompt, args.output, eager=False,
-                                                        quantization=method)
+                                                        quantization=insitu_method(q))
             roof = bw / (nbytes + kv)
             rows.append([q if q != "none" else "bf16", f"{nbytes / 1e9:.2f}", f"{rate:.1f}", f"{replay:.1f}",
                          f"{roof:.1f}", f"{100 * rate / roof:.0f}%", f"{ttft * 1e3:.1f}"])

@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, header, table, write_shape_folder
+from common import SHAPES, WEIGHT_FORMATS, header, insitu_method, table, write_shape_folder
 from kvship.llm import LLM
-from kvship.quant import insitu
 from kvship.sampling_params import SamplingParams
 
 
@@ -35,11 +34,10 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--top", type=int, default=20)
-    ap.add_argument("--quantization", choices=["fp8", "int8", "int4", "int4-g32"], help="in-situ weight format")
+    ap.add_argument("--quantization", choices=WEIGHT_FORMATS, help="in-situ weight format")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
-    insitu.INT4_GROUP = 32 if args.quantization == "int4-g32" else 128
-    method = "int4" if args.quantization == "int4-g32" else args.quantization
+    method = insitu_method(args.quantization)
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
         llm = LLM(folder, load_format="dummy", dtype="bfloat16" if cuda else "float32",

@@ -81,8 +81,9 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 # Programmatic dependent launch (Hopper on): a kernel launched with it may start while the
 # kernel before it in the stream is still finishing, runs what does not depend on that kernel
-# (the quantized GEMV's first weight tile) and then waits for it at ``pdl_wait``. At batch 1 a decode step
-# is some 400 short kernels, each paying a launch, a ramp-up and a drain; this overlaps them.
+# (the quantized GEMV's first weight tile) and then waits for it at ``pdl_wait``. At batch 1 a
+# decode step is some 400 short kernels, each paying a launch, a ramp-up and a drain; this
+# overlaps them.
 # KVSHIP_PDL=0 turns it off (the benchmarks' comparison).
 PDL_ENABLED = os.environ.get("KVSHIP_PDL", "1") != "0"
 

@@ -238,9 +238,10 @@ def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.c
     16-bit query, computed in float16 throughout, so no value passes the conversion unit; or
     float32): token n's packed bytes start at byte_off[n] (the low nibble of byte j is element
     2j), group g's scale and minimum sit at grp_off[n] + 2 * g and + 1 (a group: 32 elements,
-    the last one short when the head is; BLOCK_D >= 32, paged_attention.head_block). Each row is one load of bytes and one of each group value, the
-    nibbles split and scaled in registers: loading byte, scale and minimum per element made the
-    decode kernel 14x slower than a 16-bit cache."""
+    the last one short when the head is; BLOCK_D >= 32, paged_attention.head_block). Each row is
+    one load of bytes and one of each group value, the nibbles split and scaled in registers:
+    loading byte, scale and minimum per element made the decode kernel 14x slower than a 16-bit
+    cache."""
     offs_b = tl.arange(0, BLOCK_D // 2)
     b = tl.load(ptr + byte_off[:, None] + offs_b[None, :], mask=tmask[:, None] & (offs_b * 2 < head_dim)[None, :],
                 other=0)
