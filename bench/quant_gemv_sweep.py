@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import header, measure_ceilings, table
 from gemv_sweep import SHAPES, time_per_call
 from kvship.kernels.quant_gemv import fits, pairs_fit
+from kvship.kernels.quant_gemv_mma import mma_fit
 from kvship.kernels.quant_linear import _gemm_config, pack, quant_linear_torch, quant_linear_triton
 from kvship.quant import quantize
 from kvship.quant.insitu import quantize_groups
@@ -29,16 +30,23 @@ FORMATS = {"fp8": lambda w: quantize(w, "fp8"), "int8": lambda w: quantize(w, "i
            "int4 g128": lambda w: quantize(w, "int4"), "int4 g32": lambda w: quantize_groups(w, 4, 32)}
 
 
+KERNELS = ("word", "pairs", "mma", "per-code")
+
+
 def one_row(x, qw, cfg):
     """The kernel a setting names: "pairs", "block_w" (word-reading) or else the per-code one."""
     return quant_linear_triton(x, qw, None, cfg)
 
 
 def kernel_of(cfg) -> str:
+    if "mma" in cfg:
+        return "mma kernel"
     return "pairs kernel" if "pairs" in cfg else "word kernel" if "block_w" in cfg else "per-code kernel"
 
 
 def takes(qw, cfg) -> bool:
+    if "mma" in cfg:
+        return mma_fit(qw.bits, qw.k, qw.group_size, qw.scales.shape[1], qw.g_idx is not None, torch.bfloat16)
     if "pairs" in cfg:
         return pairs_fit(qw.bits, qw.k, qw.group_size, qw.scales.shape[1], False)
     if "block_w" in cfg:
@@ -50,6 +58,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS),
+                    help="which one-row kernels' grids to sweep (the engine's own setting is timed always)")
     args = ap.parse_args()
     copy_bw, mm = measure_ceilings()
     grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
@@ -61,7 +71,11 @@ def main() -> None:
     pairs = [dict(pairs=1, block_n=bn, block_w=bw, num_warps=nw, num_stages=ns) for bn, bw, nw, ns in
              itertools.product([8, 16, 32, 64], [64, 128, 256, 512], [2, 4, 8], [3])
              if 8 <= bn * bw // (32 * nw) <= 64]  # words a thread holds
+    # the tensor-core kernel (kernels/quant_gemv_mma.py): 4-bit codes in groups of 128
+    mmas = [dict(mma=1, rows=rows, num_warps=nw) for rows in (16, 32) for nw in (2, 4, 8)]
     if args.quick:
+        pairs = [c for c in pairs if (c["block_n"], c["block_w"], c["num_warps"]) in
+                 ((8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 128, 4), (32, 128, 4), (8, 256, 2))]
         grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns) for bn, bk, nw, ns in
                 ((16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 8, 3), (8, 512, 4, 2), (32, 256, 8, 3))]
         words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=3) for bn, bw, nw in
@@ -82,7 +96,8 @@ def main() -> None:
             qws = [qw] + [pack(make(w16.float()), "cuda") for _ in range(copies - 1)]
             ref = quant_linear_torch(x.float(), qw)
             best, best_of = None, {}
-            for cfg in words + pairs + (grid if qw.fp8 else []):
+            grids = {"word": words, "pairs": pairs, "mma": mmas, "per-code": grid if qw.fp8 else []}
+            for cfg in [c for kind in args.kernels for c in grids[kind]]:
                 if not takes(qw, cfg):
                     continue
                 try:

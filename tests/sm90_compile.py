@@ -74,21 +74,36 @@ def with_defaults(kernel, constexprs: dict[str, object]) -> dict[str, object]:
     return {**defaults, **constexprs}
 
 
-def compile_sm90(kernel, types: dict[str, str], constexprs: dict[str, object]) -> None:
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict[str, object], divisible: list[str] = (),
+                 options: dict | None = None):
     """``types``: Triton type strings for the runtime arguments (``*bf16``, ``*u8``, ``i32``,
-    ``fp32``); ``constexprs``: values of the compile-time ones (``with_defaults``)."""
+    ``fp32``); ``constexprs``: values of the compile-time ones (``with_defaults``);
+    ``divisible``: arguments a launch finds divisible by 16 (pointers from torch, strides of
+    whole 16-element rows), which Triton specializes on and which decide its vector widths and
+    layouts; ``options``: num_warps, num_stages. Returns the compiled kernel."""
     constexprs = with_defaults(kernel, constexprs)
     sig = {name: ("constexpr" if name in constexprs else types[name]) for name in kernel.arg_names}
-    triton_compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs), target=SM90)
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    return triton_compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs), target=SM90,
+                          options=options)
+
+
+def _kernel(spec: dict):
+    module, name = spec["kernel"].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--ttgir":  # one spec: print its TTGIR (the layouts Triton chose)
+        spec = json.loads(sys.argv[2])
+        print(compile_sm90(_kernel(spec), spec["types"], spec["constexprs"], spec.get("divisible", ()),
+                           spec.get("options")).asm["ttgir"])
+        sys.exit(0)
     failures = 0
     for spec in json.loads(sys.argv[1]):
-        module, name = spec["kernel"].split(":")
-        kernel = getattr(importlib.import_module(module), name)
+        kernel = _kernel(spec)
         try:
-            compile_sm90(kernel, spec["types"], spec["constexprs"])
+            compile_sm90(kernel, spec["types"], spec["constexprs"], spec.get("divisible", ()), spec.get("options"))
             print(f"ok {spec['kernel']} {spec['constexprs']}")
         except Exception as e:  # the compiler's own error types
             failures += 1

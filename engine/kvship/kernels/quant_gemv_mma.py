@@ -1,0 +1,271 @@
+"""One-row GEMV (batch-1 decode) for 4-bit codes in groups of 128 (or one group a row) beside
+16-bit x, on the tensor cores: the codes become 16-bit values by bit operations alone and
+mma.sync multiplies them by x, so that a word of 8 codes costs 7 integer instructions and one
+mma where kernels/quant_gemv.py's fp16-pair kernel spends about 14 (its chains of fp16 FMAs,
+beside x's own conversion, hold it at 33-57% of copy bandwidth on the H200's 8B projections).
+
+Codes as 16-bit values: ``(w >> 4p) & 0x000F000F`` holds codes p and p + 4 of word w in its two
+halves, and OR-ing MAGIC's bits into both halves makes them the pair (MAGIC + c_p, MAGIC + c_p+4)
+exactly: bf16 128 + c (step 1 between 128 and 256), fp16 1024 + c (step 1 between 1024 and
+2048). x's pair for it is (x_p, x_p+4), one byte permute of two of x's 32-bit words. Each
+product and the sums run in fp32 in the tensor cores, and the group's result is
+
+    sum_k (MAGIC + c_k) x_k = sum_k c_k x_k + MAGIC sum_k x_k,
+
+so the kernel takes (MAGIC + centre) times x's sum back (computed from the same 16-bit x) before
+the group's scale: s (sum c x - centre sum x) (+ offsets b times sum x). The cancelled term is
+at most about MAGIC * 128 |x|max, which fp32 holds to 2**-24 of itself.
+
+The mma's operands (m16n8k16, A row-major and B column-major, fp32 accumulators):
+- A, 16 rows by 16 inputs, is the weights: a warp holds 8 rows of a [8 rows, 16 words] tile and
+  the same 8 rows 8 further on (two loads). Lane 4g + t holds words 4t..4t+3 of row g, one
+  16-byte vector, which is the layout Triton gives a [.., 8, 16] int32 load (sizePerThread 4,
+  threadsPerWarp [8, 4]; tests/test_quant_gemv_mma.py checks the compiled layout). A's register
+  i of lane (g, t) must hold row g (i = 0, 2) or row g + 8 (i = 1, 3) at inputs 2t, 2t + 1
+  (i < 2) or 2t + 8, 2t + 9: any order of the 16 inputs works if B uses the same, so an mma
+  takes pairs p and p + 1 of word j of each lane, and word j's input positions across lanes t
+  are 4t + j: the 16 words of the tile are one group of 128 codes, summed whole by 8 mmas.
+- B, 16 inputs by 8 columns, is x: lane (g, t) gives the pairs of x for its own words in every
+  column, so the 8 columns are 8 copies of the product.
+- C: lane (g, t) holds row g's sum (columns 2t, 2t + 1) and row g + 8's; lane t = 0 hands them
+  out, the others give 0, and the tile's sum over its words is then the group's sum for its row.
+
+Warps take different groups along the row (the tile is [warps, 8 rows, 16 words]) and the
+program's 16 rows from every group; the next tile's words are loaded before this one's mmas.
+The kernel runs only on the GPU (PTX); the interpreter computes the same sums with Triton
+operations (ASM=False). Its reference is quant_linear.py's: dequantize, then F.linear.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvship.kernels._triton import INTERPRET, pdl_launch, pdl_wait, tl, triton
+from kvship.quant.tensor import code_centre
+
+GROUP_WORDS = 16  # words of a tile's row: one group of 128 4-bit codes, the 4 lanes t of 4 words each
+MAGIC = {torch.bfloat16: (128, 0x43004300), torch.float16: (1024, 0x64006400)}  # value, its bits in both halves
+
+
+def mma_fit(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool, dtype: torch.dtype) -> bool:
+    """Whether this kernel takes the layout: 4-bit codes beside bf16 or fp16 x, rows of whole
+    128-code groups, groups of a multiple of 128 codes (or one a row), no act-order table."""
+    if bits != 4 or has_g_idx or dtype not in MAGIC or k % (8 * GROUP_WORDS):
+        return False
+    return ngroups == 1 or group_size % (8 * GROUP_WORDS) == 0
+
+
+def _mma_ptx(bf16: bool, vectors: int) -> str:
+    """PTX of one call for a lane's ``vectors`` 16-byte vectors of 4 words (pack 4 * vectors),
+    vector v holding row g + 8 v of the program's rows. Operands, 4 * vectors each, in order: the
+    accumulators out; the words; x's address for each word (element 0's is read: the lane's 4
+    words' x, 64 contiguous bytes); the scales and the offsets as fp32 (element 4 v's is
+    vector v's); the accumulators in. Vectors 2 i and 2 i + 1 are the A operand's rows g and g + 8."""
+    kind = "bf16" if bf16 else "f16"
+    magic, magic_bits = MAGIC[torch.bfloat16 if bf16 else torch.float16]
+    ones = 0x3F803F80 if bf16 else 0x3C003C00
+    zero = "0f00000000"
+    e = 4 * vectors  # operands per tensor
+    out, words, xptr, sc, off, acc = (list(range(i * e, (i + 1) * e)) for i in range(6))
+    lines = [".reg .b32 xw<16>, xp<16>, p<8>, t, lane, ones;", ".reg .f32 c<4>, e<4>, v;", ".reg .pred first;",
+             f"mov.b32 ones, {ones:#010x};", "mov.u32 lane, %laneid;", "and.b32 lane, lane, 3;",
+             "setp.eq.u32 first, lane, 0;"]
+    lines += [f"ld.global.v4.b32 {{xw{4 * j}, xw{4 * j + 1}, xw{4 * j + 2}, xw{4 * j + 3}}}, [${xptr[0]} + {16 * j}];"
+              for j in range(4)]
+    for j in range(4):  # word j's x pairs (x_p, x_p+4), p = 0..3
+        x01, x23, x45, x67 = (f"xw{4 * j + i}" for i in range(4))
+        lines += [f"prmt.b32 xp{4 * j}, {x01}, {x45}, 0x5410;", f"prmt.b32 xp{4 * j + 1}, {x01}, {x45}, 0x7632;",
+                  f"prmt.b32 xp{4 * j + 2}, {x23}, {x67}, 0x5410;", f"prmt.b32 xp{4 * j + 3}, {x23}, {x67}, 0x7632;"]
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32"
+    lines += [f"mov.f32 e{i}, {zero};" for i in range(4)]
+    for j in range(4):  # x's sum over the group: ones times x
+        for q in (0, 2):
+            lines.append(f"{mma} {{e0, e1, e2, e3}}, {{ones, ones, ones, ones}}, {{xp{4 * j + q}, xp{4 * j + q + 1}}}, "
+                         "{e0, e1, e2, e3};")
+    for i in range(vectors // 2):
+        va, vb = 2 * i, 2 * i + 1
+        lines += [f"mov.f32 c{k}, {zero};" for k in range(4)]
+        for j in range(4):
+            for pr in range(4):  # p0..p3: row a's pairs, p4..p7: row b's
+                for base, v in ((0, va), (4, vb)):
+                    src = f"${words[4 * v + j]}"
+                    if pr:
+                        lines.append(f"shr.u32 t, {src}, {4 * pr};")
+                        src = "t"
+                    lines.append(f"lop3.b32 p{base + pr}, {src}, 0x000F000F, {magic_bits:#010x}, 0xEA;")
+            for q in (0, 2):
+                lines.append(f"{mma} {{c0, c1, c2, c3}}, {{p{q}, p{4 + q}, p{q + 1}, p{5 + q}}}, "
+                             f"{{xp{4 * j + q}, xp{4 * j + q + 1}}}, {{c0, c1, c2, c3}};")
+        for v, c in ((va, "c0"), (vb, "c2")):  # s (c - MAGIC e) + b e, added by lane t = 0
+            lines += [f"fma.rn.f32 v, e0, {_f32(-magic)}, {c};", f"mul.rn.f32 v, v, ${sc[4 * v]};",
+                      f"fma.rn.f32 v, ${off[4 * v]}, e0, v;", f"selp.f32 v, v, {zero}, first;",
+                      f"add.f32 ${out[4 * v]}, ${acc[4 * v]}, v;"]
+            lines += [f"mov.f32 ${out[4 * v + k]}, ${acc[4 * v + k]};" for k in (1, 2, 3)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def _f32(value: float) -> str:
+    """A PTX fp32 literal."""
+    return "0f" + torch.tensor(value, dtype=torch.float32).view(torch.int32).item().to_bytes(4, "big", signed=True).hex()
+
+
+def _scale_ptx(vectors: int) -> str:
+    """fp16 values at each vector's element-0 address ($4v of the pointers), as fp32 in all its 4
+    elements."""
+    e = 4 * vectors
+    lines = [".reg .b16 h;"]
+    for v in range(vectors):
+        lines += [f"ld.global.b16 h, [${e + 4 * v}];", f"cvt.f32.f16 ${4 * v}, h;"]
+        lines += [f"mov.f32 ${4 * v + k}, ${4 * v};" for k in (1, 2, 3)]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_MMA_PTX = {(bf16, rows): tl.constexpr(_mma_ptx(bf16, rows // 8)) for bf16 in (True, False) for rows in (16, 32)}
+_PTX_BF16_16, _PTX_BF16_32 = _MMA_PTX[True, 16], _MMA_PTX[True, 32]
+_PTX_F16_16, _PTX_F16_32 = _MMA_PTX[False, 16], _MMA_PTX[False, 32]
+_PTX_SCALE_16 = tl.constexpr(_scale_ptx(2))
+_PTX_SCALE_32 = tl.constexpr(_scale_ptx(4))
+
+
+@triton.jit
+def _load_scale(p, ROWS: tl.constexpr, ASM: tl.constexpr):
+    """fp16 values at p (constant over a lane's 4 words) as fp32."""
+    if ASM:
+        if ROWS == 16:
+            v = tl.inline_asm_elementwise(_PTX_SCALE_16, "=f," * 8 + "l," * 7 + "l", [p], dtype=tl.float32,
+                                          is_pure=True, pack=8)
+        else:
+            v = tl.inline_asm_elementwise(_PTX_SCALE_32, "=f," * 16 + "l," * 15 + "l", [p], dtype=tl.float32,
+                                          is_pure=True, pack=16)
+    else:
+        v = tl.load(p).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _word_sums(q, xp, MAGIC_V: tl.constexpr, BF16: tl.constexpr):
+    """The interpreter's path: each word's sums of (MAGIC + c) x and of x over its 8 codes, fp32;
+    xp: the word's first x word (x_0, x_1)."""
+    s = tl.zeros(q.shape, tl.float32)
+    e = tl.zeros(q.shape, tl.float32)
+    for p in tl.static_range(4):
+        for half in tl.static_range(2):  # code p + 4 half: x_p in word p // 2, x_p+4 in word 2 + p // 2
+            xw = tl.load(xp + 2 * half + p // 2)
+            bits = (xw >> (16 * (p % 2))) & 0xFFFF
+            if BF16:
+                xv = (bits << 16).to(tl.float32, bitcast=True)
+            else:
+                xv = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            c = (q >> (4 * p + 16 * half)) & 0xF
+            s += (c.to(tl.float32) + MAGIC_V) * xv
+            e += xv
+    return s, e
+
+
+@triton.jit
+def _accumulate(q, xp, s, b, acc, MAGIC_V: tl.constexpr, BF16: tl.constexpr, ROWS: tl.constexpr,
+                ASM: tl.constexpr):
+    """acc += s (sum (MAGIC + c) x - MAGIC sum x) + b sum x over the tile's groups ([ROWS, groups,
+    16 words] tiles; a row's sum over its words is what counts)."""
+    if ASM:
+        if BF16:
+            if ROWS == 16:
+                acc = tl.inline_asm_elementwise(_PTX_BF16_16, "=f," * 8 + "r," * 8 + "l," * 8 + "f," * 23 + "f",
+                                                [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=8)
+            else:
+                acc = tl.inline_asm_elementwise(_PTX_BF16_32, "=f," * 16 + "r," * 16 + "l," * 16 + "f," * 47 + "f",
+                                                [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=16)
+        else:
+            if ROWS == 16:
+                acc = tl.inline_asm_elementwise(_PTX_F16_16, "=f," * 8 + "r," * 8 + "l," * 8 + "f," * 23 + "f",
+                                                [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=8)
+            else:
+                acc = tl.inline_asm_elementwise(_PTX_F16_32, "=f," * 16 + "r," * 16 + "l," * 16 + "f," * 47 + "f",
+                                                [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=16)
+    else:
+        c, e = _word_sums(q, xp, MAGIC_V, BF16)
+        acc += s * (c - MAGIC_V * e) + b * e
+    return acc
+
+
+@triton.jit
+def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride_w, stride_s,
+                      HAS_B: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr, CENTRE: tl.constexpr,
+                      MAGIC_V: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, ROWS: tl.constexpr,
+                      WARPS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+    """x_ptr: x [K] as int32 words (x_2i, x_2i+1). The program's rows: ROWS (16 or 32) from
+    pid * ROWS. A tile is [8, WARPS, ROWS // 8, 16 words]: element (g, i, v, w) is word w of group
+    i of the tile in row 8 v + g, so that lanes take (g, t), warps the groups, and a thread's
+    vectors the rows 8 apart. G: inputs a group, a multiple of 128 (1 << 30: one group a row).
+    HAS_B: offsets stored (else symmetric codes about CENTRE: offset -CENTRE s). EVEN: N a
+    multiple of ROWS and the row's words of WARPS * 16 (no masks)."""
+    GW: tl.constexpr = 16
+    V: tl.constexpr = ROWS // 8
+    STEP: tl.constexpr = WARPS * GW  # words a tile spans along the row
+    zero = tl.zeros([8, WARPS, V, GW], tl.int32)
+    r2 = tl.program_id(0) * ROWS + tl.arange(0, V)[None, :] * 8 + tl.arange(0, 8)[:, None]  # [8, V]
+    rows = r2[:, None, :, None] + zero
+    gw = tl.arange(0, WARPS)[None, :, None, None] * GW + zero  # each word's group's first word in the tile
+    cols = gw + tl.arange(0, GW)[None, None, None, :]
+    pw = w_ptr + rows.to(tl.int64) * stride_w + cols
+    ps = tl.minimum(rows, N - 1).to(tl.int64) * stride_s  # scale reads stay inside the rows
+    if EVEN:
+        q = tl.load(pw, eviction_policy="evict_first")
+        g0 = gw * 8 // G
+    else:
+        q = tl.load(pw, mask=(rows < N) & (cols < KW), other=0, eviction_policy="evict_first")
+        g0 = tl.minimum(gw, KW - GW) * 8 // G
+    s = _load_scale(s_ptr + ps + g0, ROWS, ASM)
+    if HAS_B:
+        b = _load_scale(b_ptr + ps + g0, ROWS, ASM)
+    else:
+        b = -CENTRE * s
+    pdl_wait(PDL)
+    acc = tl.zeros([8, WARPS, V, GW], tl.float32)
+    for w0 in range(0, KW, STEP):
+        nxt = w0 + STEP
+        gn = tl.minimum(gw + nxt, KW - GW) * 8 // G  # the next tile's groups (after the last: the last's)
+        if EVEN:
+            q_next = tl.load(pw + nxt, mask=cols + nxt < KW, other=0, eviction_policy="evict_first")
+            live_s = s
+            live_b = b
+            xp = x_ptr + 4 * (cols + w0)
+        else:
+            q_next = tl.load(pw + nxt, mask=(rows < N) & (cols + nxt < KW), other=0, eviction_policy="evict_first")
+            # a group past the row's end has zero codes and x read from the row's last word: its
+            # scale and offset are 0, so that it adds nothing
+            live = cols + w0 < KW
+            live_s = tl.where(live, s, 0.0)
+            live_b = tl.where(live, b, 0.0)
+            xp = x_ptr + 4 * tl.minimum(cols + w0, KW - 1)
+        s_next = _load_scale(s_ptr + ps + gn, ROWS, ASM)
+        if HAS_B:
+            b_next = _load_scale(b_ptr + ps + gn, ROWS, ASM)
+        else:
+            b_next = -CENTRE * s_next
+        acc = _accumulate(q, xp, live_s, live_b, acc, MAGIC_V, BF16, ROWS, ASM)
+        q = q_next
+        s = s_next
+        b = b_next
+    y = tl.sum(tl.sum(acc, 3), 1)  # [8, V]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + r2, mask=r2 < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + r2, y.to(y_ptr.dtype.element_ty), mask=r2 < N)
+
+
+def qgemv_mma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
+                     bias: torch.Tensor | None, group_size: int, k: int, config: dict[str, int]) -> torch.Tensor:
+    """y [1, N] = x [1, K] @ W^T for 4-bit codes in kernels/quant_linear.py's layout (``mma_fit``
+    must hold); config: {"mma": 1, "num_warps": W}."""
+    n = qweight.shape[0]
+    words = qweight.view(torch.uint8).view(torch.int32)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    warps, rows = config["num_warps"], config["rows"]
+    _qgemv_mma_kernel[(triton.cdiv(n, rows),)](
+        x.view(torch.int32), words, scales, biases if biases is not None else scales,
+        bias if bias is not None else scales, y, n, k // 8, words.stride(0), scales.stride(0),
+        HAS_B=biases is not None, HAS_BIAS=bias is not None, G=group_size if scales.shape[1] > 1 else 1 << 30,
+        CENTRE=float(code_centre(4, False, biases is not None)), MAGIC_V=float(MAGIC[x.dtype][0]),
+        BF16=x.dtype == torch.bfloat16, ASM=not INTERPRET, ROWS=rows, WARPS=warps,
+        EVEN=n % rows == 0 and (k // 8) % (16 * warps) == 0, num_warps=warps, num_stages=1,
+        **pdl_launch(x))
+    return y

@@ -1,0 +1,115 @@
+"""The tensor-core one-row GEMV of kernels/quant_gemv_mma.py against quant_linear's reference
+(dequantize, then F.linear): groups of 128 and 256 codes and one group a row, symmetric and
+asymmetric codes, bf16 and fp16 x, 16 and 32 rows a program, rows and rows' words that are not
+whole tiles. In the interpreter on CPU (the same sums by Triton operations), at an 8B
+projection's size on a GPU (the PTX). The PTX relies on the lane each word lands in; a compile
+for sm_90 checks that layout."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvship.kernels._triton import HAS_TRITON
+from kvship.kernels.quant_gemv_mma import MAGIC, mma_fit, qgemv_mma_triton
+from kvship.kernels.quant_linear import pack, quant_linear_torch
+from kvship.quant import QuantizedTensor
+from kvship.quant.insitu import quantize_groups
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+
+
+def _weights(n, k, group, symmetric, seed):
+    g = torch.Generator().manual_seed(seed)
+    qt = quantize_groups(torch.randn(n, k, generator=g) * 0.05, 4, group)
+    if symmetric:  # codes centred on 8, no offsets (GPTQ/AWQ symmetric)
+        qt = QuantizedTensor(qt.codes, qt.scales, None, 4, group)
+    return pack(qt, DEV)
+
+
+# (group, rows, warps, n, k) on CPU: K of whole tiles and not (640 inputs = 80 words: 2 warps
+# take 32 words a tile), N a multiple of the rows and not
+CPU_CASES = [(128, 16, 2, 40, 640), (128, 32, 1, 64, 512), (256, 16, 1, 16, 512), (1 << 20, 32, 2, 40, 384)]
+GPU_CASES = [(128, rows, warps, 4096, 4096) for rows in (16, 32) for warps in (2, 4, 8)] \
+    + [(128, 16, 4, 4100, 4224), (1 << 20, 32, 4, 1024, 14336)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("group,rows,warps,n,k", GPU_CASES if GPU else CPU_CASES)
+def test_mma_gemv_matches_reference(group, rows, warps, n, k, symmetric, dtype):
+    """Relative error under 5e-3 (bf16/fp16 outputs; the sums are fp32), without and with a bias."""
+    group = min(group, k)
+    w = _weights(n, k, group, symmetric, seed=group + rows + warps)
+    assert mma_fit(4, k, group, w.scales.shape[1], False, dtype)
+    g = torch.Generator().manual_seed(k + warps)
+    x = torch.randn(1, k, generator=g).to(DEV, dtype)
+    bias = torch.randn(n, generator=g).to(DEV, dtype)
+    for b in (None, bias):
+        got = qgemv_mma_triton(x, w.qweight, w.scales, w.biases, b, w.group_size, k,
+                               {"mma": 1, "rows": rows, "num_warps": warps}).float()
+        want = quant_linear_torch(x.float(), w, None if b is None else b.float())
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 5e-3, f"relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mma_gemv_range(dtype):
+    """x with entries of 3e4 beside tiny ones: the magic offset's share (MAGIC times x's sum over
+    a group) cancels in fp32 and leaves the products' sum within tolerance."""
+    n, k = (256, 1024) if GPU else (16, 256)
+    w = _weights(n, k, 128, True, seed=3)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, k, generator=g)
+    x[0, ::7] *= 3e4 / x[0, ::7].abs().max()
+    x[0, 3::7] *= 1e-4
+    x = x.to(DEV, dtype)
+    got = qgemv_mma_triton(x, w.qweight, w.scales, None, None, 128, k, {"mma": 1, "rows": 16, "num_warps": 2}).float()
+    want = quant_linear_torch(x.float(), w)
+    assert torch.isfinite(got).all()
+    assert ((got - want).norm() / want.norm()).item() < 5e-3
+
+
+def test_layouts_the_mma_kernel_leaves():
+    assert not mma_fit(4, 4096, 32, 128, False, torch.bfloat16)  # groups of 32 (Q4_K)
+    assert not mma_fit(4, 4096, 64, 64, False, torch.bfloat16)
+    assert not mma_fit(4, 4096, 128, 32, True, torch.bfloat16)  # act-order table
+    assert not mma_fit(8, 4096, 128, 32, False, torch.bfloat16)  # 8-bit codes
+    assert not mma_fit(4, 4096, 128, 32, False, torch.float32)  # fp32 x: no 16-bit mma operand
+    assert not mma_fit(4, 4160, 4160, 1, False, torch.bfloat16)  # rows not of whole 128-code groups
+    assert mma_fit(4, 4096, 128, 32, False, torch.float16) and mma_fit(4, 4096, 4096, 1, False, torch.bfloat16)
+    assert set(MAGIC) == {torch.bfloat16, torch.float16}
+
+
+def test_mma_kernel_layout_on_sm90():
+    """The PTX takes lane 4 g + t to hold words 4 t .. 4 t + 3 of row g (a 16-byte vector), a warp's
+    lanes 8 rows and warps the groups: the layout Triton gives the words' load when compiled as
+    the engine launches it (pointers and the row stride divisible by 16). A Triton upgrade that
+    lays them out otherwise fails here, on CPU, before the GPU gives wrong sums."""
+    script = Path(__file__).parent / "sm90_compile.py"
+    types = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp16", "b_ptr": "*fp16", "bias_ptr": "*bf16",
+             "y_ptr": "*bf16", "N": "i32", "KW": "i32", "stride_w": "i32", "stride_s": "i32"}
+    for rows, warps in ((16, 4), (32, 8), (32, 2)):
+        spec = {"kernel": "kvship.kernels.quant_gemv_mma:_qgemv_mma_kernel", "types": types,
+                "divisible": ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "bias_ptr", "y_ptr", "stride_w"],
+                "options": {"num_warps": warps, "num_stages": 1},
+                "constexprs": {"HAS_B": True, "HAS_BIAS": False, "G": 128, "CENTRE": 0.0, "MAGIC_V": 128.0,
+                               "BF16": True, "ASM": True, "ROWS": rows, "WARPS": warps, "EVEN": True}}
+        proc = subprocess.run([sys.executable, str(script), "--ttgir", json.dumps(spec)], capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        layouts = re.findall(r"tt\.load .*tensor<8x\d+x\d+x16x!tt\.ptr<i32>, #(\w+)>", proc.stdout)
+        assert layouts, proc.stdout[-2000:]
+        layout = layouts[0]
+        definition = next(line for line in proc.stdout.splitlines() if line.startswith(f"#{layout} ="))
+        want = (f"sizePerThread = [1, 1, 1, 4], threadsPerWarp = [8, 1, 1, 4], warpsPerCTA = [1, {warps}, 1, 1], "
+                "order = [3, 0, 1, 2]")
+        assert want in definition, definition
