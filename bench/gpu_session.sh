@@ -12,8 +12,8 @@
 #   quantized experts (GPU tests, batch-1 by format): bash bench/gpu_session.sh moe-tests latency-moe-q
 #   integer one-row GEMV (tests, settings sweep, batch 1): bash bench/gpu_session.sh int-gemv-tests int-gemv latency-int
 #   programmatic dependent launch off and on (KVSHIP_PDL), batch 1: bash bench/gpu_session.sh pdl-ab
-#   4-bit GEMV on the tensor cores (tests, sweep against the pairs kernel, batch 1 off and on):
-#     bash bench/gpu_session.sh mma-tests mma-gemv mma-ab
+#   4-bit GEMV on the tensor cores for 2-8 rows (tests, sweeps, a batch-4 step off and on), every
+#   pairs-kernel setting per projection: bash bench/gpu_session.sh mma-tests mma-gemv mma-ab pairs-all
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
@@ -63,9 +63,10 @@ bench int-gemv 300 python3 bench/quant_gemv_sweep.py --formats "int4 g128" "int4
 bench latency-int 200 python3 bench/latency.py --quantization none int4 int4-g32 int8 --no-hf
 bench mma-tests 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_quant_gemv_mma.py \
   tests/test_quant_gemv.py tests/test_kernels.py -k "mma or pdl or graph or pairs"
-bench mma-gemv 300 python3 bench/quant_gemv_sweep.py --formats "int4 g128" --kernels pairs mma --quick
-bench mma-ab 300 bash -c "KVSHIP_MMA_GEMV=0 python3 bench/latency.py --quantization int4 --no-hf && \
-  KVSHIP_MMA_GEMV=1 python3 bench/latency.py --quantization int4 --no-hf"
+bench mma-gemv 300 python3 bench/quant_gemv_sweep.py --formats "int4 g128" --kernels pairs mma --all --tokens 2 4 8
+bench pairs-all 300 python3 bench/quant_gemv_sweep.py --formats "int4 g32" fp8 --kernels pairs --all
+bench mma-ab 200 bash -c "KVSHIP_MMA_GEMV=0 python3 bench/profile_step.py --graphs --batch 4 --quantization int4 && \
+  KVSHIP_MMA_GEMV=1 python3 bench/profile_step.py --graphs --batch 4 --quantization int4"
 bench pdl-ab 330 bash -c "KVSHIP_PDL=0 python3 bench/latency.py --quantization none fp8 int4 --no-hf && \
   KVSHIP_PDL=1 python3 bench/latency.py --quantization none fp8 int4 --no-hf"
 bench latency-moe 150 python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf

@@ -60,6 +60,10 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS),
                     help="which one-row kernels' grids to sweep (the engine's own setting is timed always)")
+    ap.add_argument("--all", action="store_true", help="also a table of every setting's time")
+    ap.add_argument("--tokens", nargs="*", type=int, default=[],
+                    help="small batches: the tensor-core kernel's settings at these row counts (4-bit, groups of 128) "
+                         "against the dequantizing GEMM and cuBLAS bf16")
     args = ap.parse_args()
     copy_bw, mm = measure_ceilings()
     grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
@@ -80,7 +84,7 @@ def main() -> None:
                 ((16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 8, 3), (8, 512, 4, 2), (32, 256, 8, 3))]
         words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=3) for bn, bw, nw in
                  ((4, 256, 4), (8, 256, 8), (16, 256, 8), (2, 512, 4), (4, 512, 8), (8, 128, 4))]
-    rows, gemm_rows, kind_rows = [], [], []
+    rows, gemm_rows, kind_rows, all_rows, token_rows = [], [], [], [], []
     for name, n, k in SHAPES[:4]:
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         copies16 = max(4, -(-300_000_000 // (n * k * 2)))
@@ -110,6 +114,8 @@ def main() -> None:
                 except Exception as e:  # out of resources for this setting
                     print(f"  {name} {fmt} {cfg}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
                     continue
+                all_rows.append([name, fmt, kernel_of(cfg), f"{us:.1f}", f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}%",
+                                 str(cfg)])
                 if best is None or us < best[0]:
                     best = (us, cfg)
                 kind = kernel_of(cfg)
@@ -122,6 +128,26 @@ def main() -> None:
                              f"{best[0]:.1f}", bw(best[0]), f"{cublas / min(engine, best[0]):.2f}x", str(best[1])])
                 for kind, (us, cfg) in best_of.items():
                     kind_rows.append([name, fmt, kind, f"{us:.1f}", bw(us), str(cfg)])
+            for m in args.tokens if qw.bits == 4 and not qw.fp8 else []:
+                xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ws16 = [w16.clone() for _ in range(copies16)]
+                t16 = time_per_call(lambda i: torch.nn.functional.linear(xm, ws16[i]), copies16)
+                ws16 = None
+                tgemm = time_per_call(lambda i: quant_linear_triton(xm, qws[i], None, _gemm_config(m)), copies)
+                tengine = time_per_call(lambda i: quant_linear_triton(xm, qws[i]), copies)
+                mma_best = None
+                for cfg in mmas if takes(qw, mmas[0]) else []:
+                    out = quant_linear_triton(xm, qw, None, cfg).float()
+                    want = quant_linear_torch(xm.float(), qw)
+                    if ((out - want).norm() / want.norm()).item() > 2e-2:
+                        print(f"  {name} {fmt} {m} tokens {cfg}: wrong, skipped", file=sys.stderr)
+                        continue
+                    us = time_per_call(lambda i: quant_linear_triton(xm, qws[i], None, cfg), copies)
+                    if mma_best is None or us < mma_best[0]:
+                        mma_best = (us, cfg)
+                if mma_best:
+                    token_rows.append([name, fmt, str(m), f"{t16:.1f}", f"{tgemm:.1f}", f"{tengine:.1f}", bw(tengine),
+                                       f"{mma_best[0]:.1f}", bw(mma_best[0]), f"{tgemm / tengine:.2f}x", str(mma_best[1])])
             for m in (16, 256):
                 xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 t16 = time_per_call(lambda i: torch.nn.functional.linear(xm, w16), 4)
@@ -137,6 +163,13 @@ def main() -> None:
     print(table(kind_rows, ["weight", "format", "best on", "µs", "% BW", "setting"]))
     print()
     print(table(gemm_rows, ["weight", "format", "rows", "cuBLAS bf16 µs", "dequant GEMM µs", "speed-up"]))
+    if token_rows:
+        print()
+        print(table(token_rows, ["weight", "format", "tokens", "cuBLAS bf16 µs", "dequant GEMM µs", "engine µs",
+                                 "engine % BW", "mma best µs", "mma % BW", "engine vs GEMM", "mma best setting"]))
+    if args.all:
+        print()
+        print(table(all_rows, ["weight", "format", "kernel", "µs", "% BW", "setting"]))
 
 
 if __name__ == "__main__":

@@ -35,23 +35,25 @@ def _weights(n, k, group, symmetric, seed):
     return pack(qt, DEV)
 
 
-# (group, rows, warps, n, k) on CPU: K of whole tiles and not (640 inputs = 80 words: 2 warps
-# take 32 words a tile), N a multiple of the rows and not
-CPU_CASES = [(128, 16, 2, 40, 640), (128, 32, 1, 64, 512), (256, 16, 1, 16, 512), (1 << 20, 32, 2, 40, 384)]
-GPU_CASES = [(128, rows, warps, 4096, 4096) for rows in (16, 32) for warps in (2, 4, 8)] \
-    + [(128, 16, 4, 4100, 4224), (1 << 20, 32, 4, 1024, 14336)]
+# (group, rows, warps, n, k, tokens) on CPU: K of whole tiles and not (640 inputs = 80 words: 2
+# warps take 32 words a tile), N a multiple of the rows and not, 1 to 8 tokens
+CPU_CASES = [(128, 16, 2, 40, 640, 1), (128, 32, 1, 64, 512, 3), (256, 16, 1, 16, 512, 8),
+             (1 << 20, 32, 2, 40, 384, 2)]
+GPU_CASES = [(128, rows, warps, 4096, 4096, 1) for rows in (16, 32) for warps in (2, 4, 8)] \
+    + [(128, 16, 4, 4100, 4224, m) for m in (1, 2, 5, 8)] + [(1 << 20, 32, 4, 1024, 14336, 4)] \
+    + [(128, 16, 8, 6144, 4096, m) for m in (3, 8)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("group,rows,warps,n,k", GPU_CASES if GPU else CPU_CASES)
-def test_mma_gemv_matches_reference(group, rows, warps, n, k, symmetric, dtype):
+@pytest.mark.parametrize("group,rows,warps,n,k,tokens", GPU_CASES if GPU else CPU_CASES)
+def test_mma_gemv_matches_reference(group, rows, warps, n, k, tokens, symmetric, dtype):
     """Relative error under 5e-3 (bf16/fp16 outputs; the sums are fp32), without and with a bias."""
     group = min(group, k)
     w = _weights(n, k, group, symmetric, seed=group + rows + warps)
     assert mma_fit(4, k, group, w.scales.shape[1], False, dtype)
     g = torch.Generator().manual_seed(k + warps)
-    x = torch.randn(1, k, generator=g).to(DEV, dtype)
+    x = torch.randn(tokens, k, generator=g).to(DEV, dtype)
     bias = torch.randn(n, generator=g).to(DEV, dtype)
     for b in (None, bias):
         got = qgemv_mma_triton(x, w.qweight, w.scales, w.biases, b, w.group_size, k,
@@ -78,6 +80,30 @@ def test_mma_gemv_range(dtype):
     assert ((got - want).norm() / want.norm()).item() < 5e-3
 
 
+def test_engine_takes_it_for_2_to_8_rows(monkeypatch):
+    """quant_linear_triton's dispatch: 2 to 8 rows of bf16 x beside 4-bit groups of 128 go to this
+    kernel, one row and 9 or more rows do not, nor rows when KVSHIP_MMA_GEMV=0 turned it off."""
+    import kvship.kernels.quant_linear as ql
+
+    calls = []
+    real = ql.qgemv_mma_triton
+    monkeypatch.setattr(ql, "qgemv_mma_triton", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    w = _weights(32, 256, 128, True, seed=9)
+    for m in (1, 2, 8):
+        x = torch.randn(m, 256).to(DEV, torch.bfloat16)
+        got = ql.quant_linear_triton(x, w).float()
+        want = quant_linear_torch(x.float(), w)
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+    monkeypatch.setattr(ql, "_qgemm_kernel", None)  # 9 rows go to the GEMM: this one fails if reached
+    with pytest.raises(TypeError):
+        ql.quant_linear_triton(torch.randn(9, 256).to(DEV, torch.bfloat16), w)
+    assert calls == [2, 8]
+    monkeypatch.setattr(ql, "MMA_GEMV_ENABLED", False)
+    with pytest.raises(TypeError):
+        ql.quant_linear_triton(torch.randn(4, 256).to(DEV, torch.bfloat16), w)
+    assert calls == [2, 8]
+
+
 def test_layouts_the_mma_kernel_leaves():
     assert not mma_fit(4, 4096, 32, 128, False, torch.bfloat16)  # groups of 32 (Q4_K)
     assert not mma_fit(4, 4096, 64, 64, False, torch.bfloat16)
@@ -96,10 +122,11 @@ def test_mma_kernel_layout_on_sm90():
     lays them out otherwise fails here, on CPU, before the GPU gives wrong sums."""
     script = Path(__file__).parent / "sm90_compile.py"
     types = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp16", "b_ptr": "*fp16", "bias_ptr": "*bf16",
-             "y_ptr": "*bf16", "N": "i32", "KW": "i32", "stride_w": "i32", "stride_s": "i32"}
+             "y_ptr": "*bf16", "M": "i32", "N": "i32", "KW": "i32", "stride_x": "i32", "stride_y": "i32",
+             "stride_w": "i32", "stride_s": "i32"}
     for rows, warps in ((16, 4), (32, 8), (32, 2)):
         spec = {"kernel": "kvship.kernels.quant_gemv_mma:_qgemv_mma_kernel", "types": types,
-                "divisible": ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "bias_ptr", "y_ptr", "stride_w"],
+                "divisible": ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "bias_ptr", "y_ptr", "stride_w", "stride_x", "stride_y"],
                 "options": {"num_warps": warps, "num_stages": 1},
                 "constexprs": {"HAS_B": True, "HAS_BIAS": False, "G": 128, "CENTRE": 0.0, "MAGIC_V": 128.0,
                                "BF16": True, "ASM": True, "ROWS": rows, "WARPS": warps, "EVEN": True}}

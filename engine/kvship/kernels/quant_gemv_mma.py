@@ -42,6 +42,7 @@ import torch
 from kvship.kernels._triton import INTERPRET, pdl_launch, pdl_wait, tl, triton
 from kvship.quant.tensor import code_centre
 
+MAX_TOKENS = 8  # the mma's 8 columns: one token each
 GROUP_WORDS = 16  # words of a tile's row: one group of 128 4-bit codes, the 4 lanes t of 4 words each
 MAGIC = {torch.bfloat16: (128, 0x43004300), torch.float16: (1024, 0x64006400)}  # value, its bits in both halves
 
@@ -66,9 +67,7 @@ def _mma_ptx(bf16: bool, vectors: int) -> str:
     zero = "0f00000000"
     e = 4 * vectors  # operands per tensor
     out, words, xptr, sc, off, acc = (list(range(i * e, (i + 1) * e)) for i in range(6))
-    lines = [".reg .b32 xw<16>, xp<16>, p<8>, t, lane, ones;", ".reg .f32 c<4>, e<4>, v;", ".reg .pred first;",
-             f"mov.b32 ones, {ones:#010x};", "mov.u32 lane, %laneid;", "and.b32 lane, lane, 3;",
-             "setp.eq.u32 first, lane, 0;"]
+    lines = [".reg .b32 xw<16>, xp<16>, p<8>, t, ones;", ".reg .f32 c<4>, e<4>, v;", f"mov.b32 ones, {ones:#010x};"]
     lines += [f"ld.global.v4.b32 {{xw{4 * j}, xw{4 * j + 1}, xw{4 * j + 2}, xw{4 * j + 3}}}, [${xptr[0]} + {16 * j}];"
               for j in range(4)]
     for j in range(4):  # word j's x pairs (x_p, x_p+4), p = 0..3
@@ -95,11 +94,11 @@ def _mma_ptx(bf16: bool, vectors: int) -> str:
             for q in (0, 2):
                 lines.append(f"{mma} {{c0, c1, c2, c3}}, {{p{q}, p{4 + q}, p{q + 1}, p{5 + q}}}, "
                              f"{{xp{4 * j + q}, xp{4 * j + q + 1}}}, {{c0, c1, c2, c3}};")
-        for v, c in ((va, "c0"), (vb, "c2")):  # s (c - MAGIC e) + b e, added by lane t = 0
-            lines += [f"fma.rn.f32 v, e0, {_f32(-magic)}, {c};", f"mul.rn.f32 v, v, ${sc[4 * v]};",
-                      f"fma.rn.f32 v, ${off[4 * v]}, e0, v;", f"selp.f32 v, v, {zero}, first;",
-                      f"add.f32 ${out[4 * v]}, ${acc[4 * v]}, v;"]
-            lines += [f"mov.f32 ${out[4 * v + k]}, ${acc[4 * v + k]};" for k in (1, 2, 3)]
+        for v, cs in ((va, ("c0", "c1")), (vb, ("c2", "c3"))):  # tokens 2t, 2t + 1: s (c - MAGIC e) + b e
+            for k, (c, ek) in enumerate(zip(cs, ("e0", "e1"))):
+                lines += [f"fma.rn.f32 v, {ek}, {_f32(-magic)}, {c};", f"mul.rn.f32 v, v, ${sc[4 * v]};",
+                          f"fma.rn.f32 v, ${off[4 * v]}, {ek}, v;", f"add.f32 ${out[4 * v + k]}, ${acc[4 * v + k]}, v;"]
+            lines += [f"mov.f32 ${out[4 * v + k]}, ${acc[4 * v + k]};" for k in (2, 3)]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
@@ -143,7 +142,7 @@ def _load_scale(p, ROWS: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _word_sums(q, xp, MAGIC_V: tl.constexpr, BF16: tl.constexpr):
-    """The interpreter's path: each word's sums of (MAGIC + c) x and of x over its 8 codes, fp32;
+    """The interpreter's path: a word's sums of (MAGIC + c) x and of x over its 8 codes, fp32;
     xp: the word's first x word (x_0, x_1)."""
     s = tl.zeros(q.shape, tl.float32)
     e = tl.zeros(q.shape, tl.float32)
@@ -162,40 +161,54 @@ def _word_sums(q, xp, MAGIC_V: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(q, xp, s, b, acc, MAGIC_V: tl.constexpr, BF16: tl.constexpr, ROWS: tl.constexpr,
-                ASM: tl.constexpr):
-    """acc += s (sum (MAGIC + c) x - MAGIC sum x) + b sum x over the tile's groups ([ROWS, groups,
-    16 words] tiles; a row's sum over its words is what counts)."""
-    if ASM:
-        if BF16:
-            if ROWS == 16:
-                acc = tl.inline_asm_elementwise(_PTX_BF16_16, "=f," * 8 + "r," * 8 + "l," * 8 + "f," * 23 + "f",
-                                                [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=8)
-            else:
-                acc = tl.inline_asm_elementwise(_PTX_BF16_32, "=f," * 16 + "r," * 16 + "l," * 16 + "f," * 47 + "f",
-                                                [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=16)
+def _accumulate(q, xp, s, b, acc, MAGIC_V: tl.constexpr, BF16: tl.constexpr, ROWS: tl.constexpr):
+    """The PTX: acc += s (sum (MAGIC + c) x - MAGIC sum x) + b sum x over each of the tile's
+    groups, for tokens 2t and 2t + 1 in elements 0 and 1 of lane t's vectors ([8, groups, ROWS //
+    8, 16 words] tiles)."""
+    if BF16:
+        if ROWS == 16:
+            acc = tl.inline_asm_elementwise(_PTX_BF16_16, "=f," * 8 + "r," * 8 + "l," * 8 + "f," * 23 + "f",
+                                            [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=8)
         else:
-            if ROWS == 16:
-                acc = tl.inline_asm_elementwise(_PTX_F16_16, "=f," * 8 + "r," * 8 + "l," * 8 + "f," * 23 + "f",
-                                                [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=8)
-            else:
-                acc = tl.inline_asm_elementwise(_PTX_F16_32, "=f," * 16 + "r," * 16 + "l," * 16 + "f," * 47 + "f",
-                                                [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=16)
+            acc = tl.inline_asm_elementwise(_PTX_BF16_32, "=f," * 16 + "r," * 16 + "l," * 16 + "f," * 47 + "f",
+                                            [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=16)
     else:
-        c, e = _word_sums(q, xp, MAGIC_V, BF16)
-        acc += s * (c - MAGIC_V * e) + b * e
+        if ROWS == 16:
+            acc = tl.inline_asm_elementwise(_PTX_F16_16, "=f," * 8 + "r," * 8 + "l," * 8 + "f," * 23 + "f",
+                                            [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=8)
+        else:
+            acc = tl.inline_asm_elementwise(_PTX_F16_32, "=f," * 16 + "r," * 16 + "l," * 16 + "f," * 47 + "f",
+                                            [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=16)
     return acc
 
 
 @triton.jit
-def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride_w, stride_s,
+def _accumulate_interpreted(pw, w0, gw, wmask, x_ptr, xrow, tok_ok, s, b, acc, KW, MAGIC_V: tl.constexpr,
+                            BF16: tl.constexpr):
+    """The interpreter's path to the same sums: each element (slot) adds its own row's and token's
+    sum over the whole group (words gw .. gw + 15 of the tile), reading them again."""
+    c = tl.zeros(acc.shape, tl.float32)
+    e = tl.zeros(acc.shape, tl.float32)
+    for u in tl.static_range(16):
+        word = gw + w0 + u
+        q = tl.load(pw + word, mask=wmask & (word < KW), other=0)
+        cu, eu = _word_sums(q, x_ptr + xrow + 4 * tl.minimum(word, KW - 1), MAGIC_V, BF16)
+        c += cu
+        e += eu
+    return acc + tl.where(tok_ok, s * (c - MAGIC_V * e) + b * e, 0.0)
+
+
+@triton.jit
+def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, M, N, KW, stride_x, stride_y, stride_w, stride_s,
                       HAS_B: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr, CENTRE: tl.constexpr,
                       MAGIC_V: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, ROWS: tl.constexpr,
                       WARPS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
-    """x_ptr: x [K] as int32 words (x_2i, x_2i+1). The program's rows: ROWS (16 or 32) from
-    pid * ROWS. A tile is [8, WARPS, ROWS // 8, 16 words]: element (g, i, v, w) is word w of group
-    i of the tile in row 8 v + g, so that lanes take (g, t), warps the groups, and a thread's
-    vectors the rows 8 apart. G: inputs a group, a multiple of 128 (1 << 30: one group a row).
+    """y [M, N] for M <= 8 tokens. x_ptr: x as int32 words (x_2i, x_2i+1), rows stride_x words
+    apart. The program's rows: ROWS (16 or 32) from pid * ROWS. A tile is [8, WARPS, ROWS // 8,
+    16 words]: element (g, i, v, w) is word w of group i of the tile in row 8 v + g, so that lanes
+    take (g, t), warps the groups, and a thread's vectors the rows 8 apart; lane (g, t) reads
+    token g's x (the mma's column g) and sums tokens 2t and 2t + 1 (its elements 0 and 1, the
+    slots w = 4t, 4t + 1). G: inputs a group, a multiple of 128 (1 << 30: one group a row).
     HAS_B: offsets stored (else symmetric codes about CENTRE: offset -CENTRE s). EVEN: N a
     multiple of ROWS and the row's words of WARPS * 16 (no masks)."""
     GW: tl.constexpr = 16
@@ -205,14 +218,21 @@ def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride
     r2 = tl.program_id(0) * ROWS + tl.arange(0, V)[None, :] * 8 + tl.arange(0, 8)[:, None]  # [8, V]
     rows = r2[:, None, :, None] + zero
     gw = tl.arange(0, WARPS)[None, :, None, None] * GW + zero  # each word's group's first word in the tile
-    cols = gw + tl.arange(0, GW)[None, None, None, :]
-    pw = w_ptr + rows.to(tl.int64) * stride_w + cols
+    slot = tl.arange(0, GW)[None, None, None, :] + zero
+    cols = gw + slot
+    tok = (slot // 4) * 2 + slot % 4  # the token a slot sums (slots 4t + 2, 4t + 3: none)
+    tok_ok = (slot % 4 < 2) & (tok < M)
+    pw = w_ptr + rows.to(tl.int64) * stride_w
     ps = tl.minimum(rows, N - 1).to(tl.int64) * stride_s  # scale reads stay inside the rows
+    if ASM:  # lane (g, t) reads token g's x: the element's dim 0
+        xrow = tl.minimum(tl.arange(0, 8), M - 1)[:, None, None, None].to(tl.int64) * stride_x
+    else:
+        xrow = tl.minimum(tok, M - 1).to(tl.int64) * stride_x
     if EVEN:
-        q = tl.load(pw, eviction_policy="evict_first")
+        q = tl.load(pw + cols, eviction_policy="evict_first")
         g0 = gw * 8 // G
     else:
-        q = tl.load(pw, mask=(rows < N) & (cols < KW), other=0, eviction_policy="evict_first")
+        q = tl.load(pw + cols, mask=(rows < N) & (cols < KW), other=0, eviction_policy="evict_first")
         g0 = tl.minimum(gw, KW - GW) * 8 // G
     s = _load_scale(s_ptr + ps + g0, ROWS, ASM)
     if HAS_B:
@@ -225,47 +245,57 @@ def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride
         nxt = w0 + STEP
         gn = tl.minimum(gw + nxt, KW - GW) * 8 // G  # the next tile's groups (after the last: the last's)
         if EVEN:
-            q_next = tl.load(pw + nxt, mask=cols + nxt < KW, other=0, eviction_policy="evict_first")
+            q_next = tl.load(pw + cols + nxt, mask=cols + nxt < KW, other=0, eviction_policy="evict_first")
             live_s = s
             live_b = b
-            xp = x_ptr + 4 * (cols + w0)
+            xp = x_ptr + xrow + 4 * (cols + w0)
         else:
-            q_next = tl.load(pw + nxt, mask=(rows < N) & (cols + nxt < KW), other=0, eviction_policy="evict_first")
+            q_next = tl.load(pw + cols + nxt, mask=(rows < N) & (cols + nxt < KW), other=0,
+                             eviction_policy="evict_first")
             # a group past the row's end has zero codes and x read from the row's last word: its
             # scale and offset are 0, so that it adds nothing
             live = cols + w0 < KW
             live_s = tl.where(live, s, 0.0)
             live_b = tl.where(live, b, 0.0)
-            xp = x_ptr + 4 * tl.minimum(cols + w0, KW - 1)
+            xp = x_ptr + xrow + 4 * tl.minimum(cols + w0, KW - 1)
         s_next = _load_scale(s_ptr + ps + gn, ROWS, ASM)
         if HAS_B:
             b_next = _load_scale(b_ptr + ps + gn, ROWS, ASM)
         else:
             b_next = -CENTRE * s_next
-        acc = _accumulate(q, xp, live_s, live_b, acc, MAGIC_V, BF16, ROWS, ASM)
+        if ASM:
+            acc = _accumulate(q, xp, live_s, live_b, acc, MAGIC_V, BF16, ROWS)
+        else:
+            acc = _accumulate_interpreted(pw, w0, gw, rows < N, x_ptr, xrow, tok_ok, live_s, live_b, acc, KW,
+                                          MAGIC_V, BF16)
         q = q_next
         s = s_next
         b = b_next
-    y = tl.sum(tl.sum(acc, 3), 1)  # [8, V]
+    y = tl.sum(acc, 1)  # [8, V, 16]: row 8 v + g, the token of the slot
+    yrow = r2[:, :, None]
+    yslot = tl.arange(0, GW)[None, None, :]
+    ytok = (yslot // 4) * 2 + yslot % 4
+    ymask = (yrow < N) & (ytok < M) & (yslot % 4 < 2)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + r2, mask=r2 < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + r2, y.to(y_ptr.dtype.element_ty), mask=r2 < N)
+        y += tl.load(bias_ptr + yrow + 0 * ytok, mask=ymask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + ytok.to(tl.int64) * stride_y + yrow, y.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
 def qgemv_mma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
                      bias: torch.Tensor | None, group_size: int, k: int, config: dict[str, int]) -> torch.Tensor:
-    """y [1, N] = x [1, K] @ W^T for 4-bit codes in kernels/quant_linear.py's layout (``mma_fit``
-    must hold); config: {"mma": 1, "num_warps": W}."""
-    n = qweight.shape[0]
+    """y [M, N] = x [M, K] @ W^T for M <= 8 tokens and 4-bit codes in kernels/quant_linear.py's
+    layout (``mma_fit`` must hold; x's rows contiguous); config: {"mma": 1, "rows": 16 or 32,
+    "num_warps": W}."""
+    m, n = x.shape[0], qweight.shape[0]
+    assert m <= MAX_TOKENS and x.stride(1) == 1 and x.stride(0) % 2 == 0
     words = qweight.view(torch.uint8).view(torch.int32)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     warps, rows = config["num_warps"], config["rows"]
     _qgemv_mma_kernel[(triton.cdiv(n, rows),)](
         x.view(torch.int32), words, scales, biases if biases is not None else scales,
-        bias if bias is not None else scales, y, n, k // 8, words.stride(0), scales.stride(0),
-        HAS_B=biases is not None, HAS_BIAS=bias is not None, G=group_size if scales.shape[1] > 1 else 1 << 30,
-        CENTRE=float(code_centre(4, False, biases is not None)), MAGIC_V=float(MAGIC[x.dtype][0]),
-        BF16=x.dtype == torch.bfloat16, ASM=not INTERPRET, ROWS=rows, WARPS=warps,
-        EVEN=n % rows == 0 and (k // 8) % (16 * warps) == 0, num_warps=warps, num_stages=1,
-        **pdl_launch(x))
+        bias if bias is not None else scales, y, m, n, k // 8, x.stride(0) // 2, y.stride(0), words.stride(0),
+        scales.stride(0), HAS_B=biases is not None, HAS_BIAS=bias is not None,
+        G=group_size if scales.shape[1] > 1 else 1 << 30, CENTRE=float(code_centre(4, False, biases is not None)),
+        MAGIC_V=float(MAGIC[x.dtype][0]), BF16=x.dtype == torch.bfloat16, ASM=not INTERPRET, ROWS=rows, WARPS=warps,
+        EVEN=n % rows == 0 and (k // 8) % (16 * warps) == 0, num_warps=warps, num_stages=1, **pdl_launch(x))
     return y

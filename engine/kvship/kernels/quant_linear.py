@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.numerics import fp8_round, small_int_to_float
 from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton, tiles_keep_groups
-from kvship.kernels.quant_gemv_mma import mma_fit, qgemv_mma_triton
+from kvship.kernels.quant_gemv_mma import MAX_TOKENS, mma_fit, qgemv_mma_triton
 from kvship.quant.insitu import FP8_MAX
 from kvship.quant.tensor import QuantizedTensor, code_centre
 
@@ -241,9 +241,12 @@ WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stag
 PAIRS_GEMV_CONFIGS = {8: {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
                       4: {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 4, "num_stages": 3},
                       "fp8": {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3}}
-# The tensor-core kernel (kernels/quant_gemv_mma.py) for 4-bit codes in groups of 128 (or one a
-# row) beside 16-bit x; KVSHIP_MMA_GEMV=0 leaves those layouts to the pairs kernel (A/B runs).
-MMA_GEMV_CONFIG = {"mma": 1, "rows": 16, "num_warps": 4}
+# The tensor-core kernel (kernels/quant_gemv_mma.py) multiplies 2 to 8 rows (a small decode batch)
+# of 16-bit x by 4-bit codes in groups of 128 (or one a row), reading the weights once;
+# KVSHIP_MMA_GEMV=0 leaves them to the dequantizing GEMM (A/B runs). One row stays on the pairs
+# kernel: the H200 sweep at 171c1eb had this kernel's best 42/35/61/45% of copy bandwidth on
+# q/k/v, o, gate/up, down against the pairs kernel's 45/45/65/59%.
+MMA_GEMV_CONFIG = {"mma": 1, "rows": 16, "num_warps": 8}
 MMA_GEMV_ENABLED = os.environ.get("KVSHIP_MMA_GEMV", "1") != "0"
 # From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
 # GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
@@ -303,8 +306,6 @@ def _one_row_config(w: QWeight, dtype: torch.dtype) -> dict[str, int]:
     """The pairs kernel's settings (PAIRS_GEMV_CONFIGS) where it takes the layout and x is 16-bit
     (its sums are fp16: float32 serving keeps float32 arithmetic), else the word kernel's (with
     block_w) for integer codes, else the per-code one's."""
-    if MMA_GEMV_ENABLED and mma_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, dtype):
-        return MMA_GEMV_CONFIG
     if dtype != torch.float32 and pairs_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None):
         return PAIRS_GEMV_CONFIGS["fp8" if w.fp8 else w.bits]
     words = WORD_GEMV_CONFIGS[w.bits]
@@ -322,13 +323,16 @@ def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None =
     m, n, kp = x2.shape[0], w.n, w.qweight.shape[1]
     if m >= DENSE_ROWS and config is None:
         return _dense_matmul(x2, w, bias).view(*shape[:-1], n)
+    if config is None and 1 < m <= MAX_TOKENS and MMA_GEMV_ENABLED \
+            and mma_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, x.dtype):
+        config = MMA_GEMV_CONFIG
+    if config is not None and "mma" in config:
+        return qgemv_mma_triton(x2, w.qweight, w.scales, w.biases, bias, w.group_size, w.k,
+                                config).view(*shape[:-1], n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bias_ptr = bias if bias is not None else w.scales
     if m == 1:
         cfg = config or _one_row_config(w, x.dtype)
-        if "mma" in cfg:
-            return qgemv_mma_triton(x2, w.qweight, w.scales, w.biases, bias, w.group_size, w.k,
-                                    cfg).view(*shape[:-1], n)
         if "pairs" in cfg:
             return qgemv_pairs_triton(x2, w.qweight, w.scales, w.biases, bias, w.bits, w.group_size, w.k,
                                       cfg).view(*shape[:-1], n)
