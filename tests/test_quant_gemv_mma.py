@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvship.kernels._triton import HAS_TRITON
-from kvship.kernels.quant_gemv_mma import MAGIC, mma_fit, qgemv_mma_triton
+from kvship.kernels.quant_gemv_mma import MAGIC, _programs, mma_fit, qgemv_mma_triton
 from kvship.kernels.quant_linear import pack, quant_linear_torch
 from kvship.quant import QuantizedTensor
 from kvship.quant.insitu import quantize_groups
@@ -129,7 +129,8 @@ def test_mma_kernel_layout_on_sm90():
                 "divisible": ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "bias_ptr", "y_ptr", "stride_w", "stride_x", "stride_y"],
                 "options": {"num_warps": warps, "num_stages": 1},
                 "constexprs": {"HAS_B": True, "HAS_BIAS": False, "G": 128, "CENTRE": 0.0, "MAGIC_V": 128.0,
-                               "BF16": True, "ASM": True, "ROWS": rows, "WARPS": warps, "EVEN": True}}
+                               "BF16": True, "ASM": True, "ROWS": rows, "WARPS": warps, "EVEN": True,
+                               **_programs(True, rows)}}
         proc = subprocess.run([sys.executable, str(script), "--ttgir", json.dumps(spec)], capture_output=True,
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,8 +1,10 @@
-"""One-row GEMV (batch-1 decode) for 4-bit codes in groups of 128 (or one group a row) beside
-16-bit x, on the tensor cores: the codes become 16-bit values by bit operations alone and
-mma.sync multiplies them by x, so that a word of 8 codes costs 7 integer instructions and one
-mma where kernels/quant_gemv.py's fp16-pair kernel spends about 14 (its chains of fp16 FMAs,
-beside x's own conversion, hold it at 33-57% of copy bandwidth on the H200's 8B projections).
+"""Small-batch GEMV (decode at 2 to 8 sequences) for 4-bit codes in groups of 128 (or one group
+a row) beside 16-bit x, on the tensor cores: y [M, N] = x [M, K] W^T for M <= 8, reading the
+weights once for all M rows, where the dequantizing GEMM of kernels/quant_linear.py pads M to a
+16-row tile and the one-row kernels would read the weights M times. The codes become 16-bit
+values by bit operations alone and mma.sync multiplies them by x: a word of 8 codes costs 7
+integer instructions and one mma. (For one row, kernels/quant_gemv.py's pairs kernel measured
+faster on the H200: that kernel's speed is set by its memory accesses, not its instructions.)
 
 Codes as 16-bit values: ``(w >> 4p) & 0x000F000F`` holds codes p and p + 4 of word w in its two
 halves, and OR-ing MAGIC's bits into both halves makes them the pair (MAGIC + c_p, MAGIC + c_p+4)
@@ -12,30 +14,31 @@ product and the sums run in fp32 in the tensor cores, and the group's result is
 
     sum_k (MAGIC + c_k) x_k = sum_k c_k x_k + MAGIC sum_k x_k,
 
-so the kernel takes (MAGIC + centre) times x's sum back (computed from the same 16-bit x) before
-the group's scale: s (sum c x - centre sum x) (+ offsets b times sum x). The cancelled term is
-at most about MAGIC * 128 |x|max, which fp32 holds to 2**-24 of itself.
+so the kernel takes MAGIC times x's sum back (one more mma, of ones by x) before the group's
+scale and offset: s (sum c x - MAGIC sum x) + b sum x, with b = -8 s for symmetric codes. The
+cancelled term is at most about MAGIC * 128 |x|max, which fp32 holds to 2**-24 of itself.
 
 The mma's operands (m16n8k16, A row-major and B column-major, fp32 accumulators):
-- A, 16 rows by 16 inputs, is the weights: a warp holds 8 rows of a [8 rows, 16 words] tile and
-  the same 8 rows 8 further on (two loads). Lane 4g + t holds words 4t..4t+3 of row g, one
-  16-byte vector, which is the layout Triton gives a [.., 8, 16] int32 load (sizePerThread 4,
-  threadsPerWarp [8, 4]; tests/test_quant_gemv_mma.py checks the compiled layout). A's register
-  i of lane (g, t) must hold row g (i = 0, 2) or row g + 8 (i = 1, 3) at inputs 2t, 2t + 1
-  (i < 2) or 2t + 8, 2t + 9: any order of the 16 inputs works if B uses the same, so an mma
-  takes pairs p and p + 1 of word j of each lane, and word j's input positions across lanes t
-  are 4t + j: the 16 words of the tile are one group of 128 codes, summed whole by 8 mmas.
-- B, 16 inputs by 8 columns, is x: lane (g, t) gives the pairs of x for its own words in every
-  column, so the 8 columns are 8 copies of the product.
-- C: lane (g, t) holds row g's sum (columns 2t, 2t + 1) and row g + 8's; lane t = 0 hands them
-  out, the others give 0, and the tile's sum over its words is then the group's sum for its row.
+- A, 16 rows by 16 inputs, is the weights. A program's tile is [8, warps, ROWS // 8, 16 words]:
+  lane 4g + t holds words 4t..4t+3 of rows g, g + 8, .. (16-byte vectors), warps take different
+  groups along the row. That is the layout Triton gives this load (sizePerThread 4 words,
+  threadsPerWarp [8, .., 4]); the PTX relies on it, and tests/test_quant_gemv_mma.py checks the
+  compiled layout. A's register i of lane (g, t) holds row g (i = 0, 2) or row g + 8 (i = 1, 3)
+  at inputs 2t, 2t + 1 (i < 2) or 2t + 8, 2t + 9. Any order of the 16 inputs works if B uses the
+  same, so an mma takes pairs p and p + 1 of word j of each lane, and word j's inputs across
+  lanes t are those of words 4t + j: the 16 words are one group of 128 codes, summed whole by 8
+  mmas.
+- B, 16 inputs by 8 columns, is x: lane (g, t) gives the pairs of token g's x for its own words
+  (tokens past M repeat the last; their sums are dropped).
+- C: lane (g, t) holds the sums of rows g and g + 8 for tokens 2t and 2t + 1.
 
-Warps take different groups along the row (the tile is [warps, 8 rows, 16 words]) and the
-program's 16 rows from every group; the next tile's words are loaded before this one's mmas.
-The kernel runs only on the GPU (PTX); the interpreter computes the same sums with Triton
-operations (ASM=False). Its reference is quant_linear.py's: dequantize, then F.linear.
+The next tile's words, scales and offsets are loaded before this one's mmas. The kernel runs
+only on the GPU (PTX); the interpreter computes the same sums with Triton operations (ASM=False).
+Its reference is quant_linear.py's: dequantize, then F.linear.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -118,23 +121,20 @@ def _scale_ptx(vectors: int) -> str:
     return "{\n" + "\n".join(lines) + "\n}"
 
 
-_MMA_PTX = {(bf16, rows): tl.constexpr(_mma_ptx(bf16, rows // 8)) for bf16 in (True, False) for rows in (16, 32)}
-_PTX_BF16_16, _PTX_BF16_32 = _MMA_PTX[True, 16], _MMA_PTX[True, 32]
-_PTX_F16_16, _PTX_F16_32 = _MMA_PTX[False, 16], _MMA_PTX[False, 32]
-_PTX_SCALE_16 = tl.constexpr(_scale_ptx(2))
-_PTX_SCALE_32 = tl.constexpr(_scale_ptx(4))
+@functools.cache
+def _programs(bf16: bool, rows: int) -> dict[str, str]:
+    """The kernel's PTX and operand constraints for x's dtype and the rows a program takes (the
+    launch passes them as compile-time strings)."""
+    e = rows // 2  # elements a lane holds: 4 words of each of rows // 8 rows
+    return {"MMA_PTX": _mma_ptx(bf16, rows // 8), "MMA_ARGS": ",".join(["=f"] * e + ["r"] * e + ["l"] * e + ["f"] * 3 * e),
+            "SCALE_PTX": _scale_ptx(rows // 8), "SCALE_ARGS": ",".join(["=f"] * e + ["l"] * e)}
 
 
 @triton.jit
-def _load_scale(p, ROWS: tl.constexpr, ASM: tl.constexpr):
+def _load_scale(p, PTX: tl.constexpr, ARGS: tl.constexpr, PACK: tl.constexpr, ASM: tl.constexpr):
     """fp16 values at p (constant over a lane's 4 words) as fp32."""
     if ASM:
-        if ROWS == 16:
-            v = tl.inline_asm_elementwise(_PTX_SCALE_16, "=f," * 8 + "l," * 7 + "l", [p], dtype=tl.float32,
-                                          is_pure=True, pack=8)
-        else:
-            v = tl.inline_asm_elementwise(_PTX_SCALE_32, "=f," * 16 + "l," * 15 + "l", [p], dtype=tl.float32,
-                                          is_pure=True, pack=16)
+        v = tl.inline_asm_elementwise(PTX, ARGS, [p], dtype=tl.float32, is_pure=True, pack=PACK)
     else:
         v = tl.load(p).to(tl.float32)
     return v
@@ -161,28 +161,6 @@ def _word_sums(q, xp, MAGIC_V: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(q, xp, s, b, acc, MAGIC_V: tl.constexpr, BF16: tl.constexpr, ROWS: tl.constexpr):
-    """The PTX: acc += s (sum (MAGIC + c) x - MAGIC sum x) + b sum x over each of the tile's
-    groups, for tokens 2t and 2t + 1 in elements 0 and 1 of lane t's vectors ([8, groups, ROWS //
-    8, 16 words] tiles)."""
-    if BF16:
-        if ROWS == 16:
-            acc = tl.inline_asm_elementwise(_PTX_BF16_16, "=f," * 8 + "r," * 8 + "l," * 8 + "f," * 23 + "f",
-                                            [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=8)
-        else:
-            acc = tl.inline_asm_elementwise(_PTX_BF16_32, "=f," * 16 + "r," * 16 + "l," * 16 + "f," * 47 + "f",
-                                            [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=16)
-    else:
-        if ROWS == 16:
-            acc = tl.inline_asm_elementwise(_PTX_F16_16, "=f," * 8 + "r," * 8 + "l," * 8 + "f," * 23 + "f",
-                                            [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=8)
-        else:
-            acc = tl.inline_asm_elementwise(_PTX_F16_32, "=f," * 16 + "r," * 16 + "l," * 16 + "f," * 47 + "f",
-                                            [q, xp, s, b, acc], dtype=tl.float32, is_pure=False, pack=16)
-    return acc
-
-
-@triton.jit
 def _accumulate_interpreted(pw, w0, gw, wmask, x_ptr, xrow, tok_ok, s, b, acc, KW, MAGIC_V: tl.constexpr,
                             BF16: tl.constexpr):
     """The interpreter's path to the same sums: each element (slot) adds its own row's and token's
@@ -202,7 +180,8 @@ def _accumulate_interpreted(pw, w0, gw, wmask, x_ptr, xrow, tok_ok, s, b, acc, K
 def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, M, N, KW, stride_x, stride_y, stride_w, stride_s,
                       HAS_B: tl.constexpr, HAS_BIAS: tl.constexpr, G: tl.constexpr, CENTRE: tl.constexpr,
                       MAGIC_V: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr, ROWS: tl.constexpr,
-                      WARPS: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+                      WARPS: tl.constexpr, EVEN: tl.constexpr, MMA_PTX: tl.constexpr, MMA_ARGS: tl.constexpr,
+                      SCALE_PTX: tl.constexpr, SCALE_ARGS: tl.constexpr, PDL: tl.constexpr):
     """y [M, N] for M <= 8 tokens. x_ptr: x as int32 words (x_2i, x_2i+1), rows stride_x words
     apart. The program's rows: ROWS (16 or 32) from pid * ROWS. A tile is [8, WARPS, ROWS // 8,
     16 words]: element (g, i, v, w) is word w of group i of the tile in row 8 v + g, so that lanes
@@ -228,15 +207,16 @@ def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, M, N, KW, str
         xrow = tl.minimum(tl.arange(0, 8), M - 1)[:, None, None, None].to(tl.int64) * stride_x
     else:
         xrow = tl.minimum(tok, M - 1).to(tl.int64) * stride_x
+    PACK: tl.constexpr = ROWS // 2  # elements a lane holds
     if EVEN:
         q = tl.load(pw + cols, eviction_policy="evict_first")
         g0 = gw * 8 // G
     else:
         q = tl.load(pw + cols, mask=(rows < N) & (cols < KW), other=0, eviction_policy="evict_first")
         g0 = tl.minimum(gw, KW - GW) * 8 // G
-    s = _load_scale(s_ptr + ps + g0, ROWS, ASM)
+    s = _load_scale(s_ptr + ps + g0, SCALE_PTX, SCALE_ARGS, PACK, ASM)
     if HAS_B:
-        b = _load_scale(b_ptr + ps + g0, ROWS, ASM)
+        b = _load_scale(b_ptr + ps + g0, SCALE_PTX, SCALE_ARGS, PACK, ASM)
     else:
         b = -CENTRE * s
     pdl_wait(PDL)
@@ -258,13 +238,16 @@ def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, M, N, KW, str
             live_s = tl.where(live, s, 0.0)
             live_b = tl.where(live, b, 0.0)
             xp = x_ptr + xrow + 4 * tl.minimum(cols + w0, KW - 1)
-        s_next = _load_scale(s_ptr + ps + gn, ROWS, ASM)
+        s_next = _load_scale(s_ptr + ps + gn, SCALE_PTX, SCALE_ARGS, PACK, ASM)
         if HAS_B:
-            b_next = _load_scale(b_ptr + ps + gn, ROWS, ASM)
+            b_next = _load_scale(b_ptr + ps + gn, SCALE_PTX, SCALE_ARGS, PACK, ASM)
         else:
             b_next = -CENTRE * s_next
         if ASM:
-            acc = _accumulate(q, xp, live_s, live_b, acc, MAGIC_V, BF16, ROWS)
+            # acc += s (sum (MAGIC + c) x - MAGIC sum x) + b sum x over each group, tokens 2t and
+            # 2t + 1 in elements 0 and 1 of lane t's vectors
+            acc = tl.inline_asm_elementwise(MMA_PTX, MMA_ARGS, [q, xp, live_s, live_b, acc], dtype=tl.float32,
+                                            is_pure=False, pack=PACK)
         else:
             acc = _accumulate_interpreted(pw, w0, gw, rows < N, x_ptr, xrow, tok_ok, live_s, live_b, acc, KW,
                                           MAGIC_V, BF16)
@@ -297,5 +280,6 @@ def qgemv_mma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         scales.stride(0), HAS_B=biases is not None, HAS_BIAS=bias is not None,
         G=group_size if scales.shape[1] > 1 else 1 << 30, CENTRE=float(code_centre(4, False, biases is not None)),
         MAGIC_V=float(MAGIC[x.dtype][0]), BF16=x.dtype == torch.bfloat16, ASM=not INTERPRET, ROWS=rows, WARPS=warps,
-        EVEN=n % rows == 0 and (k // 8) % (16 * warps) == 0, num_warps=warps, num_stages=1, **pdl_launch(x))
+        EVEN=n % rows == 0 and (k // 8) % (16 * warps) == 0, **_programs(x.dtype == torch.bfloat16, rows),
+        num_warps=warps, num_stages=1, **pdl_launch(x))
     return y
