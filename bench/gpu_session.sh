@@ -65,8 +65,8 @@ bench mma-tests 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/te
   tests/test_quant_gemv.py tests/test_kernels.py -k "mma or pdl or graph or pairs"
 bench mma-gemv 300 python3 bench/quant_gemv_sweep.py --formats "int4 g128" --kernels pairs mma --all --tokens 2 4 8
 bench pairs-all 300 python3 bench/quant_gemv_sweep.py --formats "int4 g32" fp8 --kernels pairs --all
-bench mma-ab 200 bash -c "KVSHIP_MMA_GEMV=0 python3 bench/profile_step.py --graphs --batch 4 --quantization int4 && \
-  KVSHIP_MMA_GEMV=1 python3 bench/profile_step.py --graphs --batch 4 --quantization int4"
+bench mma-ab 200 bash -c "KVSHIP_PDL=0 KVSHIP_MMA_GEMV=0 python3 bench/profile_step.py --graphs --batch 4 --quantization int4 --top 8 && \
+  KVSHIP_PDL=0 KVSHIP_MMA_GEMV=1 python3 bench/profile_step.py --graphs --batch 4 --quantization int4 --top 8"
 bench pdl-ab 330 bash -c "KVSHIP_PDL=0 python3 bench/latency.py --quantization none fp8 int4 --no-hf && \
   KVSHIP_PDL=1 python3 bench/latency.py --quantization none fp8 int4 --no-hf"
 bench latency-moe 150 python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf
