@@ -241,6 +241,13 @@ WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stag
 PAIRS_GEMV_CONFIGS = {8: {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
                       4: {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 4, "num_stages": 3},
                       "fp8": {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3}}
+# (format, N, K) -> the pairs kernel's setting where one beat the format's own on that shape:
+# 4-bit in groups of 128 on the 8B projections, H200 at 171c1eb (`bench/quant_gemv_sweep.py
+# --formats "int4 g128" --quick`), 45/45/65/59% of copy bandwidth on q/k/v, o, gate/up, down.
+PAIRS_GEMV_SHAPES = {(4, 6144, 4096): {"pairs": 1, "block_n": 16, "block_w": 256, "num_warps": 4, "num_stages": 3},
+                     (4, 4096, 4096): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
+                     (4, 28672, 4096): {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 2, "num_stages": 3},
+                     (4, 4096, 14336): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3}}
 # The tensor-core kernel (kernels/quant_gemv_mma.py) multiplies 2 to 8 rows (a small decode batch)
 # of 16-bit x by 4-bit codes in groups of 128 (or one a row), reading the weights once;
 # KVSHIP_MMA_GEMV=0 leaves them to the dequantizing GEMM (A/B runs). One row stays on the pairs
@@ -303,11 +310,13 @@ def _layout(w: QWeight, block_k: int) -> tuple[tuple[torch.Tensor, ...], dict]:
 
 
 def _one_row_config(w: QWeight, dtype: torch.dtype) -> dict[str, int]:
-    """The pairs kernel's settings (PAIRS_GEMV_CONFIGS) where it takes the layout and x is 16-bit
-    (its sums are fp16: float32 serving keeps float32 arithmetic), else the word kernel's (with
-    block_w) for integer codes, else the per-code one's."""
+    """The pairs kernel's settings (PAIRS_GEMV_SHAPES for the weight's shape, else
+    PAIRS_GEMV_CONFIGS) where it takes the layout and x is 16-bit (its sums are fp16: float32
+    serving keeps float32 arithmetic), else the word kernel's (with block_w) for integer codes,
+    else the per-code one's."""
     if dtype != torch.float32 and pairs_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None):
-        return PAIRS_GEMV_CONFIGS["fp8" if w.fp8 else w.bits]
+        key = "fp8" if w.fp8 else w.bits
+        return PAIRS_GEMV_SHAPES.get((key, w.n, w.k), PAIRS_GEMV_CONFIGS[key])
     words = WORD_GEMV_CONFIGS[w.bits]
     if not w.fp8 and fits(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, words["block_w"]):
         return words
