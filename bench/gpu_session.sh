@@ -14,6 +14,7 @@
 #   programmatic dependent launch off and on (KVSHIP_PDL), batch 1: bash bench/gpu_session.sh pdl-ab
 #   4-bit GEMV on the tensor cores for 2-8 rows (tests, sweeps, a batch-4 step off and on), every
 #   pairs-kernel setting per projection: bash bench/gpu_session.sh mma-tests mma-gemv mma-ab pairs-all
+#   the sweep's best pairs settings for FP8 and Q4_K's layout, batch 1 without and with them: pairs-best
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
@@ -67,6 +68,9 @@ bench mma-gemv 300 python3 bench/quant_gemv_sweep.py --formats "int4 g128" --ker
 bench pairs-all 300 python3 bench/quant_gemv_sweep.py --formats "int4 g32" fp8 --kernels pairs --all
 bench mma-ab 200 bash -c "KVSHIP_PDL=0 KVSHIP_MMA_GEMV=0 python3 bench/profile_step.py --graphs --batch 4 --quantization int4 --top 8 && \
   KVSHIP_PDL=0 KVSHIP_MMA_GEMV=1 python3 bench/profile_step.py --graphs --batch 4 --quantization int4 --top 8"
+bench pairs-best 600 bash -c "python3 bench/quant_gemv_sweep.py --formats fp8 'int4 g32' --kernels pairs --all \
+  --best-json $OUT/best.json && python3 bench/latency.py --quantization fp8 int4-g32 int4 --no-hf && \
+  python3 bench/latency.py --quantization fp8 int4-g32 int4 --no-hf --settings $OUT/best.json"
 bench pdl-ab 330 bash -c "KVSHIP_PDL=0 python3 bench/latency.py --quantization none fp8 int4 --no-hf && \
   KVSHIP_PDL=1 python3 bench/latency.py --quantization none fp8 int4 --no-hf"
 bench latency-moe 150 python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf

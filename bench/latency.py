@@ -15,6 +15,7 @@ CUDA graph, against the bytes of the experts its tokens pick and against the pla
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -132,6 +133,17 @@ def moe_layer_rows(shape: str, bw: float, token_counts=(1, 4, 16, 64)) -> list[l
     return rows
 
 
+def use_settings(settings: list) -> None:
+    """Put [shape key, setting] pairs into quant_linear's per-shape tables (the engine runs in this
+    process): pairs-kernel settings for one row, mma-kernel ones for 2 to 8 rows."""
+    from kvship.kernels import quant_linear
+
+    for key, cfg in settings:
+        table_ = quant_linear.MMA_GEMV_SHAPES if "mma" in cfg else quant_linear.PAIRS_GEMV_SHAPES
+        table_[tuple(key)] = cfg
+        print(f"setting {tuple(key)}: {cfg}", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -141,7 +153,11 @@ def main() -> None:
     ap.add_argument("--quantization", nargs="+", choices=["none", *WEIGHT_FORMATS],
                     help="weight formats to compare (graphs only), instead of the bf16 graphs/eager/HF table; "
                          "int4-g32: in-situ int4 in groups of 32 with offsets, the layout GGUF Q4_K blocks load into")
+    ap.add_argument("--settings", help="one-row and small-batch GEMV settings per weight to try (the JSON of "
+                                       "bench/quant_gemv_sweep.py --best-json), over the engine's own")
     args = ap.parse_args()
+    if args.settings:
+        use_settings(json.loads(Path(args.settings).read_text()))
     if args.quantization:
         return compare_formats(args)
     bw, mm = measure_ceilings()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from common import header, measure_ceilings, table
 from gemv_sweep import SHAPES, time_per_call
 from kvship.kernels.quant_gemv import fits, pairs_fit
 from kvship.kernels.quant_gemv_mma import mma_fit
-from kvship.kernels.quant_linear import _gemm_config, pack, quant_linear_torch, quant_linear_triton
+from kvship.kernels.quant_linear import _gemm_config, pack, quant_linear_torch, quant_linear_triton, shape_key
 from kvship.quant import quantize
 from kvship.quant.insitu import quantize_groups
 
@@ -61,6 +62,8 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS),
                     help="which one-row kernels' grids to sweep (the engine's own setting is timed always)")
     ap.add_argument("--all", action="store_true", help="also a table of every setting's time")
+    ap.add_argument("--best-json", help="write each kernel's best setting per weight (quant_linear.shape_key) here, "
+                                        "for bench/latency.py --settings")
     ap.add_argument("--tokens", nargs="*", type=int, default=[],
                     help="small batches: the tensor-core kernel's settings at these row counts (4-bit, groups of 128) "
                          "against the dequantizing GEMM and cuBLAS bf16")
@@ -85,6 +88,7 @@ def main() -> None:
         words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=3) for bn, bw, nw in
                  ((4, 256, 4), (8, 256, 8), (16, 256, 8), (2, 512, 4), (4, 512, 8), (8, 128, 4))]
     rows, gemm_rows, kind_rows, all_rows, token_rows = [], [], [], [], []
+    best_settings = []  # [shape_key, setting]: one-row pairs kernel, and the mma kernel at the most tokens
     for name, n, k in SHAPES[:4]:
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         copies16 = max(4, -(-300_000_000 // (n * k * 2)))
@@ -128,6 +132,8 @@ def main() -> None:
                              f"{best[0]:.1f}", bw(best[0]), f"{cublas / min(engine, best[0]):.2f}x", str(best[1])])
                 for kind, (us, cfg) in best_of.items():
                     kind_rows.append([name, fmt, kind, f"{us:.1f}", bw(us), str(cfg)])
+                if "pairs kernel" in best_of:
+                    best_settings.append([list(shape_key(qw)), best_of["pairs kernel"][1]])
             for m in args.tokens if qw.bits == 4 and not qw.fp8 else []:
                 xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ws16 = [w16.clone() for _ in range(copies16)]
@@ -145,6 +151,8 @@ def main() -> None:
                     us = time_per_call(lambda i: quant_linear_triton(xm, qws[i], None, cfg), copies)
                     if mma_best is None or us < mma_best[0]:
                         mma_best = (us, cfg)
+                if mma_best and m == max(args.tokens):
+                    best_settings.append([list(shape_key(qw)), mma_best[1]])
                 if mma_best:
                     token_rows.append([name, fmt, str(m), f"{t16:.1f}", f"{tgemm:.1f}", f"{tengine:.1f}", bw(tengine),
                                        f"{mma_best[0]:.1f}", bw(mma_best[0]), f"{tgemm / tengine:.2f}x", str(mma_best[1])])
@@ -167,6 +175,8 @@ def main() -> None:
         print()
         print(table(token_rows, ["weight", "format", "tokens", "cuBLAS bf16 µs", "dequant GEMM µs", "engine µs",
                                  "engine % BW", "mma best µs", "mma % BW", "engine vs GEMM", "mma best setting"]))
+    if args.best_json:
+        Path(args.best_json).write_text(json.dumps(best_settings))
     if args.all:
         print()
         print(table(all_rows, ["weight", "format", "kernel", "µs", "% BW", "setting"]))

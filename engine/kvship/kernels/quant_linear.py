@@ -241,19 +241,37 @@ WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stag
 PAIRS_GEMV_CONFIGS = {8: {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
                       4: {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 4, "num_stages": 3},
                       "fp8": {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3}}
-# (format, N, K) -> the pairs kernel's setting where one beat the format's own on that shape:
-# 4-bit in groups of 128 on the 8B projections, H200 at 171c1eb (`bench/quant_gemv_sweep.py
-# --formats "int4 g128" --quick`), 45/45/65/59% of copy bandwidth on q/k/v, o, gate/up, down.
-PAIRS_GEMV_SHAPES = {(4, 6144, 4096): {"pairs": 1, "block_n": 16, "block_w": 256, "num_warps": 4, "num_stages": 3},
-                     (4, 4096, 4096): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
-                     (4, 28672, 4096): {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 2, "num_stages": 3},
-                     (4, 4096, 14336): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3}}
+# (format, group, N, K) -> the pairs kernel's setting where one beat the format's own on that
+# shape (group: inputs a scale covers, 0 for one a row): 4-bit in groups of 128 on the 8B
+# projections, H200 at 171c1eb and again at bfb22ce (`bench/quant_gemv_sweep.py --formats "int4
+# g128" --all`), 45/46/65/59% of copy bandwidth on q/k/v, o, gate/up, down, against 36/37/54/46%
+# for the format's own (8 rows x 256 words, 4 warps); batch-1 int4 386.5 -> 423.5 tok/s, and
+# groups of 32 (Q4_K's layout) with the same settings 364.8 -> 390.0, in one call.
+PAIRS_GEMV_SHAPES = {(4, 128, 6144, 4096): {"pairs": 1, "block_n": 16, "block_w": 256, "num_warps": 4, "num_stages": 3},
+                     (4, 128, 4096, 4096): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
+                     (4, 128, 28672, 4096): {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 2, "num_stages": 3},
+                     (4, 128, 4096, 14336): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
+                     (4, 32, 6144, 4096): {"pairs": 1, "block_n": 16, "block_w": 256, "num_warps": 4, "num_stages": 3},
+                     (4, 32, 4096, 4096): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
+                     (4, 32, 28672, 4096): {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 2, "num_stages": 3},
+                     (4, 32, 4096, 14336): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3}}
+
+
+def shape_key(w: QWeight) -> tuple:
+    """A quantized matrix's key in the per-shape settings tables: (format, group, N, K)."""
+    return ("fp8" if w.fp8 else w.bits, w.group_size if w.scales.shape[1] > 1 else 0, w.n, w.k)
+
+
 # The tensor-core kernel (kernels/quant_gemv_mma.py) multiplies 2 to 8 rows (a small decode batch)
 # of 16-bit x by 4-bit codes in groups of 128 (or one a row), reading the weights once;
 # KVSHIP_MMA_GEMV=0 leaves them to the dequantizing GEMM (A/B runs). One row stays on the pairs
 # kernel: the H200 sweep at 171c1eb had this kernel's best 42/35/61/45% of copy bandwidth on
-# q/k/v, o, gate/up, down against the pairs kernel's 45/45/65/59%.
-MMA_GEMV_CONFIG = {"mma": 1, "rows": 16, "num_warps": 8}
+# q/k/v, o, gate/up, down against the pairs kernel's 45/45/65/59%. Settings per shape from
+# `bench/quant_gemv_sweep.py --formats "int4 g128" --tokens 2 4 8` at bfb22ce: at 4 tokens
+# 11.7/10.5/28.8/22.3 us against the dequantizing GEMM's 22.0/21.7/64.1/71.0.
+MMA_GEMV_CONFIG = {"mma": 1, "rows": 16, "num_warps": 4}
+MMA_GEMV_SHAPES = {(4, 128, 28672, 4096): {"mma": 1, "rows": 32, "num_warps": 2},
+                   (4, 128, 4096, 14336): {"mma": 1, "rows": 16, "num_warps": 8}}
 MMA_GEMV_ENABLED = os.environ.get("KVSHIP_MMA_GEMV", "1") != "0"
 # From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
 # GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
@@ -315,8 +333,7 @@ def _one_row_config(w: QWeight, dtype: torch.dtype) -> dict[str, int]:
     serving keeps float32 arithmetic), else the word kernel's (with block_w) for integer codes,
     else the per-code one's."""
     if dtype != torch.float32 and pairs_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None):
-        key = "fp8" if w.fp8 else w.bits
-        return PAIRS_GEMV_SHAPES.get((key, w.n, w.k), PAIRS_GEMV_CONFIGS[key])
+        return PAIRS_GEMV_SHAPES.get(shape_key(w), PAIRS_GEMV_CONFIGS["fp8" if w.fp8 else w.bits])
     words = WORD_GEMV_CONFIGS[w.bits]
     if not w.fp8 and fits(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, words["block_w"]):
         return words
@@ -334,7 +351,7 @@ def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None =
         return _dense_matmul(x2, w, bias).view(*shape[:-1], n)
     if config is None and 1 < m <= MAX_TOKENS and MMA_GEMV_ENABLED \
             and mma_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, x.dtype):
-        config = MMA_GEMV_CONFIG
+        config = MMA_GEMV_SHAPES.get(shape_key(w), MMA_GEMV_CONFIG)
     if config is not None and "mma" in config:
         return qgemv_mma_triton(x2, w.qweight, w.scales, w.biases, bias, w.group_size, w.k,
                                 config).view(*shape[:-1], n)
