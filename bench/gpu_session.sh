@@ -15,6 +15,7 @@
 #   4-bit GEMV on the tensor cores for 2-8 rows (tests, sweeps, a batch-4 step off and on), every
 #   pairs-kernel setting per projection: bash bench/gpu_session.sh mma-tests mma-gemv mma-ab pairs-all
 #   the sweep's best pairs settings for FP8 and Q4_K's layout, batch 1 without and with them: pairs-best
+#   quantized-weight GPU tests, batch 1 by format, the batch-4 int4 step: final-verify latency-formats profile-int4-b4
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
@@ -71,6 +72,10 @@ bench mma-ab 200 bash -c "KVSHIP_PDL=0 KVSHIP_MMA_GEMV=0 python3 bench/profile_s
 bench pairs-best 600 bash -c "python3 bench/quant_gemv_sweep.py --formats fp8 'int4 g32' --kernels pairs --all \
   --best-json $OUT/best.json && python3 bench/latency.py --quantization fp8 int4-g32 int4 --no-hf && \
   python3 bench/latency.py --quantization fp8 int4-g32 int4 --no-hf --settings $OUT/best.json"
+bench final-verify 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_quant_gemv_mma.py \
+  tests/test_quantized_weights.py tests/test_kernels.py -k "mma or quant or pdl or graph or linear or gemv"
+bench latency-formats 200 python3 bench/latency.py --quantization none fp8 int4 int4-g32 --no-hf
+bench profile-int4-b4 120 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 4 --quantization int4 --top 8
 bench pdl-ab 330 bash -c "KVSHIP_PDL=0 python3 bench/latency.py --quantization none fp8 int4 --no-hf && \
   KVSHIP_PDL=1 python3 bench/latency.py --quantization none fp8 int4 --no-hf"
 bench latency-moe 150 python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf
