@@ -80,6 +80,24 @@ def test_mma_gemv_range(dtype):
     assert ((got - want).norm() / want.norm()).item() < 5e-3
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_mma_gemv_reads_nothing_past_x(tokens):
+    """Rows' words not a whole number of tiles (the last tile's groups past the row): with NaN
+    right after each of x's rows, the sums stay finite and right (the PTX reads a lane's x 64
+    bytes at a time from the first word's address; a read past the row brought NaN in on the
+    H200 before x's reads were clamped to whole groups)."""
+    n, k = 32, 384  # 48 words: 4 warps take 64 a tile
+    w = _weights(n, k, 128, True, seed=11)
+    g = torch.Generator().manual_seed(12)
+    buf = torch.full((tokens, k + 128), float("nan"))
+    buf[:, :k] = torch.randn(tokens, k, generator=g)
+    x = buf.to(DEV, torch.bfloat16)[:, :k]
+    got = qgemv_mma_triton(x, w.qweight, w.scales, None, None, 128, k, {"mma": 1, "rows": 16, "num_warps": 4}).float()
+    want = quant_linear_torch(x.float(), w)
+    assert torch.isfinite(got).all()
+    assert ((got - want).norm() / want.norm()).item() < 5e-3
+
+
 def test_engine_takes_it_for_2_to_8_rows(monkeypatch):
     """quant_linear_triton's dispatch: 2 to 8 rows of bf16 x beside 4-bit groups of 128 go to this
     kernel, one row and 9 or more rows do not, nor rows when KVSHIP_MMA_GEMV=0 turned it off."""

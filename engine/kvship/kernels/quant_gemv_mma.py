@@ -232,12 +232,14 @@ def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, M, N, KW, str
         else:
             q_next = tl.load(pw + cols + nxt, mask=(rows < N) & (cols + nxt < KW), other=0,
                              eviction_policy="evict_first")
-            # a group past the row's end has zero codes and x read from the row's last word: its
-            # scale and offset are 0, so that it adds nothing
+            # a group past the row's end has zero codes and reads the row's last group's x (the PTX
+            # reads a lane's 4 words' x, 64 bytes, from its first word's address: clamping words
+            # one by one would let it read past the row); its scale and offset are 0, so that it
+            # adds nothing
             live = cols + w0 < KW
             live_s = tl.where(live, s, 0.0)
             live_b = tl.where(live, b, 0.0)
-            xp = x_ptr + xrow + 4 * tl.minimum(cols + w0, KW - 1)
+            xp = x_ptr + xrow + 4 * (tl.minimum(gw + w0, KW - GW) + (cols - gw))
         s_next = _load_scale(s_ptr + ps + gn, SCALE_PTX, SCALE_ARGS, PACK, ASM)
         if HAS_B:
             b_next = _load_scale(b_ptr + ps + gn, SCALE_PTX, SCALE_ARGS, PACK, ASM)
