@@ -155,7 +155,8 @@ def main() -> None:
                     best_settings.append([list(shape_key(qw)), mma_best[1]])
                 if mma_best:
                     token_rows.append([name, fmt, str(m), f"{t16:.1f}", f"{tgemm:.1f}", f"{tengine:.1f}", bw(tengine),
-                                       f"{mma_best[0]:.1f}", bw(mma_best[0]), f"{tgemm / tengine:.2f}x", str(mma_best[1])])
+                                       f"{mma_best[0]:.1f}", bw(mma_best[0]), f"{tgemm / tengine:.2f}x",
+                                       str(mma_best[1])])
             for m in (16, 256):
                 xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 t16 = time_per_call(lambda i: torch.nn.functional.linear(xm, w16), 4)

@@ -144,7 +144,8 @@ def test_mma_kernel_layout_on_sm90():
              "stride_w": "i32", "stride_s": "i32"}
     for rows, warps in ((16, 4), (32, 8), (32, 2)):
         spec = {"kernel": "kvship.kernels.quant_gemv_mma:_qgemv_mma_kernel", "types": types,
-                "divisible": ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "bias_ptr", "y_ptr", "stride_w", "stride_x", "stride_y"],
+                "divisible": ["x_ptr", "w_ptr", "s_ptr", "b_ptr", "bias_ptr", "y_ptr", "stride_w", "stride_x",
+                              "stride_y"],
                 "options": {"num_warps": warps, "num_stages": 1},
                 "constexprs": {"HAS_B": True, "HAS_BIAS": False, "G": 128, "CENTRE": 0.0, "MAGIC_V": 128.0,
                                "BF16": True, "ASM": True, "ROWS": rows, "WARPS": warps, "EVEN": True,

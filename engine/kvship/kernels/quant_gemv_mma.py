@@ -107,7 +107,8 @@ def _mma_ptx(bf16: bool, vectors: int) -> str:
 
 def _f32(value: float) -> str:
     """A PTX fp32 literal."""
-    return "0f" + torch.tensor(value, dtype=torch.float32).view(torch.int32).item().to_bytes(4, "big", signed=True).hex()
+    bits = torch.tensor(value, dtype=torch.float32).view(torch.int32).item()
+    return "0f" + bits.to_bytes(4, "big", signed=True).hex()
 
 
 def _scale_ptx(vectors: int) -> str:
@@ -126,7 +127,8 @@ def _programs(bf16: bool, rows: int) -> dict[str, str]:
     """The kernel's PTX and operand constraints for x's dtype and the rows a program takes (the
     launch passes them as compile-time strings)."""
     e = rows // 2  # elements a lane holds: 4 words of each of rows // 8 rows
-    return {"MMA_PTX": _mma_ptx(bf16, rows // 8), "MMA_ARGS": ",".join(["=f"] * e + ["r"] * e + ["l"] * e + ["f"] * 3 * e),
+    return {"MMA_PTX": _mma_ptx(bf16, rows // 8),
+            "MMA_ARGS": ",".join(["=f"] * e + ["r"] * e + ["l"] * e + ["f"] * 3 * e),  # out; words, x, s, b, acc
             "SCALE_PTX": _scale_ptx(rows // 8), "SCALE_ARGS": ",".join(["=f"] * e + ["l"] * e)}
 
 

@@ -226,6 +226,13 @@ GEMV_CONFIGS = {8: {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages":
                 4: {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 3}}
 WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
                      4: {"block_n": 16, "block_w": 256, "num_warps": 8, "num_stages": 3}}
+
+
+def _pairs(block_n: int, block_w: int, num_warps: int) -> dict[str, int]:
+    """A setting of the pairs kernel (the sweeps run it with 3 stages only)."""
+    return {"pairs": 1, "block_n": block_n, "block_w": block_w, "num_warps": num_warps, "num_stages": 3}
+
+
 # The fp16-pair kernel (quant_gemv.py's second, "pairs") for integer codes, from the same sweep:
 # 8-bit at 81efe34 (61-95% of copy bandwidth against 41-64% for the word kernel, one setting best
 # on all four 8B shapes); 4-bit in groups of 32 with offsets (Q4_K's layout) at 6067e97, 8 rows of
@@ -238,29 +245,22 @@ WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stag
 # fe0bd55; the per-code kernel 61/48/79/59%). The grid's best per projection was within 7% of it
 # (q/k/v 69% at 256 words and 2 warps, gate/up 93% at 32 rows of 64 words); one setting a format
 # keeps the dispatch simple.
-PAIRS_GEMV_CONFIGS = {8: {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
-                      4: {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 4, "num_stages": 3},
-                      "fp8": {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3}}
+PAIRS_GEMV_CONFIGS = {8: _pairs(8, 512, 4), 4: _pairs(8, 256, 4), "fp8": _pairs(8, 512, 4)}
 # (format, group, N, K) -> the pairs kernel's setting where one beat the format's own on that
 # shape (group: inputs a scale covers, 0 for one a row): 4-bit in groups of 128 on the 8B
 # projections, H200 at 171c1eb and again at bfb22ce (`bench/quant_gemv_sweep.py --formats "int4
 # g128" --all`), 45/46/65/59% of copy bandwidth on q/k/v, o, gate/up, down, against 36/37/54/46%
 # for the format's own (8 rows x 256 words, 4 warps); batch-1 int4 386.5 -> 423.5 tok/s, and
 # groups of 32 (Q4_K's layout) with the same settings 364.8 -> 390.0, in one call.
-PAIRS_GEMV_SHAPES = {(4, 128, 6144, 4096): {"pairs": 1, "block_n": 16, "block_w": 256, "num_warps": 4, "num_stages": 3},
-                     (4, 128, 4096, 4096): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
-                     (4, 128, 28672, 4096): {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 2, "num_stages": 3},
-                     (4, 128, 4096, 14336): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
-                     (4, 32, 6144, 4096): {"pairs": 1, "block_n": 16, "block_w": 256, "num_warps": 4, "num_stages": 3},
-                     (4, 32, 4096, 4096): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
-                     (4, 32, 28672, 4096): {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 2, "num_stages": 3},
-                     (4, 32, 4096, 14336): {"pairs": 1, "block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
-                     # FP8 per row, be6f270 (`--formats fp8 --best-json`): 82/72/97/91% against the
-                     # format's own 75/64/95/77%; batch-1 fp8 379.7 -> 386.7 tok/s in one call
-                     ("fp8", 0, 6144, 4096): {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 4, "num_stages": 3},
-                     ("fp8", 0, 4096, 4096): {"pairs": 1, "block_n": 8, "block_w": 256, "num_warps": 8, "num_stages": 3},
-                     ("fp8", 0, 28672, 4096): {"pairs": 1, "block_n": 32, "block_w": 64, "num_warps": 4, "num_stages": 3},
-                     ("fp8", 0, 4096, 14336): {"pairs": 1, "block_n": 16, "block_w": 512, "num_warps": 8, "num_stages": 3}}
+_INT4_8B = {(6144, 4096): _pairs(16, 256, 4), (4096, 4096): _pairs(8, 512, 4), (28672, 4096): _pairs(8, 256, 2),
+            (4096, 14336): _pairs(8, 512, 4)}
+PAIRS_GEMV_SHAPES = {
+    **{(4, group, n, k): cfg for group in (128, 32) for (n, k), cfg in _INT4_8B.items()},
+    # FP8 per row, be6f270 (`--formats fp8 --best-json`): 82/72/97/91% against the format's own
+    # 75/64/95/77%; batch-1 fp8 379.7 -> 386.7 tok/s in one call
+    ("fp8", 0, 6144, 4096): _pairs(8, 256, 4), ("fp8", 0, 4096, 4096): _pairs(8, 256, 8),
+    ("fp8", 0, 28672, 4096): _pairs(32, 64, 4), ("fp8", 0, 4096, 14336): _pairs(16, 512, 8),
+}
 
 
 def shape_key(w: QWeight) -> tuple:
