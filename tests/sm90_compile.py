@@ -64,6 +64,15 @@ def compile_in_child(specs: list[dict]) -> None:
     assert proc.stdout.count("ok ") == len(specs), proc.stdout[-4000:]
 
 
+def ttgir_in_child(spec: dict) -> str:
+    """The TTGIR of one spec (as ``compile_in_child`` takes; may name ``divisible`` and
+    ``options``), compiled in a child process: the layouts Triton chose."""
+    proc = subprocess.run([sys.executable, str(Path(__file__)), "--ttgir", json.dumps(spec)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def with_defaults(kernel, constexprs: dict[str, object]) -> dict[str, object]:
     """``constexprs`` and the defaults of the compile-time arguments it leaves out (so that a
     kernel can gain an option without every caller's list naming it). PDL is on where a kernel

@@ -6,11 +6,7 @@ projection's size on a GPU (the PTX). The PTX relies on the lane each word lands
 for sm_90 checks that layout."""
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +16,7 @@ from kvship.kernels.quant_gemv_mma import MAGIC, _programs, mma_fit, qgemv_mma_t
 from kvship.kernels.quant_linear import pack, quant_linear_torch
 from kvship.quant import QuantizedTensor
 from kvship.quant.insitu import quantize_groups
+from sm90_compile import ttgir_in_child
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
@@ -138,7 +135,6 @@ def test_mma_kernel_layout_on_sm90():
     lanes 8 rows and warps the groups: the layout Triton gives the words' load when compiled as
     the engine launches it (pointers and the row stride divisible by 16). A Triton upgrade that
     lays them out otherwise fails here, on CPU, before the GPU gives wrong sums."""
-    script = Path(__file__).parent / "sm90_compile.py"
     types = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*fp16", "b_ptr": "*fp16", "bias_ptr": "*bf16",
              "y_ptr": "*bf16", "M": "i32", "N": "i32", "KW": "i32", "stride_x": "i32", "stride_y": "i32",
              "stride_w": "i32", "stride_s": "i32"}
@@ -150,13 +146,11 @@ def test_mma_kernel_layout_on_sm90():
                 "constexprs": {"HAS_B": True, "HAS_BIAS": False, "G": 128, "CENTRE": 0.0, "MAGIC_V": 128.0,
                                "BF16": True, "ASM": True, "ROWS": rows, "WARPS": warps, "EVEN": True,
                                **_programs(True, rows)}}
-        proc = subprocess.run([sys.executable, str(script), "--ttgir", json.dumps(spec)], capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        layouts = re.findall(r"tt\.load .*tensor<8x\d+x\d+x16x!tt\.ptr<i32>, #(\w+)>", proc.stdout)
-        assert layouts, proc.stdout[-2000:]
+        ttgir = ttgir_in_child(spec)
+        layouts = re.findall(r"tt\.load .*tensor<8x\d+x\d+x16x!tt\.ptr<i32>, #(\w+)>", ttgir)
+        assert layouts, ttgir[-2000:]
         layout = layouts[0]
-        definition = next(line for line in proc.stdout.splitlines() if line.startswith(f"#{layout} ="))
+        definition = next(line for line in ttgir.splitlines() if line.startswith(f"#{layout} ="))
         want = (f"sizePerThread = [1, 1, 1, 4], threadsPerWarp = [8, 1, 1, 4], warpsPerCTA = [1, {warps}, 1, 1], "
                 "order = [3, 0, 1, 2]")
         assert want in definition, definition

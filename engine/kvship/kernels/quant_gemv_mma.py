@@ -48,6 +48,7 @@ from kvship.quant.tensor import code_centre
 MAX_TOKENS = 8  # the mma's 8 columns: one token each
 GROUP_WORDS = 16  # words of a tile's row: one group of 128 4-bit codes, the 4 lanes t of 4 words each
 MAGIC = {torch.bfloat16: (128, 0x43004300), torch.float16: (1024, 0x64006400)}  # value, its bits in both halves
+_GW = tl.constexpr(GROUP_WORDS)
 
 
 def mma_fit(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool, dtype: torch.dtype) -> bool:
@@ -163,6 +164,15 @@ def _word_sums(q, xp, MAGIC_V: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
+def _slot_token(slot, M):
+    """The token a slot (word position 0..15 of a lane group's tile row) sums: lane t's elements 0
+    and 1 (slots 4t, 4t + 1) hold tokens 2t and 2t + 1, its elements 2 and 3 none; and whether
+    that is a token of the M."""
+    tok = (slot // 4) * 2 + slot % 4
+    return tok, (slot % 4 < 2) & (tok < M)
+
+
+@triton.jit
 def _accumulate_interpreted(pw, w0, gw, wmask, x_ptr, xrow, tok_ok, s, b, acc, KW, MAGIC_V: tl.constexpr,
                             BF16: tl.constexpr):
     """The interpreter's path to the same sums: each element (slot) adds its own row's and token's
@@ -192,7 +202,7 @@ def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, M, N, KW, str
     slots w = 4t, 4t + 1). G: inputs a group, a multiple of 128 (1 << 30: one group a row).
     HAS_B: offsets stored (else symmetric codes about CENTRE: offset -CENTRE s). EVEN: N a
     multiple of ROWS and the row's words of WARPS * 16 (no masks)."""
-    GW: tl.constexpr = 16
+    GW: tl.constexpr = _GW
     V: tl.constexpr = ROWS // 8
     STEP: tl.constexpr = WARPS * GW  # words a tile spans along the row
     zero = tl.zeros([8, WARPS, V, GW], tl.int32)
@@ -201,8 +211,7 @@ def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, M, N, KW, str
     gw = tl.arange(0, WARPS)[None, :, None, None] * GW + zero  # each word's group's first word in the tile
     slot = tl.arange(0, GW)[None, None, None, :] + zero
     cols = gw + slot
-    tok = (slot // 4) * 2 + slot % 4  # the token a slot sums (slots 4t + 2, 4t + 3: none)
-    tok_ok = (slot % 4 < 2) & (tok < M)
+    tok, tok_ok = _slot_token(slot, M)
     pw = w_ptr + rows.to(tl.int64) * stride_w
     ps = tl.minimum(rows, N - 1).to(tl.int64) * stride_s  # scale reads stay inside the rows
     if ASM:  # lane (g, t) reads token g's x: the element's dim 0
@@ -260,9 +269,8 @@ def _qgemv_mma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, M, N, KW, str
         b = b_next
     y = tl.sum(acc, 1)  # [8, V, 16]: row 8 v + g, the token of the slot
     yrow = r2[:, :, None]
-    yslot = tl.arange(0, GW)[None, None, :]
-    ytok = (yslot // 4) * 2 + yslot % 4
-    ymask = (yrow < N) & (ytok < M) & (yslot % 4 < 2)
+    ytok, ytok_ok = _slot_token(tl.arange(0, GW)[None, None, :], M)
+    ymask = (yrow < N) & ytok_ok
     if HAS_BIAS:
         y += tl.load(bias_ptr + yrow + 0 * ytok, mask=ymask, other=0.0).to(tl.float32)
     tl.store(y_ptr + ytok.to(tl.int64) * stride_y + yrow, y.to(y_ptr.dtype.element_ty), mask=ymask)
@@ -284,6 +292,6 @@ def qgemv_mma_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         scales.stride(0), HAS_B=biases is not None, HAS_BIAS=bias is not None,
         G=group_size if scales.shape[1] > 1 else 1 << 30, CENTRE=float(code_centre(4, False, biases is not None)),
         MAGIC_V=float(MAGIC[x.dtype][0]), BF16=x.dtype == torch.bfloat16, ASM=not INTERPRET, ROWS=rows, WARPS=warps,
-        EVEN=n % rows == 0 and (k // 8) % (16 * warps) == 0, **_programs(x.dtype == torch.bfloat16, rows),
+        EVEN=n % rows == 0 and (k // 8) % (GROUP_WORDS * warps) == 0, **_programs(x.dtype == torch.bfloat16, rows),
         num_warps=warps, num_stages=1, **pdl_launch(x))
     return y

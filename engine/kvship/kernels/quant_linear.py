@@ -339,7 +339,8 @@ def _one_row_config(w: QWeight, dtype: torch.dtype) -> dict[str, int]:
     serving keeps float32 arithmetic), else the word kernel's (with block_w) for integer codes,
     else the per-code one's."""
     if dtype != torch.float32 and pairs_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None):
-        return PAIRS_GEMV_SHAPES.get(shape_key(w), PAIRS_GEMV_CONFIGS["fp8" if w.fp8 else w.bits])
+        key = shape_key(w)
+        return PAIRS_GEMV_SHAPES.get(key, PAIRS_GEMV_CONFIGS[key[0]])
     words = WORD_GEMV_CONFIGS[w.bits]
     if not w.fp8 and fits(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, words["block_w"]):
         return words
