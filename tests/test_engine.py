@@ -229,3 +229,24 @@ def test_decode_inputs_come_from_the_device_and_are_aligned(llm, prompts):
     for i in range(3):
         eng.abort(f"inputs-{i}")
     assert_all_blocks_released(llm)
+
+
+def test_mixed_step_lists_its_decodes_first(llm, prompts):
+    """A step that admits prompts beside running decodes lists every one-token entry first (a
+    one-token prompt too), each part in its order, and tells attention how many lead
+    (meta.num_decodes): the GPU runs those through the decode kernel."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    eng.add_request("mixed-0", prompts[0], params)
+    eng.step()  # mixed-0 prefilled: a decode from now on
+    eng.add_request("mixed-1", prompts[1], params)
+    eng.add_request("mixed-2", prompts[2][:1], params)
+    step = eng.in_flight
+    batch = eng.scheduler.schedule(step.rows)
+    assert [s.request_id for s in batch.seqs] == ["mixed-0", "mixed-2", "mixed-1"]
+    assert batch.num_new_tokens[:2] == [1, 1] and batch.num_new_tokens[2] > 1 and batch.num_decodes == 2  # (less than
+    # the prompt where an earlier test's blocks are cached)
+    _, _, meta = eng.runner.prepare(batch, step)
+    assert meta.num_decodes == 2 and meta.cu_seqlens_q.tolist()[:3] == [0, 1, 2]
+    for i in range(3):
+        eng.abort(f"mixed-{i}")

@@ -122,6 +122,48 @@ def test_prefill_varlen_cached_prefix(hq, hkv, d, block_size, dtype):
     close(out, ref, dtype, "prefill")
 
 
+class LaunchSpy:
+    """Stands in for a Triton kernel object: records each launch's grid, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def mixed_step_lens():
+    """A step's sequences, decodes first (Batch.decodes_first): three decodes at different
+    contexts, then a fresh prompt, a later chunk of a prompt, a one-token prompt chunk after it
+    is not (only the leading ones count) and an empty sequence."""
+    if GPU:
+        return [1, 1, 1, 700, 256, 1, 0], [513, 4000, 37, 700, 2000, 900, 40]
+    return [1, 1, 1, 20, 7, 1, 0], [17, 45, 3, 20, 50, 30, 9]
+
+
+def check_mixed_step(monkeypatch, q, kc, vc, bt, sl, cu, q_lens, scale, dtype, what, **scales):
+    """The step through paged_attention_triton with num_decodes = 3: equal to the torch
+    reference, and the decode kernel launched for exactly the three leading sequences."""
+    spy = LaunchSpy(pa._decode_kernel)
+    monkeypatch.setattr(pa, "_decode_kernel", spy)
+    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, scale, scales.get("k_scale"), scales.get("v_scale"))
+    out = pa.paged_attention_triton(q, kc, vc, bt, sl, cu, scale, max(q_lens), num_decodes=3, **scales)
+    close(out, ref, dtype, what)
+    assert [g[0] for g in spy.grids] == [3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", HEADS)
+def test_mixed_step_decodes_through_the_decode_kernel(hq, hkv, d, dtype, monkeypatch):
+    """A step that mixes prompt chunks with decodes (continuous batching admits a prompt as
+    soon as a sequence ends): the leading decodes run through the decode kernel, the rest
+    through the prefill kernel, into one output."""
+    q_lens, ctx = mixed_step_lens()
+    q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, hq, hkv, d, 16, dtype, seed=11 * hq + d)
+    check_mixed_step(monkeypatch, q, kc, vc, bt, sl, cu, q_lens, d**-0.5, dtype, "mixed step")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunked_prefill_matches_whole(dtype):
     """A prompt prefilled in chunks (each chunk attending to the cached earlier chunks) gives

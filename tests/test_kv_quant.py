@@ -14,7 +14,7 @@ from kvship.kernels import paged_attention as pa
 from kvship.kernels import rotary
 from kvship.kernels._triton import HAS_TRITON
 from sm90_compile import attention_types, compile_in_child, decode_types, ints
-from test_kernels import DEV, GPU, close, make_paged, qk_norm_weights, store_inputs
+from test_kernels import DEV, GPU, check_mixed_step, close, make_paged, mixed_step_lens, qk_norm_weights, store_inputs
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
@@ -195,6 +195,18 @@ def test_prefill_kernel(hq, hkv, d, kv_dtype):
     ref = pa.paged_attention_torch(q, kq, vq, bt, sl, cu, d**-0.5, ks, vs)
     out = pa.paged_attention_triton(q, kq, vq, bt, sl, cu, d**-0.5, max(q_lens), k_scale=ks, v_scale=vs)
     close(out, ref, DTYPE, f"prefill {kv_dtype}")
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", HEADS[:2])
+def test_mixed_step_kernels(hq, hkv, d, kv_dtype, monkeypatch):
+    """Quantized pages in a step that mixes decodes with prompt chunks: the decodes through
+    the decode kernel (its packed page reads), the chunks through the prefill kernel."""
+    q_lens, ctx = mixed_step_lens()
+    q, kq, vq, ks, vs, bt, sl, cu = quant_paged(q_lens, ctx, hq, hkv, d, 16, kv_dtype, seed=5 * hq + d)
+    check_mixed_step(monkeypatch, q, kq, vq, bt, sl, cu, q_lens, d**-0.5, DTYPE, f"mixed step {kv_dtype}",
+                     k_scale=ks, v_scale=vs)
 
 
 @needs_triton

@@ -94,5 +94,18 @@ class Batch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def num_decodes(self) -> int:
+        """How many entries, from the first, compute one token each (``decodes_first``)."""
+        return next((i for i, n in enumerate(self.num_new_tokens) if n != 1), len(self.seqs))
+
+    def decodes_first(self) -> Batch:
+        """The same work with the one-token entries first, each part in its order: a step that
+        mixes prompt chunks with decodes then runs the decodes' attention through the decode
+        kernel, which reads a KV head once for its query heads, and only the chunks through the
+        prefill kernel (AttentionMetadata.num_decodes)."""
+        order = sorted(range(len(self.seqs)), key=lambda i: self.num_new_tokens[i] != 1)
+        return Batch([self.seqs[i] for i in order], [self.num_new_tokens[i] for i in order])
+
     def __len__(self) -> int:
         return len(self.seqs)

@@ -2,6 +2,7 @@
 
 Each step: running sequences first (decodes, and prompts part-way through a chunked prefill),
 then waiting sequences in arrival order, their prompts chunked to fit what is left of the budget.
+The batch lists its one-token entries first (Batch.decodes_first), for the attention kernels.
 When blocks run out, the newest running sequence is preempted (its blocks freed, recomputed
 later from its tokens; the prefix cache usually makes that cheap).
 """
@@ -91,4 +92,4 @@ class Scheduler:
                 self.running.append(seq)
                 batch.add(seq, n)
                 budget -= n
-        return batch
+        return batch.decodes_first()

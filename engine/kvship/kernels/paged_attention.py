@@ -148,11 +148,12 @@ def paged_attention_torch(
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q: int, out=None,
-                    k_scale=None, v_scale=None, window: int | None = None, softcap: float | None = None):
+                    k_scale=None, v_scale=None, window: int | None = None, softcap: float | None = None,
+                    num_decodes: int = 0):
     if use_triton(q):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q, out=out,
-            k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap,
+            k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap, num_decodes=num_decodes,
         )
     o = paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale, v_scale,
                               window=window, softcap=softcap)
@@ -618,11 +619,16 @@ def paged_attention_triton(
     window: int | None = None,
     softcap: float | None = None,
     decode_config: dict | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """Triton twin of ``paged_attention_torch`` (same layouts and semantics).
 
     ``max_seqlen_q`` (a host int) picks the path: 1 means every sequence has one new token
-    (decode: split-K kernel, graph-capturable); otherwise the varlen prefill kernel.
+    (decode: split-K kernel, graph-capturable); otherwise the varlen prefill kernel, except for
+    the first ``num_decodes`` sequences, which have one new token each: a step that mixes prompt
+    chunks with decodes runs those through the decode kernel. The prefill kernel gives each
+    query head its own program, so there a decode's KV head would be read once per query head
+    of its group (and FP8 pages converted as stored).
     ``num_splits`` overrides the decode split count (tests use it; the default depends on
     shapes only), ``decode_config`` the decode launch settings (the benchmark's sweep; default
     DECODE_CONFIGS for the cache's layout). q, k_cache, v_cache need a contiguous last dim.
@@ -630,6 +636,15 @@ def paged_attention_triton(
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
         out = torch.empty_like(q)
+    if max_seqlen_q > 1 and 0 < num_decodes < seq_lens.shape[0]:
+        # Both kernels find their query rows through cu_seqlens_q, so q and out stay whole.
+        options = dict(out=out, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, window=window,
+                       softcap=softcap, decode_config=decode_config)
+        d = num_decodes
+        paged_attention_triton(q, k_cache, v_cache, block_tables[:d], seq_lens[:d], cu_seqlens_q[:d + 1], scale, 1,
+                               **options)
+        return paged_attention_triton(q, k_cache, v_cache, block_tables[d:], seq_lens[d:], cu_seqlens_q[d:], scale,
+                                      max_seqlen_q, **options)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert num_q_heads % num_kv_heads == 0

@@ -21,6 +21,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     max_seqlen_q: int
     logits_indices: torch.Tensor  # rows of the flat batch whose next token is sampled
+    num_decodes: int = 0  # the first sequences with one new token each (Batch.num_decodes)
 
 
 class PagedAttention(nn.Module):
@@ -106,7 +107,8 @@ class PagedAttention(nn.Module):
             q = kvq.rotate_queries(rotary_store_kv_torch(positions, q, k, v, *store), self.k_rotation)
             return pa.paged_attention_torch(q, *args, *scales, **options)
         q = kvq.rotate_queries(rotary_store_kv(positions, q, k, v, *store), self.k_rotation)
-        return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1], **options)
+        return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1],
+                                  num_decodes=meta.num_decodes, **options)
 
 
 class LatentAttention(PagedAttention):

@@ -344,7 +344,8 @@ class ModelRunner:
         if fix_at:
             ids = ids.index_put((fix_at_t,), previous.tokens.index_select(0, fix_rows_t))
         meta = AttentionMetadata(slot_mapping=slot_t, block_tables=tables_t.view(num_seqs, width), seq_lens=lens_t,
-                                 cu_seqlens_q=cu_t, max_seqlen_q=max(batch.num_new_tokens), logits_indices=logit_t)
+                                 cu_seqlens_q=cu_t, max_seqlen_q=max(batch.num_new_tokens), logits_indices=logit_t,
+                                 num_decodes=batch.num_decodes)
         return ids, pos_t, meta
 
     @torch.inference_mode()
