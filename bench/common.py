@@ -190,6 +190,26 @@ def measure_ceilings() -> tuple[float, float]:
     return bw, flops
 
 
+def kernel_rows(prof, per: float, top: int, cuda: bool = True) -> list[list[str]]:
+    """A torch.profiler run as table rows: each CUDA kernel's device time divided by ``per``
+    (steps, or 1 for totals), its launches likewise, and its share, largest first; then the total.
+    Without CUDA the top-level aten operators' CPU times stand in for kernels."""
+    from collections import defaultdict
+
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA if cuda else (e.name.startswith("aten::") and
+                                                                         not e.cpu_parent):
+            rec = per_kernel[e.name[:90]]
+            rec[0] += (e.time_range.elapsed_us() if cuda else e.cpu_time_total) / per
+            rec[1] += 1 / per
+    total = sum(v[0] for v in per_kernel.values()) or 1.0
+    rows = [[name, f"{us:,.1f}", f"{n:,.1f}", f"{100 * us / total:.1f}%"]
+            for name, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]]
+    rows.append(["total (all kernels)", f"{total:,.1f}", f"{sum(v[1] for v in per_kernel.values()):,.0f}", "100%"])
+    return rows
+
+
 def header(title: str) -> str:
     commit = os.environ.get("KVSHIP_COMMIT", "")  # set where the tree travels without .git
     try:

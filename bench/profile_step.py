@@ -5,7 +5,7 @@ mode by default so that every kernel is attributed (the CUDA-graph replay runs t
 with less launch overhead); --graphs profiles the graph replays instead.
 
     python bench/profile_step.py [--shape llama3-8b] [--batch 1] [--context 512] [--steps 32] [--graphs] [--tp 1]
-                                 [--quantization fp8|int8|int4|int4-g32]
+                                 [--quantization fp8|int8|int4|int4-g32] [--kv-cache-dtype fp8|int4]
 
 With --tp N the profile is rank 0's (its share of the weights plus the all-reduces).
 """
@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, WEIGHT_FORMATS, header, insitu_method, table, write_shape_folder
+from common import SHAPES, WEIGHT_FORMATS, header, insitu_method, kernel_rows, table, write_shape_folder
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
 
@@ -35,6 +34,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--quantization", choices=WEIGHT_FORMATS, help="in-situ weight format")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"])
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     method = insitu_method(args.quantization)
@@ -43,7 +43,7 @@ def main() -> None:
         llm = LLM(folder, load_format="dummy", dtype="bfloat16" if cuda else "float32",
                   max_model_len=args.context + 2 * args.steps + 64, max_num_seqs=max(8, args.batch),
                   enforce_eager=not args.graphs, tensor_parallel_size=args.tp,
-                  quantization=method)
+                  quantization=method, kv_cache_dtype=args.kv_cache_dtype)
         eng = llm.engine
         vocab = eng.model_config.vocab_size
         g = torch.Generator().manual_seed(0)
@@ -62,20 +62,10 @@ def main() -> None:
             if cuda:
                 torch.cuda.synchronize()
         eng.shutdown()
-    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        is_kernel = e.device_type == torch.autograd.DeviceType.CUDA if cuda else (e.name.startswith("aten::") and
-                                                                                  not e.cpu_parent)
-        if is_kernel:
-            rec = per_kernel[e.name[:90]]
-            rec[0] += (e.time_range.elapsed_us() if cuda else e.cpu_time_total) / args.steps  # µs per step
-            rec[1] += 1 / args.steps
-    total = sum(v[0] for v in per_kernel.values())
-    rows = [[name, f"{us:.1f}", f"{n:.1f}", f"{100 * us / total:.1f}%"]
-            for name, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:args.top]]
-    rows.append(["total (all kernels)", f"{total:.1f}", f"{sum(v[1] for v in per_kernel.values()):.0f}", "100%"])
+    rows = kernel_rows(prof, args.steps, args.top, cuda)  # µs per step
     print(header(f"Decode step profile, {args.shape} shape, batch {args.batch}, context {args.context}, "
-                 f"{'CUDA graphs' if args.graphs else 'eager'}, TP={args.tp}, weights {args.quantization or 'bf16'}"))
+                 f"{'CUDA graphs' if args.graphs else 'eager'}, TP={args.tp}, weights {args.quantization or 'bf16'}, "
+                 f"{args.kv_cache_dtype} KV"))
     print(table(rows, ["kernel", "µs / step", "launches / step", "share"]))
 
 

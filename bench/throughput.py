@@ -11,10 +11,17 @@ bf16 matmul rate, so an FP8 W8A8 limit is conservative there).
 
     python bench/throughput.py [--shape llama3-8b] [--num-prompts 1000] [--max-num-seqs 256]
                                [--kv-cache-dtype auto|fp8|fp8_e5m2|int4] [--quantization fp8|int8|int4]
+                               [--profile TOP]
+
+The table's last columns count the engine's steps by kind: decodes alone (CUDA graphs), prompt
+chunks alone, and mixed (both; eager). --profile runs the kvship pass under torch.profiler and
+prints its TOP kernels by device time over the whole run (the profiler slows the host, so that
+run's tok/s is not comparable).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -28,6 +35,7 @@ from common import (
     expert_bytes_per_token,
     experts_read,
     header,
+    kernel_rows,
     kv_bytes_per_token,
     measure_ceilings,
     param_count,
@@ -76,12 +84,25 @@ def time_gpu_work(obj, method: str, spans: list) -> None:
     setattr(obj, method, timed)
 
 
+def count_steps(runner, kinds: dict[str, int]) -> None:
+    """Wrap runner.run so that each step is counted in ``kinds`` by what its batch holds."""
+    inner = runner.run
+
+    def counted(batch, *args, **kwargs):
+        decodes = batch.num_decodes
+        kinds["decode" if decodes == len(batch) else "mixed" if decodes else "prefill"] += 1
+        return inner(batch, *args, **kwargs)
+
+    runner.run = counted
+
+
 def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "auto",
-               quantization: str | None = None, tp: int = 1) -> tuple[float, int, float, int, int]:
+               quantization: str | None = None, tp: int = 1, profile: int = 0):
     """(seconds, output tokens, fraction of the wall time inside the events bracketing each forward
     pass and each sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle,
     and the weight bytes a batch-1 decode step reads with the routed experts' share of them: on
-    rank 0 at tp > 1, whose GPU times are the ones bracketed)."""
+    rank 0 at tp > 1, whose GPU times are the ones bracketed; the steps by kind; with ``profile``,
+    that many kernels' rows of the run's profile)."""
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2 * max(map(len, prompts)) + 16,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype,
               quantization=quantization, tensor_parallel_size=tp)
@@ -90,19 +111,24 @@ def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate(prompts[:4], params[:4])  # warm-up
     spans: list = []
+    kinds = {"decode": 0, "prefill": 0, "mixed": 0}
     time_gpu_work(llm.engine.runner, "run", spans)
+    count_steps(llm.engine.runner, kinds)
     time_gpu_work(llm.engine.runner.sampler, "launch", spans)
     torch.cuda.synchronize()
-    t0 = time.monotonic()
-    res = llm.generate(prompts, params)
-    torch.cuda.synchronize()
-    dt = time.monotonic() - t0
+    with contextlib.ExitStack() as stack:
+        prof = stack.enter_context(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                                   ) if profile else None
+        t0 = time.monotonic()
+        res = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        dt = time.monotonic() - t0
     busy = sum(s.elapsed_time(e) for s, e in spans) / 1e3
     produced = sum(len(r.outputs[0].token_ids) for r in res)
     assert produced == sum(outs), "every request must produce exactly max_tokens tokens"
     del llm
     torch.cuda.empty_cache()
-    return dt, produced, busy / dt, weight_bytes, expert_bytes
+    return dt, produced, busy / dt, weight_bytes, expert_bytes, kinds, kernel_rows(prof, 1, profile) if prof else []
 
 
 def run_hf(shape: str, prompts, outs, batch: int) -> float:
@@ -138,6 +164,7 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"])
     ap.add_argument("--quantization", default=None, choices=["fp8", "int8", "int4"], help="in-situ weight format")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="profile the kvship pass, print TOP kernels")
     ap.add_argument("--tp", type=int, nargs="+", default=[1],
                     help="tensor-parallel sizes, each run in turn (e.g. 1 2: TP=1 and TP=2 in the same run)")
     args = ap.parse_args()
@@ -146,12 +173,12 @@ def main() -> None:
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts, outs = workload(args.num_prompts, args.lo, args.hi, vocab)
     t0 = time.monotonic()
-    rows, limits = [], {}
+    rows, limits, profiles = [], {}, []
     for tp in args.tp:
         with tempfile.TemporaryDirectory() as tmp:
             folder = write_shape_folder(args.shape, tmp)
-            dt, produced, busy, wbytes, ebytes = run_kvship(folder, prompts, outs, args.max_num_seqs,
-                                                            args.kv_cache_dtype, args.quantization, tp)
+            dt, produced, busy, wbytes, ebytes, kinds, prof_rows = run_kvship(
+                folder, prompts, outs, args.max_num_seqs, args.kv_cache_dtype, args.quantization, tp, args.profile)
         # tp GPUs side by side: each reads its shard (rank 0's bytes), 1/tp of the KV and of the FLOPs
         limits[tp] = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw * tp, mm * tp,
                                    args.kv_cache_dtype, wbytes * tp, ebytes * tp)
@@ -159,20 +186,27 @@ def main() -> None:
               flush=True)
         name = f"kvship, {wfmt} weights, {args.kv_cache_dtype} KV" + (f", TP={tp}" if args.tp != [1] else "")
         rows.append([name, f"{produced / dt:,.0f}", f"{dt:.1f}", f"{100 * limits[tp] / dt:.0f}%",
-                     f"{100 * (1 - busy):.0f}%"])
+                     f"{100 * (1 - busy):.0f}%", *(f"{kinds[k]:,}" for k in ("decode", "mixed", "prefill"))])
+        profiles.append((name, prof_rows))
     if args.hf_prompts:
         hf = run_hf(args.shape, prompts[:args.hf_prompts], outs[:args.hf_prompts], args.hf_batch)
         print(f"HF done after {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-        rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}", "-", "-", "-"])
+        rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}",
+                     *"-" * 6])
     for tp, limit in limits.items():
         rows.append([f"workload limit, {wfmt} weights, {args.kv_cache_dtype} KV" + (f", TP={tp}" if tp > 1 else "")
                      + " (bytes / BW + prefill FLOPs / matmul)", f"{sum(outs) / limit:,.0f}", f"{limit:.1f}", "100%",
-                     "0%"])
+                     "0%", *"-" * 3])
     print(header(f"Offline throughput, {args.shape} shape, {wfmt} weights, {args.kv_cache_dtype} KV cache, {args.num_prompts} prompts, "
                  f"in/out uniform [{args.lo}, {args.hi}], max_num_seqs {args.max_num_seqs}"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
           f"{sum(map(len, prompts)):,} prompt tokens, {sum(outs):,} output tokens\n")
-    print(table(rows, ["engine", "output tok/s", "seconds", "of limit", "GPU idle"]))
+    print(table(rows, ["engine", "output tok/s", "seconds", "of limit", "GPU idle", "decode steps", "mixed steps",
+                       "prefill steps"]))
+    for name, prof_rows in profiles:
+        if prof_rows:
+            print(f"\nKernels over the whole run, {name} (under the profiler):\n")
+            print(table(prof_rows, ["kernel", "µs", "launches", "share"]))
 
 
 if __name__ == "__main__":
