@@ -318,7 +318,9 @@ def _sm90_specs():
         mode = {"auto": 0, "int4": 2}.get(kv, 1)
         # per-head q/k norm weights in bf16 (Qwen3) or float32 (Gemma 3's folded 1 + w), or none
         norms = [(False, "*bf16"), (True, "*bf16")] + ([(True, "*fp32")] if mode == 0 else [])
-        for turn, (qk_norm, w) in ((t, n) for t in ([False, True] if mode == 1 else [False]) for n in norms):
+        # turned FP8 keys: by Sylvester's matrix made in registers, or by a loaded R (80-wide heads)
+        turns = [(False, False), (True, True), (True, False)] if mode == 1 else [(False, False)]
+        for (turn, hadamard), (qk_norm, w) in ((t, n) for t in turns for n in norms):
             types = {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cs_ptr": "*fp32",
                      "kc_ptr": cache, "vc_ptr": cache, "ks_ptr": scales, "vs_ptr": scales,
                      "r_ptr": "*fp32" if turn else "*bf16", "slot_ptr": "*i64", "qw_ptr": w, "kw_ptr": w, "eps": "fp32",
@@ -328,7 +330,7 @@ def _sm90_specs():
             yield {"kernel": "kvship.kernels.rotary:_rotary_store_kv_kernel", "types": types,
                    "constexprs": dict(HQ=32, HKV=8, HALF=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_HQ=32,
                                       BLOCK_HKV=16 if turn else 8, BLOCK_HALF=64, BLOCK_D=128, KV_MODE=mode,
-                                      FP8_E5=kv == "fp8_e5m2", TURN_K=turn, QK_NORM=qk_norm)}
+                                      FP8_E5=kv == "fp8_e5m2", TURN_K=turn, HADAMARD=hadamard, QK_NORM=qk_norm)}
         default = pa.DECODE_CONFIGS[mode]
         launched = dict(BLOCK_N=default["block_n"], PACKED=pa.packed_read(default, mode, torch.bfloat16, 128))
         for splits in (1, 8):

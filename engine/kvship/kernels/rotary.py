@@ -16,7 +16,8 @@ model's dtype first, as the reference's is, then divided by the layer's FP8 scal
 or, for int4, each head's rotated vector is quantized as one group; the kernel then works on
 each head's even and odd elements (the two nibbles of a byte), rotating each element from its
 rotate-half partner. FP8 keys may be turned by an orthogonal matrix on the way (``k_rotation``,
-kv_quant.key_rotation): rotary, rounding, then the product with R, then the quantization.
+kv_quant.key_rotation): rotary, rounding, then the product with R, then the quantization; q is
+then turned by R too (rounded to its dtype again), so that q.k is what it was.
 
 Qwen3 and Gemma 3 normalize each head of q and k (RMSNorm over head_dim) before rotary; the
 kernel does that too when given ``QKNorm`` weights, in the separate norm's arithmetic (fp32
@@ -133,24 +134,65 @@ def _rotate_heads(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask,
 
 
 @triton.jit
-def _store_turned_fp8_keys(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask, scale, r_ptr, w_ptr, eps,
-                           H: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, FP8_E5: tl.constexpr):
-    """FP8 keys turned by R (kv_quant.key_rotation): (normed when NORM,) rotary, rounded to k's
-    dtype, times R (the halves against R's top and bottom rows), quantized. BLOCK_H >= 16 for
-    tl.dot."""
+def _hadamard_signs(rows, cols):
+    """Sylvester's Hadamard matrix at [rows, cols], +1 or -1: (-1) ** popcount(row & col)
+    (kv_quant.key_rotation builds the same matrix), from the indices alone."""
+    p = rows[:, None] & cols[None, :]
+    p ^= p >> 8
+    p ^= p >> 4
+    p ^= p >> 2
+    p ^= p >> 1
+    return 1.0 - 2.0 * (p & 1).to(tl.float32)
+
+
+@triton.jit
+def _turn(r1, r2, r_ptr, offs_d, dmask, ty: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+          BLOCK_D: tl.constexpr, HADAMARD: tl.constexpr):
+    """Rotated halves [BLOCK_H, BLOCK_HALF] rounded to ``ty``, times R (kv_quant.key_rotation) ->
+    fp32 [BLOCK_H, BLOCK_D]: the halves against R's top and bottom rows. HADAMARD (a power-of-two
+    head): R = H / sqrt(D), its +-1 entries made in registers and exact in 16 bits, so the dots
+    run on tensor cores in ``ty`` with fp32 sums and nothing is read; else R's fp32 rows are
+    loaded and the dots run in fp32. BLOCK_H >= 16 for tl.dot."""
+    cols = tl.arange(0, BLOCK_D)
+    rm = dmask[:, None] & (cols < HEAD_DIM)[None, :]
+    a1 = r1.to(ty)
+    a2 = r2.to(ty)
+    if HADAMARD:
+        top = tl.where(rm, _hadamard_signs(offs_d, cols), 0.0).to(ty)
+        bottom = tl.where(rm, _hadamard_signs(offs_d + HALF, cols), 0.0).to(ty)
+        if ty == tl.float32:
+            turned = tl.dot(a1, top, input_precision="ieee") + tl.dot(a2, bottom, input_precision="ieee")
+        else:
+            turned = tl.dot(a1, top) + tl.dot(a2, bottom)
+        turned = turned * (1.0 / tl.sqrt(float(HEAD_DIM)))
+    else:
+        top = tl.load(r_ptr + offs_d[:, None] * HEAD_DIM + cols[None, :], mask=rm, other=0.0)
+        bottom = tl.load(r_ptr + (offs_d + HALF)[:, None] * HEAD_DIM + cols[None, :], mask=rm, other=0.0)
+        turned = tl.dot(a1.to(tl.float32), top, input_precision="ieee")
+        turned += tl.dot(a2.to(tl.float32), bottom, input_precision="ieee")
+    return turned
+
+
+@triton.jit
+def _store_turned(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask, scale, r_ptr, w_ptr, eps,
+                  H: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr, NORM: tl.constexpr, HADAMARD: tl.constexpr, FP8: tl.constexpr,
+                  FP8_E5: tl.constexpr):
+    """Heads turned by R (kv_quant.key_rotation): (normed when NORM,) rotary, rounded to the
+    source's dtype, times R (``_turn``), then quantized (FP8 keys into the cache) or rounded to
+    the destination's dtype (the queries, in place: every read of a head comes before the dots,
+    every write after them)."""
     offs_h = tl.arange(0, BLOCK_H)
     m = (offs_h[:, None] < H) & dmask[None, :]
     r1, r2 = _rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, w_ptr, eps, HALF, NORM)
-    ty = src.dtype.element_ty
     cols = tl.arange(0, BLOCK_D)
-    rm = dmask[:, None] & (cols < HEAD_DIM)[None, :]
-    top = tl.load(r_ptr + offs_d[:, None] * HEAD_DIM + cols[None, :], mask=rm, other=0.0)
-    bottom = tl.load(r_ptr + (offs_d + HALF)[:, None] * HEAD_DIM + cols[None, :], mask=rm, other=0.0)
-    turned = tl.dot(r1.to(ty).to(tl.float32), top, input_precision="ieee")
-    turned += tl.dot(r2.to(ty).to(tl.float32), bottom, input_precision="ieee")
+    turned = _turn(r1, r2, r_ptr, offs_d, dmask, src.dtype.element_ty, HALF, HEAD_DIM, BLOCK_D, HADAMARD)
     o = dst + offs_h[:, None] * stride_dst_h + cols[None, :]
-    tl.store(o, _fp8(turned, scale, dst.dtype.element_ty, FP8_E5), mask=(offs_h[:, None] < H) & (cols < HEAD_DIM)[None, :])
+    if FP8:
+        out = _fp8(turned, scale, dst.dtype.element_ty, FP8_E5)
+    else:
+        out = turned.to(dst.dtype.element_ty)
+    tl.store(o, out, mask=(offs_h[:, None] < H) & (cols < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -226,7 +268,8 @@ def _rotary_store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_gb, stride_gs, stride_gh,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_MODE: tl.constexpr, FP8_E5: tl.constexpr, TURN_K: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    KV_MODE: tl.constexpr, FP8_E5: tl.constexpr, TURN_K: tl.constexpr, HADAMARD: tl.constexpr,
+    QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -234,7 +277,12 @@ def _rotary_store_kv_kernel(
     dmask = offs_d < HALF
     cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_d, dmask, HALF)
     q = q_ptr + t * stride_qt
-    _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, qw_ptr, eps, HQ, HALF, BLOCK_HQ, QK_NORM)
+    if TURN_K:  # the queries are turned as the keys are (kv_quant)
+        _store_turned(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, r_ptr, qw_ptr, eps, HQ, HALF,
+                      HEAD_DIM, BLOCK_HQ, BLOCK_D, QK_NORM, HADAMARD, False, False)
+    else:
+        _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, qw_ptr, eps, HQ, HALF, BLOCK_HQ,
+                      QK_NORM)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # -1: a padding token, nothing to store
         page = slot // BLOCK_SIZE
@@ -255,9 +303,8 @@ def _rotary_store_kv_kernel(
                 k_scale = tl.load(ks_ptr)
                 v_scale = tl.load(vs_ptr)
             if TURN_K:
-                _store_turned_fp8_keys(k_ptr + t * stride_kt, stride_kh, kc, stride_kch, cos, sin, offs_d, dmask,
-                                       k_scale, r_ptr, kw_ptr, eps, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_D, QK_NORM,
-                                       FP8_E5)
+                _store_turned(k_ptr + t * stride_kt, stride_kh, kc, stride_kch, cos, sin, offs_d, dmask, k_scale, r_ptr,
+                              kw_ptr, eps, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_D, QK_NORM, HADAMARD, True, FP8_E5)
             else:
                 _rotate_heads(k_ptr + t * stride_kt, stride_kh, kc, stride_kch, cos, sin, offs_d, dmask, k_scale,
                               kw_ptr, eps, HKV, HALF, BLOCK_HKV, QK_NORM, KV_MODE == 1, FP8_E5)
@@ -273,18 +320,17 @@ def _rotary_store_kv_kernel(
 def rotary_store_kv_torch(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                           k_scale=None, v_scale=None, k_rotation=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
     """Reference: norm q and k per head (``qk_norm``), rotate them, store k and v into their
-    slots; returns the rotated q (not turned by ``k_rotation``, which only the stored FP8 keys
-    are: see kv_quant)."""
+    slots; returns the rotated q, turned by ``k_rotation`` as the stored FP8 keys are (kv_quant)."""
     if qk_norm is not None:
         q, k = rms_norm_torch(q, qk_norm.q_weight, qk_norm.eps), rms_norm_torch(k, qk_norm.k_weight, qk_norm.eps)
     q, k = rotary_torch(positions, q, k, cos_sin_cache)
     store_kv_torch(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_rotation)
-    return q
+    return kvq.rotate_queries(q, k_rotation)
 
 
 def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
                            k_scale=None, v_scale=None, k_rotation=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
-    """Triton twin of ``rotary_store_kv_torch``; q is normed and rotated in place and returned."""
+    """Triton twin of ``rotary_store_kv_torch``; q is normed, rotated (and turned) in place and returned."""
     for x in (q, k, v, cos_sin_cache, k_cache, v_cache):
         assert x.stride(-1) == 1, "last dim must be contiguous"
     t, hq, d = q.shape
@@ -304,9 +350,11 @@ def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, 
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), *group_strides,
             HQ=hq, HKV=hkv, HALF=d // 2, HEAD_DIM=d, BLOCK_SIZE=k_cache.shape[1],
-            BLOCK_HQ=next_pow2(hq), BLOCK_HKV=max(16, next_pow2(hkv)) if turn else next_pow2(hkv),
+            BLOCK_HQ=max(16, next_pow2(hq)) if turn else next_pow2(hq),
+            BLOCK_HKV=max(16, next_pow2(hkv)) if turn else next_pow2(hkv),
             BLOCK_HALF=max(16, next_pow2(d // 2)), BLOCK_D=next_pow2(d),  # >= 16: int4 groups are 16 bytes
-            KV_MODE=mode, FP8_E5=k_cache.dtype == torch.float8_e5m2, TURN_K=turn, QK_NORM=qk_norm is not None,
+            KV_MODE=mode, FP8_E5=k_cache.dtype == torch.float8_e5m2, TURN_K=turn, HADAMARD=kvq.hadamard_rotation(d),
+            QK_NORM=qk_norm is not None,
             num_warps=4, **pdl_launch(q),
         )
     return q

@@ -104,9 +104,9 @@ class PagedAttention(nn.Module):
         args = (self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
         options = dict(window=self.window, softcap=self.softcap)
         if self.force_torch:
-            q = kvq.rotate_queries(rotary_store_kv_torch(positions, q, k, v, *store), self.k_rotation)
+            q = rotary_store_kv_torch(positions, q, k, v, *store)
             return pa.paged_attention_torch(q, *args, *scales, **options)
-        q = kvq.rotate_queries(rotary_store_kv(positions, q, k, v, *store), self.k_rotation)
+        q = rotary_store_kv(positions, q, k, v, *store)  # turned by k_rotation too
         return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1],
                                   num_decodes=meta.num_decodes, **options)
 
