@@ -98,6 +98,10 @@ def test_key_rotation_is_orthogonal_and_preserves_scores(d):
     torch.testing.assert_close((kvq.rotate_queries(q, r) * (k @ r)).sum(-1), (q * k).sum(-1), atol=1e-4, rtol=1e-4)
     if d == 64:
         assert torch.allclose(r.abs(), torch.full_like(r, d**-0.5))  # Hadamard: every channel spreads evenly
+        # the rotary kernel makes R from the signs and this one magnitude: R's own float32 value
+        assert torch.equal(r.abs(), torch.full_like(r, kvq.hadamard_entry(d)))
+    else:
+        assert kvq.hadamard_entry(d) == 0.0  # R is read
 
 
 def test_kv_bytes():
@@ -319,8 +323,8 @@ def _sm90_specs():
         # per-head q/k norm weights in bf16 (Qwen3) or float32 (Gemma 3's folded 1 + w), or none
         norms = [(False, "*bf16"), (True, "*bf16")] + ([(True, "*fp32")] if mode == 0 else [])
         # turned FP8 keys: by Sylvester's matrix made in registers, or by a loaded R (80-wide heads)
-        turns = [(False, False), (True, True), (True, False)] if mode == 1 else [(False, False)]
-        for (turn, hadamard), (qk_norm, w) in ((t, n) for t in turns for n in norms):
+        turns = [(False, 0.0), (True, kvq.hadamard_entry(128)), (True, 0.0)] if mode == 1 else [(False, 0.0)]
+        for (turn, r_entry), (qk_norm, w) in ((t, n) for t in turns for n in norms):
             types = {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cs_ptr": "*fp32",
                      "kc_ptr": cache, "vc_ptr": cache, "ks_ptr": scales, "vs_ptr": scales,
                      "r_ptr": "*fp32" if turn else "*bf16", "slot_ptr": "*i64", "qw_ptr": w, "kw_ptr": w, "eps": "fp32",
@@ -330,7 +334,7 @@ def _sm90_specs():
             yield {"kernel": "kvship.kernels.rotary:_rotary_store_kv_kernel", "types": types,
                    "constexprs": dict(HQ=32, HKV=8, HALF=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_HQ=32,
                                       BLOCK_HKV=16 if turn else 8, BLOCK_HALF=64, BLOCK_D=128, KV_MODE=mode,
-                                      FP8_E5=kv == "fp8_e5m2", TURN_K=turn, HADAMARD=hadamard, QK_NORM=qk_norm)}
+                                      FP8_E5=kv == "fp8_e5m2", TURN_K=turn, R_ENTRY=r_entry, QK_NORM=qk_norm)}
         default = pa.DECODE_CONFIGS[mode]
         launched = dict(BLOCK_N=default["block_n"], PACKED=pa.packed_read(default, mode, torch.bfloat16, 128))
         for splits in (1, 8):

@@ -94,17 +94,20 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def hadamard_rotation(head_dim: int) -> bool:
-    """Whether key_rotation(head_dim) is Sylvester's Hadamard matrix / sqrt(D) (a power of two),
-    which kernels may build from the indices instead of reading it."""
-    return head_dim & (head_dim - 1) == 0
+def hadamard_entry(head_dim: int) -> float:
+    """The magnitude of every entry of key_rotation(head_dim) (its float32 value) where that is
+    Sylvester's Hadamard matrix / sqrt(D) (D a power of two), which kernels then make from the
+    indices instead of reading it; 0.0 for other head sizes."""
+    if head_dim & (head_dim - 1):
+        return 0.0
+    return float(torch.tensor(head_dim, dtype=torch.float64).rsqrt().float())
 
 
 def key_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
     """The FP8 keys' orthogonal matrix R [D, D] (float32, contiguous): stored keys are k @ R.
     Sylvester's Hadamard matrix / sqrt(D) for a power of two, otherwise the Q of a seeded
     Gaussian matrix's QR (the same on every rank and run)."""
-    if hadamard_rotation(head_dim):
+    if hadamard_entry(head_dim):
         r = torch.ones(1, 1, dtype=torch.float64)
         while r.shape[0] < head_dim:
             r = torch.cat([torch.cat([r, r], 1), torch.cat([r, -r], 1)], 0)

@@ -147,36 +147,29 @@ def _hadamard_signs(rows, cols):
 
 @triton.jit
 def _turn(r1, r2, r_ptr, offs_d, dmask, ty: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-          BLOCK_D: tl.constexpr, HADAMARD: tl.constexpr):
+          BLOCK_D: tl.constexpr, R_ENTRY: tl.constexpr):
     """Rotated halves [BLOCK_H, BLOCK_HALF] rounded to ``ty``, times R (kv_quant.key_rotation) ->
-    fp32 [BLOCK_H, BLOCK_D]: the halves against R's top and bottom rows. HADAMARD (a power-of-two
-    head): R = H / sqrt(D), its +-1 entries made in registers and exact in 16 bits, so the dots
-    run on tensor cores in ``ty`` with fp32 sums and nothing is read; else R's fp32 rows are
-    loaded and the dots run in fp32. BLOCK_H >= 16 for tl.dot."""
+    fp32 [BLOCK_H, BLOCK_D]: the halves against R's top and bottom rows, in fp32. R_ENTRY > 0 (a
+    power-of-two head, R = H / sqrt(D)): R's entries are +-R_ENTRY, R's own fp32 value, made in
+    registers from the indices, so nothing is read and the product is the one R's rows give;
+    else R's rows are loaded. BLOCK_H >= 16 for tl.dot."""
     cols = tl.arange(0, BLOCK_D)
     rm = dmask[:, None] & (cols < HEAD_DIM)[None, :]
-    a1 = r1.to(ty)
-    a2 = r2.to(ty)
-    if HADAMARD:
-        top = tl.where(rm, _hadamard_signs(offs_d, cols), 0.0).to(ty)
-        bottom = tl.where(rm, _hadamard_signs(offs_d + HALF, cols), 0.0).to(ty)
-        if ty == tl.float32:
-            turned = tl.dot(a1, top, input_precision="ieee") + tl.dot(a2, bottom, input_precision="ieee")
-        else:
-            turned = tl.dot(a1, top) + tl.dot(a2, bottom)
-        turned = turned * (1.0 / tl.sqrt(float(HEAD_DIM)))
+    if R_ENTRY > 0:
+        top = tl.where(rm, _hadamard_signs(offs_d, cols) * R_ENTRY, 0.0)
+        bottom = tl.where(rm, _hadamard_signs(offs_d + HALF, cols) * R_ENTRY, 0.0)
     else:
         top = tl.load(r_ptr + offs_d[:, None] * HEAD_DIM + cols[None, :], mask=rm, other=0.0)
         bottom = tl.load(r_ptr + (offs_d + HALF)[:, None] * HEAD_DIM + cols[None, :], mask=rm, other=0.0)
-        turned = tl.dot(a1.to(tl.float32), top, input_precision="ieee")
-        turned += tl.dot(a2.to(tl.float32), bottom, input_precision="ieee")
+    turned = tl.dot(r1.to(ty).to(tl.float32), top, input_precision="ieee")
+    turned += tl.dot(r2.to(ty).to(tl.float32), bottom, input_precision="ieee")
     return turned
 
 
 @triton.jit
 def _store_turned(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask, scale, r_ptr, w_ptr, eps,
                   H: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr, NORM: tl.constexpr, HADAMARD: tl.constexpr, FP8: tl.constexpr,
+                  BLOCK_D: tl.constexpr, NORM: tl.constexpr, R_ENTRY: tl.constexpr, FP8: tl.constexpr,
                   FP8_E5: tl.constexpr):
     """Heads turned by R (kv_quant.key_rotation): (normed when NORM,) rotary, rounded to the
     source's dtype, times R (``_turn``), then quantized (FP8 keys into the cache) or rounded to
@@ -186,7 +179,7 @@ def _store_turned(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask,
     m = (offs_h[:, None] < H) & dmask[None, :]
     r1, r2 = _rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, w_ptr, eps, HALF, NORM)
     cols = tl.arange(0, BLOCK_D)
-    turned = _turn(r1, r2, r_ptr, offs_d, dmask, src.dtype.element_ty, HALF, HEAD_DIM, BLOCK_D, HADAMARD)
+    turned = _turn(r1, r2, r_ptr, offs_d, dmask, src.dtype.element_ty, HALF, HEAD_DIM, BLOCK_D, R_ENTRY)
     o = dst + offs_h[:, None] * stride_dst_h + cols[None, :]
     if FP8:
         out = _fp8(turned, scale, dst.dtype.element_ty, FP8_E5)
@@ -268,7 +261,7 @@ def _rotary_store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_gb, stride_gs, stride_gh,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_MODE: tl.constexpr, FP8_E5: tl.constexpr, TURN_K: tl.constexpr, HADAMARD: tl.constexpr,
+    KV_MODE: tl.constexpr, FP8_E5: tl.constexpr, TURN_K: tl.constexpr, R_ENTRY: tl.constexpr,
     QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -279,7 +272,7 @@ def _rotary_store_kv_kernel(
     q = q_ptr + t * stride_qt
     if TURN_K:  # the queries are turned as the keys are (kv_quant)
         _store_turned(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, r_ptr, qw_ptr, eps, HQ, HALF,
-                      HEAD_DIM, BLOCK_HQ, BLOCK_D, QK_NORM, HADAMARD, False, False)
+                      HEAD_DIM, BLOCK_HQ, BLOCK_D, QK_NORM, R_ENTRY, False, False)
     else:
         _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, qw_ptr, eps, HQ, HALF, BLOCK_HQ,
                       QK_NORM)
@@ -304,7 +297,7 @@ def _rotary_store_kv_kernel(
                 v_scale = tl.load(vs_ptr)
             if TURN_K:
                 _store_turned(k_ptr + t * stride_kt, stride_kh, kc, stride_kch, cos, sin, offs_d, dmask, k_scale, r_ptr,
-                              kw_ptr, eps, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_D, QK_NORM, HADAMARD, True, FP8_E5)
+                              kw_ptr, eps, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_D, QK_NORM, R_ENTRY, True, FP8_E5)
             else:
                 _rotate_heads(k_ptr + t * stride_kt, stride_kh, kc, stride_kch, cos, sin, offs_d, dmask, k_scale,
                               kw_ptr, eps, HKV, HALF, BLOCK_HKV, QK_NORM, KV_MODE == 1, FP8_E5)
@@ -353,8 +346,8 @@ def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, 
             BLOCK_HQ=max(16, next_pow2(hq)) if turn else next_pow2(hq),
             BLOCK_HKV=max(16, next_pow2(hkv)) if turn else next_pow2(hkv),
             BLOCK_HALF=max(16, next_pow2(d // 2)), BLOCK_D=next_pow2(d),  # >= 16: int4 groups are 16 bytes
-            KV_MODE=mode, FP8_E5=k_cache.dtype == torch.float8_e5m2, TURN_K=turn, HADAMARD=kvq.hadamard_rotation(d),
-            QK_NORM=qk_norm is not None,
+            KV_MODE=mode, FP8_E5=k_cache.dtype == torch.float8_e5m2, TURN_K=turn,
+            R_ENTRY=kvq.hadamard_entry(d) if turn else 0.0, QK_NORM=qk_norm is not None,
             num_warps=4, **pdl_launch(q),
         )
     return q
