@@ -13,6 +13,7 @@ from kvship.kernels import kv_quant as kvq
 from kvship.kernels import paged_attention as pa
 from kvship.kernels import rotary
 from kvship.kernels._triton import HAS_TRITON
+from kvship.kernels.norm import rms_norm_torch
 from sm90_compile import attention_types, compile_in_child, decode_types, ints
 from test_kernels import DEV, GPU, check_mixed_step, close, make_paged, mixed_step_lens, qk_norm_weights, store_inputs
 
@@ -223,8 +224,9 @@ def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
     writes (the same codes but for an fp32 division's last bit, which may move a value across a
     rounding boundary: a handful of codes one step apart) and leaves padding slots (-1) alone;
     FP8 keys turned by the Hadamard (d 64) or QR (d 80) matrix as the engine stores them, or not.
-    With the norm, keys in a 16-bit dtype may themselves round one step apart (_fragile_heads):
-    their heads are held to a looser bound and their int4 groups are not compared."""
+    Keys in a 16-bit dtype may themselves round one step apart, normed (_fragile_heads) or
+    rotated (_rotary_fragile_heads): their heads are held to a looser bound and their int4
+    groups are not compared."""
     t, nb, bs = (13, 4, 16) if not GPU else (2048, 300, 16)
     g = torch.Generator().manual_seed(d + hkv)
     cache, pos, slots, _, q, k, v = store_inputs(t, nb * bs, hq, hkv, d, DTYPE, g, gain=3.0)
@@ -244,9 +246,12 @@ def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
     close(q_got, q_ref, DTYPE, "rotated q")
     blocks = torch.arange(nb, device=DEV)
     fragile = torch.zeros(nb * bs, hkv, dtype=torch.bool, device=DEV)  # cache heads [nb, bs, hkv]
-    if norm and DTYPE != torch.float32:
+    if DTYPE != torch.float32:
         stored = slots >= 0
-        fragile[slots[stored]] = _fragile_heads(k, qk_norm, DTYPE)[stored]
+        heads = _rotary_fragile_heads(k, qk_norm, pos, cache, DTYPE)
+        if norm:
+            heads |= _fragile_heads(k, qk_norm, DTYPE)
+        fragile[slots[stored]] = heads[stored]
     fragile = fragile.view(nb, bs, hkv)
     for got, ref, s, what in ((kc, refs[0], ks, "k"), (vc, refs[1], vs, "v")):
         loose = fragile if what == "k" else torch.zeros_like(fragile)
@@ -270,6 +275,27 @@ def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
         assert off.float().mean() < 0.01, f"{what}: {int(off.sum())} of {off.numel()} values differ"
         untouched = ~_stored(slots, nb * bs)
         assert torch.equal(_bytes(got)[untouched], _bytes(ref)[untouched]), f"{what}: padding slots written"
+
+
+def _rotary_fragile_heads(k: torch.Tensor, qk_norm: rotary.QKNorm | None, pos: torch.Tensor,
+                          cos_sin: torch.Tensor, dtype: torch.dtype, ulps: float = 4.0):
+    """[T, Hkv]: the heads of k holding a rotated value (x1 cos - x2 sin or x2 cos + x1 sin, of
+    the reference's normed key when qk_norm) that rounds to ``dtype`` one way or the other when it
+    moves by ``ulps`` float32 units of its two products. The kernel computes it with a fused
+    multiply-add where the compiler chooses, the reference with two roundings: on the H200 one
+    such value lay exactly on a bf16 rounding midpoint (the key of token 294, head 1, d 64), and
+    its head's turned FP8 codes then differed by up to two steps."""
+    if qk_norm is not None:
+        k = rms_norm_torch(k, qk_norm.k_weight, qk_norm.eps)
+    half = k.shape[-1] // 2
+    cs = cos_sin[pos].float()[:, None, :]
+    cos, sin = cs[..., :half], cs[..., half:]
+    x1, x2 = k[..., :half].float(), k[..., half:].float()
+    fragile = torch.zeros(k.shape[:2], dtype=torch.bool, device=k.device)
+    for a, b in ((x1 * cos, -x2 * sin), (x2 * cos, x1 * sin)):
+        y, slack = a + b, ulps * 2.0**-24 * (a.abs() + b.abs())
+        fragile |= ((y - slack).to(dtype) != (y + slack).to(dtype)).any(-1)
+    return fragile
 
 
 def _fragile_heads(k: torch.Tensor, qk_norm: rotary.QKNorm, dtype: torch.dtype, rel: float = 2.0**-18):

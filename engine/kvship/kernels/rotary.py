@@ -149,20 +149,28 @@ def _hadamard_signs(rows, cols):
 def _turn(r1, r2, r_ptr, offs_d, dmask, ty: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
           BLOCK_D: tl.constexpr, R_ENTRY: tl.constexpr):
     """Rotated halves [BLOCK_H, BLOCK_HALF] rounded to ``ty``, times R (kv_quant.key_rotation) ->
-    fp32 [BLOCK_H, BLOCK_D]: the halves against R's top and bottom rows, in fp32. R_ENTRY > 0 (a
-    power-of-two head, R = H / sqrt(D)): R's entries are +-R_ENTRY, R's own fp32 value, made in
-    registers from the indices, so nothing is read and the product is the one R's rows give;
-    else R's rows are loaded. BLOCK_H >= 16 for tl.dot."""
+    fp32 [BLOCK_H, BLOCK_D]: the halves against R's top and bottom rows. R_ENTRY > 0 (a
+    power-of-two head, R = H / sqrt(D), R_ENTRY its entries' float32 magnitude): the +-1 signs are
+    made in registers from the indices and are exact in 16 bits, so for a 16-bit ``ty`` the dots
+    run on tensor cores with fp32 sums, nothing is read, and the sums are scaled once. (In IEEE
+    fp32 on the CUDA cores, the same turn of the queries took a throughput run from 11,711 to
+    6,163 tok/s on the H200.) Else R's fp32 rows are loaded and the dots run in fp32.
+    BLOCK_H >= 16 for tl.dot."""
     cols = tl.arange(0, BLOCK_D)
     rm = dmask[:, None] & (cols < HEAD_DIM)[None, :]
     if R_ENTRY > 0:
-        top = tl.where(rm, _hadamard_signs(offs_d, cols) * R_ENTRY, 0.0)
-        bottom = tl.where(rm, _hadamard_signs(offs_d + HALF, cols) * R_ENTRY, 0.0)
+        top = tl.where(rm, _hadamard_signs(offs_d, cols), 0.0).to(ty)
+        bottom = tl.where(rm, _hadamard_signs(offs_d + HALF, cols), 0.0).to(ty)
+        if ty == tl.float32:
+            turned = tl.dot(r1, top, input_precision="ieee") + tl.dot(r2, bottom, input_precision="ieee")
+        else:
+            turned = tl.dot(r1.to(ty), top) + tl.dot(r2.to(ty), bottom)
+        turned = turned * R_ENTRY
     else:
         top = tl.load(r_ptr + offs_d[:, None] * HEAD_DIM + cols[None, :], mask=rm, other=0.0)
         bottom = tl.load(r_ptr + (offs_d + HALF)[:, None] * HEAD_DIM + cols[None, :], mask=rm, other=0.0)
-    turned = tl.dot(r1.to(ty).to(tl.float32), top, input_precision="ieee")
-    turned += tl.dot(r2.to(ty).to(tl.float32), bottom, input_precision="ieee")
+        turned = tl.dot(r1.to(ty).to(tl.float32), top, input_precision="ieee")
+        turned += tl.dot(r2.to(ty).to(tl.float32), bottom, input_precision="ieee")
     return turned
 
 
