@@ -5,6 +5,7 @@ import torch
 
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
+from kvship.sequence import Batch, Sequence
 
 MAX_TOKENS = 20
 QUESTIONS = [
@@ -250,3 +251,16 @@ def test_mixed_step_lists_its_decodes_first(llm, prompts):
     assert meta.num_decodes == 2 and meta.cu_seqlens_q.tolist()[:3] == [0, 1, 2]
     for i in range(3):
         eng.abort(f"mixed-{i}")
+
+
+def test_batch_decodes_first_is_stable():
+    """One-token entries first, each part in its own order; a batch already in that order comes
+    back as it is (no copy: most steps)."""
+    seqs = [Sequence(f"s{i}", 0, [1, 2, 3], SamplingParams()) for i in range(6)]
+    mixed = Batch(list(seqs), [5, 1, 7, 1, 1, 2])
+    ordered = mixed.decodes_first()
+    assert [s.request_id for s in ordered.seqs] == ["s1", "s3", "s4", "s0", "s2", "s5"]
+    assert ordered.num_new_tokens == [1, 1, 1, 5, 7, 2] and ordered.num_decodes == 3
+    assert mixed.num_decodes == 0 and ordered.num_tokens == mixed.num_tokens
+    for already in (Batch(seqs[:3], [1, 1, 1]), Batch(seqs[:3], [1, 4, 2]), Batch(seqs[:2], [3, 2]), Batch()):
+        assert already.decodes_first() is already

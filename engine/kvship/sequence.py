@@ -103,7 +103,10 @@ class Batch:
         """The same work with the one-token entries first, each part in its order: a step that
         mixes prompt chunks with decodes then runs the decodes' attention through the decode
         kernel, which reads a KV head once for its query heads, and only the chunks through the
-        prefill kernel (AttentionMetadata.num_decodes)."""
+        prefill kernel (AttentionMetadata.num_decodes). Most steps are in that order already (all
+        decodes, or decodes then the chunks admitted after them) and come back as they are."""
+        if 1 not in self.num_new_tokens[self.num_decodes:]:
+            return self
         order = sorted(range(len(self.seqs)), key=lambda i: self.num_new_tokens[i] != 1)
         return Batch([self.seqs[i] for i in order], [self.num_new_tokens[i] for i in order])
 
