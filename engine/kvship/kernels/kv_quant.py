@@ -93,7 +93,7 @@ def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # asked at every launch of the rotary kernel
 def hadamard_entry(head_dim: int) -> float:
     """The magnitude of every entry of key_rotation(head_dim) (its float32 value) where that is
     Sylvester's Hadamard matrix / sqrt(D) (D a power of two), which kernels then make from the
@@ -103,6 +103,7 @@ def hadamard_entry(head_dim: int) -> float:
     return float(torch.tensor(head_dim, dtype=torch.float64).rsqrt().float())
 
 
+@functools.lru_cache(maxsize=None)
 def key_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
     """The FP8 keys' orthogonal matrix R [D, D] (float32, contiguous): stored keys are k @ R.
     Sylvester's Hadamard matrix / sqrt(D) for a power of two, otherwise the Q of a seeded
