@@ -18,6 +18,9 @@
 #   quantized-weight GPU tests, batch 1 by format, the batch-4 int4 step: final-verify latency-formats profile-int4-b4
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
+#   throughput by KV and weight dtype, then where the FP8-weight run's time goes, and FP8 weights at
+#   2-16 rows (dequantizing GEMM against W8A8): bash bench/gpu_session.sh rotary-tests throughput-all
+#   throughput-profile fp8-small-batch
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
@@ -58,6 +61,14 @@ bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
 bench kv-tests 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_kv_quant.py tests/test_kv_quant_engine.py -k "not perplexity and not greedy_agrees and not prefix_hits"
 bench throughput-8b-fp8 240 python3 bench/throughput.py --kv-cache-dtype fp8 --hf-prompts 0
 bench kv-decode 290 python3 bench/kv_decode.py
+bench rotary-tests 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kv_quant.py tests/test_kernels.py \
+  -k "rotary or rotation or mixed or decode_kernel or prefill"
+bench throughput-all 420 bash -c "python3 bench/throughput.py --hf-prompts 0 && \
+  python3 bench/throughput.py --hf-prompts 0 --kv-cache-dtype fp8 && \
+  python3 bench/throughput.py --hf-prompts 0 --kv-cache-dtype fp8 --quantization fp8"
+bench throughput-profile 200 python3 bench/throughput.py --hf-prompts 0 --kv-cache-dtype fp8 --quantization fp8 \
+  --num-prompts 300 --profile 25
+bench fp8-small-batch 300 python3 bench/quant_gemv_sweep.py --formats fp8 --kernels pairs --quick --tokens 2 4 8 16
 bench kv-sweep 300 python3 bench/kv_attention_sweep.py
 bench int-gemv-tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_quant_gemv.py tests/test_quantized_weights.py \
   -k "pairs or kernel_matches or word_gemv"

@@ -4,9 +4,11 @@ per-code one) over a grid of launch settings per weight format, against cuBLAS o
 and the engine's current one-row kernel ("engine"), each timed from a CUDA graph cycling through
 enough weight copies to overflow L2.
 % BW = the format's real bytes (codes, scales, offsets) ÷ time ÷ measured copy bandwidth.
-Also the dequantizing GEMM at 16 and 256 rows against cuBLAS bf16.
+Also the dequantizing GEMM at 16 and 256 rows against cuBLAS bf16, and with --tokens the small
+batches: 4-bit weights through the tensor-core kernel, FP8 ones through the dequantizing GEMM
+against W8A8 (per-token FP8 activations and cuBLAS's FP8 GEMM, the path from DENSE_ROWS rows).
 
-    python bench/quant_gemv_sweep.py [--quick]
+    python bench/quant_gemv_sweep.py [--quick] [--tokens 2 4 8]
 """
 from __future__ import annotations
 
@@ -23,7 +25,14 @@ from common import header, measure_ceilings, table
 from gemv_sweep import SHAPES, time_per_call
 from kvship.kernels.quant_gemv import fits, pairs_fit
 from kvship.kernels.quant_gemv_mma import mma_fit
-from kvship.kernels.quant_linear import _gemm_config, pack, quant_linear_torch, quant_linear_triton, shape_key
+from kvship.kernels.quant_linear import (
+    _dense_matmul,
+    _gemm_config,
+    pack,
+    quant_linear_torch,
+    quant_linear_triton,
+    shape_key,
+)
 from kvship.quant import quantize
 from kvship.quant.insitu import quantize_groups
 
@@ -66,7 +75,7 @@ def main() -> None:
                                         "for bench/latency.py --settings")
     ap.add_argument("--tokens", nargs="*", type=int, default=[],
                     help="small batches: the tensor-core kernel's settings at these row counts (4-bit, groups of 128) "
-                         "against the dequantizing GEMM and cuBLAS bf16")
+                         "against the dequantizing GEMM and cuBLAS bf16; FP8: the dequantizing GEMM against W8A8")
     args = ap.parse_args()
     copy_bw, mm = measure_ceilings()
     grid = [dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
@@ -87,7 +96,7 @@ def main() -> None:
                 ((16, 256, 4, 3), (8, 256, 4, 3), (32, 128, 4, 3), (16, 512, 8, 3), (8, 512, 4, 2), (32, 256, 8, 3))]
         words = [dict(block_n=bn, block_w=bw, num_warps=nw, num_stages=3) for bn, bw, nw in
                  ((4, 256, 4), (8, 256, 8), (16, 256, 8), (2, 512, 4), (4, 512, 8), (8, 128, 4))]
-    rows, gemm_rows, kind_rows, all_rows, token_rows = [], [], [], [], []
+    rows, gemm_rows, kind_rows, all_rows, token_rows, fp8_rows = [], [], [], [], [], []
     best_settings = []  # [shape_key, setting]: one-row pairs kernel, and the mma kernel at the most tokens
     for name, n, k in SHAPES[:4]:
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -96,6 +105,11 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         cublas = time_per_call(lambda i: torch.nn.functional.linear(x, ws16[i]), copies16)
         ws16 = None
+
+        def cublas_rows(xm):  # cuBLAS bf16 on xm's rows, the weights streamed as above
+            ws = [w16.clone() for _ in range(copies16)]
+            return time_per_call(lambda i: torch.nn.functional.linear(xm, ws[i]), copies16)
+
         for fmt in args.formats:
             make = FORMATS[fmt]
             qw = pack(make(w16.float()), "cuda")
@@ -134,11 +148,18 @@ def main() -> None:
                     kind_rows.append([name, fmt, kind, f"{us:.1f}", bw(us), str(cfg)])
                 if "pairs kernel" in best_of:
                     best_settings.append([list(shape_key(qw)), best_of["pairs kernel"][1]])
+            for m in args.tokens if qw.fp8 else []:
+                xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                want = quant_linear_torch(xm.float(), qw)
+                got = _dense_matmul(xm, qw, None).float()
+                tgemm = time_per_call(lambda i: quant_linear_triton(xm, qws[i], None, _gemm_config(m)), copies)
+                tw8a8 = time_per_call(lambda i: _dense_matmul(xm, qws[i], None), copies)
+                fp8_rows.append([name, str(m), f"{cublas_rows(xm):.1f}", f"{tgemm:.1f}", bw(tgemm), f"{tw8a8:.1f}",
+                                 bw(tw8a8), f"{((got - want).norm() / want.norm()).item():.1e}",
+                                 f"{tgemm / tw8a8:.2f}x"])
             for m in args.tokens if qw.bits == 4 and not qw.fp8 else []:
                 xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                ws16 = [w16.clone() for _ in range(copies16)]
-                t16 = time_per_call(lambda i: torch.nn.functional.linear(xm, ws16[i]), copies16)
-                ws16 = None
+                t16 = cublas_rows(xm)
                 tgemm = time_per_call(lambda i: quant_linear_triton(xm, qws[i], None, _gemm_config(m)), copies)
                 tengine = time_per_call(lambda i: quant_linear_triton(xm, qws[i]), copies)
                 mma_best = None
@@ -176,6 +197,10 @@ def main() -> None:
         print()
         print(table(token_rows, ["weight", "format", "tokens", "cuBLAS bf16 µs", "dequant GEMM µs", "engine µs",
                                  "engine % BW", "mma best µs", "mma % BW", "engine vs GEMM", "mma best setting"]))
+    if fp8_rows:
+        print()
+        print(table(fp8_rows, ["weight", "tokens", "cuBLAS bf16 µs", "dequant GEMM µs", "GEMM % BW", "W8A8 µs",
+                               "W8A8 % BW", "W8A8 rel err", "GEMM / W8A8"]))
     if args.best_json:
         Path(args.best_json).write_text(json.dumps(best_settings))
     if args.all:
