@@ -339,6 +339,16 @@ def test_cache_config_info_gauge():
             in text), text
 
 
+def _rotary_types(cache: str, scales: str, rotation: str, norm_weights: str) -> dict[str, str]:
+    """The rotary + store kernel's runtime argument types beside a bf16 q, k and v."""
+    return {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cs_ptr": "*fp32",
+            "kc_ptr": cache, "vc_ptr": cache, "ks_ptr": scales, "vs_ptr": scales, "r_ptr": rotation,
+            "slot_ptr": "*i64", "qw_ptr": norm_weights, "kw_ptr": norm_weights, "eps": "fp32",
+            **ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cs",
+                   "stride_kcb", "stride_kcs", "stride_kch", "stride_vcb", "stride_vcs", "stride_vch",
+                   "stride_gb", "stride_gs", "stride_gh")}
+
+
 def _sm90_specs():
     """Every store and attention kernel variant the engine launches with a quantized cache (and
     the plain one), as tests/sm90_compile.py takes them."""
@@ -351,16 +361,23 @@ def _sm90_specs():
         # turned FP8 keys: by Sylvester's matrix made in registers, or by a loaded R (80-wide heads)
         turns = [(False, 0.0), (True, kvq.hadamard_entry(128)), (True, 0.0)] if mode == 1 else [(False, 0.0)]
         for (turn, r_entry), (qk_norm, w) in ((t, n) for t in turns for n in norms):
-            types = {"pos_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cs_ptr": "*fp32",
-                     "kc_ptr": cache, "vc_ptr": cache, "ks_ptr": scales, "vs_ptr": scales,
-                     "r_ptr": "*fp32" if turn else "*bf16", "slot_ptr": "*i64", "qw_ptr": w, "kw_ptr": w, "eps": "fp32",
-                     **ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cs",
-                            "stride_kcb", "stride_kcs", "stride_kch", "stride_vcb", "stride_vcs", "stride_vch",
-                            "stride_gb", "stride_gs", "stride_gh")}
+            types = _rotary_types(cache, scales, "*fp32" if turn else "*bf16", w)
             yield {"kernel": "kvship.kernels.rotary:_rotary_store_kv_kernel", "types": types,
                    "constexprs": dict(HQ=32, HKV=8, HALF=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_HQ=32,
                                       BLOCK_HKV=16 if turn else 8, BLOCK_HALF=64, BLOCK_D=128, KV_MODE=mode,
                                       FP8_E5=kv == "fp8_e5m2", TURN_K=turn, R_ENTRY=r_entry, QK_NORM=qk_norm)}
+        if mode == 1:  # heads of 256 (Gemma 2 and 3), turned: the turn's tiles within a block's shared memory
+            yield {"kernel": "kvship.kernels.rotary:_rotary_store_kv_kernel",
+                   "types": _rotary_types(cache, scales, "*fp32", "*fp32"),
+                   "constexprs": dict(HQ=16, HKV=8, HALF=128, HEAD_DIM=256, BLOCK_SIZE=16, BLOCK_HQ=16, BLOCK_HKV=16,
+                                      BLOCK_HALF=128, BLOCK_D=256, KV_MODE=mode, FP8_E5=kv == "fp8_e5m2",
+                                      TURN_K=True, R_ENTRY=kvq.hadamard_entry(256), QK_NORM=True)}
+            fp8 = pa.DECODE_CONFIGS[mode]
+            yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel", "types": decode_types(cache, scales),
+                   "constexprs": dict(GROUP=2, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, NUM_SPLITS=8,
+                                      KV_MODE=mode, BLOCK_N=fp8["block_n"],
+                                      PACKED=pa.packed_read(fp8, mode, torch.bfloat16, 256)),
+                   "options": {"num_warps": fp8["num_warps"], "num_stages": fp8["num_stages"]}}
         default = pa.DECODE_CONFIGS[mode]
         launched = dict(BLOCK_N=default["block_n"], PACKED=pa.packed_read(default, mode, torch.bfloat16, 128))
         for splits in (1, 8):
