@@ -282,6 +282,15 @@ MMA_GEMV_ENABLED = os.environ.get("KVSHIP_MMA_GEMV", "1") != "0"
 # From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
 # GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
 DENSE_ROWS = 16
+# FP8 weights take W8A8 from two rows: at 2-16 rows it ran 1.04-1.10x (gate/up) to 1.34-1.97x
+# (q/k/v, o, down) faster than the dequantizing GEMM (H200, 8B shapes, ef31dd7,
+# `bench/quant_gemv_sweep.py --formats fp8 --kernels pairs --quick --tokens 2 4 8 16`).
+W8A8_ROWS = 2
+
+
+def dense_rows(x2: torch.Tensor, w: QWeight) -> int:
+    """The number of rows from which ``quant_linear_triton`` multiplies on the tensor cores."""
+    return W8A8_ROWS if _w8a8(x2, w) else DENSE_ROWS
 
 
 def _gemm_config(m: int) -> dict[str, int]:
@@ -354,7 +363,7 @@ def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None =
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n, kp = x2.shape[0], w.n, w.qweight.shape[1]
-    if m >= DENSE_ROWS and config is None:
+    if config is None and m >= dense_rows(x2, w):
         return _dense_matmul(x2, w, bias).view(*shape[:-1], n)
     if config is None and 1 < m <= MAX_TOKENS and MMA_GEMV_ENABLED \
             and mma_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, x.dtype):
