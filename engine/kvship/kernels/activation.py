@@ -50,11 +50,10 @@ def gelu_tanh_mul(a, b):
 
 
 @triton.jit
-def load_gated(x_ptr, offs, mask, K, GATED: tl.constexpr, GELU: tl.constexpr, EVICT: tl.constexpr):
+def load_gated(x_ptr, offs, mask, K, GATED: tl.constexpr, GELU: tl.constexpr, EVICT: tl.constexpr = ""):
     """x[offs] in fp32, for a kernel that multiplies the MLP's down projection: with GATED, x
     holds [gate | up] (K each) and the input is act(gate) * up rounded to x's dtype, as
-    ``act_and_mul`` writes it (so the projection needs no activation kernel of its own). EVICT:
-    tl.load's eviction policy ("" for none)."""
+    ``act_and_mul`` writes it (so the projection needs no activation kernel of its own)."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT)
     if GATED:
         up = tl.load(x_ptr + K + offs, mask=mask, other=0.0, eviction_policy=EVICT)

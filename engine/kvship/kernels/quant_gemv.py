@@ -361,12 +361,12 @@ def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.
     wmask = word < KW
     if FP8:  # the word's inputs in one load, split into its pairs' halves
         xw = load_gated(x_ptr, word[:, :, :, None] * CODES + tl.arange(0, CODES)[None, None, None, :],
-                     wmask[:, :, :, None], KW * CODES, GATED, GELU, "")
+                     wmask[:, :, :, None], KW * CODES, GATED, GELU)
         lo, hi = tl.split(tl.reshape(xw, [first.shape[0], 4, PAIRS, 2]))
     else:
         xo = word * CODES + tl.arange(0, PAIRS)[None, None, :]
-        lo = load_gated(x_ptr, xo, wmask, KW * CODES, GATED, GELU, "")
-        hi = load_gated(x_ptr, xo + PAIRS, wmask, KW * CODES, GATED, GELU, "")
+        lo = load_gated(x_ptr, xo, wmask, KW * CODES, GATED, GELU)
+        hi = load_gated(x_ptr, xo + PAIRS, wmask, KW * CODES, GATED, GELU)
     xp = _pair(lo, hi, ASM)
     xsum = tl.sum(tl.sum(lo + hi, 2), 1)
     q0, q1, q2, q3 = _split4(q)
