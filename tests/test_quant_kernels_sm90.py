@@ -44,8 +44,6 @@ def _specs():
             yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_pairs_kernel", "types": words,
                    "constexprs": {"BITS": bits, "FP8": False, "SYMM": symm, "HAS_BIAS": bias, "G": g, "ASM": True,
                                   "EVEN": bias, "CODE_SHIFT": CODE_SHIFT[bits, False],
-                                  # down_proj: the MLP's gated activation as x is read
-                                  "GATED": not bias, "GELU": not bias and bits == 8,
                                   "BLOCK_N": 16, "BLOCK_W": 256}}
         yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_words_kernel", "types": {**words, "K": "i32"},
                "constexprs": {"BITS": bits, "FP8": False, "SYMM": symm, "CENTRE": 8.0 if bits == 4 else 128.0,
@@ -54,8 +52,7 @@ def _specs():
         yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_pairs_kernel",
                "types": {**words, "s_ptr": "*fp32", "b_ptr": "*fp32"},
                "constexprs": {"BITS": 8, "FP8": True, "SYMM": True, "HAS_BIAS": bias, "G": g, "ASM": True,
-                              "EVEN": bias, "CODE_SHIFT": CODE_SHIFT[8, True], "GATED": not bias, "GELU": False,
-                              "BLOCK_N": 8, "BLOCK_W": 512}}
+                              "EVEN": bias, "CODE_SHIFT": CODE_SHIFT[8, True], "BLOCK_N": 8, "BLOCK_W": 512}}
     for dtype in ("bf16", "fp16"):  # rows read once (8B's hidden 4096) and twice (its down_proj's 14336)
         for block, one_pass in ((4096, True), (8192, False)):
             yield {"kernel": f"{MODULE}:_fp8_rows_kernel",

@@ -50,21 +50,6 @@ def gelu_tanh_mul(a, b):
 
 
 @triton.jit
-def load_gated(x_ptr, offs, mask, K, GATED: tl.constexpr, GELU: tl.constexpr, EVICT: tl.constexpr = ""):
-    """x[offs] in fp32, for a kernel that multiplies the MLP's down projection: with GATED, x
-    holds [gate | up] (K each) and the input is act(gate) * up rounded to x's dtype, as
-    ``act_and_mul`` writes it (so the projection needs no activation kernel of its own)."""
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT)
-    if GATED:
-        up = tl.load(x_ptr + K + offs, mask=mask, other=0.0, eviction_policy=EVICT)
-        if GELU:
-            x = gelu_tanh_mul(x, up).to(x_ptr.dtype.element_ty)
-        else:
-            x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
-    return x.to(tl.float32)
-
-
-@triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_inter, BLOCK: tl.constexpr, GELU: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
-from kvship.kernels.activation import act_and_mul, act_and_mul_torch, load_gated
+from kvship.kernels.activation import act_and_mul, act_and_mul_torch, gelu_tanh_mul, silu_mul
 
 DEFAULT_CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
 # (N, K) weight shape -> launch settings, for the shapes where the kernel beat cuBLAS at M = 1
@@ -76,7 +76,14 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < K
-        x = load_gated(x_ptr, kk, kmask, K, GATED, GELU, "evict_last")
+        x = tl.load(x_ptr + kk, mask=kmask, other=0.0, eviction_policy="evict_last")
+        if GATED:  # x holds [gate | up]: act(gate) * up, rounded as act_and_mul's output is
+            up = tl.load(x_ptr + K + kk, mask=kmask, other=0.0, eviction_policy="evict_last")
+            if GELU:
+                x = gelu_tanh_mul(x, up).to(x_ptr.dtype.element_ty)
+            else:
+                x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
+        x = x.to(tl.float32)
         w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")  # each weight byte is read once per step
         acc += w.to(tl.float32) * x[None, :]

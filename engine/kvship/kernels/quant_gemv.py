@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from kvship.kernels._triton import INTERPRET, pdl_launch, pdl_wait, tl, triton
-from kvship.kernels.activation import load_gated
 from kvship.kernels.numerics import small_int_to_float
 from kvship.quant.tensor import code_centre
 
@@ -347,26 +346,25 @@ def _step(q, x0, x1, x2, x3, a, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.c
 
 
 @triton.jit
-def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
-            GATED: tl.constexpr, GELU: tl.constexpr):
+def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr):
     """fp32 sums of the chains of tile q [rows, chains, 4 words] whose first words are ``first``
     [chains], and the fp32 sums of x over each chain's inputs [chains] (what offsets multiply).
     x's pairs for the tile are made as one [chains, 4 words, pairs] tensor, each pair once per
     program (the layout change that hands them to the rows' threads goes through shared memory),
     then sliced in registers. Pair p of a word holds inputs p and p + PAIRS (integer codes) or
-    2p and 2p + 1 (FP8: the bytes one conversion takes). GATED: see activation.load_gated."""
+    2p and 2p + 1 (FP8: the bytes one conversion takes)."""
     CODES: tl.constexpr = 32 // BITS
     PAIRS: tl.constexpr = CODES // 2
     word = first[:, None, None] + tl.arange(0, 4)[None, :, None]
     wmask = word < KW
     if FP8:  # the word's inputs in one load, split into its pairs' halves
-        xw = load_gated(x_ptr, word[:, :, :, None] * CODES + tl.arange(0, CODES)[None, None, None, :],
-                     wmask[:, :, :, None], KW * CODES, GATED, GELU)
+        xw = tl.load(x_ptr + word[:, :, :, None] * CODES + tl.arange(0, CODES)[None, None, None, :],
+                     mask=wmask[:, :, :, None], other=0.0).to(tl.float32)
         lo, hi = tl.split(tl.reshape(xw, [first.shape[0], 4, PAIRS, 2]))
     else:
         xo = word * CODES + tl.arange(0, PAIRS)[None, None, :]
-        lo = load_gated(x_ptr, xo, wmask, KW * CODES, GATED, GELU)
-        hi = load_gated(x_ptr, xo + PAIRS, wmask, KW * CODES, GATED, GELU)
+        lo = tl.load(x_ptr + xo, mask=wmask, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + xo + PAIRS, mask=wmask, other=0.0).to(tl.float32)
     xp = _pair(lo, hi, ASM)
     xsum = tl.sum(tl.sum(lo + hi, 2), 1)
     q0, q1, q2, q3 = _split4(q)
@@ -392,15 +390,13 @@ def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.
 def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride_w, stride_s, ngroups,
                         BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
                         G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-                        GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                        PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     """A program's tile is [BLOCK_N rows, BLOCK_W words] = [rows, chains, 4 words]. Each chain's
     fp32 sum takes its (row, group)'s scale (and offset; a chain lies in one group) into an fp32
     accumulator, reduced once at the end. The next tile's words are loaded before this one's
     arithmetic (a tile ahead in registers); the first is loaded before x exists (with PDL: while
     the kernel before finishes). EVEN: N and the row's words are whole tiles (no masks but the
-    look-ahead's). GATED: x is the MLP's [gate | up], activated on the fly (activation.load_gated), so the
-    down projection needs no activation kernel of its own (as kernels/gemv.py's bf16 one)."""
+    look-ahead's)."""
     CODES: tl.constexpr = 32 // BITS
     NCH: tl.constexpr = BLOCK_W // 4
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -423,7 +419,7 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stri
         else:
             q_next = tl.load(rows + nxt, mask=nmask[:, None] & (nxt + tl.arange(0, BLOCK_W) < KW)[None, :],
                              other=0, eviction_policy="evict_first")
-        d, xs = _chains(tl.reshape(q, [BLOCK_N, NCH, 4]), x_ptr, w0 + chain, KW, BITS, FP8, ASM, GATED, GELU)
+        d, xs = _chains(tl.reshape(q, [BLOCK_N, NCH, 4]), x_ptr, w0 + chain, KW, BITS, FP8, ASM)
         gs = (w0 + chain) * CODES // G
         if EVEN:
             s = tl.load(s_ptr + srows + gs[None, :]).to(tl.float32)
@@ -455,11 +451,8 @@ def pairs_fit(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool)
 
 def qgemv_pairs_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
                        bias: torch.Tensor | None, bits: int, group_size: int, k: int,
-                       config: dict[str, int], act: str | None = None) -> torch.Tensor:
-    """As ``qgemv_words_triton`` for 16-bit x (``pairs_fit`` must hold); with ``act`` (one of
-    kernels/activation.py's ACTIVATIONS) x is [1, 2k], gate then up, and the kernel multiplies
-    act_and_mul(x, act)."""
-    assert x.shape[-1] == (2 * k if act else k)
+                       config: dict[str, int]) -> torch.Tensor:
+    """As ``qgemv_words_triton`` for 16-bit x (``pairs_fit`` must hold)."""
     n = qweight.shape[0]
     words = qweight.view(torch.uint8).view(torch.int32)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -471,7 +464,6 @@ def qgemv_pairs_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         BITS=bits, FP8=fp8, SYMM=symm, HAS_BIAS=bias is not None,
         G=group_size if scales.shape[1] > 1 else 1 << 30, CODE_SHIFT=CODE_SHIFT[bits, fp8], ASM=not INTERPRET,
         EVEN=n % config["block_n"] == 0 and (k * bits // 32) % config["block_w"] == 0,
-        GATED=act is not None, GELU=act == "gelu_tanh",
         BLOCK_N=config["block_n"], BLOCK_W=config["block_w"], num_warps=config["num_warps"],
         num_stages=config["num_stages"], **pdl_launch(x))
     return y

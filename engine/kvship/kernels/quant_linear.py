@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
-from kvship.kernels.activation import act_and_mul, act_and_mul_torch
 from kvship.kernels.numerics import fp8_round, small_int_to_float
 from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton, tiles_keep_groups
 from kvship.kernels.quant_gemv_mma import MAX_TOKENS, mma_fit, qgemv_mma_triton
@@ -86,11 +85,7 @@ def dequantize_torch(w: QWeight) -> torch.Tensor:
     return out
 
 
-def quant_linear_torch(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None,
-                       act: str | None = None) -> torch.Tensor:
-    """Dequantize, then F.linear; ``act``: x is the MLP's [gate | up], act_and_mul'ed first."""
-    if act is not None:
-        x = act_and_mul_torch(x, act)
+def quant_linear_torch(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, dequantize_torch(w).to(x.dtype), bias)
 
 
@@ -362,14 +357,7 @@ def _one_row_config(w: QWeight, dtype: torch.dtype) -> dict[str, int]:
 
 
 def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None,
-                        config: dict[str, int] | None = None, act: str | None = None) -> torch.Tensor:
-    """``quant_linear_torch``'s twin. ``act``: x is [..., 2K], gate then up, multiplied as
-    act_and_mul(x, act); the one-row pairs kernel applies it as it reads x, other paths first."""
-    if act is not None:
-        if x.numel() == x.shape[-1] and "pairs" in (config or _one_row_config(w, x.dtype)):
-            return qgemv_pairs_triton(x.reshape(1, -1), w.qweight, w.scales, w.biases, bias, w.bits, w.group_size,
-                                      w.k, config or _one_row_config(w, x.dtype), act).view(*x.shape[:-1], w.n)
-        x = act_and_mul(x, act)
+                        config: dict[str, int] | None = None) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -536,8 +524,7 @@ def _dense_matmul(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> to
     return F.linear(x2, dequantize_triton(w, x2.dtype), bias)
 
 
-def quant_linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None,
-                 act: str | None = None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if use_triton(x):
-        return quant_linear_triton(x, w, bias, act=act)
-    return quant_linear_torch(x, w, bias, act)
+        return quant_linear_triton(x, w, bias)
+    return quant_linear_torch(x, w, bias)

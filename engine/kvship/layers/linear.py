@@ -16,6 +16,7 @@ import logging
 import torch
 from torch import nn
 
+from kvship.kernels.activation import act_and_mul
 from kvship.kernels.gemv import act_mul_linear, linear
 from kvship.kernels.quant_linear import QWeight, pack, quant_linear
 from kvship.parallel import TPContext
@@ -175,7 +176,7 @@ class RowParallelLinear(_Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            y = quant_linear(x, self.qweight, act=self.act if self.gated_input else None)
+            y = quant_linear(act_and_mul(x, self.act) if self.gated_input else x, self.qweight)
         elif self.gated_input:
             y = act_mul_linear(x, self.weight, self.act)
         else:
