@@ -1,0 +1,194 @@
+"""Where a quantized KV cache's perplexity cost comes from, and what other layouts would cost:
+the bundled SmolLM2-135M on the CPU, float32, the six windows of tests/test_kv_quant_engine.py
+(transformers' Apache-2.0 text, two windows of 1,024 tokens; numpy's LICENSE.txt, four).
+
+Each variant quantizes and dequantizes the keys and the values (each its own way) on their way
+into a float32 cache, at the one call every layer's store goes through on the CPU (rotary.py's
+``store_kv_torch``); attention then reads them back as the engine's kernels would read the
+quantized cache. So the layouts compared need no kernels: the engine's own (fp8 with the keys
+turned by R, int4 in groups of 32 channels) against per-channel keys over 16-token blocks
+(KIVI's layout), smoothing by per-channel centres and scales calibrated on another window of
+numpy's text, and the parts of each error (keys alone, values alone).
+
+    python3 bench/kv_quality.py                    # every variant (45 s each on 2 cores)
+    python3 bench/kv_quality.py "int4" "int4, keys per block"
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import sys
+import time
+
+import torch
+
+from kvship.kernels import kv_quant as kvq
+from kvship.kernels import rotary
+from kvship.llm import LLM
+from kvship.sampling_params import SamplingParams
+
+WINDOW = 1024
+TEXTS = [("transformers", "licenses/LICENSE", range(2)), ("numpy", "LICENSE.txt", range(4))]
+CALIBRATION = ("numpy", "LICENSE.txt", 5)  # a window the perplexity does not read
+BLOCK = 16  # tokens per per-channel key group: the engine's block size
+
+
+def fp8(x, scale=1.0):
+    return kvq.fp8_quantize(x, torch.tensor(scale), torch.float8_e4m3fn).float() * scale
+
+
+def int4(x, group: int = kvq.INT4_GROUP):
+    """Asymmetric 4-bit codes per `group` channels of a vector (the engine's math at 32)."""
+    if group == kvq.INT4_GROUP:
+        packed, groups = kvq.int4_quantize(x)
+        return kvq.int4_dequantize(packed, groups, x.shape[-1])
+    xg = x.unflatten(-1, (-1, group))
+    return _codes(xg, xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)).flatten(-2)
+
+
+def _codes(x, lo, hi):
+    """x quantized to 16 levels between lo and hi (float16 scale and minimum, as the engine's)."""
+    s, z = ((hi - lo) / kvq.INT4_LEVELS).half().float(), lo.half().float()
+    return torch.where(s > 0, torch.floor((x - z) / s + 0.5), 0.0).clamp(0, kvq.INT4_LEVELS) * s + z
+
+
+def int4_blocks(k):
+    """Keys [T, H, D] per channel over each run of BLOCK tokens (a whole prefill block at once)."""
+    t = k.shape[0]
+    n = -(-t // BLOCK)
+    g = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, n * BLOCK - t)).unflatten(0, (n, BLOCK))
+    last = g[-1, :t - (n - 1) * BLOCK]  # a short last block: its own tokens' range
+    lo, hi = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
+    lo[-1], hi[-1] = last.amin(0), last.amax(0)
+    return _codes(g, lo, hi).flatten(0, 1)[:t]
+
+
+def int4_blocks_growing(k):
+    """As int4_blocks, with a block's tokens arriving one at a time (decode): each token that
+    widens a channel's range re-quantizes that channel's stored (dequantized) values to it."""
+    out = []
+    for b0 in range(0, k.shape[0], BLOCK):
+        block = k[b0:b0 + BLOCK]
+        lo, hi = block[0].clone(), block[0].clone()
+        stored = _codes(block[:1], lo, hi)
+        for row in block[1:]:
+            lo2, hi2 = torch.minimum(lo, row), torch.maximum(hi, row)
+            stored = torch.where((lo2 != lo) | (hi2 != hi), _codes(stored, lo2, hi2), stored)
+            lo, hi = lo2, hi2
+            stored = torch.cat([stored, _codes(row[None], lo, hi)])
+        out.append(stored)
+    return torch.cat(out)
+
+
+class Variants:
+    """name -> (keys, values): functions of (x [T, H, D] float32, layer index)."""
+
+    def __init__(self, head_dim: int):
+        self.r = kvq.key_rotation(head_dim, torch.device("cpu"))
+        self.centre: dict[int, torch.Tensor] = {}  # per layer [H, D]: calibrated (max + min) / 2
+        self.spread: dict[int, torch.Tensor] = {}  # per layer [H, D]: max - min, over its mean
+        self.v_scale: dict[int, float] = {}  # per layer: values' amax / 448
+
+    def turned(self, f):
+        return lambda x, layer: f(x @ self.r) @ self.r.T
+
+    def smoothed(self, power: float = 1.0, centre: bool = True):
+        def keys(x, layer):
+            c = self.centre[layer] if centre else 0.0
+            s = self.spread[layer] ** power if power else 1.0
+            return int4((x - c) / s) * s + c
+        return keys
+
+    def table(self):
+        same = lambda x, layer: x  # noqa: E731
+        whole = lambda f: lambda x, layer: f(x)  # noqa: E731
+        v_scaled = lambda x, layer: fp8(x, self.v_scale[layer])  # noqa: E731
+        return {
+            "auto": (same, same),
+            "fp8": (self.turned(fp8), whole(fp8)),
+            "fp8, keys alone": (self.turned(fp8), same),
+            "fp8, values alone": (same, whole(fp8)),
+            "fp8, values alone, measured scale": (same, v_scaled),
+            "fp8, measured value scale": (self.turned(fp8), v_scaled),
+            "fp8, values turned too": (self.turned(fp8), self.turned(fp8)),
+            "int4": (whole(int4), whole(int4)),
+            "int4, keys alone": (whole(int4), same),
+            "int4, values alone": (same, whole(int4)),
+            "int4, both turned by R": (self.turned(int4), self.turned(int4)),
+            "int4, keys in groups of 16": (whole(lambda x: int4(x, 16)), whole(int4)),
+            "int4, keys per block": (whole(int4_blocks), whole(int4)),
+            "int4, keys per block, growing": (whole(int4_blocks_growing), whole(int4)),
+            "int4, keys smoothed": (self.smoothed(), whole(int4)),
+            "int4, keys smoothed by sqrt": (self.smoothed(0.5), whole(int4)),
+            "int4, keys centred": (self.smoothed(0.0), whole(int4)),
+        }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("variants", nargs="*", help="names from the table (default: all)")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    llm = LLM(device="cpu", kv_cache_dtype="auto", num_kv_blocks=160)
+    tok = llm.engine.tokenizer
+    windows = []
+    for dist, path, which in TEXTS:
+        ids = tok.encode(importlib.metadata.distribution(dist).read_text(path))
+        windows += [ids[i * WINDOW:(i + 1) * WINDOW] for i in which]
+    dist, path, i = CALIBRATION
+    calibration = tok.encode(importlib.metadata.distribution(dist).read_text(path))[i * WINDOW:(i + 1) * WINDOW]
+    assert len(calibration) == WINDOW
+
+    def nll(ids) -> float:
+        out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
+        return -sum(c.logprob for c, _ in out.prompt_logprobs) / (len(ids) - 1)
+
+    variants = Variants(llm.engine.runner.model.attention_layers()[0].head_dim)
+    table = variants.table()
+    names = args.variants or list(table)
+    unknown = set(names) - set(table)
+    if unknown:
+        sys.exit(f"unknown variants {sorted(unknown)}; known: {list(table)}")
+    layers: dict[int, int] = {}  # the cache tensor's id -> layer index, in order of first store
+    seen: dict[int, list] = {}
+    current = {"kv": table["auto"], "record": False}
+    store = rotary.store_kv_torch
+
+    def quantized_store(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None, k_rotation=None):
+        layer = layers.setdefault(id(k_cache), len(layers))
+        k, v = k.float(), v.float()
+        if current["record"]:
+            seen.setdefault(layer, []).append((k, v))
+        fk, fv = current["kv"]
+        return store(fk(k, layer), fv(v, layer), k_cache, v_cache, slots, k_scale, v_scale, k_rotation)
+
+    rotary.store_kv_torch = quantized_store
+    current["record"] = True
+    nll(calibration)
+    current["record"] = False
+    for layer, kvs in seen.items():
+        k, v = torch.cat([k for k, _ in kvs]), torch.cat([v for _, v in kvs])
+        hi, lo = k.amax(0), k.amin(0)
+        variants.centre[layer] = (hi + lo) / 2
+        spread = (hi - lo).clamp_min(1e-6)
+        variants.spread[layer] = spread / spread.mean(-1, keepdim=True)
+        variants.v_scale[layer] = float(v.abs().amax()) / kvq.fp8_max(torch.float8_e4m3fn)
+
+    print(f"SmolLM2-135M perplexity, {len(windows)} windows of {WINDOW} tokens, keys and values quantized "
+          f"and dequantized into a float32 cache\n")
+    print("| keys, values | perplexity | vs auto | windows, vs auto |\n|---|---|---|---|")
+    base = None
+    for name in ["auto", *(n for n in names if n != "auto")]:
+        current["kv"] = table[name]
+        t0 = time.monotonic()
+        per = [nll(w) for w in windows]
+        base = base or per
+        ppl, ref = math.exp(sum(per) / len(per)), math.exp(sum(base) / len(base))
+        by_window = " ".join(f"{100 * (math.exp(a - b) - 1):+.1f}%" for a, b in zip(per, base))
+        print(f"| {name} | {ppl:.4f} | {100 * (ppl / ref - 1):+.2f}% | {by_window} |", flush=True)
+        print(f"{name}: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
