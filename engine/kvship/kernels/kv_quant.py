@@ -16,16 +16,18 @@ inf). FP8 keys are stored turned by a fixed orthogonal matrix R (``key_rotation`
 matrix for power-of-two head sizes): a few channels of the keys carry most of their magnitude,
 and FP8's relative error on those dominates q.k; turned, every channel carries a similar share.
 Queries are turned by the same R before attention ((qR).(kR) = q.k), values are not. Measured on
-SmolLM2-135M (1,024 tokens, tests/test_kv_quant_engine.py): e4m3 perplexity +3.9% without R,
-0.0% with it, at scale 1.0 (docs/kv-cache.md has the table).
+SmolLM2-135M (first on 1,024 tokens: e4m3 perplexity +3.9% without R, 0.0% with it, at scale
+1.0; over six windows the engine's fp8 costs +1.1 to +1.4%: docs/kv-cache.md, bench/kv_quality.py).
 
 int4 groups are 32 channels of one token's head vector, asymmetric (min/max, 16 levels): a
 token's groups are complete when that token is stored, so the fused store kernel quantizes it on
 its own and a block is never re-quantized as later tokens arrive (a group spanning 16 tokens
 would have to be rewritten with every new token or held back until its block fills). The scale
 and minimum are rounded to float16 before the codes are computed, so the codes fit the stored
-values. On SmolLM2-135M, groups of 32 channels cost +3.3% perplexity where one group per head
-vector cost +21% (with R: +8%); their 4 bytes per 32 channels leave 3.2x the tokens of bf16.
+values. On SmolLM2-135M's first 1,024-token window, groups of 32 channels cost +3.3% perplexity
+where one group per head vector cost +21% (with R: +8%); their 4 bytes per 32 channels leave 3.2x
+the tokens of bf16. Over six windows they cost +10.9%, nearly all of it the keys', and keys
+grouped per channel over each 16-token block would cost +0.9% (docs/kv-cache.md).
 
 Rounding is spelt out the same way on both sides (floor(x + 0.5) for int4 codes, round half to
 even for FP8), so the kernels and the reference store the same bytes up to fp32 division's
