@@ -18,10 +18,13 @@
 #   quantized-weight GPU tests, batch 1 by format, the batch-4 int4 step: final-verify latency-formats profile-int4-b4
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
-#   throughput by KV and weight dtype, then where the FP8-weight run's time goes, and FP8 weights at
+#   throughput by KV and weight dtype (two passes each: one tree's single runs spread by 7%), then where
+#   the FP8-weight run's time goes, and FP8 weights at
 #   2-16 rows (dequantizing GEMM against W8A8): bash bench/gpu_session.sh rotary-tests throughput-all
 #   throughput-profile fp8-small-batch
 # (the five together outrun one call's 10 minutes). Tables go to $OUT/*.md, stderr to $OUT/log.
+# The tables name the commit from `git rev-parse`, which on the device machine's copy was stale
+# (it printed ef31dd7 for later trees): start the call with KVSHIP_COMMIT=<this tree's commit>.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvship-bench}
 mkdir -p "$OUT"
@@ -63,9 +66,9 @@ bench throughput-8b-fp8 240 python3 bench/throughput.py --kv-cache-dtype fp8 --h
 bench kv-decode 290 python3 bench/kv_decode.py
 bench rotary-tests 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kv_quant.py tests/test_kernels.py \
   -k "rotary or rotation or mixed or decode_kernel or prefill"
-bench throughput-all 420 bash -c "python3 bench/throughput.py --hf-prompts 0 && \
-  python3 bench/throughput.py --hf-prompts 0 --kv-cache-dtype fp8 && \
-  python3 bench/throughput.py --hf-prompts 0 --kv-cache-dtype fp8 --quantization fp8"
+bench throughput-all 560 bash -c "python3 bench/throughput.py --hf-prompts 0 --passes 2 && \
+  python3 bench/throughput.py --hf-prompts 0 --kv-cache-dtype fp8 --passes 2 && \
+  python3 bench/throughput.py --hf-prompts 0 --kv-cache-dtype fp8 --quantization fp8 --passes 2"
 bench throughput-profile 200 python3 bench/throughput.py --hf-prompts 0 --kv-cache-dtype fp8 --quantization fp8 \
   --num-prompts 300 --profile 25
 bench fp8-small-batch 300 python3 bench/quant_gemv_sweep.py --formats fp8 --kernels pairs --quick --tokens 2 4 8 16
