@@ -103,7 +103,7 @@ def shifted(prompts, i: int, vocab: int):
 
 
 def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "auto",
-               quantization: str | None = None, tp: int = 1, profile: int = 0, passes: int = 1, vocab: int = 1):
+               quantization: str | None = None, tp: int = 1, profile: int = 0, *, passes: int = 1, vocab: int):
     """Per pass over the workload (``passes`` in one engine; prompts ``shifted``): (seconds, output
     tokens, fraction of the wall time inside the events bracketing each forward pass and each
     sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle, the steps by
@@ -116,7 +116,7 @@ def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "
     weight_bytes = weight_bytes_per_token(llm.engine.runner.model)
     expert_bytes = expert_bytes_per_token(llm.engine.runner.model)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
-    llm.generate(shifted(prompts[:4], passes, vocab), params[:4])  # warm-up
+    llm.generate(shifted(prompts[:4], passes, vocab), params[:4])  # warm-up, shifted past every pass
     spans: list = []
     kinds = {"decode": 0, "prefill": 0, "mixed": 0}
     time_gpu_work(llm.engine.runner, "run", spans)
@@ -196,7 +196,7 @@ def main() -> None:
             folder = write_shape_folder(args.shape, tmp)
             results, wbytes, ebytes, prof_rows = run_kvship(
                 folder, prompts, outs, args.max_num_seqs, args.kv_cache_dtype, args.quantization, tp, args.profile,
-                args.passes, vocab)
+                passes=args.passes, vocab=vocab)
         dt, produced, busy, kinds = sorted(results)[len(results) // 2]  # the median pass (by seconds)
         # tp GPUs side by side: each reads its shard (rank 0's bytes), 1/tp of the KV and of the FLOPs
         limits[tp] = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw * tp, mm * tp,

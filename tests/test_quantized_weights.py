@@ -73,10 +73,10 @@ def test_kernel_matches_reference(kind, m):
     rel = ((got - want).norm() / want.norm()).item()
     # fp32 on CPU, except the interpreter's FP8 conversion of subnormal codes; bf16 inputs on GPU;
     # FP8 W8A8 (many rows on a GPU) rounds the activations to FP8 too (3 mantissa bits)
-    dense = m >= dense_rows(x, w)
-    bound = 6e-2 if GPU and qt.is_fp8 and dense else 1.5e-2 if GPU or qt.is_fp8 else 1e-5
+    tensor_cores = m >= dense_rows(x, w)
+    bound = 6e-2 if GPU and qt.is_fp8 and tensor_cores else 1.5e-2 if GPU or qt.is_fp8 else 1e-5
     assert rel < bound, f"{kind} m={m}: relative error {rel:.2e}"
-    if dense:  # the 16-bit expansion those rows may use (relative: as above for FP8's subnormals)
+    if tensor_cores:  # the 16-bit expansion those rows may use (relative: as above for FP8's subnormals)
         dense, ref = dequantize_triton(w, torch.float32).cpu(), dequantize_torch(w).cpu()
         assert ((dense - ref).norm() / ref.norm()).item() < (1.5e-2 if qt.is_fp8 else 1e-6), kind
 
