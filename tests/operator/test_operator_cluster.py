@@ -268,6 +268,11 @@ def test_operator_restart_resumes_without_duplicate_work(objects, run_operator):
                  what=f"{n} reconciled")
     if invalid:
         wait_for(lambda: cond(objects.llmd("invalid"), "Ready").get("reason") == "InvalidSpec", 30, what="InvalidSpec")
+    # kopf posts events from a queue, after the status they report: count them once posted
+    wait_for(lambda: any(e["reason"] == "Applied" for e in objects.events("steady")), 30, what="steady's Applied event")
+    if invalid:
+        wait_for(lambda: any(e["reason"] == "InvalidSpec" for e in objects.events("invalid")), 30,
+                 what="invalid's InvalidSpec event")
     steady_sts = objects.get("apps/v1", "statefulsets", "steady")
     steady_events = len([e for e in objects.events("steady") if e["reason"] == "Applied"])
     invalid_before = invalid and objects.llmd("invalid")

@@ -190,5 +190,7 @@ def test_cache_mode_change_recreates_statefulset(objects, run_operator):
     claim = wait_for(lambda: (c := objects.get("v1", "persistentvolumeclaims", "model-cache-cache-0"))
                      and c["metadata"].get("ownerReferences") and c, 30, what="per-replica claim adopted")
     assert claim["metadata"]["ownerReferences"][0]["uid"] == objects.llmd("cache")["metadata"]["uid"]
-    applied = [e["message"] for e in objects.events("cache") if e["reason"] == "Applied"]
-    assert any("re-created StatefulSet cache" in m for m in applied), applied
+    # kopf posts events from a queue of its own, so the event can trail the status it reports
+    wait_for(lambda: any("re-created StatefulSet cache" in e["message"] for e in objects.events("cache")
+                         if e["reason"] == "Applied"), 30, what="an Applied event naming the re-creation",
+             show=lambda: [e["message"] for e in objects.events("cache")])

@@ -245,8 +245,9 @@ def test_one_replica_rollout_drops_nothing_and_status_says_what_serves(objects, 
         assert len(kubelet.stopped) >= 2, kubelet.stopped  # the old pod and the surge pod drained
         assert cr["status"]["updatedReadyReplicas"] == 1 and cr["status"]["replicas"] == 1
         assert cr["status"]["observedGeneration"] == cr["metadata"]["generation"]
-        events = " ".join(e["message"] for e in objects.events(NAME) if e["reason"] == "Applied")
-        assert "replaced pod" in events, events
+        wait_for(lambda: any("replaced pod" in e["message"] for e in objects.events(NAME) if e["reason"] == "Applied"),
+                 30, what="an Applied event naming the replaced pod",  # events trail status (kopf's queue)
+                 show=lambda: [e["message"] for e in objects.events(NAME)])
 
         # item 2: a model change; until the new pods serve, status says the old model serves
         objects.patch_llmd_spec(NAME, {"servedModelName": "smol-b"})
