@@ -6,9 +6,10 @@ Each variant quantizes and dequantizes the keys and the values (each its own way
 into a float32 cache, at the one call every layer's store goes through on the CPU (rotary.py's
 ``store_kv_torch``); attention then reads them back as the engine's kernels would read the
 quantized cache. So the layouts compared need no kernels: the engine's own (fp8 with the keys
-turned by R, int4 in groups of 32 channels) against per-channel keys over 16-token blocks
-(KIVI's layout), smoothing by per-channel centres and scales calibrated on another window of
-numpy's text, and the parts of each error (keys alone, values alone).
+turned by R at the scales an fp8 engine measures per layer at start-up, int4 in groups of 32
+channels) against one FP8 scale for every layer (1.0, as before; 2^-6), per-channel keys over
+16-token blocks (KIVI's layout), smoothing by per-channel centres and scales calibrated on
+another window of numpy's text, and the parts of each error (keys alone, values alone).
 
     python3 bench/kv_quality.py                    # every variant (45 s each on 2 cores)
     python3 bench/kv_quality.py "int4" "int4, keys per block"
@@ -86,42 +87,66 @@ class Variants:
 
     def __init__(self, head_dim: int):
         self.r = kvq.key_rotation(head_dim, torch.device("cpu"))
-        self.centre: dict[int, torch.Tensor] = {}  # per layer [H, D]: calibrated (max + min) / 2
-        self.spread: dict[int, torch.Tensor] = {}  # per layer [H, D]: max - min, over its mean
-        self.v_scale: dict[int, float] = {}  # per layer: values' amax / 448
+        # per calibration ("text": a window of numpy's text, "random": seeded random tokens, as
+        # the engine's start-up measurement) and layer, [H, D]: (max + min) / 2, and max - min over its mean
+        self.centre: dict[str, dict[int, torch.Tensor]] = {"text": {}, "random": {}}
+        self.spread: dict[str, dict[int, torch.Tensor]] = {"text": {}, "random": {}}
+        self.v_amax: dict[int, float] = {}  # per layer: calibrated, values' largest magnitude
+        self.engine: dict[int, tuple[float, float]] = {}  # per layer: the fp8 engine's (k, v) scales
 
     def turned(self, f):
-        return lambda x, layer: f(x @ self.r) @ self.r.T
+        return lambda x, layer: f(x @ self.r, layer) @ self.r.T
 
-    def smoothed(self, power: float = 1.0, centre: bool = True):
+    def fp8_engine(self, which: int):
+        """FP8 at the engine's own scale for this layer (0: keys', 1: values')."""
+        return lambda x, layer: fp8(x, self.engine[layer][which])
+
+    def fp8_measured(self, headroom: float):
+        """Values at a scale from their calibrated largest magnitude, `headroom` below the top."""
+        return lambda x, layer: fp8(x, self.v_amax[layer] * headroom / kvq.fp8_max(torch.float8_e4m3fn))
+
+    def smoothed(self, power: float = 1.0, centre: bool = True, on: str = "text", turn: bool = False):
         def keys(x, layer):
-            c = self.centre[layer] if centre else 0.0
-            s = self.spread[layer] ** power if power else 1.0
-            return int4((x - c) / s) * s + c
+            c = self.centre[on][layer] if centre else 0.0
+            s = self.spread[on][layer] ** power if power else 1.0
+            y = (x - c) / s
+            if turn:
+                return (int4(y @ self.r) @ self.r.T) * s + c
+            return int4(y) * s + c
         return keys
 
     def table(self):
         same = lambda x, layer: x  # noqa: E731
         whole = lambda f: lambda x, layer: f(x)  # noqa: E731
-        v_scaled = lambda x, layer: fp8(x, self.v_scale[layer])  # noqa: E731
+        keys, values = self.fp8_engine(0), self.fp8_engine(1)
         return {
             "auto": (same, same),
-            "fp8": (self.turned(fp8), whole(fp8)),
-            "fp8, keys alone": (self.turned(fp8), same),
-            "fp8, values alone": (same, whole(fp8)),
-            "fp8, values alone, measured scale": (same, v_scaled),
-            "fp8, measured value scale": (self.turned(fp8), v_scaled),
-            "fp8, values turned too": (self.turned(fp8), self.turned(fp8)),
+            "fp8": (self.turned(keys), values),
+            "fp8, keys alone": (self.turned(keys), same),
+            "fp8, values alone": (same, values),
+            "fp8, values turned too": (self.turned(keys), self.turned(values)),
+            "fp8, scales 1.0": (self.turned(whole(fp8)), whole(fp8)),
+            "fp8, scales 1.0, keys alone": (self.turned(whole(fp8)), same),
+            "fp8, scales 1.0, values alone": (same, whole(fp8)),
+            "fp8, values alone, one scale 2^-6": (same, whole(lambda x: fp8(x, 2.0**-6))),
+            **{f"fp8, values alone, calibrated, headroom {h}": (same, self.fp8_measured(h)) for h in (1, 16, 64)},
             "int4": (whole(int4), whole(int4)),
             "int4, keys alone": (whole(int4), same),
             "int4, values alone": (same, whole(int4)),
-            "int4, both turned by R": (self.turned(int4), self.turned(int4)),
+            "int4, both turned by R": (self.turned(whole(int4)), self.turned(whole(int4))),
             "int4, keys in groups of 16": (whole(lambda x: int4(x, 16)), whole(int4)),
             "int4, keys per block": (whole(int4_blocks), whole(int4)),
             "int4, keys per block, growing": (whole(int4_blocks_growing), whole(int4)),
             "int4, keys smoothed": (self.smoothed(), whole(int4)),
             "int4, keys smoothed by sqrt": (self.smoothed(0.5), whole(int4)),
             "int4, keys centred": (self.smoothed(0.0), whole(int4)),
+            "int4, keys smoothed on random tokens": (self.smoothed(on="random"), whole(int4)),
+            "int4, keys smoothed by sqrt on random tokens": (self.smoothed(0.5, on="random"), whole(int4)),
+            "int4, keys centred on random tokens": (self.smoothed(0.0, on="random"), whole(int4)),
+            "int4, keys centred and turned by R": (self.smoothed(0.0, turn=True), whole(int4)),
+            "int4, keys centred on random tokens, turned by R": (self.smoothed(0.0, on="random", turn=True),
+                                                                whole(int4)),
+            "int4, keys smoothed on random tokens, turned by R": (self.smoothed(on="random", turn=True), whole(int4)),
         }
 
 
@@ -164,16 +189,22 @@ def main() -> None:
         return store(fk(k, layer), fv(v, layer), k_cache, v_cache, slots, k_scale, v_scale, k_rotation)
 
     rotary.store_kv_torch = quantized_store
-    current["record"] = True
-    nll(calibration)
-    current["record"] = False
-    for layer, kvs in seen.items():
-        k, v = torch.cat([k for k, _ in kvs]), torch.cat([v for _, v in kvs])
-        hi, lo = k.amax(0), k.amin(0)
-        variants.centre[layer] = (hi + lo) / 2
-        spread = (hi - lo).clamp_min(1e-6)
-        variants.spread[layer] = spread / spread.mean(-1, keepdim=True)
-        variants.v_scale[layer] = float(v.abs().amax()) / kvq.fp8_max(torch.float8_e4m3fn)
+    random_ids = torch.randint(0, llm.engine.runner.model_config.vocab_size, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    for on, ids in (("text", calibration), ("random", random_ids)):
+        seen.clear()
+        current["record"] = True
+        nll(ids)
+        current["record"] = False
+        for layer, kvs in seen.items():
+            k, v = torch.cat([k for k, _ in kvs]), torch.cat([v for _, v in kvs])
+            hi, lo = k.amax(0), k.amin(0)
+            variants.centre[on][layer] = (hi + lo) / 2
+            spread = (hi - lo).clamp_min(1e-6)
+            variants.spread[on][layer] = spread / spread.mean(-1, keepdim=True)
+            if on == "text":
+                variants.v_amax[layer] = float(v.abs().amax())
+    fp8_layers = LLM(device="cpu", kv_cache_dtype="fp8", num_kv_blocks=16).engine.runner.model.attention_layers()
+    variants.engine = {i: (float(a.fp8_k_scale), float(a.fp8_v_scale)) for i, a in enumerate(fp8_layers)}
 
     print(f"SmolLM2-135M perplexity, {len(windows)} windows of {WINDOW} tokens, keys and values quantized "
           f"and dequantized into a float32 cache\n")

@@ -17,9 +17,10 @@ import math
 import pytest
 import torch
 
+from kvship.kernels import kv_quant as kvq
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
-from test_engine import assert_all_blocks_released, greedy_tokens, prompts  # noqa: F401 (fixture)
+from test_engine import MAX_TOKENS, assert_all_blocks_released, greedy_tokens, prompts  # noqa: F401 (fixture)
 
 KV_DTYPES = ["auto", "fp8", "int4"]
 PPL_TOKENS = 1024
@@ -31,6 +32,8 @@ NUM_BLOCKS = 160
 # ties: under preemption, gaps of 0.115 to 0.243 on three CPU vector widths (2026-12-02); a bug
 # (wrong positions or blocks on recompute) moves logits by whole nats.
 NEAR_TIE = 0.5
+# The same against the unquantized cache's greedy tokens (test_fp8_greedy_agrees_with_unquantized).
+FLIP_GAP = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +70,11 @@ def mean_nll(llm, ids) -> float:
 @pytest.mark.timeout(900)
 def test_perplexity_close_to_unquantized(engines, text_windows, record_property):
     """Perplexity over every window (the mean of their log perplexities), each window's beside it.
-    The issue asks fp8 within 1% of auto and int4 within 5%; measured on three CPU vector widths
-    (2026-12-02): fp8 +1.09 to +1.37%, int4 +10.5 to +11.1% (windows from +0.2% to +2.8%, and
-    from +1.0% to +22%). Neither target is met; the bounds below hold those figures against
-    regressions, with room for the machines' spread."""
+    The issue asks fp8 within 1% of auto and int4 within 5%. fp8, with the scales the engine
+    measures per layer at start-up: +0.25% (2026-12-02; with scales 1.0 it measured +1.09 to
+    +1.37% on three CPU vector widths), asserted at the issue's 1%. int4: +10.5 to +11.1%
+    (windows from +1.0% to +22%), not met; its bound holds that figure against regressions,
+    with room for the machines' spread."""
     nll = {kv: {w: mean_nll(llm, ids) for w, ids in text_windows.items()} for kv, llm in engines.items()}
     ppl = {kv: math.exp(sum(per.values()) / len(per)) for kv, per in nll.items()}
     windows = "; ".join(f"{w} " + " ".join(f"{kv} {100 * (math.exp(nll[kv][w] - nll['auto'][w]) - 1):+.1f}%"
@@ -80,23 +84,98 @@ def test_perplexity_close_to_unquantized(engines, text_windows, record_property)
           f"by window: {windows}")
     record_property("perplexity", f"{report}; {windows}")
     # a quantized cache costs a little: between the float cache's and these bounds
-    assert ppl["auto"] * 0.999 <= ppl["fp8"] <= ppl["auto"] * 1.02
+    assert ppl["auto"] * 0.995 <= ppl["fp8"] <= ppl["auto"] * 1.01
     assert ppl["auto"] * 0.999 <= ppl["int4"] <= ppl["auto"] * 1.15
     for llm in engines.values():
         assert_all_blocks_released(llm)
 
 
+def fp8_scales(llm) -> list[tuple[float, float]]:
+    return [(float(a.fp8_k_scale), float(a.fp8_v_scale)) for a in llm.engine.runner.model.attention_layers()]
+
+
+@pytest.mark.timeout(300)
+def test_fp8_scales_measured_per_layer_at_start_up(engines, text_windows):
+    """Without a checkpoint's scales, each layer's FP8 scales are measured at start-up on random
+    tokens, with FP8_HEADROOM. Against --calculate-kv-scales on a text window (the text's own
+    largest magnitudes), no layer's keys or values saturate, and none sit more than the headroom
+    again below the start-up range (where small values would fall into the subnormals). The
+    values' scales spread over layers: one scale for all of them costs perplexity (kv_quant)."""
+    fmax = kvq.fp8_max(torch.float8_e4m3fn)
+    start = fp8_scales(engines["fp8"])
+    calc = LLM(device="cpu", kv_cache_dtype="fp8", num_kv_blocks=NUM_BLOCKS, calculate_kv_scales=True)
+    assert fp8_scales(calc) == [(1.0, 1.0)] * len(start)  # not measured before the first prefill
+    mean_nll(calc, text_windows["numpy[0]"])
+    text = fp8_scales(calc)
+    ratios = []
+    for (ks, vs), (kt, vt) in zip(start, text):
+        for s, measured in ((ks, kt), (vs, vt)):
+            amax = measured * fmax / kvq.FP8_HEADROOM  # the text's largest magnitude in this layer
+            ratios.append(amax / (s * fmax / kvq.FP8_HEADROOM))
+            assert amax <= s * fmax  # fits: no saturation
+            assert amax * kvq.FP8_HEADROOM >= s * fmax / kvq.FP8_HEADROOM
+    print(f"\ntext amax / start-up amax per layer and k/v: {min(ratios):.2f} to {max(ratios):.2f}")
+    v = [vs for _, vs in start]
+    assert max(v) > 4 * min(v), v
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_fp8_scales_come_first(tiny_models, tmp_path):
+    """A checkpoint's k_scale / v_scale (vLLM's names) are used as they are; only the layers
+    without them are measured at start-up."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = tiny_models["llama-gqa-tied"]
+    for f in folder.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(model=str(tmp_path), device="cpu", kv_cache_dtype="fp8", num_kv_blocks=16)
+    (k0, v0), (k1, v1) = fp8_scales(llm)
+    assert (k0, v0) == (0.5, 0.25)
+    assert 0 < k1 != 1.0 and 0 < v1 != 1.0 and (k1, v1) != (0.5, 0.25)
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def first_difference_gaps(reference, outputs: list[list[int]]) -> list[float]:
+    """Where each output first leaves the reference's greedy tokens: the reference's logprob
+    gap there between its own token and the output's (inf when the output's is not in its top
+    alternatives). reference: CompletionOutputs with logprobs."""
+    gaps = []
+    for ref, got in zip(reference, outputs):
+        i = next((i for i, (x, y) in enumerate(zip(got, ref.token_ids)) if x != y), None)
+        if i is not None:
+            chosen, alts = ref.logprobs[i]
+            gaps.append(chosen.logprob - next((a.logprob for a in alts if a.token_id == got[i]), float("-inf")))
+    return gaps
+
+
 @pytest.mark.timeout(900)
-def test_fp8_greedy_agrees_with_unquantized(greedy, record_property):
+def test_fp8_greedy_agrees_with_unquantized(engines, greedy, prompts, record_property):  # noqa: F811
+    """Greedy outputs of 20 tokens against the unquantized cache's, and where they first differ.
+    How many are identical measures how often SmolLM2's continuations hold a near-tie more than
+    it measures the cache: on 48 prompts of license text (24 tokens) 15 were identical with the
+    engine's FP8 scales and 19 with scales 1.0, whose perplexity costs 13x more (docs/kv-cache.md),
+    and of these eight prompts 3 and 6. So the count is reported, and what is asserted is that
+    every FP8 difference starts where the unquantized model's top two tokens were close: its
+    largest gap was 0.57 here and 0.49 on the 48 prompts (1.10 with scales 1.0); a wrong scale or
+    block moves logits by whole nats."""
     auto = greedy["auto"]
     same = {kv: sum(a == b for a, b in zip(greedy[kv], auto)) for kv in ("fp8", "int4")}
     agreed = {kv: sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                       for a, b in zip(greedy[kv], auto)) for kv in same}
+    reference = [o.outputs[0] for o in engines["auto"].generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=20))]
+    assert [r.token_ids for r in reference] == auto
+    gaps = {kv: first_difference_gaps(reference, greedy[kv]) for kv in same}
     report = ", ".join(f"{kv} {same[kv]}/{len(auto)} ({agreed[kv]} of {sum(map(len, auto))} tokens before the "
-                       f"first difference)" for kv in same)
+                       f"first difference; logprob gaps there {sorted(round(g, 3) for g in gaps[kv])})" for kv in same)
     print(f"\ngreedy outputs (20 tokens) identical to the unquantized cache's: {report}")
     record_property("greedy_identical", report)
-    assert same["fp8"] * 2 > len(auto)  # most: a near-tie flips a token, and the rest follows from it
+    assert all(g <= FLIP_GAP for g in gaps["fp8"]), gaps["fp8"]
     # int4 is reported, not asserted: its rounding moves near-ties more often
 
 

@@ -29,8 +29,9 @@ class PagedAttention(nn.Module):
     the per-head q/k norms of Qwen3 and Gemma 3 when forward is given them (``QKNorm``).
 
     With a quantized cache (kernels/kv_quant.py) the kernels also take k_scale and v_scale: for
-    FP8 this layer's own one-element tensors (the checkpoint's, 1.0, or measured on the first
-    prefill, updated in place so captured CUDA graphs read the new value), for int4 the
+    FP8 this layer's own one-element tensors (the checkpoint's, or measured by the runner at
+    start-up or on the first prefill, updated in place so captured CUDA graphs read the new
+    value), for int4 the
     per-group tensors bound with the cache. FP8 keys are stored turned by k_rotation, and the
     queries are turned the same way before attention (kv_quant explains why).
 
@@ -58,7 +59,7 @@ class PagedAttention(nn.Module):
         self.fp8_k_scale = torch.ones(1, dtype=torch.float32)  # on the device the model is built on
         self.fp8_v_scale = torch.ones(1, dtype=torch.float32)
         self.kv_scales_from_checkpoint = False
-        self.measure_kv_scales = False  # set by the runner for --calculate-kv-scales
+        self.measure_kv_scales = False  # set by the runner: the next forward measures the FP8 scales
 
     def load_kv_scale(self, kind: str, scale: torch.Tensor) -> None:
         """A checkpoint's ``k_scale`` / ``v_scale`` (dequantized = stored * scale). A per-head
@@ -79,9 +80,9 @@ class PagedAttention(nn.Module):
 
     def _measure_kv_scales(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            qk_norm: QKNorm | None) -> None:
-        """--calculate-kv-scales: the largest magnitudes of this step's keys (as stored: normed,
-        rotary, then R) and values set the FP8 scales, once (blocks already written keep their
-        meaning); later outliers saturate."""
+        """The largest magnitudes of this step's keys (as stored: normed, rotary, then R) and
+        values set the FP8 scales (kv_quant.fp8_scale_from_amax), once: blocks already written
+        keep their meaning."""
         dtype = self.k_cache.dtype
         if qk_norm is not None:
             k = rms_norm_torch(k, qk_norm.k_weight, qk_norm.eps)

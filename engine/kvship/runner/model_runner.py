@@ -28,6 +28,13 @@ from kvship.sequence import Batch, Sequence
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FP8_SCALE_TOKENS = 256  # the start-up prefill that measures FP8 scales a checkpoint lacks
+
+
+@dataclass
+class PrefillMeta:
+    positions: torch.Tensor
+    attention: AttentionMetadata
 
 
 def resolve_device(name: str) -> torch.device:
@@ -203,14 +210,8 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         ids = torch.randint(0, self.model_config.vocab_size, (num_seqs * seq_len,), device=dev)
-        pos = torch.arange(seq_len, device=dev).repeat(num_seqs)
-        tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=dev).view(num_seqs, -1)
-        slots = (tables.long().repeat_interleave(self.block_size, 1) * self.block_size
-                 + torch.arange(self.block_size, device=dev).repeat(blocks_per_seq))[:, :seq_len].reshape(-1)
-        meta = AttentionMetadata(slots, tables, torch.full((num_seqs,), seq_len, dtype=torch.int32, device=dev),
-                                 torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device=dev),
-                                 seq_len, torch.arange(num_seqs, device=dev) * seq_len + seq_len - 1)
-        self.model.compute_logits(self.model(ids, pos, meta)[meta.logits_indices])
+        meta = self._prefill_meta(num_seqs, seq_len)
+        self.model.compute_logits(self.model(ids, meta.positions, meta.attention)[meta.attention.logits_indices])
         # Sampling of a full batch: float32 logits plus a few temporaries of that size.
         sampler_bytes = 4 * c.max_num_seqs * self.model_config.vocab_size * 4
         torch.cuda.synchronize(dev)
@@ -228,6 +229,20 @@ class ModelRunner:
                 "or use more GPUs (--tensor-parallel-size)")
         return int(budget // per_block)
 
+    def _prefill_meta(self, num_seqs: int, seq_len: int) -> "PrefillMeta":
+        """A step that prefills num_seqs sequences of seq_len tokens from position 0 into the
+        cache's first blocks, one sequence after another (start-up runs only: the blocks are
+        not the block manager's yet)."""
+        dev = self.device
+        blocks_per_seq = -(-seq_len // self.block_size)
+        tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=dev).view(num_seqs, -1)
+        slots = (tables.long().repeat_interleave(self.block_size, 1) * self.block_size
+                 + torch.arange(self.block_size, device=dev).repeat(blocks_per_seq))[:, :seq_len].reshape(-1)
+        meta = AttentionMetadata(slots, tables, torch.full((num_seqs,), seq_len, dtype=torch.int32, device=dev),
+                                 torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device=dev),
+                                 seq_len, torch.arange(num_seqs, device=dev) * seq_len + seq_len - 1)
+        return PrefillMeta(torch.arange(seq_len, device=dev).repeat(num_seqs), meta)
+
     def _bind_kv_cache(self, num_blocks: int) -> None:
         for attn in self.model.attention_layers():
             attn.bind_kv_cache(*kvq.allocate(self.config.kv_cache_dtype, num_blocks, self.block_size,
@@ -242,7 +257,11 @@ class ModelRunner:
         return n
 
     def _set_up_fp8_scales(self) -> bool:
-        """Where an FP8 cache's scales come from; True while they are still to be measured."""
+        """Where an FP8 cache's scales come from; True while they are still to be measured (on
+        the first prefill, --calculate-kv-scales). Layers without a checkpoint's scales measure
+        theirs now, on a prefill of random tokens: one scale for every layer (vLLM's 1.0) put
+        SmolLM2-135M's small values into e4m3's subnormals and saturated its large ones, and
+        cost +0.5% perplexity more than scales measured per layer (docs/kv-cache.md)."""
         if self.config.kv_cache_dtype not in kvq.FP8_DTYPES:
             return False
         layers = self.model.attention_layers()
@@ -251,10 +270,33 @@ class ModelRunner:
                 attn.measure_kv_scales = True
             log.info("FP8 KV cache: k/v scales will be measured on the first prefill")
             return True
-        if not any(attn.kv_scales_from_checkpoint for attn in layers):
-            log.warning("FP8 KV cache: no k/v scales in the checkpoint, using 1.0 "
-                        "(--calculate-kv-scales measures them on the first prefill)")
+        missing = [attn for attn in layers if not attn.kv_scales_from_checkpoint]
+        if missing:
+            self._measure_fp8_scales(missing)
         return False
+
+    @torch.inference_mode()
+    def _measure_fp8_scales(self, layers: list) -> None:
+        """Scales for ``layers`` from one prefill of FP8_SCALE_TOKENS seeded random tokens (the
+        same on every tensor-parallel rank, so the collectives match) into a throw-away cache:
+        the scales do not depend on the cache's size, and the cache is left as it was."""
+        seq_len = min(FP8_SCALE_TOKENS, self.max_model_len, self.config.max_num_batched_tokens)
+        ids = torch.randint(0, self.model_config.vocab_size, (seq_len,),
+                            generator=torch.Generator().manual_seed(self.config.seed)).to(self.device)
+        meta = self._prefill_meta(1, seq_len)
+        caches = [(attn, attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale) for attn in self.model.attention_layers()]
+        self._bind_kv_cache(meta.attention.block_tables.numel())
+        for attn in layers:
+            attn.measure_kv_scales = True
+        self.model(ids, meta.positions, meta.attention)
+        for attn, *cache in caches:
+            attn.bind_kv_cache(*cache)
+        k = [float(attn.fp8_k_scale) for attn in layers]
+        v = [float(attn.fp8_v_scale) for attn in layers]
+        log.info("FP8 KV cache: no k/v scales in the checkpoint for %d layers; measured on %d random tokens "
+                 "(largest at 1/%g of the format's range): k %.3g to %.3g, v %.3g to %.3g (--calculate-kv-scales "
+                 "measures them on the first prefill instead)", len(layers), seq_len, kvq.FP8_HEADROOM,
+                 min(k), max(k), min(v), max(v))
 
     # -- one step ----------------------------------------------------------------------------
     def launch(self, batch: Batch, previous: InFlightStep | None = None) -> InFlightStep:
