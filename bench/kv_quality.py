@@ -7,9 +7,11 @@ into a float32 cache, at the one call every layer's store goes through on the CP
 ``store_kv_torch``); attention then reads them back as the engine's kernels would read the
 quantized cache. So the layouts compared need no kernels: the engine's own (fp8 with the keys
 turned by R at the scales an fp8 engine measures per layer at start-up, int4 in groups of 32
-channels) against one FP8 scale for every layer (1.0, as before; 2^-6), per-channel keys over
-16-token blocks (KIVI's layout), smoothing by per-channel centres and scales calibrated on
-another window of numpy's text, and the parts of each error (keys alone, values alone).
+channels with the keys smoothed by the per-channel centres and spreads an int4 engine measures
+at start-up) against one FP8 scale for every layer (1.0, as before; 2^-6), unsmoothed int4
+keys (as before), per-channel keys over 16-token blocks (KIVI's layout), smoothing calibrated on
+another window of numpy's text or on random tokens, and the parts of each error (keys alone,
+values alone).
 
     python3 bench/kv_quality.py                    # every variant (45 s each on 2 cores)
     python3 bench/kv_quality.py "int4" "int4, keys per block"
@@ -87,10 +89,12 @@ class Variants:
 
     def __init__(self, head_dim: int):
         self.r = kvq.key_rotation(head_dim, torch.device("cpu"))
-        # per calibration ("text": a window of numpy's text, "random": seeded random tokens, as
-        # the engine's start-up measurement) and layer, [H, D]: (max + min) / 2, and max - min over its mean
-        self.centre: dict[str, dict[int, torch.Tensor]] = {"text": {}, "random": {}}
-        self.spread: dict[str, dict[int, torch.Tensor]] = {"text": {}, "random": {}}
+        # per calibration ("text": a window of numpy's text, "random": 256 seeded random tokens,
+        # "random1024": 1,024 of them) and layer, [H, D]: (max + min) / 2, and max - min over its mean (or
+        # the engine's own: "engine", kv_quant.key_smoothing measured at start-up)
+        calibrations = ("text", "random", "random1024", "engine")
+        self.centre: dict[str, dict[int, torch.Tensor]] = {on: {} for on in calibrations}
+        self.spread: dict[str, dict[int, torch.Tensor]] = {on: {} for on in calibrations}
         self.v_amax: dict[int, float] = {}  # per layer: calibrated, values' largest magnitude
         self.engine: dict[int, tuple[float, float]] = {}  # per layer: the fp8 engine's (k, v) scales
 
@@ -130,8 +134,9 @@ class Variants:
             "fp8, scales 1.0, values alone": (same, whole(fp8)),
             "fp8, values alone, one scale 2^-6": (same, whole(lambda x: fp8(x, 2.0**-6))),
             **{f"fp8, values alone, calibrated, headroom {h}": (same, self.fp8_measured(h)) for h in (1, 16, 64)},
-            "int4": (whole(int4), whole(int4)),
-            "int4, keys alone": (whole(int4), same),
+            "int4": (self.smoothed(on="engine"), whole(int4)),
+            "int4, keys unsmoothed": (whole(int4), whole(int4)),
+            "int4, keys alone, unsmoothed": (whole(int4), same),
             "int4, values alone": (same, whole(int4)),
             "int4, both turned by R": (self.turned(whole(int4)), self.turned(whole(int4))),
             "int4, keys in groups of 16": (whole(lambda x: int4(x, 16)), whole(int4)),
@@ -147,6 +152,7 @@ class Variants:
             "int4, keys centred on random tokens, turned by R": (self.smoothed(0.0, on="random", turn=True),
                                                                 whole(int4)),
             "int4, keys smoothed on random tokens, turned by R": (self.smoothed(on="random", turn=True), whole(int4)),
+            "int4, keys smoothed on 1024 random tokens": (self.smoothed(on="random1024"), whole(int4)),
         }
 
 
@@ -180,17 +186,18 @@ def main() -> None:
     current = {"kv": table["auto"], "record": False}
     store = rotary.store_kv_torch
 
-    def quantized_store(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None, k_rotation=None):
+    def quantized_store(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None, k_transform=None):
         layer = layers.setdefault(id(k_cache), len(layers))
         k, v = k.float(), v.float()
         if current["record"]:
             seen.setdefault(layer, []).append((k, v))
         fk, fv = current["kv"]
-        return store(fk(k, layer), fv(v, layer), k_cache, v_cache, slots, k_scale, v_scale, k_rotation)
+        return store(fk(k, layer), fv(v, layer), k_cache, v_cache, slots, k_scale, v_scale, k_transform)
 
     rotary.store_kv_torch = quantized_store
-    random_ids = torch.randint(0, llm.engine.runner.model_config.vocab_size, (256,), generator=torch.Generator().manual_seed(0)).tolist()
-    for on, ids in (("text", calibration), ("random", random_ids)):
+    vocab = llm.engine.runner.model_config.vocab_size
+    random_ids = torch.randint(0, vocab, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+    for on, ids in (("text", calibration), ("random", random_ids[:256]), ("random1024", random_ids)):
         seen.clear()
         current["record"] = True
         nll(ids)
@@ -205,6 +212,9 @@ def main() -> None:
                 variants.v_amax[layer] = float(v.abs().amax())
     fp8_layers = LLM(device="cpu", kv_cache_dtype="fp8", num_kv_blocks=16).engine.runner.model.attention_layers()
     variants.engine = {i: (float(a.fp8_k_scale), float(a.fp8_v_scale)) for i, a in enumerate(fp8_layers)}
+    int4_layers = LLM(device="cpu", kv_cache_dtype="int4", num_kv_blocks=16).engine.runner.model.attention_layers()
+    for i, a in enumerate(int4_layers):
+        variants.centre["engine"][i], variants.spread["engine"][i] = a.int4_k_smoothing[0], a.int4_k_smoothing[2]
 
     print(f"SmolLM2-135M perplexity, {len(windows)} windows of {WINDOW} tokens, keys and values quantized "
           f"and dequantized into a float32 cache\n")

@@ -96,13 +96,40 @@ def test_key_rotation_is_orthogonal_and_preserves_scores(d):
     r = kvq.key_rotation(d, torch.device("cpu"))
     torch.testing.assert_close(r @ r.T, torch.eye(d), atol=1e-6, rtol=0)
     q, k = torch.randn(5, 2, d), torch.randn(5, 2, d)
-    torch.testing.assert_close((kvq.rotate_queries(q, r) * (k @ r)).sum(-1), (q * k).sum(-1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close((kvq.transform_queries(q, r) * (k @ r)).sum(-1), (q * k).sum(-1), atol=1e-4, rtol=1e-4)
     if d == 64:
         assert torch.allclose(r.abs(), torch.full_like(r, d**-0.5))  # Hadamard: every channel spreads evenly
         # the rotary kernel makes R from the signs and this one magnitude: R's own float32 value
         assert torch.equal(r.abs(), torch.full_like(r, kvq.hadamard_entry(d)))
     else:
         assert kvq.hadamard_entry(d) == 0.0  # R is read
+
+
+def test_key_smoothing_keeps_attention_weights():
+    """int4 keys smoothed per channel ((k - c) / s, queries times s) give every key of a query
+    the same score shift (-q.c), which softmax does not see; the spreads stay within their range
+    and a channel that never moved keeps spread 1 / SMOOTHING_RANGE, not 0."""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d = 6, 2, 32
+    keys = (torch.randn(40, hkv, d, generator=g) * torch.rand(hkv, d, generator=g) * 4
+            + torch.randn(hkv, d, generator=g) * 8)
+    keys[:, 1, 5] = 2.5  # a constant channel
+    sm = kvq.key_smoothing(keys.amin(0), keys.amax(0))
+    spread = sm[2]
+    assert spread.min() >= 1 / kvq.SMOOTHING_RANGE and spread.max() <= kvq.SMOOTHING_RANGE
+    assert spread[1, 5] == 1 / kvq.SMOOTHING_RANGE
+    torch.testing.assert_close(sm[1] * sm[2], torch.ones_like(sm[1]), atol=0, rtol=1e-6)
+    stored = kvq.transform_keys(keys, sm)
+    assert stored.abs().amax() < keys.abs().amax() / 2  # the offsets are gone
+    q = torch.randn(3, hq, d, generator=g, dtype=torch.float64)
+    scores = torch.einsum("qhd,khd->hqk", q, keys.double().repeat_interleave(hq // hkv, 1))
+    shifted = torch.einsum("qhd,khd->hqk", kvq.transform_queries(q, sm.double()),
+                           stored.double().repeat_interleave(hq // hkv, 1))
+    assert (shifted - scores).abs().amin() > 1.0  # the scores moved (by -q.c) ...
+    assert (shifted - scores).std(-1).max() < 1e-4  # ... by the same amount for every key of a query
+    torch.testing.assert_close(shifted.softmax(-1), scores.softmax(-1), atol=1e-5, rtol=1e-5)
+    uncentred = kvq.key_smoothing(keys.amin(0), keys.amax(0), centre=False)
+    assert torch.equal(uncentred[0], torch.zeros_like(uncentred[0])) and torch.equal(uncentred[1:], sm[1:])
 
 
 def test_kv_bytes():
@@ -216,14 +243,15 @@ def test_mixed_step_kernels(hq, hkv, d, kv_dtype, monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("kv_dtype,turn", [("fp8_e4m3", True), ("fp8_e5m2", True), ("fp8_e4m3", False),
-                                           ("int4", False)])
+                                           ("int4", True), ("int4", False)])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 80)] if not GPU else [(32, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("norm", [False, True])
 def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
     """The fused (per-head q/k norm +) rotary + quantizing store writes what the reference
     writes (the same codes but for an fp32 division's last bit, which may move a value across a
     rounding boundary: a handful of codes one step apart) and leaves padding slots (-1) alone;
-    FP8 keys turned by the Hadamard (d 64) or QR (d 80) matrix as the engine stores them, or not.
+    FP8 keys turned by the Hadamard (d 64) or QR (d 80) matrix as the engine stores them, or not;
+    int4 keys smoothed per channel (kv_quant.key_smoothing, from random ranges), or not.
     Keys in a 16-bit dtype may themselves round one step apart, normed (_fragile_heads) or
     rotated (_rotary_fragile_heads): their heads are held to a looser bound and their int4
     groups are not compared."""
@@ -239,7 +267,12 @@ def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
     for x in filled:
         x.normal_() if x.dtype == torch.float16 else x.view(torch.uint8).random_(0, 120)
     refs = [x.clone() for x in filled]
-    rot = kvq.key_rotation(d, torch.device(DEV)) if turn else None
+    rot = None
+    if turn and kv_dtype == "int4":
+        lo = -3.0 * torch.rand(hkv, d, generator=g) + torch.randn(hkv, d, generator=g)
+        rot = kvq.key_smoothing(lo, lo + 6.0 * torch.rand(hkv, d, generator=g)).to(DEV)
+    elif turn:
+        rot = kvq.key_rotation(d, torch.device(DEV))
     q_ref = rotary.rotary_store_kv_torch(pos, q.clone(), k, v, cache, refs[0], refs[1], slots,
                                          *(refs[2:] if kv_dtype == "int4" else (ks, vs)), rot, qk_norm)
     q_got = rotary.rotary_store_kv_triton(pos, q, k, v, cache, kc, vc, slots, ks, vs, rot, qk_norm)
@@ -358,20 +391,23 @@ def _sm90_specs():
         mode = {"auto": 0, "int4": 2}.get(kv, 1)
         # per-head q/k norm weights in bf16 (Qwen3) or float32 (Gemma 3's folded 1 + w), or none
         norms = [(False, "*bf16"), (True, "*bf16")] + ([(True, "*fp32")] if mode == 0 else [])
-        # turned FP8 keys: by Sylvester's matrix made in registers, or by a loaded R (80-wide heads)
-        turns = [(False, 0.0), (True, kvq.hadamard_entry(128)), (True, 0.0)] if mode == 1 else [(False, 0.0)]
-        for (turn, r_entry), (qk_norm, w) in ((t, n) for t in turns for n in norms):
-            types = _rotary_types(cache, scales, "*fp32" if turn else "*bf16", w)
+        # turned FP8 keys: by Sylvester's matrix made in registers, or by a loaded R (80-wide heads);
+        # smoothed int4 keys (the engine's), or neither
+        turns = {1: [(False, 0.0), (True, kvq.hadamard_entry(128)), (True, 0.0)], 2: [(False, 0.0), (True, 0.0)]}
+        for (transform, r_entry), (qk_norm, w) in ((t, n) for t in turns.get(mode, [(False, 0.0)]) for n in norms):
+            turn = transform and mode == 1
+            types = _rotary_types(cache, scales, "*fp32" if transform else "*bf16", w)
             yield {"kernel": "kvship.kernels.rotary:_rotary_store_kv_kernel", "types": types,
                    "constexprs": dict(HQ=32, HKV=8, HALF=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_HQ=32,
                                       BLOCK_HKV=16 if turn else 8, BLOCK_HALF=64, BLOCK_D=128, KV_MODE=mode,
-                                      FP8_E5=kv == "fp8_e5m2", TURN_K=turn, R_ENTRY=r_entry, QK_NORM=qk_norm)}
+                                      FP8_E5=kv == "fp8_e5m2", TURN_K=turn, R_ENTRY=r_entry,
+                                      SMOOTH_K=transform and mode == 2, QK_NORM=qk_norm)}
         if mode == 1:  # heads of 256 (Gemma 2 and 3), turned: the turn's tiles within a block's shared memory
             yield {"kernel": "kvship.kernels.rotary:_rotary_store_kv_kernel",
                    "types": _rotary_types(cache, scales, "*fp32", "*fp32"),
                    "constexprs": dict(HQ=16, HKV=8, HALF=128, HEAD_DIM=256, BLOCK_SIZE=16, BLOCK_HQ=16, BLOCK_HKV=16,
                                       BLOCK_HALF=128, BLOCK_D=256, KV_MODE=mode, FP8_E5=kv == "fp8_e5m2",
-                                      TURN_K=True, R_ENTRY=kvq.hadamard_entry(256), QK_NORM=True)}
+                                      TURN_K=True, R_ENTRY=kvq.hadamard_entry(256), SMOOTH_K=False, QK_NORM=True)}
             fp8 = pa.DECODE_CONFIGS[mode]
             yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel", "types": decode_types(cache, scales),
                    "constexprs": dict(GROUP=2, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, NUM_SPLITS=8,

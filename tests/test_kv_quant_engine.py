@@ -71,9 +71,11 @@ def mean_nll(llm, ids) -> float:
 def test_perplexity_close_to_unquantized(engines, text_windows, record_property):
     """Perplexity over every window (the mean of their log perplexities), each window's beside it.
     The issue asks fp8 within 1% of auto and int4 within 5%. fp8, with the scales the engine
-    measures per layer at start-up: +0.25% (2026-12-02; with scales 1.0 it measured +1.09 to
-    +1.37% on three CPU vector widths), asserted at the issue's 1%. int4: +10.5 to +11.1%
-    (windows from +1.0% to +22%), not met; its bound holds that figure against regressions,
+    measures per layer at start-up: +0.25% (2026-12-03; with scales 1.0 it measured +1.09 to
+    +1.37% on three CPU vector widths), asserted at the issue's 1%. int4, with the keys'
+    smoothing the engine measures at start-up: +5.45% (unsmoothed +10.5 to +11.1%), not met; the
+    smoothing's figure depends on the random tokens it is measured on (+5.4% to +9.9% over the
+    seeds and lengths tried, docs/kv-cache.md), so its bound holds it below the unsmoothed cache's
     with room for the machines' spread."""
     nll = {kv: {w: mean_nll(llm, ids) for w, ids in text_windows.items()} for kv, llm in engines.items()}
     ppl = {kv: math.exp(sum(per.values()) / len(per)) for kv, per in nll.items()}
@@ -85,7 +87,7 @@ def test_perplexity_close_to_unquantized(engines, text_windows, record_property)
     record_property("perplexity", f"{report}; {windows}")
     # a quantized cache costs a little: between the float cache's and these bounds
     assert ppl["auto"] * 0.995 <= ppl["fp8"] <= ppl["auto"] * 1.01
-    assert ppl["auto"] * 0.999 <= ppl["int4"] <= ppl["auto"] * 1.15
+    assert ppl["auto"] * 0.999 <= ppl["int4"] <= ppl["auto"] * 1.09
     for llm in engines.values():
         assert_all_blocks_released(llm)
 
@@ -219,14 +221,23 @@ def test_prefix_hits_and_preemption_change_nothing(kv, engines, greedy, prompts)
 
 # ----------------------------------------------------------------------------- GPU (skipped on CPU)
 
+def measured_kv_scales(llm, kv: str) -> list[torch.Tensor]:
+    """Each layer's measured FP8 scales (k, v) or int4 key smoothing, on the CPU."""
+    layers = llm.engine.runner.model.attention_layers()
+    if kv == "int4":
+        return [a.int4_k_smoothing.cpu() for a in layers]
+    return [torch.cat([a.fp8_k_scale, a.fp8_v_scale]).cpu() for a in layers]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kv,calculate", [("fp8", False), ("fp8", True), ("fp8_e5m2", False), ("int4", False)])
 def test_gpu_kernels_and_graphs_agree_with_reference(kv, calculate, tiny_models):
     """A tiny Llama (head size 16) on the GPU in float32: Triton kernels and CUDA graphs
     against the torch reference path over the same quantized cache (greedy tokens; a random
-    model's near-ties may flip one or two), and --calculate-kv-scales measuring before any
-    graph replays."""
+    model's near-ties may flip one or two), with the same FP8 scales or int4 key smoothing
+    measured (at start-up, or by --calculate-kv-scales on the first prefill, before any graph
+    replays)."""
     from test_gpu_engine import prompts as random_prompts
 
     folder, _ = tiny_models["llama-gqa-tied"]
@@ -237,15 +248,15 @@ def test_gpu_kernels_and_graphs_agree_with_reference(kv, calculate, tiny_models)
     fast = LLM(**common)
     assert fast.engine.runner.graphs is not None
     got = [o.outputs[0].token_ids for o in fast.generate(ps, params)]
-    scales = [float(s) for a in fast.engine.runner.model.attention_layers() for s in (a.fp8_k_scale, a.fp8_v_scale)]
+    scales = measured_kv_scales(fast, kv)
     assert not fast.engine.runner.measuring_kv_scales
     del fast
     ref = LLM(**common, attention_backend="torch", enforce_eager=True)
     want = [o.outputs[0].token_ids for o in ref.generate(ps, params)]
-    if calculate:  # measured on the same first prefill: the same scales
-        assert all(s != 1.0 for s in scales)
-        ref_scales = [float(s) for a in ref.engine.runner.model.attention_layers() for s in (a.fp8_k_scale, a.fp8_v_scale)]
-        assert scales == pytest.approx(ref_scales, rel=1e-4)
+    # measured on the same tokens (random ones at start-up, or the first prefill): the same
+    assert not any(torch.equal(s, torch.ones_like(s)) for s in scales)
+    for a, b in zip(scales, measured_kv_scales(ref, kv)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     same = sum(a == b for a, b in zip(got, want))
     print(f"\n{kv} (calculate_kv_scales={calculate}): {same}/{len(want)} greedy outputs identical, Triton vs torch")
     assert same >= len(want) - 2

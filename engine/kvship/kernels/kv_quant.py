@@ -28,7 +28,10 @@ and minimum are rounded to float16 before the codes are computed, so the codes f
 values. On SmolLM2-135M's first 1,024-token window, groups of 32 channels cost +3.3% perplexity
 where one group per head vector cost +21% (with R: +8%); their 4 bytes per 32 channels leave 3.2x
 the tokens of bf16. Over six windows they cost +10.9%, nearly all of it the keys', and keys
-grouped per channel over each 16-token block would cost +0.9% (docs/kv-cache.md).
+grouped per channel over each 16-token block would cost +0.9% (docs/kv-cache.md). Keys are
+therefore stored smoothed per channel (``key_smoothing``: minus each channel's centre, over its
+spread, both measured at start-up; queries times the spread, ``transform_queries``), which keeps
+this layout and every attention kernel as they are: +5.45% over the six windows.
 
 Rounding is spelt out the same way on both sides (floor(x + 0.5) for int4 codes, round half to
 even for FP8), so the kernels and the reference store the same bytes up to fp32 division's
@@ -55,6 +58,7 @@ MIN_FP8_SCALE = 1e-12  # clamp for a measured FP8 scale (an all-zero first prefi
 # and the small ones stay clear of the subnormals (e4m3 has 2^14.8 of normal range). On
 # SmolLM2-135M values measured at 1x, 4x, 16x and 64x cost the same (bench/kv_quality.py).
 FP8_HEADROOM = 16.0
+SMOOTHING_RANGE = 16.0  # an int4 key channel's smoothing spread lies within [1/16, 16] (key_smoothing)
 
 
 def kv_mode(cache: torch.Tensor) -> int:
@@ -127,9 +131,47 @@ def key_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
     return r.to(device=device, dtype=torch.float32).contiguous()
 
 
-def rotate_queries(q: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
-    """q [T, H, D] turned as the stored keys are (q @ R), in q's dtype; as it is without R."""
-    return q if rotation is None else (q.float() @ rotation).to(q.dtype)
+def key_smoothing(lo: torch.Tensor, hi: torch.Tensor, centre: bool = True) -> torch.Tensor:
+    """The int4 keys' smoothing [3, Hkv, D] float32 from each channel's measured minimum and
+    maximum [Hkv, D]: its centre c ((hi + lo) / 2, or 0 where ``centre`` is False), 1 / s and s,
+    s the channel's spread (hi - lo) over its head's mean spread, kept within
+    [1 / SMOOTHING_RANGE, SMOOTHING_RANGE] (a channel that hardly moved on the measuring tokens
+    must not be magnified past the others if it moves later). Stored keys are (k - c) / s."""
+    spread = (hi - lo).float().clamp_min(0.0)
+    s = spread / spread.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    s = torch.where(spread.mean(-1, keepdim=True) > 0, s, 1.0).clamp(1 / SMOOTHING_RANGE, SMOOTHING_RANGE)
+    c = (hi + lo).float() / 2 if centre else torch.zeros_like(s)
+    return torch.stack([c, 1 / s, s]).contiguous()
+
+
+def no_key_smoothing(num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The identity smoothing (centre 0, spread 1), on the default device."""
+    ones = torch.ones(num_kv_heads, head_dim, dtype=torch.float32)
+    return torch.stack([torch.zeros_like(ones), ones, ones])
+
+
+def transform_keys(k: torch.Tensor, transform: torch.Tensor | None) -> torch.Tensor:
+    """Keys [T, Hkv, D] as a quantized cache stores them: turned (FP8: ``transform`` is R [D, D],
+    k @ R) or smoothed (int4: ``transform`` is key_smoothing's [3, Hkv, D], (k - c) / s), in
+    float32; as they are without a transform."""
+    if transform is None:
+        return k
+    if transform.dim() == 2:
+        return k.float() @ transform
+    return (k.float() - transform[0]) * transform[1]
+
+
+def transform_queries(q: torch.Tensor, transform: torch.Tensor | None) -> torch.Tensor:
+    """q [T, Hq, D] turned as the stored keys are, so that scores keep their meaning, in q's
+    dtype: q @ R for FP8 ((q R).(k R) = q.k), q * s for int4 (each query head by its KV head's
+    spread: (q s).((k - c) / s) = q.k - q.c, which differs from q.k by the same amount for every
+    key of the query, so softmax gives the same weights); as it is without a transform."""
+    if transform is None:
+        return q
+    if transform.dim() == 2:
+        return (q.float() @ transform).to(q.dtype)
+    s = transform[2].repeat_interleave(q.shape[1] // transform.shape[1], 0)
+    return (q.float() * s).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -178,12 +220,11 @@ def _rows(cache: torch.Tensor) -> torch.Tensor:
 
 
 def store(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
-          rotation: torch.Tensor | None = None) -> None:
+          transform: torch.Tensor | None = None) -> None:
     """Write keys or values [T, Hkv, D] into their slots, quantized as the cache's dtype says
-    (turned by ``rotation`` first, when given)."""
+    (keys transformed first, when given: ``transform_keys``)."""
     mode = kv_mode(cache)
-    if rotation is not None:
-        x = x.float() @ rotation
+    x = transform_keys(x, transform)
     if mode == KV_FP8:
         _rows(cache).index_copy_(0, slots, fp8_quantize(x, scales, cache.dtype).view(torch.uint8))
     elif mode == KV_INT4:

@@ -58,14 +58,14 @@ from kvship.kernels.activation import tanh
 def store_kv_torch(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    k_rotation: torch.Tensor | None = None,
+    k_transform: torch.Tensor | None = None,
 ) -> None:
     """Write new keys/values [T, Hkv, D] into their slots; slot -1 means padding (skipped).
-    ``k_rotation``: the FP8 keys' R (kv_quant.key_rotation)."""
+    ``k_transform``: the FP8 keys' R (kv_quant.key_rotation)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    kvq.store(k, k_cache, k_scale, slot_mapping, k_rotation)
+    kvq.store(k, k_cache, k_scale, slot_mapping, k_transform)
     kvq.store(v, v_cache, v_scale, slot_mapping)
 
 

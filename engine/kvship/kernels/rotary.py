@@ -15,9 +15,12 @@ A quantized cache (kernels/kv_quant.py) is written quantized: the rotated key is
 model's dtype first, as the reference's is, then divided by the layer's FP8 scale and rounded,
 or, for int4, each head's rotated vector is quantized as one group; the kernel then works on
 each head's even and odd elements (the two nibbles of a byte), rotating each element from its
-rotate-half partner. FP8 keys may be turned by an orthogonal matrix on the way (``k_rotation``,
-kv_quant.key_rotation): rotary, rounding, then the product with R, then the quantization; q is
-then turned by R too (rounded to its dtype again), so that q.k is what it was.
+rotate-half partner. The keys may be transformed on the way (``k_transform``,
+kv_quant.transform_keys), and q then too (kv_quant.transform_queries, rounded to its dtype
+again), so that the scores keep their meaning: FP8 keys turned by an orthogonal matrix R
+(kv_quant.key_rotation: rotary, rounding, then the product with R, then the quantization), int4
+keys smoothed per channel (kv_quant.key_smoothing: rotary, rounding, minus the channel's centre,
+times its 1 / spread, then the groups; q times the spread).
 
 Qwen3 and Gemma 3 normalize each head of q and k (RMSNorm over head_dim) before rotary; the
 kernel does that too when given ``QKNorm`` weights, in the separate norm's arithmetic (fp32
@@ -119,16 +122,23 @@ def _rotated_halves(src, stride_h, offs_h, cos, sin, offs_d, m, w_ptr, eps,
 @triton.jit
 def _rotate_heads(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask, scale, w_ptr, eps,
                   H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
-                  FP8: tl.constexpr = False, FP8_E5: tl.constexpr = False):
+                  FP8: tl.constexpr = False, FP8_E5: tl.constexpr = False, spread_ptr=None,
+                  GROUP: tl.constexpr = 0):
     """Rotate the H heads of one token at ``src`` (normed first when NORM) into ``dst``
     (rotate-half layout); the two may be the same place, and ``dst``'s dtype is the one written
-    (FP8: divided by scale)."""
+    (FP8: divided by scale). GROUP > 0 (queries beside int4 keys smoothed by kv_quant.key_smoothing):
+    each rotated head, rounded to its dtype, is multiplied by the spreads [Hkv, 2 * HALF] at
+    ``spread_ptr`` of its KV head (head // GROUP), as kv_quant.transform_queries does."""
     offs_h = tl.arange(0, BLOCK_H)
     m = (offs_h[:, None] < H) & dmask[None, :]
     r1, r2 = _rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, w_ptr, eps, HALF, NORM)
     o = dst + offs_h[:, None] * stride_dst_h + offs_d[None, :]
     src_ty = src.dtype.element_ty  # (one assignment each: a tuple of dtypes does not compile on the GPU)
     dst_ty = dst.dtype.element_ty
+    if GROUP > 0:
+        sp = spread_ptr + (offs_h // GROUP)[:, None] * (2 * HALF) + offs_d[None, :]
+        r1 = r1.to(src_ty).to(tl.float32) * tl.load(sp, mask=m, other=1.0)
+        r2 = r2.to(src_ty).to(tl.float32) * tl.load(sp + HALF, mask=m, other=1.0)
     tl.store(o, _to_cache(r1, src_ty, dst_ty, scale, FP8, FP8_E5), mask=m)
     tl.store(o + HALF, _to_cache(r2, src_ty, dst_ty, scale, FP8, FP8_E5), mask=m)
 
@@ -233,11 +243,20 @@ def _heads_at(src, stride_h, offs_h, elem, pos, cs_ptr, m, rstd, w_ptr,
 
 
 @triton.jit
-def _store_int4_heads(src, stride_h, pos, cs_ptr, dst, stride_dst_h, grp, stride_grp_h, w_ptr, eps,
-                      ROTATE: tl.constexpr, NORM: tl.constexpr, H: tl.constexpr, HALF: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One token's H heads (keys normed when NORM and rotated when ROTATE first) quantized to
-    int4 groups at dst."""
+def _smoothed(x, sm_ptr, offs_h, elem, m, H: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Elements ``elem`` of H heads [BLOCK_H, BLOCK_P] (fp32) smoothed as kv_quant.transform_keys
+    does for int4: minus each channel's centre, times its 1 / spread (``sm_ptr``: key_smoothing's
+    [3, H, HEAD_DIM])."""
+    p = sm_ptr + offs_h[:, None] * HEAD_DIM + elem[None, :]
+    return (x - tl.load(p, mask=m, other=0.0)) * tl.load(p + H * HEAD_DIM, mask=m, other=1.0)
+
+
+@triton.jit
+def _store_int4_heads(src, stride_h, pos, cs_ptr, dst, stride_dst_h, grp, stride_grp_h, w_ptr, eps, sm_ptr,
+                      ROTATE: tl.constexpr, NORM: tl.constexpr, SMOOTH: tl.constexpr, H: tl.constexpr,
+                      HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One token's H heads (keys normed when NORM, rotated when ROTATE and smoothed by the
+    kv_quant.key_smoothing at ``sm_ptr`` when SMOOTH, first) quantized to int4 groups at dst."""
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < H
     rstd = tl.full((BLOCK_H,), 1.0, tl.float32)
@@ -248,6 +267,9 @@ def _store_int4_heads(src, stride_h, pos, cs_ptr, dst, stride_dst_h, grp, stride
     m_odd = hmask[:, None] & (even + 1 < HEAD_DIM)[None, :]
     x_even = _heads_at(src, stride_h, offs_h, even, pos, cs_ptr, m_even, rstd, w_ptr, ROTATE, NORM, HALF, HEAD_DIM)
     x_odd = _heads_at(src, stride_h, offs_h, even + 1, pos, cs_ptr, m_odd, rstd, w_ptr, ROTATE, NORM, HALF, HEAD_DIM)
+    if SMOOTH:
+        x_even = _smoothed(x_even, sm_ptr, offs_h, even, m_even, H, HEAD_DIM)
+        x_odd = _smoothed(x_odd, sm_ptr, offs_h, even + 1, m_odd, H, HEAD_DIM)
     data = dst + offs_h[:, None] * stride_dst_h + (even // 2)[None, :]
     kvq.int4_store_groups(x_even, x_odd, m_even, m_odd, data, grp + offs_h * stride_grp_h, hmask,
                           HEAD_DIM, BLOCK_H, BLOCK_P)
@@ -270,7 +292,7 @@ def _rotary_store_kv_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_MODE: tl.constexpr, FP8_E5: tl.constexpr, TURN_K: tl.constexpr, R_ENTRY: tl.constexpr,
-    QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    SMOOTH_K: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -281,6 +303,9 @@ def _rotary_store_kv_kernel(
     if TURN_K:  # the queries are turned as the keys are (kv_quant)
         _store_turned(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, r_ptr, qw_ptr, eps, HQ, HALF,
                       HEAD_DIM, BLOCK_HQ, BLOCK_D, QK_NORM, R_ENTRY, False, False)
+    elif SMOOTH_K:  # r_ptr: the int4 keys' smoothing [3, HKV, HEAD_DIM]; the queries take its spreads
+        _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, qw_ptr, eps, HQ, HALF, BLOCK_HQ,
+                      QK_NORM, spread_ptr=r_ptr + 2 * HKV * HEAD_DIM, GROUP=HQ // HKV)
     else:
         _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, qw_ptr, eps, HQ, HALF, BLOCK_HQ,
                       QK_NORM)
@@ -294,9 +319,9 @@ def _rotary_store_kv_kernel(
             grp = page * stride_gb + row * stride_gs
             pos = tl.load(pos_ptr + t).to(tl.int64) * stride_cs
             _store_int4_heads(k_ptr + t * stride_kt, stride_kh, pos, cs_ptr, kc, stride_kch, ks_ptr + grp, stride_gh,
-                              kw_ptr, eps, True, QK_NORM, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_HALF)
+                              kw_ptr, eps, r_ptr, True, QK_NORM, SMOOTH_K, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_HALF)
             _store_int4_heads(v_ptr + t * stride_vt, stride_vh, pos, cs_ptr, vc, stride_vch, vs_ptr + grp, stride_gh,
-                              kw_ptr, eps, False, False, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_HALF)
+                              kw_ptr, eps, r_ptr, False, False, False, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_HALF)
         else:
             k_scale = 1.0
             v_scale = 1.0
@@ -319,33 +344,36 @@ def _rotary_store_kv_kernel(
 
 
 def rotary_store_kv_torch(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                          k_scale=None, v_scale=None, k_rotation=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+                          k_scale=None, v_scale=None, k_transform=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
     """Reference: norm q and k per head (``qk_norm``), rotate them, store k and v into their
-    slots; returns the rotated q, turned by ``k_rotation`` as the stored FP8 keys are (kv_quant)."""
+    slots; returns the rotated q, transformed as the stored keys are (``k_transform``: kv_quant)."""
     if qk_norm is not None:
         q, k = rms_norm_torch(q, qk_norm.q_weight, qk_norm.eps), rms_norm_torch(k, qk_norm.k_weight, qk_norm.eps)
     q, k = rotary_torch(positions, q, k, cos_sin_cache)
-    store_kv_torch(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_rotation)
-    return kvq.rotate_queries(q, k_rotation)
+    store_kv_torch(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_transform)
+    return kvq.transform_queries(q, k_transform)
 
 
 def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                           k_scale=None, v_scale=None, k_rotation=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
-    """Triton twin of ``rotary_store_kv_torch``; q is normed, rotated (and turned) in place and returned."""
+                           k_scale=None, v_scale=None, k_transform=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+    """Triton twin of ``rotary_store_kv_torch``; q is normed, rotated (and transformed) in place and returned."""
     for x in (q, k, v, cos_sin_cache, k_cache, v_cache):
         assert x.stride(-1) == 1, "last dim must be contiguous"
     t, hq, d = q.shape
     hkv = k.shape[1]
     mode = kvq.kv_mode(k_cache)
-    turn = k_rotation is not None
-    assert not turn or mode == kvq.KV_FP8, "keys are turned in FP8 caches only"
+    turn = k_transform is not None and mode == kvq.KV_FP8
+    smooth = k_transform is not None and mode == kvq.KV_INT4
+    assert k_transform is None or turn or smooth, "keys are transformed in quantized caches only"
+    assert not smooth or k_transform.shape == (3, hkv, d) and k_transform.is_contiguous()
     group_strides = k_scale.stride()[:3] if mode == kvq.KV_INT4 else (0, 0, 0)
     assert mode != kvq.KV_INT4 or k_scale.stride()[-2:] == (2, 1) and v_scale.stride() == k_scale.stride()
     scales = (k_cache, v_cache) if mode == kvq.KV_PLAIN else (k_scale, v_scale)  # plain: unread
     norm = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (q, q, 0.0)  # else unread
     if t > 0:
         _rotary_store_kv_kernel[(t,)](
-            positions, q, k, v, cos_sin_cache, k_cache, v_cache, *scales, k_rotation if turn else q, slot_mapping,
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, *scales, k_transform if turn or smooth else q,
+            slot_mapping,
             *norm,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -355,13 +383,13 @@ def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, 
             BLOCK_HKV=max(16, next_pow2(hkv)) if turn else next_pow2(hkv),
             BLOCK_HALF=max(16, next_pow2(d // 2)), BLOCK_D=next_pow2(d),  # >= 16: int4 groups are 16 bytes
             KV_MODE=mode, FP8_E5=k_cache.dtype == torch.float8_e5m2, TURN_K=turn,
-            R_ENTRY=kvq.hadamard_entry(d) if turn else 0.0, QK_NORM=qk_norm is not None,
+            R_ENTRY=kvq.hadamard_entry(d) if turn else 0.0, SMOOTH_K=smooth, QK_NORM=qk_norm is not None,
             num_warps=4, **pdl_launch(q),
         )
     return q
 
 
 def rotary_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                    k_scale=None, v_scale=None, k_rotation=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
-    args = (positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_rotation, qk_norm)
+                    k_scale=None, v_scale=None, k_transform=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+    args = (positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_transform, qk_norm)
     return rotary_store_kv_triton(*args) if use_triton(q) else rotary_store_kv_torch(*args)

@@ -30,10 +30,11 @@ class PagedAttention(nn.Module):
 
     With a quantized cache (kernels/kv_quant.py) the kernels also take k_scale and v_scale: for
     FP8 this layer's own one-element tensors (the checkpoint's, or measured by the runner at
-    start-up or on the first prefill, updated in place so captured CUDA graphs read the new
-    value), for int4 the
-    per-group tensors bound with the cache. FP8 keys are stored turned by k_rotation, and the
-    queries are turned the same way before attention (kv_quant explains why).
+    start-up or on the first prefill), for int4 the per-group tensors bound with the cache. The
+    keys are stored transformed by k_transform, and the queries are transformed to match before
+    attention (kv_quant explains why): FP8 keys turned by R, int4 keys smoothed per channel by
+    this layer's ``int4_k_smoothing``, measured by the runner at start-up. What is measured is
+    written in place, so captured CUDA graphs read the new values.
 
     ``scale`` multiplies the scores (default head_dim ** -0.5); ``window`` limits this layer to
     the last ``window`` positions, ``softcap`` caps its scores (kernels/paged_attention.py).
@@ -55,11 +56,12 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
-        self.k_rotation: torch.Tensor | None = None
+        self.k_transform: torch.Tensor | None = None
         self.fp8_k_scale = torch.ones(1, dtype=torch.float32)  # on the device the model is built on
         self.fp8_v_scale = torch.ones(1, dtype=torch.float32)
+        self.int4_k_smoothing = kvq.no_key_smoothing(num_kv_heads, head_dim)
         self.kv_scales_from_checkpoint = False
-        self.measure_kv_scales = False  # set by the runner: the next forward measures the FP8 scales
+        self.measure_kv_scales = False  # set by the runner: the next forward measures the FP8 scales or int4 smoothing
 
     def load_kv_scale(self, kind: str, scale: torch.Tensor) -> None:
         """A checkpoint's ``k_scale`` / ``v_scale`` (dequantized = stored * scale). A per-head
@@ -72,23 +74,33 @@ class PagedAttention(nn.Module):
                       k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
         """The cache from kv_quant.allocate(); an FP8 one reads this layer's scales."""
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.k_rotation = None
+        self.k_transform = None
         if kvq.kv_mode(k_cache) == kvq.KV_FP8:
             k_scales, v_scales = self.fp8_k_scale, self.fp8_v_scale
-            self.k_rotation = kvq.key_rotation(self.head_dim, k_cache.device)
+            self.k_transform = kvq.key_rotation(self.head_dim, k_cache.device)
+        elif kvq.kv_mode(k_cache) == kvq.KV_INT4:
+            self.k_transform = self.int4_k_smoothing
         self.k_scale, self.v_scale = k_scales, v_scales
 
     def _measure_kv_scales(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            qk_norm: QKNorm | None) -> None:
-        """The largest magnitudes of this step's keys (as stored: normed, rotary, then R) and
-        values set the FP8 scales (kv_quant.fp8_scale_from_amax), once: blocks already written
-        keep their meaning."""
-        dtype = self.k_cache.dtype
+        """This step's keys (normed and rotated, as the store sees them) and values set, once
+        (blocks already written keep their meaning): for FP8 the scales, from the largest
+        magnitudes of the turned keys and of the values (kv_quant.fp8_scale_from_amax); for int4
+        the keys' smoothing, from each channel's range (kv_quant.key_smoothing), without centres
+        where scores are soft-capped (a shift of every score by the same amount is then no
+        longer invisible to softmax)."""
         if qk_norm is not None:
             k = rms_norm_torch(k, qk_norm.k_weight, qk_norm.eps)
-        k = rotary_torch(positions, k, k, self.rotary.cos_sin_cache)[1].float() @ self.k_rotation
-        self.fp8_k_scale.copy_(kvq.fp8_scale_from_amax(k.abs().amax(), dtype))
-        self.fp8_v_scale.copy_(kvq.fp8_scale_from_amax(v.abs().amax(), dtype))
+        k = rotary_torch(positions, k, k, self.rotary.cos_sin_cache)[1]
+        if kvq.kv_mode(self.k_cache) == kvq.KV_INT4:
+            smoothing = kvq.key_smoothing(k.amin(0), k.amax(0), centre=self.softcap is None)
+            self.int4_k_smoothing.copy_(smoothing)
+        else:
+            dtype = self.k_cache.dtype
+            turned = kvq.transform_keys(k, self.k_transform)
+            self.fp8_k_scale.copy_(kvq.fp8_scale_from_amax(turned.abs().amax(), dtype))
+            self.fp8_v_scale.copy_(kvq.fp8_scale_from_amax(v.abs().amax(), dtype))
         self.measure_kv_scales = False
 
     def forward(
@@ -100,14 +112,14 @@ class PagedAttention(nn.Module):
         if self.measure_kv_scales:
             self._measure_kv_scales(positions, k, v, qk_norm)
         scales = (self.k_scale, self.v_scale)
-        store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, *scales, self.k_rotation,
+        store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, *scales, self.k_transform,
                  qk_norm)
         args = (self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
         options = dict(window=self.window, softcap=self.softcap)
         if self.force_torch:
             q = rotary_store_kv_torch(positions, q, k, v, *store)
             return pa.paged_attention_torch(q, *args, *scales, **options)
-        q = rotary_store_kv(positions, q, k, v, *store)  # turned by k_rotation too
+        q = rotary_store_kv(positions, q, k, v, *store)  # transformed by k_transform too
         return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1],
                                   num_decodes=meta.num_decodes, **options)
 

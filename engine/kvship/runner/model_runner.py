@@ -28,7 +28,7 @@ from kvship.sequence import Batch, Sequence
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-FP8_SCALE_TOKENS = 256  # the start-up prefill that measures FP8 scales a checkpoint lacks
+KV_SCALE_TOKENS = 256  # the start-up prefill that measures FP8 scales a checkpoint lacks, or int4 key smoothing
 
 
 @dataclass
@@ -168,7 +168,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, 512),
                                        -(-max_model_len // self.block_size), self.device)
             self.graphs.capture()
-        self.measuring_kv_scales = self._set_up_fp8_scales()  # after the runs above: real prefills only
+        self.measuring_kv_scales = self._set_up_kv_scales()  # after the runs above: real prefills only
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (before tearing down the communicators captured in them)."""
@@ -256,15 +256,21 @@ class ModelRunner:
                  self.block_size, n * self.block_size, n * self.kv_bytes_per_block() / 2**30)
         return n
 
-    def _set_up_fp8_scales(self) -> bool:
-        """Where an FP8 cache's scales come from; True while they are still to be measured (on
-        the first prefill, --calculate-kv-scales). Layers without a checkpoint's scales measure
-        theirs now, on a prefill of random tokens: one scale for every layer (vLLM's 1.0) put
-        SmolLM2-135M's small values into e4m3's subnormals and saturated its large ones, and
-        cost +0.5% perplexity more than scales measured per layer (docs/kv-cache.md)."""
+    def _set_up_kv_scales(self) -> bool:
+        """What a quantized cache measures before it serves; True while FP8 scales are still to
+        be measured (on the first prefill, --calculate-kv-scales). FP8 layers without a
+        checkpoint's scales measure theirs now, on a prefill of random tokens: one scale for
+        every layer (vLLM's 1.0) put SmolLM2-135M's small values into e4m3's subnormals and
+        saturated its large ones, and cost +1.0% perplexity more than scales measured per layer.
+        int4 layers measure their keys' smoothing the same way: groups of 32 channels of one
+        key spend their 16 levels on the offsets between channels, which cost +10.9% perplexity
+        unsmoothed (docs/kv-cache.md)."""
+        layers = self.model.attention_layers()
+        if self.config.kv_cache_dtype == "int4":
+            self._measure_kv_scales(layers)
+            return False
         if self.config.kv_cache_dtype not in kvq.FP8_DTYPES:
             return False
-        layers = self.model.attention_layers()
         if self.config.calculate_kv_scales:
             for attn in layers:
                 attn.measure_kv_scales = True
@@ -272,15 +278,16 @@ class ModelRunner:
             return True
         missing = [attn for attn in layers if not attn.kv_scales_from_checkpoint]
         if missing:
-            self._measure_fp8_scales(missing)
+            self._measure_kv_scales(missing)
         return False
 
     @torch.inference_mode()
-    def _measure_fp8_scales(self, layers: list) -> None:
-        """Scales for ``layers`` from one prefill of FP8_SCALE_TOKENS seeded random tokens (the
-        same on every tensor-parallel rank, so the collectives match) into a throw-away cache:
-        the scales do not depend on the cache's size, and the cache is left as it was."""
-        seq_len = min(FP8_SCALE_TOKENS, self.max_model_len, self.config.max_num_batched_tokens)
+    def _measure_kv_scales(self, layers: list) -> None:
+        """FP8 scales or int4 key smoothing for ``layers`` from one prefill of KV_SCALE_TOKENS
+        seeded random tokens (the same on every tensor-parallel rank, so the collectives match)
+        into a throw-away cache: they do not depend on the cache's size, and the cache is left
+        as it was."""
+        seq_len = min(KV_SCALE_TOKENS, self.max_model_len, self.config.max_num_batched_tokens)
         ids = torch.randint(0, self.model_config.vocab_size, (seq_len,),
                             generator=torch.Generator().manual_seed(self.config.seed)).to(self.device)
         meta = self._prefill_meta(1, seq_len)
@@ -291,6 +298,11 @@ class ModelRunner:
         self.model(ids, meta.positions, meta.attention)
         for attn, *cache in caches:
             attn.bind_kv_cache(*cache)
+        if self.config.kv_cache_dtype == "int4":
+            spreads = torch.stack([attn.int4_k_smoothing[2] for attn in layers])
+            log.info("int4 KV cache: keys smoothed per channel, measured on %d random tokens: spreads %.3g to %.3g "
+                     "of their head's mean", seq_len, float(spreads.min()), float(spreads.max()))
+            return
         k = [float(attn.fp8_k_scale) for attn in layers]
         v = [float(attn.fp8_v_scale) for attn in layers]
         log.info("FP8 KV cache: no k/v scales in the checkpoint for %d layers; measured on %d random tokens "
