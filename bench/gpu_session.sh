@@ -7,7 +7,8 @@
 #   kernel profiles:              bash bench/gpu_session.sh profile   (profile-b1: batch 1 only)
 #   GEMV settings sweep:          bash bench/gpu_session.sh gemv
 #   KV-cache dtypes:              bash bench/gpu_session.sh kv-tests throughput-8b-fp8 kv-decode
-#   perplexity by KV dtype through the Triton path, rotary kernel tests: kv-ppl kv-rotary
+#   perplexity by KV dtype through the Triton path (needs the bundled model, 94 MB: more than a
+#   call carries), rotary kernel tests, the engine's KV dtypes in CUDA graphs: kv-ppl kv-rotary kv-graphs
 #   decode attention settings per KV layout, FP8 GEMV: bash bench/gpu_session.sh kv-sweep fp8-gemv latency-fp8
 #   Qwen3-30B-A3B offline throughput: bash bench/gpu_session.sh throughput-moe
 #   quantized experts (GPU tests, batch-1 by format): bash bench/gpu_session.sh moe-tests latency-moe-q
@@ -66,6 +67,7 @@ bench kv-tests 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_kv_qua
 bench throughput-8b-fp8 240 python3 bench/throughput.py --kv-cache-dtype fp8 --hf-prompts 0
 bench kv-decode 290 python3 bench/kv_decode.py
 bench kv-ppl 200 python3 bench/kv_perplexity.py
+bench kv-graphs 500 python3 -m pytest -q -s -p no:cacheprovider --tb=short tests/test_kv_quant_engine.py -k gpu_kernels
 bench kv-rotary 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py -k "rotary or rotation"
 bench rotary-tests 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kv_quant.py tests/test_kernels.py \
   -k "rotary or rotation or mixed or decode_kernel or prefill"
