@@ -34,7 +34,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for KV; overrides the utilisation rule
     num_kv_blocks: int | None = None  # exact block count (tests, benchmarks)
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | fp8_e4m3 | fp8_e5m2 | int4
-    calculate_kv_scales: bool = False  # fp8 KV: measure k/v scales on the first prefills
+    calculate_kv_scales: bool = False  # fp8 KV: measure k/v scales on the first prefill, not at start-up
 
     tensor_parallel_size: int = 1
     tp_all_reduce: str = "fused"  # fused | one-shot | nccl (symmetric memory on GPUs; NCCL the fallback)
