@@ -202,14 +202,7 @@ def test_prefix_hits_and_preemption_change_nothing(kv, engines, greedy, prompts)
     outs = [o.outputs[0] for o in tight.generate(prompts, params)]
     assert tight.engine.scheduler.num_preemptions > 0
     assert_all_blocks_released(tight)
-    gaps = []
-    for out, want in zip(outs, greedy[kv]):
-        got = out.token_ids
-        i = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), None)
-        if i is not None:
-            chosen, alts = out.logprobs[i]
-            other = next((a.logprob for a in alts if a.token_id == want[i]), float("-inf"))
-            gaps.append(chosen.logprob - other)
+    gaps = first_difference_gaps(outs, greedy[kv])  # this run's logprobs: how far the first run's token fell
     print(f"\n{kv}: {len(outs) - len(gaps)}/{len(outs)} identical under preemption; "
           f"logprob gaps at the first difference: {[round(g, 3) for g in gaps]}")
     if kv == "fp8":

@@ -138,8 +138,9 @@ def key_smoothing(lo: torch.Tensor, hi: torch.Tensor, centre: bool = True) -> to
     [1 / SMOOTHING_RANGE, SMOOTHING_RANGE] (a channel that hardly moved on the measuring tokens
     must not be magnified past the others if it moves later). Stored keys are (k - c) / s."""
     spread = (hi - lo).float().clamp_min(0.0)
-    s = spread / spread.mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    s = torch.where(spread.mean(-1, keepdim=True) > 0, s, 1.0).clamp(1 / SMOOTHING_RANGE, SMOOTHING_RANGE)
+    mean = spread.mean(-1, keepdim=True)
+    s = torch.where(mean > 0, spread / mean.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
+    s = s.clamp(1 / SMOOTHING_RANGE, SMOOTHING_RANGE)
     c = (hi + lo).float() / 2 if centre else torch.zeros_like(s)
     return torch.stack([c, 1 / s, s]).contiguous()
 

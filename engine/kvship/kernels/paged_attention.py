@@ -61,7 +61,8 @@ def store_kv_torch(
     k_transform: torch.Tensor | None = None,
 ) -> None:
     """Write new keys/values [T, Hkv, D] into their slots; slot -1 means padding (skipped).
-    ``k_transform``: the FP8 keys' R (kv_quant.key_rotation)."""
+    ``k_transform``: how the keys are stored (kv_quant.transform_keys: FP8 keys turned by R, int4
+    keys smoothed)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]

@@ -299,9 +299,10 @@ class ModelRunner:
         for attn, *cache in caches:
             attn.bind_kv_cache(*cache)
         if self.config.kv_cache_dtype == "int4":
-            spreads = torch.stack([attn.int4_k_smoothing[2] for attn in layers])
+            spreads = [attn.int4_k_smoothing[2] for attn in layers]  # (layers' head shapes may differ)
             log.info("int4 KV cache: keys smoothed per channel, measured on %d random tokens: spreads %.3g to %.3g "
-                     "of their head's mean", seq_len, float(spreads.min()), float(spreads.max()))
+                     "of their head's mean", seq_len, min(float(s.min()) for s in spreads),
+                     max(float(s.max()) for s in spreads))
             return
         k = [float(attn.fp8_k_scale) for attn in layers]
         v = [float(attn.fp8_v_scale) for attn in layers]
