@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, header, measure_ceilings, table
 from gemv_sweep import time_per_call
 from kvship.kernels import fused_moe as fm
-from kvship.kernels import moe_route
 
 
 def main() -> None:
@@ -57,7 +56,7 @@ def main() -> None:
     rows = []
     for t in args.tokens:
         x = torch.randn(t, h, generator=g, device="cuda", dtype=torch.bfloat16)
-        weights, ids = moe_route.route(x @ router.T, k, c.get("norm_topk_prob", False))
+        weights, ids = fm.route(x @ router.T, k, c.get("norm_topk_prob", False))
         nbytes = ids.unique().numel() * 3 * h * inter * 2
         want = fm.fused_moe_torch(x.float(), layers[0][0].float(), layers[0][1].float(), weights, ids)
 

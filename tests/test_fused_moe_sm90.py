@@ -1,4 +1,4 @@
-"""The fused MoE kernels (router's choice, alignment, grouped GEMM) compile for sm_90 (H100/H200) in every
+"""The fused MoE kernels (router, alignment, grouped GEMM) compile for sm_90 (H100/H200) in every
 variant the engine launches, with its launch's warps, pipeline stages and 16-byte alignments, and
 each fits in an SM's shared memory; on a machine without a GPU (tests/sm90_compile.py says why).
 Shared memory is what only the compiled kernel reveals: the stages multiply it for the largest
@@ -23,11 +23,11 @@ sys.path.insert(0, sys.argv[1])
 import sm90_compile  # first: it turns the interpreter off before triton is imported
 from triton import compile as triton_compile
 from triton.compiler import ASTSource
-from kvship.kernels import fused_moe, moe_route
+from kvship.kernels import fused_moe
 
 SMEM_SM90 = 232448  # bytes of shared memory one block may take on sm_90
 for spec in json.loads(sys.argv[2]):
-    kernel = getattr(moe_route if spec["kernel"] == "_route_kernel" else fused_moe, spec["kernel"])
+    kernel = getattr(fused_moe, spec["kernel"])
     constexprs = sm90_compile.with_defaults(kernel, spec["constexprs"])
     sig = {n: ("constexpr" if n in constexprs else spec["types"][n]) for n in kernel.arg_names}
     # what a launch tells the compiler of 16-aligned pointers and sizes: it pipelines the loads

@@ -319,39 +319,6 @@ def test_gemv(n, k, bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k,bias", [(50, 200, False), (33, 64, True)] if not GPU
-                         else [(5120, 2048, False), (128, 2048, False), (1000, 3000, True)])
-def test_gemv_with_norm(n, k, bias, dtype):
-    """The GEMV that takes the RMSNorm before it in = fused_add_rms_norm (or rms_norm for the
-    first layer, no residual) then F.linear: the product, the new residual bit for bit, and the
-    normalized input when kept (the sum of squares is added in another order than the norm
-    kernel's, so 1 / rms may differ in its last bit); without keep_normed none comes back."""
-    g = torch.Generator().manual_seed(n * k)
-    x = (2 * torch.randn(1, k, generator=g)).to(dtype).to(DEV)
-    res = (3 * torch.randn(1, k, generator=g)).to(dtype).to(DEV)
-    w_norm = (torch.rand(k, generator=g) + 0.5).to(dtype).to(DEV)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV)
-    b = torch.randn(n, generator=g).to(dtype).to(DEV) if bias else None
-    for cfg in ({"block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 1},
-                {"block_n": 8, "block_k": 128, "num_warps": 4, "num_stages": 3}):
-        for residual in (res, None):
-            pre = gemv.PreNorm(w_norm, 1e-5, residual)
-            y, r, normed = gemv.norm_gemv_triton(x, pre, w, b, cfg, keep_normed=True)
-            want_y, want_r, want_normed = gemv.norm_gemv_torch(x, pre, w, b)
-            close(y, want_y, dtype, f"norm gemv {cfg} residual={residual is not None}")
-            if residual is None:
-                assert r is x
-            else:
-                assert torch.equal(r, norm.fused_add_rms_norm_triton(x, res, w_norm, 1e-5)[1])
-            kernel_normed = norm.fused_add_rms_norm_triton(x, res, w_norm, 1e-5)[0] if residual is not None \
-                else norm.rms_norm_triton(x, w_norm, 1e-5)
-            close(normed, kernel_normed, dtype, "normed against the norm kernel")
-            close(normed, want_normed, dtype, "normed")
-            y2, r2, none = gemv.norm_gemv_triton(x, pre, w, b, cfg)
-            assert none is None and torch.equal(y2, y) and torch.equal(r2, r)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,v", [(1, 9000), (3, 4096), (2, 100)] if not GPU else [(1, 128256), (256, 151936), (5, 49152)])
 def test_argmax(b, v, dtype):
     """Parallel argmax = torch's, ties included: they go to the lowest index."""
@@ -393,31 +360,6 @@ def test_linear_dispatch_only_on_listed_shapes_in_graphs(monkeypatch):
     assert len(calls) == 3
     gemv.act_mul_linear(torch.randn(2, 32), w, "silu")  # several rows: separate kernels
     assert len(calls) == 3
-
-
-def test_norm_linear_dispatch(monkeypatch):
-    """gemv.norm_linear folds the norm into the kernel where ``linear`` would take the GEMV (one
-    row, a listed shape, a graph being captured); otherwise it runs the norm and F.linear, and
-    both give the same three results."""
-    calls = []
-    capturing = [False]
-    real = gemv.norm_gemv_triton
-    monkeypatch.setattr(gemv, "norm_gemv_triton", lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
-    monkeypatch.setattr(gemv, "use_triton", lambda t: True)
-    monkeypatch.setattr(gemv.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setitem(gemv.GEMV_SHAPES, (8, 16), {"block_n": 8, "block_k": 16, "num_warps": 1, "num_stages": 1})
-    g = torch.Generator().manual_seed(0)
-    w, x, res = torch.randn(8, 16, generator=g), torch.randn(1, 16, generator=g), torch.randn(1, 16, generator=g)
-    pre = gemv.PreNorm(torch.rand(16, generator=g) + 0.5, 1e-6, res)
-    eager = gemv.norm_linear(x, pre, w, keep_normed=True)
-    assert calls == []
-    capturing[0] = True
-    folded = gemv.norm_linear(x, pre, w, keep_normed=True)
-    assert len(calls) == 1
-    for got, want in zip(folded, eager):
-        torch.testing.assert_close(got, want)
-    gemv.norm_linear(torch.randn(2, 16), gemv.PreNorm(pre.weight, 1e-6, torch.randn(2, 16)), w)  # two rows
-    assert len(calls) == 1
 
 
 def _captured(fn):

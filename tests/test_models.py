@@ -171,33 +171,3 @@ def test_sliding_window_keeps_the_whole_context(tmp_path, tiny_models):
     assert set(model_config.layer_windows) == {100}
     qwen = ModelConfig.from_hf(json.loads((tiny_models["qwen2-bias"][0] / "config.json").read_text()))
     assert not qwen.layer_windows
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only: the GEMV kernel runs on CPU tensors in the interpreter")
-@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-bias", "llama-gqa-tied"])
-def test_one_token_steps_with_norms_in_the_gemv_match_transformers(tiny_models, arch, monkeypatch):
-    """Every one-row projection on the GEMV kernel, as in a CUDA graph on the GPU (forced here,
-    every shape listed): the input and post-attention norms then run inside the q/k/v and gate/up
-    GEMVs, and a routed layer's norm, router and choice in one kernel (kernels/moe_route.py) that
-    hands the normalized input to the experts; the logits of a prompt fed one token a step still
-    equal transformers'. The first layer's input norm has no residual; Qwen2's q/k/v has a bias."""
-    from kvship.kernels import gemv
-    from kvship.models import llama
-
-    folded, routed = [], []
-    real, real_route = gemv.norm_gemv_triton, llama.norm_route
-    monkeypatch.setattr(gemv, "graph_config", lambda x, w: gemv.DEFAULT_CONFIG if x.numel() == x.shape[-1] else None)
-    monkeypatch.setattr(gemv, "norm_gemv_triton", lambda *a, **kw: folded.append(1) or real(*a, **kw))
-    monkeypatch.setattr(llama, "norm_route", lambda *a, **kw: routed.append(a[5]) or real_route(*a, **kw))
-    folder, ref = tiny_models[arch]
-    prompt = torch.randint(0, 320, (7,), generator=torch.Generator().manual_seed(4)).tolist()
-    with torch.no_grad():
-        want = ref(torch.tensor([prompt])).logits[0]
-    got = our_logits(folder, [prompt], chunk=1)[0]
-    layers = ref.config.num_hidden_layers
-    sparse = layers - 1 if arch == "qwen3-moe" else 0  # its second layer is dense (mlp_only_layers)
-    assert len(folded) == (2 * layers - sparse) * len(prompt)
-    assert len(routed) == sparse * len(prompt)
-    assert all(int(count) == 0 for count in routed)  # every launch left its counter zeroed
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

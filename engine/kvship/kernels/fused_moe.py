@@ -7,8 +7,7 @@ choices of weight * w2[e] @ (silu(gate) * up) [T, H].
 host once per call). ``fused_moe_triton`` keeps every shape fixed by (T, k, E) and never syncs,
 so CUDA graphs capture it:
 
-0. The router's choice (kernels/moe_route.py): softmax over the experts, the top k,
-   renormalized or not.
+0. ``route``: softmax over the experts, the top k, renormalized or not (one program per token).
 1. ``align_by_expert`` groups the T * k (token, choice) pairs by expert on the device, each
    expert's list padded to a multiple of BLOCK_M, so that a block of BLOCK_M rows belongs to one
    expert. Buffers are sized for the worst case (every pair's expert padded); the blocks past
@@ -122,6 +121,60 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         out.index_add_(0, rows, y)
         start += n
     return out
+
+
+def route_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, E_POW2: tl.constexpr, K_POW2: tl.constexpr, PDL: tl.constexpr):
+    """One token: softmax over its experts, then k times the largest left (lowest index on a tie)."""
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_POW2)
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, 0))
+    p = e / tl.sum(e, 0)
+    p = tl.where(offs < num_experts, p, -1.0)  # never chosen
+    slots = tl.arange(0, K_POW2)
+    top_w = tl.zeros((K_POW2,), dtype=tl.float32)
+    top_i = tl.zeros((K_POW2,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, offs, E_POW2), 0)
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, idx, top_i)
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 0)
+    tl.store(weights_ptr + t * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slots, top_i.to(tl.int64), mask=slots < TOP_K)
+
+
+def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, num_experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if tokens > 0:
+        e_pow2 = triton.next_power_of_2(num_experts)
+        _route_kernel[(tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+                                 RENORMALIZE=renormalize, E_POW2=e_pow2, K_POW2=triton.next_power_of_2(top_k),
+                                 num_warps=1 if e_pow2 <= 256 else 4, **pdl_launch(router_logits))
+    return weights, ids
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64): softmax over all experts in float32,
+    the k largest, rescaled to sum to 1 when ``renormalize``."""
+    if use_triton(router_logits) and router_logits.stride(-1) == 1:
+        return route_triton(router_logits, top_k, renormalize)
+    return route_torch(router_logits, top_k, renormalize)
 
 
 def _num_blocks(pairs: int, num_experts: int, block_m: int) -> int:

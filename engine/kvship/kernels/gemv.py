@@ -14,28 +14,16 @@ gate/up projection's output [1, 2K] and the kernel applies the gated activation 
 (act(gate) * up, rounded to the input dtype as the separate kernel does): the MLP's down
 projection then needs no activation kernel of its own.
 
-With ``norm`` (a ``PreNorm``) the input is a decoder block's sublayer output and the kernel takes
-the RMSNorm before the projection in (kernels/norm.py's fused_add_rms_norm): each program adds the
-residual as it reads x, sums the squares alongside its products with x * norm weight, and
-multiplies its sums by 1 / rms at the end (a scalar per row, so it may come last). The first
-program stores the new residual, and with ``keep_normed`` the normalized row the norm kernel would
-have stored, for a consumer other than this projection (the experts after a router). That saves
-the norm's launch: two a layer on the Qwen3-30B-A3B shape, where the router and q/k/v take this
-kernel.
-
 ``gemv_torch`` (F.linear, after the gated activation when ``act`` is set) is the reference;
 ``gemv_triton`` the kernel; ``linear`` and ``act_mul_linear`` pick one.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.activation import act_and_mul, act_and_mul_torch, gelu_tanh_mul, silu_mul
-from kvship.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_torch, rms_norm, rms_norm_torch, rms_rstd
 
 DEFAULT_CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
 # (N, K) weight shape -> launch settings, for the shapes where the kernel beat cuBLAS at M = 1
@@ -65,60 +53,26 @@ GEMV_SHAPES: dict[tuple[int, int], dict[str, int]] = {
 }
 
 
-@dataclass(frozen=True)
-class PreNorm:
-    """The RMSNorm a projection's input still needs: normalize x + residual (x alone without a
-    residual) with ``weight`` and ``eps``."""
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None = None
-
-
 def gemv_torch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
 ) -> torch.Tensor:
     return F.linear(act_and_mul_torch(x, act) if act else x, weight, bias)
 
 
-def norm_gemv_torch(x: torch.Tensor, norm: PreNorm, weight: torch.Tensor, bias: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(F.linear of the normalized input, the new residual, the normalized input)."""
-    if norm.residual is None:
-        normed, residual = rms_norm_torch(x, norm.weight, norm.eps), x
-    else:
-        normed, residual = fused_add_rms_norm_torch(x, norm.residual, norm.weight, norm.eps)
-    return F.linear(normed, weight, bias), residual, normed
-
-
 @triton.jit
-def _norm_input(x, res_ptr, g_ptr, res_out_ptr, kk, kmask, first, RESIDUAL: tl.constexpr):
-    """One K tile of the input of a projection after an RMSNorm: s = x + residual, rounded to the
-    residual's dtype as the norm kernel rounds it (stored by the first program) -> (s * norm
-    weight, s) in fp32."""
-    if RESIDUAL:
-        s = (x.to(tl.float32) + tl.load(res_ptr + kk, mask=kmask, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + kk, s, mask=kmask & first)
-    else:
-        s = x
-    s = s.to(tl.float32)
-    return s * tl.load(g_ptr + kk, mask=kmask, other=0.0).to(tl.float32), s
-
-
-@triton.jit
-def gemv_rows(
-    x_ptr, w_ptr, res_ptr, g_ptr, res_out_ptr, normed_ptr, N, K, stride_w, eps, pid,
-    GATED: tl.constexpr, GELU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-    KEEP_NORMED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program ``pid``'s BLOCK_N rows of W times the one-row input (the gated activation or the
-    norm taken in as the module's docstring says): (the products in fp32, the rows, their mask)."""
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    # With PDL the wait comes first: reading the first weight tile before it, with the loop
+    # peeled to use it, slowed the H200's bf16 8B step from 218 to 147 tok/s (78bf07a).
+    pdl_wait(PDL)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    sum_sq = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         kmask = kk < K
@@ -129,42 +83,11 @@ def gemv_rows(
                 x = gelu_tanh_mul(x, up).to(x_ptr.dtype.element_ty)
             else:
                 x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
-        if NORM:
-            x, s = _norm_input(x, res_ptr, g_ptr, res_out_ptr, kk, kmask, pid == 0, RESIDUAL)
-            sum_sq += s * s
-        else:
-            x = x.to(tl.float32)
+        x = x.to(tl.float32)
         w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")  # each weight byte is read once per step
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, 1)
-    if NORM:
-        rstd = rms_rstd(tl.sum(sum_sq, 0), eps, K)
-        y = y * rstd
-        if KEEP_NORMED and pid == 0:  # what the norm kernel stores: s * rstd * weight, rounded
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + offs_k
-                kmask = kk < K
-                s = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-                if RESIDUAL:
-                    s = s + tl.load(res_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-                    s = s.to(x_ptr.dtype.element_ty).to(tl.float32)
-                g = tl.load(g_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-                tl.store(normed_ptr + kk, (s * rstd * g).to(normed_ptr.dtype.element_ty), mask=kmask)
-    return y, offs_n, nmask
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, res_ptr, g_ptr, res_out_ptr, normed_ptr, eps,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-    KEEP_NORMED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):
-    # With PDL the wait comes first: reading the first weight tile before it, with the loop
-    # peeled to use it, slowed the H200's bf16 8B step from 218 to 147 tok/s (78bf07a).
-    pdl_wait(PDL)
-    y, offs_n, nmask = gemv_rows(x_ptr, w_ptr, res_ptr, g_ptr, res_out_ptr, normed_ptr, N, K, stride_w, eps,
-                                 tl.program_id(0), GATED, GELU, NORM, RESIDUAL, KEEP_NORMED, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
@@ -177,41 +100,19 @@ def gemv_triton(
     """Triton twin of ``gemv_torch`` for x with one row ([1, K], or [1, 2K] with ``act``); W [N, K]."""
     n, k = weight.shape
     assert x.numel() == x.shape[-1] == (2 * k if act else k) and weight.stride(-1) == 1
-    return _launch(x.contiguous(), weight, bias, config, act=act)[0]
-
-
-def norm_gemv_triton(x: torch.Tensor, norm: PreNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     config: dict[str, int] | None = None, keep_normed: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Triton twin of ``norm_gemv_torch`` for x with one row; the normalized input only with
-    ``keep_normed`` (else None)."""
-    n, k = weight.shape
-    assert x.numel() == x.shape[-1] == k and weight.stride(-1) == 1
-    return _launch(x.contiguous(), weight, bias, config, norm=norm, keep_normed=keep_normed)
-
-
-def _launch(x, weight, bias, config, act=None, norm: PreNorm | None = None, keep_normed=False):
-    n, k = weight.shape
+    x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     cfg = config or DEFAULT_CONFIG
-    res = residual = normed = None
-    if norm is not None:
-        res = None if norm.residual is None else norm.residual.contiguous()
-        residual = x if res is None else torch.empty_like(x)
-        normed = torch.empty_like(x) if keep_normed else None
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        x if res is None else res, x if norm is None else norm.weight, x if residual is None else residual,
-        x if normed is None else normed, 0.0 if norm is None else norm.eps,
-        HAS_BIAS=bias is not None, GATED=act is not None, GELU=act == "gelu_tanh", NORM=norm is not None,
-        RESIDUAL=res is not None, KEEP_NORMED=normed is not None, BLOCK_N=cfg["block_n"],
+        HAS_BIAS=bias is not None, GATED=act is not None, GELU=act == "gelu_tanh", BLOCK_N=cfg["block_n"],
         BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_launch(x),
     )
-    return y, residual, normed
+    return y
 
 
-def graph_config(x: torch.Tensor, weight: torch.Tensor) -> dict[str, int] | None:
+def _graph_config(x: torch.Tensor, weight: torch.Tensor) -> dict[str, int] | None:
     """The kernel's launch settings when it should take x @ W^T, else None: one row, a listed
     weight shape, and a CUDA graph being captured. Replayed from a graph a launch costs the
     host nothing; run eagerly, a Triton launch costs more host time than the kernel saves on the
@@ -224,7 +125,7 @@ def graph_config(x: torch.Tensor, weight: torch.Tensor) -> dict[str, int] | None
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except that while a CUDA graph is captured, one-row inputs on weight shapes
     listed in GEMV_SHAPES go to the kernel."""
-    config = graph_config(x, weight)
+    config = _graph_config(x, weight)
     if config is not None:
         return gemv_triton(x, weight, bias, config)
     return F.linear(x, weight, bias)
@@ -232,22 +133,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def act_mul_linear(h: torch.Tensor, weight: torch.Tensor, act: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(act_and_mul(h, act)): one kernel where ``linear`` would take the GEMV, two otherwise."""
-    config = graph_config(h, weight)
+    config = _graph_config(h, weight)
     if config is not None:
         return gemv_triton(h, weight, bias, config, act=act)
     return F.linear(act_and_mul(h, act), weight, bias)
-
-
-def norm_linear(x: torch.Tensor, norm: PreNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                keep_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(F.linear of the normalized input, the new residual, the normalized input or None): one
-    kernel where ``linear`` would take the GEMV (the normalized input then comes back only with
-    ``keep_normed``), else the norm's kernel and the product."""
-    config = graph_config(x, weight)
-    if config is not None:
-        return norm_gemv_triton(x, norm, weight, bias, config, keep_normed)
-    if norm.residual is None:
-        normed, residual = rms_norm(x, norm.weight, norm.eps), x
-    else:
-        normed, residual = fused_add_rms_norm(x, norm.residual, norm.weight, norm.eps)
-    return F.linear(normed, weight, bias), residual, normed

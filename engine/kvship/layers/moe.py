@@ -40,8 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvship.kernels.fused_moe import ExpertScales, fused_moe
-from kvship.kernels.moe_route import route
+from kvship.kernels.fused_moe import ExpertScales, fused_moe, route
 from kvship.kernels.quant_linear import pack
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor, quantize

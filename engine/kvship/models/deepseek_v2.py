@@ -39,7 +39,7 @@ from torch import nn
 from kvship.layers.attention import AttentionMetadata, LatentAttention
 from kvship.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvship.layers.moe import route
-from kvship.layers.norm import PendingNorm, RMSNorm
+from kvship.layers.norm import RMSNorm
 from kvship.layers.rotary import RotaryEmbedding, yarn_mscale
 from kvship.loader.source import WeightRef, apply_slices
 from kvship.models.config import ModelConfig
@@ -79,10 +79,6 @@ class DeepseekV2Attention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, False, tp, reduce=False)
         self.attn = LatentAttention(self.num_heads, self.rank, self.rope, rotary, mla_scale(cfg))
 
-    def after_norm(self, positions: torch.Tensor, h: PendingNorm, meta: AttentionMetadata
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        return h.then(lambda x: self(positions, x, meta))  # two projections read x: the norm runs first
-
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
@@ -117,9 +113,6 @@ class DeepseekV2MoE(SparseMoeBlock):
         self.shared_experts = None
         if cfg.shared_experts_intermediate_size:
             self.shared_experts = LlamaMLP(cfg, tp, cfg.shared_experts_intermediate_size)
-
-    def after_norm(self, h: PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        return h.then(self)  # the router runs in float32 (forward), not in the GEMV
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())

@@ -10,12 +10,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvship.kernels.moe_route import norm_route
 from kvship.layers.attention import AttentionMetadata, PagedAttention, QKNorm
 from kvship.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from kvship.layers.moe import MoEExperts, route
-from kvship.layers.norm import PendingNorm, RMSNorm
+from kvship.layers.norm import RMSNorm
 from kvship.layers.rotary import RotaryEmbedding
 from kvship.loader.source import RowView
 from kvship.models.config import ModelConfig
@@ -47,17 +46,8 @@ class LlamaAttention(nn.Module):
                                    cfg.attention_scale, window, cfg.attn_logit_softcapping)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self._attend(positions, self.qkv_proj(x), meta)
-
-    def after_norm(self, positions: torch.Tensor, h: PendingNorm, meta: AttentionMetadata
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward of h's normalized input, the new residual): the q/k/v GEMV takes the norm in."""
-        qkv, residual, _ = h.linear(self.qkv_proj)
-        return self._attend(positions, qkv, meta), residual
-
-    def _attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -82,11 +72,6 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))  # the activation-and-mul happens in down_proj
 
-    def after_norm(self, h: PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward of h's normalized input, the new residual): the gate/up GEMV may take the norm in."""
-        y, residual, _ = h.linear(self.gate_up_proj)
-        return self.down_proj(y), residual
-
 
 class SparseMoeBlock(nn.Module):
     """The routed feed-forward: a replicated router, the experts (partial sums per rank, like
@@ -96,8 +81,6 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=False)
-        # norm_route's counter of finished programs (zero between its launches)
-        self.register_buffer("route_count", torch.zeros(1, dtype=torch.int32), persistent=False)
         self.experts = MoEExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, tp,
                                   quant=cfg.quantization)
         self.shared_expert = None
@@ -106,22 +89,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._experts(x, *route(self.gate(x), self.top_k, self.renormalize))
-
-    def after_norm(self, h: PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward of h's normalized input, the new residual). One token in a CUDA graph: the
-        norm, the router and the choice in one kernel (kernels/moe_route.py); else the router's
-        GEMV may take the norm in, and hands the normalized input on to the experts."""
-        prenorm = h.prenorm()
-        if prenorm is not None and self.gate.bias is None:
-            routed = norm_route(h.x, prenorm, self.gate.weight, self.top_k, self.renormalize, self.route_count)
-            if routed is not None:
-                weights, ids, residual, x = routed
-                return self._experts(x, weights, ids), residual
-        logits, residual, x = h.linear(self.gate, keep_normed=True)
-        return self._experts(x, *route(logits, self.top_k, self.renormalize)), residual
-
-    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -145,9 +113,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.sparse_mlp(cfg, tp) if cfg.is_sparse(index) else LlamaMLP(cfg, tp)
 
     def forward(self, positions, x, residual, meta):
-        # each norm is left to the projection after it, whose one-row GEMV may take it in
-        x, residual = self.self_attn.after_norm(positions, self.input_layernorm.defer(x, residual), meta)
-        return self.mlp.after_norm(self.post_attention_layernorm.defer(x, residual))
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
