@@ -142,6 +142,21 @@ def test_checkpoint_fp8_scales_come_first(tiny_models, tmp_path):
     assert len(out.outputs[0].token_ids) == 4
 
 
+@pytest.mark.timeout(300)
+def test_kv_measurements_do_not_follow_the_sampling_seed(tiny_models):
+    """The start-up measurements (int4 key smoothing, FP8 scales) come from tokens of a fixed
+    seed: engines started with different --seed values quantize their caches alike."""
+    folder, _ = tiny_models["llama-gqa-tied"]
+    for kv, measured in (("int4", lambda a: a.int4_k_smoothing), ("fp8", lambda a: a.fp8_k_scale)):
+        by_seed = []
+        for seed in (0, 7):
+            llm = LLM(model=str(folder), device="cpu", kv_cache_dtype=kv, num_kv_blocks=16, seed=seed)
+            by_seed.append([measured(a).clone() for a in llm.engine.runner.model.attention_layers()])
+        unmeasured = kvq.no_key_smoothing(*by_seed[0][0].shape[1:]) if kv == "int4" else torch.ones(1)
+        assert not torch.equal(by_seed[0][0], unmeasured), f"{kv}: nothing was measured"
+        assert all(torch.equal(a, b) for a, b in zip(*by_seed)), kv
+
+
 def first_difference_gaps(reference, outputs: list[list[int]]) -> list[float]:
     """Where each output first leaves the reference's greedy tokens: the reference's logprob
     gap there between its own token and the output's (inf when the output's is not in its top

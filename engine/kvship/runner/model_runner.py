@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 KV_SCALE_TOKENS = 256  # the start-up prefill that measures FP8 scales a checkpoint lacks, or int4 key smoothing
+# ... and the seed of its random tokens: fixed, not --seed (the sampling's). The int4 smoothing
+# measured on one draw of tokens or another moves perplexity by points (docs/kv-cache.md), and a
+# cache's quality should not change with the seed a user picks for sampling.
+KV_SCALE_SEED = 0
 
 
 @dataclass
@@ -284,12 +288,13 @@ class ModelRunner:
     @torch.inference_mode()
     def _measure_kv_scales(self, layers: list) -> None:
         """FP8 scales or int4 key smoothing for ``layers`` from one prefill of KV_SCALE_TOKENS
-        seeded random tokens (the same on every tensor-parallel rank, so the collectives match)
+        random tokens drawn from KV_SCALE_SEED (the same on every tensor-parallel rank, so the
+        collectives match)
         into a throw-away cache: they do not depend on the cache's size, and the cache is left
         as it was."""
         seq_len = min(KV_SCALE_TOKENS, self.max_model_len, self.config.max_num_batched_tokens)
         ids = torch.randint(0, self.model_config.vocab_size, (seq_len,),
-                            generator=torch.Generator().manual_seed(self.config.seed)).to(self.device)
+                            generator=torch.Generator().manual_seed(KV_SCALE_SEED)).to(self.device)
         meta = self._prefill_meta(1, seq_len)
         caches = [(attn, attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale) for attn in self.model.attention_layers()]
         self._bind_kv_cache(meta.attention.block_tables.numel())
