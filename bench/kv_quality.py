@@ -10,8 +10,9 @@ turned by R at the scales an fp8 engine measures per layer at start-up, int4 in 
 channels with the keys smoothed by the per-channel centres and spreads an int4 engine measures
 at start-up) against one FP8 scale for every layer (1.0, as before; 2^-6), unsmoothed int4
 keys (as before), per-channel keys over 16-token blocks (KIVI's layout), smoothing calibrated on
-another window of numpy's text or on random tokens, and the parts of each error (keys alone,
-values alone).
+another window of numpy's text or on random tokens, smoothed keys in groups of 16 channels or
+in symmetric codes, groups whose range is clipped for the least squared error, and the parts of
+each error (keys alone, values alone).
 
     python3 bench/kv_quality.py                    # every variant (45 s each on 2 cores)
     python3 bench/kv_quality.py "int4" "int4, keys per block"
@@ -54,6 +55,35 @@ def _codes(x, lo, hi):
     """x quantized to 16 levels between lo and hi (float16 scale and minimum, as the engine's)."""
     s, z = ((hi - lo) / kvq.INT4_LEVELS).half().float(), lo.half().float()
     return torch.where(s > 0, torch.floor((x - z) / s + 0.5), 0.0).clamp(0, kvq.INT4_LEVELS) * s + z
+
+
+def int4_clipped(x, shrinks=(0.0, 0.04, 0.08, 0.12, 0.16, 0.2, 0.25, 0.3)):
+    """int4 in groups of 32 channels whose range is shrunk from both ends by the fraction (of
+    those tried) that gives each group its smallest squared error; values past it clip."""
+    g = kvq.INT4_GROUP
+    xg = x.unflatten(-1, (-1, g))
+    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    best, best_err = None, None
+    for c in shrinks:
+        cut = (hi - lo) * c / 2
+        q = _codes(xg, lo + cut, hi - cut)
+        err = (q - xg).pow(2).sum(-1, keepdim=True)
+        if best is None:
+            best, best_err = q, err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, q, best), torch.minimum(err, best_err)
+    return best.flatten(-2)
+
+
+def int4_symmetric(x, group: int = kvq.INT4_GROUP):
+    """4-bit codes -8..7 per `group` channels around 0, one float16 scale a group (half the
+    group bytes of the asymmetric codes): the largest magnitude maps to 8 on its side."""
+    xg = x.unflatten(-1, (-1, group))
+    amax = xg.abs().amax(-1, keepdim=True)
+    s = (amax / 8).half().float()
+    q = torch.where(s > 0, torch.round(xg / s).clamp(-8, 7), 0.0) * s
+    return q.flatten(-2)
 
 
 def int4_blocks(k):
@@ -109,14 +139,16 @@ class Variants:
         """Values at a scale from their calibrated largest magnitude, `headroom` below the top."""
         return lambda x, layer: fp8(x, self.v_amax[layer] * headroom / kvq.fp8_max(torch.float8_e4m3fn))
 
-    def smoothed(self, power: float = 1.0, centre: bool = True, on: str = "text", turn: bool = False):
+    def smoothed(self, power: float = 1.0, centre: bool = True, on: str = "text", turn: bool = False, quant=None):
+        quant = quant or int4
+
         def keys(x, layer):
             c = self.centre[on][layer] if centre else 0.0
             s = self.spread[on][layer] ** power if power else 1.0
             y = (x - c) / s
             if turn:
-                return (int4(y @ self.r) @ self.r.T) * s + c
-            return int4(y) * s + c
+                return (quant(y @ self.r) @ self.r.T) * s + c
+            return quant(y) * s + c
         return keys
 
     def table(self):
@@ -153,6 +185,15 @@ class Variants:
                                                                 whole(int4)),
             "int4, keys smoothed on random tokens, turned by R": (self.smoothed(on="random", turn=True), whole(int4)),
             "int4, keys smoothed on 1024 random tokens": (self.smoothed(on="random1024"), whole(int4)),
+            "int4, each group's range clipped for its least squared error": (
+                self.smoothed(on="engine", quant=int4_clipped), whole(int4_clipped)),
+            "int4, keys smoothed, in groups of 16": (self.smoothed(on="engine", quant=lambda y: int4(y, 16)),
+                                                     whole(int4)),
+            "int4, keys smoothed, symmetric codes": (self.smoothed(on="engine", quant=int4_symmetric), whole(int4)),
+            "int4, keys smoothed, symmetric codes in groups of 16": (
+                self.smoothed(on="engine", quant=lambda y: int4_symmetric(y, 16)), whole(int4)),
+            "int4, keys' groups clipped": (self.smoothed(on="engine", quant=int4_clipped), whole(int4)),
+            "int4, values' groups clipped": (self.smoothed(on="engine"), whole(int4_clipped)),
         }
 
 
