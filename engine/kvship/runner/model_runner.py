@@ -289,9 +289,8 @@ class ModelRunner:
     def _measure_kv_scales(self, layers: list) -> None:
         """FP8 scales or int4 key smoothing for ``layers`` from one prefill of KV_SCALE_TOKENS
         random tokens drawn from KV_SCALE_SEED (the same on every tensor-parallel rank, so the
-        collectives match)
-        into a throw-away cache: they do not depend on the cache's size, and the cache is left
-        as it was."""
+        collectives match) into a throw-away cache: they do not depend on the cache's size, and
+        the cache is left as it was."""
         seq_len = min(KV_SCALE_TOKENS, self.max_model_len, self.config.max_num_batched_tokens)
         ids = torch.randint(0, self.model_config.vocab_size, (seq_len,),
                             generator=torch.Generator().manual_seed(KV_SCALE_SEED)).to(self.device)
