@@ -108,8 +108,10 @@ def pdl_wait(PDL: tl.constexpr):
     """The rule for a kernel launched with ``launch_pdl``: before it reads anything an earlier
     kernel writes, and before any store of its own, it waits here for the previous kernel to
     finish (which, as that kernel waited too, means every earlier one). Only data no kernel
-    writes (weights) may be read before. Then it lets the next kernel launch: that one starts
-    once all of this kernel's programs are past this point, one kernel ahead at most."""
+    writes may be read before: weights, and the step's metadata that the host copies in before
+    the step's first kernel (paged_attention's decode kernel reads its sequence bounds so).
+    Then it lets the next kernel launch: that one starts once all of this kernel's programs are
+    past this point, one kernel ahead at most."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -407,7 +407,10 @@ def _decode_kernel(
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
     INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    pdl_wait(PDL)
+    # The step's metadata (query bounds, lengths) comes from the host, copied in before the
+    # step's first kernel, and no kernel writes it: read before the PDL wait, its loads overlap
+    # the kernel before (rotary + KV store), and a split's share of the context is known when
+    # the wait ends.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -425,6 +428,18 @@ def _decode_kernel(
     heads = kvh * GROUP + offs_g
     qmask = gmask[:, None] & dmask[None, :]
     even = _split_channels(BLOCK_D)  # PACKED 3: the even channels, and the odd ones (even + 1)
+    # This split's share of the actual context (with a window: of its last WINDOW tokens, from
+    # the tile holding the first of them), in whole BLOCK_N tiles.
+    first = 0
+    q_pos = offs_g  # read only with a window: then every head's query is the last token
+    if WINDOW > 0:
+        first = (tl.maximum(seq_len - WINDOW, 0) // BLOCK_N) * BLOCK_N
+        q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
+    start = first + split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    pdl_wait(PDL)  # q and the new token's K/V: the rotary + KV-store kernel writes them
     if PACKED == 3:  # the host passes it for int4 pages beside a 16-bit query, BLOCK_D >= 32
         tl.static_assert(KV_MODE == 2 and BLOCK_D >= 32 and q_ptr.dtype.element_ty != tl.float32)
         qp = q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + even[None, :]
@@ -436,17 +451,6 @@ def _decode_kernel(
     else:
         q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-
-    # This split's share of the actual context (with a window: of its last WINDOW tokens, from
-    # the tile holding the first of them), in whole BLOCK_N tiles.
-    first = 0
-    q_pos = offs_g  # read only with a window: then every head's query is the last token
-    if WINDOW > 0:
-        first = (tl.maximum(seq_len - WINDOW, 0) // BLOCK_N) * BLOCK_N
-        q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
-    start = first + split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -496,12 +500,12 @@ def _decode_reduce_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    q_row = tl.load(cuq_ptr + b)
+    q_row = tl.load(cuq_ptr + b)  # the host's, as in _decode_kernel: before the wait
     if tl.load(cuq_ptr + b + 1) <= q_row:
         return
+    pdl_wait(PDL)
     q_row = q_row.to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)

@@ -294,11 +294,15 @@ def _rotary_store_kv_kernel(
     KV_MODE: tl.constexpr, FP8_E5: tl.constexpr, TURN_K: tl.constexpr, R_ENTRY: tl.constexpr,
     SMOOTH_K: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     dmask = offs_d < HALF
+    # positions and slots come from the host before the step's first kernel and the cos/sin
+    # table is constant: read before the PDL wait (kernels/_triton.py), they overlap the q/k/v
+    # projection this kernel follows
     cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_d, dmask, HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    pdl_wait(PDL)
     q = q_ptr + t * stride_qt
     if TURN_K:  # the queries are turned as the keys are (kv_quant)
         _store_turned(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, r_ptr, qw_ptr, eps, HQ, HALF,
@@ -309,7 +313,6 @@ def _rotary_store_kv_kernel(
     else:
         _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, qw_ptr, eps, HQ, HALF, BLOCK_HQ,
                       QK_NORM)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # -1: a padding token, nothing to store
         page = slot // BLOCK_SIZE
         row = slot % BLOCK_SIZE
