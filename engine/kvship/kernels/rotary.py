@@ -375,7 +375,7 @@ def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, 
     norm = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (q, q, 0.0)  # else unread
     if t > 0:
         _rotary_store_kv_kernel[(t,)](
-            positions, q, k, v, cos_sin_cache, k_cache, v_cache, *scales, k_transform if turn or smooth else q,
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, *scales, q if k_transform is None else k_transform,
             slot_mapping,
             *norm,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),

@@ -75,10 +75,11 @@ class PagedAttention(nn.Module):
         """The cache from kv_quant.allocate(); an FP8 one reads this layer's scales."""
         self.k_cache, self.v_cache = k_cache, v_cache
         self.k_transform = None
-        if kvq.kv_mode(k_cache) == kvq.KV_FP8:
+        mode = kvq.kv_mode(k_cache)
+        if mode == kvq.KV_FP8:
             k_scales, v_scales = self.fp8_k_scale, self.fp8_v_scale
             self.k_transform = kvq.key_rotation(self.head_dim, k_cache.device)
-        elif kvq.kv_mode(k_cache) == kvq.KV_INT4:
+        elif mode == kvq.KV_INT4:
             self.k_transform = self.int4_k_smoothing
         self.k_scale, self.v_scale = k_scales, v_scales
 
