@@ -10,7 +10,7 @@ projection; a second table times one MoE layer (router and fused experts) alone,
 CUDA graph, against the bytes of the experts its tokens pick and against the plain-torch path.
 
     python bench/latency.py [--shape llama3-8b] [--prompt 512] [--output 256] [--no-hf]
-                            [--quantization none fp8 int8 int4]
+                            [--quantization none fp8 int8 int4 int4-g32 q4_k_m]
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import gguf_shape
 from common import (
     SHAPES,
     WEIGHT_FORMATS,
@@ -46,8 +47,10 @@ from kvship.llm import LLM
 def kvship_latency(folder: str, prompt_len: int, out_len: int, eager: bool, quantization: str | None = None
                    ) -> tuple[float, float, float | None, int]:
     """(TTFT s, decode tok/s, with graphs: tok/s of replaying the batch-1 decode graph back to
-    back, the GPU's own time per token with no host work at all, and weight bytes per token)."""
-    llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=prompt_len + out_len + 16,
+    back, the GPU's own time per token with no host work at all, and weight bytes per token).
+    ``folder``: a shape folder (random weights), or a .gguf file (its own weights)."""
+    load_format = "auto" if folder.endswith(".gguf") else "dummy"
+    llm = LLM(folder, load_format=load_format, dtype="bfloat16", max_model_len=prompt_len + out_len + 16,
               max_num_seqs=8, enforce_eager=eager, quantization=quantization)
     ttft, rate = measure_batch1(llm, prompt_len, out_len)
     graphs = llm.engine.runner.graphs
@@ -150,9 +153,10 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=256)
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--quantization", nargs="+", choices=["none", *WEIGHT_FORMATS],
+    ap.add_argument("--quantization", nargs="+", choices=["none", *WEIGHT_FORMATS, "q4_k_m"],
                     help="weight formats to compare (graphs only), instead of the bf16 graphs/eager/HF table; "
-                         "int4-g32: in-situ int4 in groups of 32 with offsets, the layout GGUF Q4_K blocks load into")
+                         "int4-g32: in-situ int4 in groups of 32 with offsets, the layout GGUF Q4_K blocks load into; "
+                         "q4_k_m: a GGUF file of the shape with Q4_K_M's tensor types (bench/gguf_shape.py)")
     ap.add_argument("--settings", help="one-row and small-batch GEMV settings per weight to try (the JSON of "
                                        "bench/quant_gemv_sweep.py --best-json), over the engine's own")
     args = ap.parse_args()
@@ -198,8 +202,12 @@ def compare_formats(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
         for q in args.quantization:
-            ttft, rate, replay, nbytes = kvship_latency(folder, args.prompt, args.output, eager=False,
-                                                        quantization=insitu_method(q))
+            if q == "q4_k_m":  # a GGUF file of the shape in that file type's tensor types, random blocks
+                source, method = str(gguf_shape.write(args.shape, Path(tmp) / f"{args.shape}-Q4_K_M.gguf")), None
+            else:  # in-situ from the same random 16-bit weights
+                source, method = folder, insitu_method(q)
+            ttft, rate, replay, nbytes = kvship_latency(source, args.prompt, args.output, eager=False,
+                                                        quantization=method)
             roof = bw / (nbytes + kv)
             rows.append([q if q != "none" else "bf16", f"{nbytes / 1e9:.2f}", f"{rate:.1f}", f"{replay:.1f}",
                          f"{roof:.1f}", f"{100 * rate / roof:.0f}%", f"{ttft * 1e3:.1f}"])

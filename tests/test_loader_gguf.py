@@ -223,6 +223,37 @@ def test_synthetic_qwen2_f16_bf16_biases_no_permutation(tmp_path):
     assert tok.eos_token_ids == {2}
 
 
+@pytest.mark.timeout(120)
+def test_quantized_output_matrix_comes_as_its_blocks(tmp_path):
+    """A file's quantized output.weight reaches the LM head as its blocks (kept quantized on a
+    GPU, tests/test_quantized_weights.py); the CPU path holds exactly the values the gguf
+    library dequantizes, and the logits are those values times the final hidden state."""
+    from kvship.llm import LLM
+    from kvship.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(4)
+    f = lambda *s: (rng.standard_normal(s) * 0.3).astype(np.float32)
+    tensors = {"token_embd.weight": (f(32, 64), None), "output_norm.weight": (1 + f(64), None),
+               "output.weight": (f(32, 64), QT.Q8_0), "blk.0.attn_norm.weight": (1 + f(64), None),
+               "blk.0.ffn_norm.weight": (1 + f(64), None),
+               **{f"blk.0.{k}.weight": (f(*s), None) for k, s in (
+                   ("attn_q", (64, 64)), ("attn_k", (32, 64)), ("attn_v", (32, 64)), ("attn_output", (64, 64)),
+                   ("ffn_gate", (128, 64)), ("ffn_up", (128, 64)), ("ffn_down", (64, 128)))}}
+    path = tmp_path / "tiny-llama-q8-head.gguf"
+    _write_gguf(path, "llama", tensors, _qwen_meta("llama"))
+    w = dict(resolve_model(str(path)).weights())
+    assert isinstance(w["lm_head.weight"].load(), QuantizedTensor)
+    want = quants.dequantize(quants.quantize(tensors["output.weight"][0], QT.Q8_0), QT.Q8_0)
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+    head = llm.engine.runner.model.lm_head
+    assert head.qweight is None  # the CPU path: dequantized
+    np.testing.assert_array_equal(head.weight.numpy(), want)
+    out = llm.generate([[3, 5, 7]], SamplingParams(max_tokens=1, temperature=0, logprobs=3))[0].outputs[0]
+    hidden = torch.randn(2, 64)
+    torch.testing.assert_close(head.compute_logits(hidden), hidden @ torch.from_numpy(want).T)
+    assert out.token_ids and len(out.logprobs[0][1]) == 3
+
+
 def test_split_gguf_shards_load_together(tmp_path):
     rng = np.random.default_rng(3)
     a, b = rng.standard_normal((32, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)

@@ -604,8 +604,10 @@ def _make_ref(info: GGUFTensorInfo, permute_heads: int | None, hf_shape: tuple[i
     return WeightRef(hf_shape or shape, dtype, load)
 
 
-# Linear layers' matrices: kept in their quantized blocks when their type is in _SPLIT.
-_LINEARS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+# Linear layers' matrices, and the output matrix (layers/embedding.py ParallelLMHead): kept in
+# their quantized blocks when their type is in _SPLIT.
+_LINEARS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                         "lm_head"))
 
 
 def _make_quant_ref(info: GGUFTensorInfo, permute_heads: int | None) -> QuantRef:
