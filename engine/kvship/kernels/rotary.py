@@ -302,6 +302,7 @@ def _rotary_store_kv_kernel(
     # projection this kernel follows
     cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_d, dmask, HALF)
     slot = tl.load(slot_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64) * stride_cs  # the int4 store's rows of the table (below)
     pdl_wait(PDL)
     q = q_ptr + t * stride_qt
     if TURN_K:  # the queries are turned as the keys are (kv_quant)
@@ -320,7 +321,6 @@ def _rotary_store_kv_kernel(
         vc = vc_ptr + page * stride_vcb + row * stride_vcs
         if KV_MODE == 2:
             grp = page * stride_gb + row * stride_gs
-            pos = tl.load(pos_ptr + t).to(tl.int64) * stride_cs
             _store_int4_heads(k_ptr + t * stride_kt, stride_kh, pos, cs_ptr, kc, stride_kch, ks_ptr + grp, stride_gh,
                               kw_ptr, eps, r_ptr, True, QK_NORM, SMOOTH_K, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_HALF)
             _store_int4_heads(v_ptr + t * stride_vt, stride_vh, pos, cs_ptr, vc, stride_vch, vs_ptr + grp, stride_gh,
