@@ -41,6 +41,10 @@ except Exception:  # ImportError, or a broken install
             return fn
 
         @staticmethod
+        def constexpr_function(fn):
+            return fn
+
+        @staticmethod
         def cdiv(a: int, b: int) -> int:
             return -(-a // b)
 
