@@ -100,9 +100,10 @@ def test_bundled_config_and_tokenizer(bundled):
     tok = src.tokenizer
     assert tok.vocab_size == 49152 and tok.eos_token_id == 2 and 2 in tok.eos_token_ids
     assert "<|im_start|>" in tok.chat_template
-    names = {n for n, _ in src.weights()}
-    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
-    assert len(names) == 272
+    refs = dict(src.weights())
+    # tied: the head gets the embedding's Q8_0 blocks too (kept quantized on a GPU)
+    assert isinstance(refs["lm_head.weight"].load(), QuantizedTensor) and "model.embed_tokens.weight" in refs
+    assert len(refs) == 273
 
 
 def test_weights_equal_transformers_state_dict(bundled):
@@ -114,11 +115,14 @@ def test_weights_equal_transformers_state_dict(bundled):
     ref = model.state_dict()
     src = resolve_model(bundled)
     ours = dict(src.weights())
-    assert set(ours) == set(ref) - {"lm_head.weight"}  # tied: HF exposes the alias
+    assert set(ours) == set(ref)  # tied: HF's alias, ours the embedding's blocks for the head
     for name, w in ours.items():
         t = w.load()
         assert tuple(t.shape) == w.shape == tuple(ref[name].shape), name
-        if isinstance(t, QuantizedTensor):  # linear layers stay in their Q4_1 blocks (codes, scales, offsets)
+        if name == "lm_head.weight":  # the Q8_0 token embedding's blocks
+            assert isinstance(t, QuantizedTensor) and t.bits == 8 and t.group_size == 32
+            t = t.dequantize()
+        elif isinstance(t, QuantizedTensor):  # linear layers stay in their Q4_1 blocks (codes, scales, offsets)
             assert name.endswith("_proj.weight") and t.bits == 4 and t.group_size == 32, name
             t = t.dequantize()
         else:
@@ -252,6 +256,35 @@ def test_quantized_output_matrix_comes_as_its_blocks(tmp_path):
     hidden = torch.randn(2, 64)
     torch.testing.assert_close(head.compute_logits(hidden), hidden @ torch.from_numpy(want).T)
     assert out.token_ids and len(out.logprobs[0][1]) == 3
+
+
+@pytest.mark.timeout(120)
+def test_tied_quantized_embedding_also_reaches_the_head_as_blocks(tmp_path):
+    """No output.weight and a quantized token embedding: the embedding comes dequantized (lookups
+    need it so) and the head gets the same matrix as its blocks too; on the CPU the head keeps
+    sharing the embedding's table, which holds those values."""
+    from kvship.llm import LLM
+
+    rng = np.random.default_rng(6)
+    emb = rng.standard_normal((32, 64)).astype(np.float32)
+    tensors = {"token_embd.weight": (emb, QT.Q8_0), "output_norm.weight": (np.ones(64, np.float32), None),
+               "blk.0.attn_norm.weight": (np.ones(64, np.float32), None),
+               "blk.0.ffn_norm.weight": (np.ones(64, np.float32), None),
+               **{f"blk.0.{k}.weight": ((rng.standard_normal(s) * 0.3).astype(np.float32), None) for k, s in (
+                   ("attn_q", (64, 64)), ("attn_k", (32, 64)), ("attn_v", (32, 64)), ("attn_output", (64, 64)),
+                   ("ffn_gate", (128, 64)), ("ffn_up", (128, 64)), ("ffn_down", (64, 128)))}}
+    path = tmp_path / "tiny-llama-tied-q8.gguf"
+    _write_gguf(path, "llama", tensors, _qwen_meta("llama"))
+    src = resolve_model(str(path))
+    assert src.hf_config["tie_word_embeddings"] is True
+    w = dict(src.weights())
+    want = quants.dequantize(quants.quantize(emb, QT.Q8_0), QT.Q8_0)
+    np.testing.assert_array_equal(w["model.embed_tokens.weight"].load().float().numpy(), want)
+    head = w["lm_head.weight"].load()
+    assert isinstance(head, QuantizedTensor)
+    np.testing.assert_array_equal(head.dequantize(torch.float32).numpy(), want)
+    model = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16).engine.runner.model
+    assert model.lm_head.qweight is None and model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_split_gguf_shards_load_together(tmp_path):

@@ -369,10 +369,13 @@ def test_insitu_quantization_of_the_bundled_model(reference_text_ids, capsys):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["output", "tied"])
+def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path, tied):
     """A GGUF llama whose linears are Q4_0, Q8_0 (v: q/k/v widen to 8 bits), Q4_1, Q5_0 and Q5_1,
-    its output matrix Q8_0: on the GPU they stay quantized and run through the kernels; in fp32
-    they hold exactly the CPU path's dequantized values, so the logits agree to summation order."""
+    its output matrix Q8_0 (or none, the Q8_0 token embedding tied to the head): on the GPU they
+    stay quantized and run through the kernels (a tied head reads its own quantized copy, the
+    embedding its 16-bit table); in fp32 they hold exactly the CPU path's dequantized values, so
+    the logits agree to summation order."""
     import numpy as np
     from gguf import GGMLQuantizationType as QT
 
@@ -385,8 +388,10 @@ def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path):
     blk = {"attn_q": (f(64, 64), QT.Q4_0), "attn_k": (f(32, 64), QT.Q4_0), "attn_v": (f(32, 64), QT.Q8_0),
            "attn_output": (f(64, 64), QT.Q4_1), "ffn_gate": (f(128, 64), QT.Q5_0), "ffn_up": (f(128, 64), QT.Q5_0),
            "ffn_down": (f(64, 128), QT.Q5_1), "attn_norm": (1 + f(64), None), "ffn_norm": (1 + f(64), None)}
-    tensors = {"token_embd.weight": (f(32, 64), None), "output_norm.weight": (1 + f(64), None),
+    tensors = {"token_embd.weight": (f(32, 64), QT.Q8_0 if tied else None), "output_norm.weight": (1 + f(64), None),
                "output.weight": (f(32, 64), QT.Q8_0), **{f"blk.0.{k}.weight": v for k, v in blk.items()}}
+    if tied:
+        del tensors["output.weight"]
     path = tmp_path / "tiny-llama-mixed.gguf"
     _write_gguf(path, "llama", tensors, _qwen_meta("llama"))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
@@ -398,7 +403,8 @@ def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path):
             layer = llm.engine.runner.model.model.layers[0]
             assert layer.self_attn.qkv_proj.qweight.bits == 8 and layer.mlp.gate_up_proj.qweight.bits == 8
             assert layer.self_attn.o_proj.qweight.bits == 4
-            assert llm.engine.runner.model.lm_head.qweight.bits == 8
+            model = llm.engine.runner.model
+            assert model.lm_head.qweight.bits == 8 and model.model.embed_tokens.weight.dtype == torch.float32
         out[dev] = [o.outputs[0] for o in llm.generate(prompts, params)]
         del llm
     lp = lambda o: [chosen.logprob for chosen, _ in o.logprobs]

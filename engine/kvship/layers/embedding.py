@@ -44,9 +44,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     matrices are: at batch 1 the output matrix is read whole every token, and Llama-3-8B's in 16
     bits is 1.05 GB against 0.59 GB as Q6_K's 8-bit codes and scales. On the CPU (the reference
     path) it is held dequantized, as the layers' are. A tied head is the embedding's table, which
-    lookups need dequantized: it stays 16-bit."""
+    lookups need dequantized: a GPU head keeps its own quantized copy beside it when the file
+    gives one (``load_quantized_copy``: Qwen2.5 and Llama-3.2 GGUF files tie theirs), and reads
+    that."""
 
     qweight: QWeight | None = None
+
+    def load_quantized_copy(self, ref) -> None:
+        """A tied head's quantized rows (the embedding's matrix in its blocks): on a GPU the head
+        reads them instead of the embedding's 16-bit table, which lookups keep using; on a CPU the
+        table serves, as it holds the same values."""
+        if self.weight.device.type != "cpu":
+            self.weight_loader(self.weight, ref)
 
     def weight_loader(self, param: nn.Parameter, ref, shard_id=None) -> None:
         rows = ref.load((slice(self.start, self.end),))

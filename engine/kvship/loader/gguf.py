@@ -718,6 +718,13 @@ def load_gguf(path: str) -> ModelSource:
     if kept:
         cfg["quantization_config"] = {"quant_method": "gguf"}
     _log_storage(tensors, kept)
+    # A tied output matrix is the token embedding: lookups need it dequantized, and the LM head
+    # also gets it in its blocks (layers/embedding.py ParallelLMHead.load_quantized_copy).
+    embed = tensors.get("token_embd.weight")
+    tied_head = cfg["tie_word_embeddings"] and embed is not None and embed.ggml_type in _SPLIT
+    if tied_head:
+        log.info("GGUF: the tied output matrix (token_embd.weight %s) is also kept in its blocks for the "
+                 "LM head", embed.type_name)
 
     def weights() -> Iterator[tuple[str, WeightRef]]:
         for gname, info in tensors.items():
@@ -732,6 +739,8 @@ def load_gguf(path: str) -> ModelSource:
             elif permute and hf.endswith(("k_proj.weight", "k_proj.bias")):
                 heads = n_kv
             yield from _refs(hf, info, heads, gname in kept)
+            if tied_head and gname == "token_embd.weight":
+                yield "lm_head.weight", _make_quant_ref(info, None)
 
     return ModelSource(name=gguf_model_name(path), path=path, hf_config=cfg, generation_config=gen,
                        tokenizer=tokenizer, _weights=weights)

@@ -19,6 +19,7 @@ from kvship.layers.rotary import RotaryEmbedding
 from kvship.loader.source import RowView
 from kvship.models.config import ModelConfig
 from kvship.parallel import TPContext
+from kvship.quant import QuantRef
 
 
 class LlamaAttention(nn.Module):
@@ -180,6 +181,8 @@ class LlamaForCausalLM(nn.Module):
             if not name.startswith(("model.", "lm_head.")):  # a base model's checkpoint (e.g. Qwen3Model,
                 name = "model." + name  # as embedding models are saved): same tensors, no "model." prefix
             if self.cfg.tie_word_embeddings and name == "lm_head.weight":
+                if isinstance(ref, QuantRef) and need_lm_head:  # the tied matrix in its blocks (a GGUF token embedding)
+                    self.lm_head.load_quantized_copy(ref)
                 continue
             kv_scale = _KV_SCALE.search(name)
             if kv_scale is not None:  # an FP8 checkpoint's per-layer KV-cache scale
