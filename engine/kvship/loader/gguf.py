@@ -721,7 +721,7 @@ def load_gguf(path: str) -> ModelSource:
     # A tied output matrix is the token embedding: lookups need it dequantized, and the LM head
     # also gets it in its blocks (layers/embedding.py ParallelLMHead.load_quantized_copy).
     embed = tensors.get("token_embd.weight")
-    tied_head = cfg["tie_word_embeddings"] and embed is not None and embed.ggml_type in _SPLIT
+    tied_head = cfg["tie_word_embeddings"] and embed is not None and _kept_quantized("lm_head.weight", embed)
     if tied_head:
         log.info("GGUF: the tied output matrix (token_embd.weight %s) is also kept in its blocks for the "
                  "LM head", embed.type_name)
