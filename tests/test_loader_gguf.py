@@ -13,7 +13,9 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from kvship.loader import ModelSourceError, resolve_model
-from kvship.loader.gguf import GGUFFile, dequantize, gguf_model_name
+from kvship.loader.gguf import gguf_model_name
+from kvship.loader.gguf_blocks import dequantize
+from kvship.loader.gguf_file import GGUFFile
 from kvship.quant import QuantizedTensor
 
 ALL_TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,

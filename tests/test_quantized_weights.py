@@ -442,7 +442,7 @@ def test_gguf_blocks_split_as_the_gguf_library_dequantizes_them(type_name):
     import gguf
     import numpy as np
 
-    from kvship.loader.gguf import GGMLType, split_tensor
+    from kvship.loader.gguf_blocks import GGMLType, split_tensor
 
     qtype = getattr(gguf.GGMLQuantizationType, type_name)
     per_block, nbytes = gguf.GGML_QUANT_SIZES[qtype]

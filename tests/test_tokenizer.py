@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvship.loader import ChatTemplateError, Tokenizer
-from kvship.loader.gguf import GGUFFile
+from kvship.loader.gguf_file import GGUFFile
 
 TEXTS = [
     "Hello, world!",
