@@ -133,13 +133,17 @@ def weight_bytes_per_token(model) -> int:
 
 
 def kv_bytes_per_token(shape: str, elem: int = 2, kv_cache_dtype: str = "auto") -> int:
-    """KV-cache bytes of one token: 16-bit (elem 2) by default, or a --kv-cache-dtype's size."""
-    from kvship.kernels.kv_quant import bytes_per_token_head
+    """KV-cache bytes of one token: 16-bit (elem 2) by default, or a --kv-cache-dtype's size
+    (in blocks of 16 tokens: int4 keys' scales are per block)."""
+    from kvship.kernels.kv_quant import bytes_per_block_head
 
     c = SHAPES[shape]
     d = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
-    per_head = d * elem if kv_cache_dtype == "auto" else bytes_per_token_head(kv_cache_dtype, d, torch.bfloat16)
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * per_head
+    if kv_cache_dtype == "auto":
+        per_head = 2 * d * elem
+    else:
+        per_head = bytes_per_block_head(kv_cache_dtype, d, torch.bfloat16, 16) / 16
+    return int(c["num_hidden_layers"] * c["num_key_value_heads"] * per_head)
 
 
 def measure_batch1(llm, prompt_len: int, out_len: int, runs: int = 3) -> tuple[float, float]:

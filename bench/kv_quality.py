@@ -6,16 +6,16 @@ Each variant quantizes and dequantizes the keys and the values (each its own way
 into a float32 cache, at the one call every layer's store goes through on the CPU (rotary.py's
 ``store_kv_torch``); attention then reads them back as the engine's kernels would read the
 quantized cache. So the layouts compared need no kernels: the engine's own (fp8 with the keys
-turned by R at the scales an fp8 engine measures per layer at start-up, int4 in groups of 32
-channels with the keys smoothed by the per-channel centres and spreads an int4 engine measures
-at start-up) against one FP8 scale for every layer (1.0, as before; 2^-6), unsmoothed int4
-keys (as before), per-channel keys over 16-token blocks (KIVI's layout), smoothing calibrated on
-another window of numpy's text or on random tokens, smoothed keys in groups of 16 channels or
-in symmetric codes, groups whose range is clipped for the least squared error, and the parts of
+turned by R at the scales an fp8 engine measures per layer at start-up; int4 keys per channel
+over 16-token blocks, KIVI's layout, and values in groups of 32 channels of a token) against one
+FP8 scale for every layer (1.0, as before; 2^-6), int4 keys in groups of 32 channels (as before
+2026-12-03) or of 16, smoothed per channel first (calibrated on another window of numpy's text
+or on random tokens; the engine's of 2026-12-03 to 12-04 measured on 256 random tokens), in
+symmetric codes, groups whose range is clipped for the least squared error, and the parts of
 each error (keys alone, values alone).
 
     python3 bench/kv_quality.py                    # every variant (45 s each on 2 cores)
-    python3 bench/kv_quality.py "int4" "int4, keys per block"
+    python3 bench/kv_quality.py "int4" "int4, keys per block, growing"
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def fp8(x, scale=1.0):
 
 
 def int4(x, group: int = kvq.INT4_GROUP):
-    """Asymmetric 4-bit codes per `group` channels of a vector (the engine's math at 32)."""
+    """Asymmetric 4-bit codes per `group` channels of a vector (the engine's values' at 32)."""
     if group == kvq.INT4_GROUP:
         packed, groups = kvq.int4_quantize(x)
         return kvq.int4_dequantize(packed, groups, x.shape[-1])
@@ -120,9 +120,8 @@ class Variants:
     def __init__(self, head_dim: int):
         self.r = kvq.key_rotation(head_dim, torch.device("cpu"))
         # per calibration ("text": a window of numpy's text, "random": 256 seeded random tokens,
-        # "random1024": 1,024 of them) and layer, [H, D]: (max + min) / 2, and max - min over its mean (or
-        # the engine's own: "engine", kv_quant.key_smoothing measured at start-up)
-        calibrations = ("text", "random", "random1024", "engine")
+        # "random1024": 1,024 of them) and layer, [H, D]: (max + min) / 2, and max - min over its mean
+        calibrations = ("text", "random", "random1024")
         self.centre: dict[str, dict[int, torch.Tensor]] = {on: {} for on in calibrations}
         self.spread: dict[str, dict[int, torch.Tensor]] = {on: {} for on in calibrations}
         self.v_amax: dict[int, float] = {}  # per layer: calibrated, values' largest magnitude
@@ -166,13 +165,12 @@ class Variants:
             "fp8, scales 1.0, values alone": (same, whole(fp8)),
             "fp8, values alone, one scale 2^-6": (same, whole(lambda x: fp8(x, 2.0**-6))),
             **{f"fp8, values alone, calibrated, headroom {h}": (same, self.fp8_measured(h)) for h in (1, 16, 64)},
-            "int4": (self.smoothed(on="engine"), whole(int4)),
-            "int4, keys unsmoothed": (whole(int4), whole(int4)),
+            "int4": (whole(int4_blocks), whole(int4)),
+            "int4, keys in groups of 32": (whole(int4), whole(int4)),
             "int4, keys alone, unsmoothed": (whole(int4), same),
             "int4, values alone": (same, whole(int4)),
             "int4, both turned by R": (self.turned(whole(int4)), self.turned(whole(int4))),
             "int4, keys in groups of 16": (whole(lambda x: int4(x, 16)), whole(int4)),
-            "int4, keys per block": (whole(int4_blocks), whole(int4)),
             "int4, keys per block, growing": (whole(int4_blocks_growing), whole(int4)),
             "int4, keys smoothed": (self.smoothed(), whole(int4)),
             "int4, keys smoothed by sqrt": (self.smoothed(0.5), whole(int4)),
@@ -186,14 +184,14 @@ class Variants:
             "int4, keys smoothed on random tokens, turned by R": (self.smoothed(on="random", turn=True), whole(int4)),
             "int4, keys smoothed on 1024 random tokens": (self.smoothed(on="random1024"), whole(int4)),
             "int4, each group's range clipped for its least squared error": (
-                self.smoothed(on="engine", quant=int4_clipped), whole(int4_clipped)),
-            "int4, keys smoothed, in groups of 16": (self.smoothed(on="engine", quant=lambda y: int4(y, 16)),
+                self.smoothed(on="random", quant=int4_clipped), whole(int4_clipped)),
+            "int4, keys smoothed, in groups of 16": (self.smoothed(on="random", quant=lambda y: int4(y, 16)),
                                                      whole(int4)),
-            "int4, keys smoothed, symmetric codes": (self.smoothed(on="engine", quant=int4_symmetric), whole(int4)),
+            "int4, keys smoothed, symmetric codes": (self.smoothed(on="random", quant=int4_symmetric), whole(int4)),
             "int4, keys smoothed, symmetric codes in groups of 16": (
-                self.smoothed(on="engine", quant=lambda y: int4_symmetric(y, 16)), whole(int4)),
-            "int4, keys' groups clipped": (self.smoothed(on="engine", quant=int4_clipped), whole(int4)),
-            "int4, values' groups clipped": (self.smoothed(on="engine"), whole(int4_clipped)),
+                self.smoothed(on="random", quant=lambda y: int4_symmetric(y, 16)), whole(int4)),
+            "int4, keys' groups clipped": (self.smoothed(on="random", quant=int4_clipped), whole(int4)),
+            "int4, values' groups clipped": (self.smoothed(on="random"), whole(int4_clipped)),
         }
 
 
@@ -253,9 +251,6 @@ def main() -> None:
                 variants.v_amax[layer] = float(v.abs().amax())
     fp8_layers = LLM(device="cpu", kv_cache_dtype="fp8", num_kv_blocks=16).engine.runner.model.attention_layers()
     variants.engine = {i: (float(a.fp8_k_scale), float(a.fp8_v_scale)) for i, a in enumerate(fp8_layers)}
-    int4_layers = LLM(device="cpu", kv_cache_dtype="int4", num_kv_blocks=16).engine.runner.model.attention_layers()
-    for i, a in enumerate(int4_layers):
-        variants.centre["engine"][i], variants.spread["engine"][i] = a.int4_k_smoothing[0], a.int4_k_smoothing[2]
 
     print(f"SmolLM2-135M perplexity, {len(windows)} windows of {WINDOW} tokens, keys and values quantized "
           f"and dequantized into a float32 cache\n")

@@ -26,8 +26,15 @@ HEADS = [(9, 3, 64), (8, 2, 80), (4, 2, 33), (4, 2, 16)] if not GPU else [(32, 8
 FP8_SCALE = 0.02  # randn values reach ~4.5 > 448 * 0.02 / 2: the e4m3 range is exercised, saturation too
 
 
-def quantize_cache(cache: torch.Tensor, kv_dtype: str, scale: float = FP8_SCALE):
-    """A plain paged cache [blocks, bs, Hkv, D] in kv_dtype's layout: (cache, scales)."""
+def quantize_cache(cache: torch.Tensor, kv_dtype: str, scale: float = FP8_SCALE, keys: bool = False):
+    """A plain paged cache [blocks, bs, Hkv, D] in kv_dtype's layout: (cache, scales); int4
+    keys per block and channel, each block stored whole."""
+    if kv_dtype == "int4" and keys:
+        nb, bs, hkv, d = cache.shape
+        codes = torch.zeros(nb, bs, hkv, -(-d // 2), dtype=torch.uint8, device=cache.device)
+        scales = torch.zeros(nb, hkv, d, 2, dtype=kvq.SCALE_DTYPE, device=cache.device)
+        kvq.int4_store_keys(cache.flatten(0, 1), codes, scales, torch.arange(nb * bs, device=cache.device))
+        return codes, scales
     if kv_dtype == "int4":
         return kvq.int4_quantize(cache)
     s = torch.tensor([scale], device=cache.device)
@@ -36,7 +43,7 @@ def quantize_cache(cache: torch.Tensor, kv_dtype: str, scale: float = FP8_SCALE)
 
 def quant_paged(q_lens, ctx, hq, hkv, d, block_size, kv_dtype, seed, dtype=DTYPE):
     q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, hq, hkv, d, block_size, dtype, seed)
-    (kq, ks), (vq, vs) = quantize_cache(kc, kv_dtype), quantize_cache(vc, kv_dtype, 2 * FP8_SCALE)
+    (kq, ks), (vq, vs) = quantize_cache(kc, kv_dtype, keys=True), quantize_cache(vc, kv_dtype, 2 * FP8_SCALE)
     return q, kq, vq, ks, vs, bt, sl, cu
 
 
@@ -105,43 +112,60 @@ def test_key_rotation_is_orthogonal_and_preserves_scores(d):
         assert kvq.hadamard_entry(d) == 0.0  # R is read
 
 
-def test_key_smoothing_keeps_attention_weights():
-    """int4 keys smoothed per channel ((k - c) / s, queries times s) give every key of a query
-    the same score shift (-q.c), which softmax does not see; the spreads stay within their range
-    and a channel that never moved keeps spread 1 / SMOOTHING_RANGE, not 0."""
-    g = torch.Generator().manual_seed(3)
-    hq, hkv, d = 6, 2, 32
-    keys = (torch.randn(40, hkv, d, generator=g) * torch.rand(hkv, d, generator=g) * 4
-            + torch.randn(hkv, d, generator=g) * 8)
-    keys[:, 1, 5] = 2.5  # a constant channel
-    sm = kvq.key_smoothing(keys.amin(0), keys.amax(0))
-    spread = sm[2]
-    assert spread.min() >= 1 / kvq.SMOOTHING_RANGE and spread.max() <= kvq.SMOOTHING_RANGE
-    assert spread[1, 5] == 1 / kvq.SMOOTHING_RANGE
-    torch.testing.assert_close(sm[1] * sm[2], torch.ones_like(sm[1]), atol=0, rtol=1e-6)
-    stored = kvq.transform_keys(keys, sm)
-    assert stored.abs().amax() < keys.abs().amax() / 2  # the offsets are gone
-    q = torch.randn(3, hq, d, generator=g, dtype=torch.float64)
-    scores = torch.einsum("qhd,khd->hqk", q, keys.double().repeat_interleave(hq // hkv, 1))
-    shifted = torch.einsum("qhd,khd->hqk", kvq.transform_queries(q, sm.double()),
-                           stored.double().repeat_interleave(hq // hkv, 1))
-    assert (shifted - scores).abs().amin() > 1.0  # the scores moved (by -q.c) ...
-    assert (shifted - scores).std(-1).max() < 1e-4  # ... by the same amount for every key of a query
-    torch.testing.assert_close(shifted.softmax(-1), scores.softmax(-1), atol=1e-5, rtol=1e-5)
-    uncentred = kvq.key_smoothing(keys.amin(0), keys.amax(0), centre=False)
-    assert torch.equal(uncentred[0], torch.zeros_like(uncentred[0])) and torch.equal(uncentred[1:], sm[1:])
+def test_int4_keys_per_block_and_channel():
+    """int4 keys: a block stored whole has each channel's scale and minimum over its tokens
+    (every value within half a step); tokens arriving one by one keep the codes of channels they
+    do not widen, re-quantize the ones they widen, and end within one step of a whole block's
+    range; the first token of a block starts a fresh range whatever the block held before."""
+    g = torch.Generator().manual_seed(7)
+    bs, hkv, d = 16, 2, 40
+    x = torch.randn(2 * bs, hkv, d, generator=g) * torch.rand(d, generator=g) * 3 + torch.randn(d, generator=g) * 5
+    whole = quantize_cache(torch.zeros(2, bs, hkv, d), "int4", keys=True)
+    codes, scales = whole
+    codes.fill_(0xFF)  # old contents: a fresh range must not read them
+    scales.fill_(100.0)
+    kvq.int4_store_keys(x, codes, scales, torch.arange(2 * bs))
+    y = kvq.pages(codes, scales, torch.arange(2), d).flatten(0, 1)
+    blocks = x.unflatten(0, (2, bs))
+    lo, hi = blocks.amin(1), blocks.amax(1)
+    torch.testing.assert_close(scales[..., 0].float(), ((hi - lo) / 15).half().float(), atol=0, rtol=0)
+    torch.testing.assert_close(scales[..., 1].float(), lo.half().float(), atol=0, rtol=0)
+    step = scales[:, None, ..., 0].float().expand(2, bs, hkv, d).flatten(0, 1)
+    assert ((y - x).abs() <= step * 0.5 + 1e-3 * x.abs()).all()
+
+    one = quantize_cache(torch.zeros(2, bs, hkv, d), "int4", keys=True)
+    widened = False
+    for i in range(2 * bs):
+        b, r = divmod(i, bs)
+        codes_before, scales_before = one[0][b].clone(), one[1][b].clone()
+        kvq.int4_store_keys(x[i:i + 1], *one, torch.tensor([i]))
+        if r:  # channels the token left alone keep their scale and every code
+            s0, z0 = scales_before[..., 0].float(), scales_before[..., 1].float()
+            kept = (x[i] >= z0) & (x[i] <= z0 + 15 * s0)
+            assert torch.equal(one[1][b][..., 0][kept], scales_before[..., 0][kept])
+            now, then = kvq.int4_unpack(one[0][b, :r], d), kvq.int4_unpack(codes_before[:r], d)
+            assert torch.equal(now[:, kept], then[:, kept])
+            widened |= bool((~kept).any())
+    assert widened  # (the test saw both cases)
+    z = kvq.pages(*one, torch.arange(2), d).flatten(0, 1)
+    # the same range in the end, but for the float16 roundings each widening took
+    torch.testing.assert_close(one[1].float(), scales.float(), atol=1e-3, rtol=1e-2)
+    assert ((z - x).abs() <= step * 1.5 + 1e-3 * x.abs()).all()  # re-quantized: within 1.5 steps
 
 
 def test_kv_bytes():
-    """At the same memory, 2x the blocks for fp8 and 3.2x for int4 (Llama-3-8B heads, bf16:
-    64 bytes of codes and 4 groups of 4 bytes against 256 bytes)."""
-    bf16 = kvq.bytes_per_token_head("auto", 128, torch.bfloat16)
-    assert bf16 / kvq.bytes_per_token_head("fp8", 128, torch.bfloat16) == 2
-    assert bf16 / kvq.bytes_per_token_head("int4", 128, torch.bfloat16) == 3.2
+    """At the same memory, 2x the blocks for fp8 and 2.9x for int4 (Llama-3-8B heads, bf16,
+    blocks of 16: a token's key takes 64 bytes of codes and 32 of its block's per-channel
+    scales, its value 64 and 4 groups of 4 bytes, against 256 bytes each)."""
+    def per_block(kind):
+        return kvq.bytes_per_block_head(kind, 128, torch.bfloat16, 16)
+    assert per_block("auto") / per_block("fp8") == 2
+    assert per_block("auto") / per_block("int4") == 2 * 256 / (96 + 80)
     for kind in ["auto", "fp8", "fp8_e5m2", "int4"]:
-        k, v, ks, vs = kvq.allocate(kind, 3, 16, 2, 80, torch.bfloat16, "cpu")
-        per_head = (k.nbytes + v.nbytes + (ks.nbytes + vs.nbytes if ks is not None else 0)) // (2 * 3 * 16 * 2)
-        assert per_head == kvq.bytes_per_token_head(kind, 80, torch.bfloat16)
+        for block_size in (16, 32):
+            k, v, ks, vs = kvq.allocate(kind, 3, block_size, 2, 80, torch.bfloat16, "cpu")
+            per_head = (k.nbytes + v.nbytes + (ks.nbytes + vs.nbytes if ks is not None else 0)) // (3 * 2)
+            assert per_head == kvq.bytes_per_block_head(kind, 80, torch.bfloat16, block_size)
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -243,21 +267,25 @@ def test_mixed_step_kernels(hq, hkv, d, kv_dtype, monkeypatch):
 
 @needs_triton
 @pytest.mark.parametrize("kv_dtype,turn", [("fp8_e4m3", True), ("fp8_e5m2", True), ("fp8_e4m3", False),
-                                           ("int4", True), ("int4", False)])
+                                           ("int4", False)])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 2, 80)] if not GPU else [(32, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("norm", [False, True])
 def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
     """The fused (per-head q/k norm +) rotary + quantizing store writes what the reference
     writes (the same codes but for an fp32 division's last bit, which may move a value across a
     rounding boundary: a handful of codes one step apart) and leaves padding slots (-1) alone;
-    FP8 keys turned by the Hadamard (d 64) or QR (d 80) matrix as the engine stores them, or not;
-    int4 keys smoothed per channel (kv_quant.key_smoothing, from random ranges), or not.
+    FP8 keys turned by the Hadamard (d 64) or QR (d 80) matrix as the engine stores them, or not.
+    int4 keys go in per block: the slots are then sequences' runs (_sequence_slots), some
+    starting in a block that holds tokens already (whose codes the store re-quantizes where the
+    new ones widen a channel: both sides from the same old contents).
     Keys in a 16-bit dtype may themselves round one step apart, normed (_fragile_heads) or
     rotated (_rotary_fragile_heads): their heads are held to a looser bound and their int4
-    groups are not compared."""
-    t, nb, bs = (13, 4, 16) if not GPU else (2048, 300, 16)
+    groups (for keys: their blocks' scales) are not compared."""
+    t, nb, bs = (13, 8, 16) if not GPU else (2048, 300, 16)
     g = torch.Generator().manual_seed(d + hkv)
     cache, pos, slots, _, q, k, v = store_inputs(t, nb * bs, hq, hkv, d, DTYPE, g, gain=3.0)
+    if kv_dtype == "int4":
+        slots = _sequence_slots(t, nb, bs, g).to(DEV)
     qk_norm = qk_norm_weights(d, DTYPE, g) if norm else None
     kc, vc, ks, vs = kvq.allocate(kv_dtype, nb, bs, hkv, d, DTYPE, DEV)
     if ks is None:
@@ -266,13 +294,10 @@ def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
     filled = [kc, vc] + ([ks, vs] if kv_dtype == "int4" else [])
     for x in filled:
         x.normal_() if x.dtype == torch.float16 else x.view(torch.uint8).random_(0, 120)
+    if kv_dtype == "int4":  # a key block's scales as a store leaves them: positive
+        ks[..., 0].uniform_(0.05, 0.5)
     refs = [x.clone() for x in filled]
-    rot = None
-    if turn and kv_dtype == "int4":
-        lo = -3.0 * torch.rand(hkv, d, generator=g) + torch.randn(hkv, d, generator=g)
-        rot = kvq.key_smoothing(lo, lo + 6.0 * torch.rand(hkv, d, generator=g)).to(DEV)
-    elif turn:
-        rot = kvq.key_rotation(d, torch.device(DEV))
+    rot = kvq.key_rotation(d, torch.device(DEV)) if turn else None
     q_ref = rotary.rotary_store_kv_torch(pos, q.clone(), k, v, cache, refs[0], refs[1], slots,
                                          *(refs[2:] if kv_dtype == "int4" else (ks, vs)), rot, qk_norm)
     q_got = rotary.rotary_store_kv_triton(pos, q, k, v, cache, kc, vc, slots, ks, vs, rot, qk_norm)
@@ -290,9 +315,13 @@ def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
         loose = fragile if what == "k" else torch.zeros_like(fragile)
         if kv_dtype == "int4":
             s_ref = refs[2] if what == "k" else refs[3]
-            torch.testing.assert_close(s[~loose], s_ref[~loose], rtol=1e-3, atol=0, msg=f"{what} int4 scales")
+            compared = ~loose.any(1) if what == "k" else ~loose  # key scales: per block and head
+            torch.testing.assert_close(s[compared], s_ref[compared], rtol=1e-3, atol=0, msg=f"{what} int4 scales")
             a, b = kvq.pages(got, s, blocks, d), kvq.pages(ref, s_ref, blocks, d)
-            step = kvq.int4_group_values(s_ref, d)[0].abs()  # (slots never written hold noise)
+            if what == "k":
+                step = s_ref[:, None, ..., 0].float().abs().expand(nb, bs, hkv, d)
+            else:
+                step = kvq.int4_group_values(s_ref, d)[0].abs()  # (slots never written hold noise)
         else:
             a, b = kvq.pages(got, s, blocks, d), kvq.pages(ref, s, blocks, d)
             # one code step: 2^-mantissa of the value, and near zero the subnormals' fixed step
@@ -307,7 +336,28 @@ def test_rotary_store_kernel(norm, hq, hkv, d, kv_dtype, turn):
         assert ((a - b).abs() <= step * 1.001 + 1e-6 + slack).all(), f"{what}: more than one step apart"
         assert off.float().mean() < 0.01, f"{what}: {int(off.sum())} of {off.numel()} values differ"
         untouched = ~_stored(slots, nb * bs)
+        if kv_dtype == "int4" and what == "k":  # a block's held rows are re-quantized (compared above)
+            untouched &= ~_held(slots, nb, bs)
         assert torch.equal(_bytes(got)[untouched], _bytes(ref)[untouched]), f"{what}: padding slots written"
+
+
+def _sequence_slots(t: int, nb: int, bs: int, g: torch.Generator) -> torch.Tensor:
+    """[t] slots as sequences fill their blocks: runs of consecutive slots (one sequence's new
+    tokens: a prompt chunk or a decode), each from some row of a block of its own on into fresh
+    blocks, then a quarter of padding (-1) at the end, as a captured graph's batch is padded."""
+    free = torch.randperm(nb, generator=g).tolist()
+    slots: list[int] = []
+    real = t - t // 4
+    while len(slots) < real and free:
+        block, row = free.pop(), int(torch.randint(0, bs, (1,), generator=g))
+        for _ in range(min(int(torch.randint(1, 2 * bs, (1,), generator=g)), real - len(slots))):
+            if row == bs:
+                if not free:
+                    break
+                block, row = free.pop(), 0
+            slots.append(block * bs + row)
+            row += 1
+    return torch.tensor(slots + [-1] * (t - len(slots)))
 
 
 def _rotary_fragile_heads(k: torch.Tensor, qk_norm: rotary.QKNorm | None, pos: torch.Tensor,
@@ -348,6 +398,14 @@ def _stored(slots, n):
     return m
 
 
+def _held(slots, nb, bs):
+    """[nb * bs]: the rows of each block that slots write to that come before its first written
+    row (the tokens it held: an int4 key store re-quantizes them)."""
+    stored = slots[slots >= 0]
+    first = torch.full((nb,), bs, device=slots.device).scatter_reduce(0, stored // bs, stored % bs, "amin")
+    return (torch.arange(bs, device=slots.device)[None, :] < first[:, None]).flatten()
+
+
 def _bytes(cache):
     return cache.view(torch.uint8).view(cache.shape[0] * cache.shape[1], -1)
 
@@ -379,7 +437,7 @@ def _rotary_types(cache: str, scales: str, rotation: str, norm_weights: str) -> 
             "slot_ptr": "*i64", "qw_ptr": norm_weights, "kw_ptr": norm_weights, "eps": "fp32",
             **ints("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cs",
                    "stride_kcb", "stride_kcs", "stride_kch", "stride_vcb", "stride_vcs", "stride_vch",
-                   "stride_gb", "stride_gs", "stride_gh")}
+                   "stride_gb", "stride_gs", "stride_gh", "stride_ksb", "stride_ksh")}
 
 
 def _sm90_specs():
@@ -391,23 +449,21 @@ def _sm90_specs():
         mode = {"auto": 0, "int4": 2}.get(kv, 1)
         # per-head q/k norm weights in bf16 (Qwen3) or float32 (Gemma 3's folded 1 + w), or none
         norms = [(False, "*bf16"), (True, "*bf16")] + ([(True, "*fp32")] if mode == 0 else [])
-        # turned FP8 keys: by Sylvester's matrix made in registers, or by a loaded R (80-wide heads);
-        # smoothed int4 keys (the engine's), or neither
-        turns = {1: [(False, 0.0), (True, kvq.hadamard_entry(128)), (True, 0.0)], 2: [(False, 0.0), (True, 0.0)]}
+        # turned FP8 keys: by Sylvester's matrix made in registers, or by a loaded R (80-wide heads), or not
+        turns = {1: [(False, 0.0), (True, kvq.hadamard_entry(128)), (True, 0.0)]}
         for (transform, r_entry), (qk_norm, w) in ((t, n) for t in turns.get(mode, [(False, 0.0)]) for n in norms):
             turn = transform and mode == 1
             types = _rotary_types(cache, scales, "*fp32" if transform else "*bf16", w)
             yield {"kernel": "kvship.kernels.rotary:_rotary_store_kv_kernel", "types": types,
                    "constexprs": dict(HQ=32, HKV=8, HALF=64, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_HQ=32,
                                       BLOCK_HKV=16 if turn else 8, BLOCK_HALF=64, BLOCK_D=128, KV_MODE=mode,
-                                      FP8_E5=kv == "fp8_e5m2", TURN_K=turn, R_ENTRY=r_entry,
-                                      SMOOTH_K=transform and mode == 2, QK_NORM=qk_norm)}
+                                      FP8_E5=kv == "fp8_e5m2", TURN_K=turn, R_ENTRY=r_entry, QK_NORM=qk_norm)}
         if mode == 1:  # heads of 256 (Gemma 2 and 3), turned: the turn's tiles within a block's shared memory
             yield {"kernel": "kvship.kernels.rotary:_rotary_store_kv_kernel",
                    "types": _rotary_types(cache, scales, "*fp32", "*fp32"),
                    "constexprs": dict(HQ=16, HKV=8, HALF=128, HEAD_DIM=256, BLOCK_SIZE=16, BLOCK_HQ=16, BLOCK_HKV=16,
                                       BLOCK_HALF=128, BLOCK_D=256, KV_MODE=mode, FP8_E5=kv == "fp8_e5m2",
-                                      TURN_K=True, R_ENTRY=kvq.hadamard_entry(256), SMOOTH_K=False, QK_NORM=True)}
+                                      TURN_K=True, R_ENTRY=kvq.hadamard_entry(256), QK_NORM=True)}
             fp8 = pa.DECODE_CONFIGS[mode]
             yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel", "types": decode_types(cache, scales),
                    "constexprs": dict(GROUP=2, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, NUM_SPLITS=8,

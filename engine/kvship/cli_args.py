@@ -70,8 +70,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes for the KV cache, e.g. 4GiB (overrides --gpu-memory-utilization)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"],
                    help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2, or int4 "
-                        "(4-bit values with a scale and zero point per group, keys smoothed per channel as "
-                        "measured at start-up)")
+                        "(4 bits with a scale and minimum: keys per channel over each block, values per group of "
+                        "32 channels of a token)")
     g.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8 KV cache: measure the k/v scales on the first prefill instead of the "
                         "checkpoint's (or, without them, on random tokens at start-up)")

@@ -2,14 +2,16 @@
 path and the tests' oracle) and as Triton helpers that the fused rotary + KV-store kernel
 (kernels/rotary.py) and the attention kernels (kernels/paged_attention.py) inline.
 
-kv_cache_dtype   cache tensor, k and v alike                    scales (k and v alike)
+kv_cache_dtype   cache tensor, k and v alike                    scales
 auto             [blocks, block_size, Hkv, D], model dtype      none
-fp8, fp8_e4m3    same shape, torch.float8_e4m3fn                [1] float32 per layer (the checkpoint's,
-fp8_e5m2         same shape, torch.float8_e5m2                  or measured): stored = x / scale
-int4             [blocks, block_size, Hkv, ceil(D/2)] uint8     [blocks, block_size, Hkv, ceil(D/32), 2]
-                 element 2i in a byte's low nibble, 2i+1 in     float16: the scale and minimum of each
-                 its high one                                   group of 32 channels of a (token, head):
-                                                                x ~ code * scale + minimum
+fp8, fp8_e4m3    same shape, torch.float8_e4m3fn                [1] float32 per layer, k and v (the
+fp8_e5m2         same shape, torch.float8_e5m2                  checkpoint's, or measured): stored = x / scale
+int4             [blocks, block_size, Hkv, ceil(D/2)] uint8     keys: [blocks, Hkv, D, 2] float16, each
+                 element 2i in a byte's low nibble, 2i+1 in     channel's scale and minimum over the block's
+                 its high one                                   tokens (one 32-bit word); values: [blocks, block_size, Hkv,
+                                                                ceil(D/32), 2] float16, the scale and minimum
+                                                                of each group of 32 channels of a (token,
+                                                                head); x ~ code * scale + minimum
 
 FP8 values are clamped to the format's largest finite value first (a cast would give NaN or
 inf). FP8 keys are stored turned by a fixed orthogonal matrix R (``key_rotation``: a Hadamard
@@ -20,18 +22,19 @@ SmolLM2-135M (first on 1,024 tokens: e4m3 perplexity +3.9% without R, 0.0% with 
 1.0; over six windows the engine's fp8 costs +1.1 to +1.4% at scale 1.0 and +0.25% at scales
 measured per layer (FP8_HEADROOM): docs/kv-cache.md, bench/kv_quality.py).
 
-int4 groups are 32 channels of one token's head vector, asymmetric (min/max, 16 levels): a
-token's groups are complete when that token is stored, so the fused store kernel quantizes it on
-its own and a block is never re-quantized as later tokens arrive (a group spanning 16 tokens
-would have to be rewritten with every new token or held back until its block fills). The scale
-and minimum are rounded to float16 before the codes are computed, so the codes fit the stored
-values. On SmolLM2-135M's first 1,024-token window, groups of 32 channels cost +3.3% perplexity
-where one group per head vector cost +21% (with R: +8%); their 4 bytes per 32 channels leave 3.2x
-the tokens of bf16. Over six windows they cost +10.9%, nearly all of it the keys', and keys
-grouped per channel over each 16-token block would cost +0.9% (docs/kv-cache.md). Keys are
-therefore stored smoothed per channel (``key_smoothing``: minus each channel's centre, over its
-spread, both measured at start-up; queries times the spread, ``transform_queries``), which keeps
-this layout and every attention kernel as they are: +5.45% over the six windows.
+int4 keys are quantized per channel over each block (KIVI's layout): a key's channels carry
+offsets that differ from channel to channel and drift slowly with position, so a group of one
+token's channels spends its 16 levels on the spread between them (+10.9% perplexity over six
+windows in groups of 32 channels, +5.45% with the channels smoothed at start-up), where one
+channel's 16 tokens follow its offset (+1.5% in bench/kv_quality.py, docs/kv-cache.md). A block
+fills over several steps: tokens that arrive in a block already holding some take its range,
+widened where they lie outside it, and the codes already stored in a widened channel are
+re-quantized to the new range (``int4_block_ranges``); a block quantized whole never is. Values
+are grouped per token, 32 channels a group: a token's groups are complete when it is stored, and
+the values' cost is small (+0.8% alone). The scales and minimums are rounded to float16 before
+the codes are computed, so the codes fit the stored values. A block of 16 tokens then takes
+D/2 + 4 D/16 bytes a token for a key head and D/2 + 4 D/32 for a value head: 2.9x the tokens of
+bf16 at D = 128.
 
 Rounding is spelt out the same way on both sides (floor(x + 0.5) for int4 codes, round half to
 even for FP8), so the kernels and the reference store the same bytes up to fp32 division's
@@ -58,7 +61,6 @@ MIN_FP8_SCALE = 1e-12  # clamp for a measured FP8 scale (an all-zero first prefi
 # and the small ones stay clear of the subnormals (e4m3 has 2^14.8 of normal range). On
 # SmolLM2-135M values measured at 1x, 4x, 16x and 64x cost the same (bench/kv_quality.py).
 FP8_HEADROOM = 16.0
-SMOOTHING_RANGE = 16.0  # an int4 key channel's smoothing spread lies within [1/16, 16] (key_smoothing)
 
 
 def kv_mode(cache: torch.Tensor) -> int:
@@ -70,22 +72,28 @@ def kv_mode(cache: torch.Tensor) -> int:
     return KV_PLAIN
 
 
-def bytes_per_token_head(kv_cache_dtype: str, head_dim: int, model_dtype: torch.dtype) -> int:
-    """Bytes one token's key (or value) of one KV head takes, scales included."""
+def bytes_per_block_head(kv_cache_dtype: str, head_dim: int, model_dtype: torch.dtype, block_size: int,
+                         values: bool = True) -> int:
+    """Bytes one block of one KV head takes in a layer's cache, its keys and (``values``) its
+    values, scales included."""
     if kv_cache_dtype in FP8_DTYPES:
-        return head_dim
-    if kv_cache_dtype == "int4":
-        return -(-head_dim // 2) + 2 * SCALE_DTYPE.itemsize * -(-head_dim // INT4_GROUP)
-    return head_dim * torch.empty((), dtype=model_dtype).element_size()
+        per_token = head_dim
+    elif kv_cache_dtype == "int4":
+        codes = block_size * -(-head_dim // 2)
+        keys = codes + 2 * SCALE_DTYPE.itemsize * head_dim
+        return keys + values * (codes + block_size * 2 * SCALE_DTYPE.itemsize * -(-head_dim // INT4_GROUP))
+    else:
+        per_token = head_dim * torch.empty((), dtype=model_dtype).element_size()
+    return (1 + values) * block_size * per_token
 
 
 def allocate(kv_cache_dtype: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
              model_dtype: torch.dtype, device, values: bool = True
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(k_cache, v_cache, k_scales, v_scales) of one layer; the scales are per-group tensors
-    for int4 and None otherwise (the per-layer FP8 scales belong to the attention layer).
-    ``values=False``: a key cache alone (v_cache None), in the model's dtype (multi-head latent
-    attention reads its values from the keys' rows)."""
+    """(k_cache, v_cache, k_scales, v_scales) of one layer; the scales are int4's per-channel
+    (keys) and per-group (values) tensors, None otherwise (the per-layer FP8 scales belong to the
+    attention layer). ``values=False``: a key cache alone (v_cache None), in the model's dtype
+    (multi-head latent attention reads its values from the keys' rows)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if not values:  # the runner refuses a quantized dtype for it (runner/model_runner.py load_model)
         assert kv_cache_dtype == "auto", kv_cache_dtype
@@ -95,7 +103,7 @@ def allocate(kv_cache_dtype: str, num_blocks: int, block_size: int, num_kv_heads
         groups = (num_blocks, block_size, num_kv_heads, -(-head_dim // INT4_GROUP), 2)
         return (torch.zeros(packed, dtype=torch.uint8, device=device),
                 torch.zeros(packed, dtype=torch.uint8, device=device),
-                torch.zeros(groups, dtype=SCALE_DTYPE, device=device),
+                torch.zeros((num_blocks, num_kv_heads, head_dim, 2), dtype=SCALE_DTYPE, device=device),
                 torch.zeros(groups, dtype=SCALE_DTYPE, device=device))
     dtype = FP8_DTYPES.get(kv_cache_dtype, model_dtype)
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), None, None
@@ -131,48 +139,16 @@ def key_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
     return r.to(device=device, dtype=torch.float32).contiguous()
 
 
-def key_smoothing(lo: torch.Tensor, hi: torch.Tensor, centre: bool = True) -> torch.Tensor:
-    """The int4 keys' smoothing [3, Hkv, D] float32 from each channel's measured minimum and
-    maximum [Hkv, D]: its centre c ((hi + lo) / 2, or 0 where ``centre`` is False), 1 / s and s,
-    s the channel's spread (hi - lo) over its head's mean spread, kept within
-    [1 / SMOOTHING_RANGE, SMOOTHING_RANGE] (a channel that hardly moved on the measuring tokens
-    must not be magnified past the others if it moves later). Stored keys are (k - c) / s."""
-    spread = (hi - lo).float().clamp_min(0.0)
-    mean = spread.mean(-1, keepdim=True)
-    s = torch.where(mean > 0, spread / mean.clamp_min(torch.finfo(torch.float32).tiny), 1.0)
-    s = s.clamp(1 / SMOOTHING_RANGE, SMOOTHING_RANGE)
-    c = (hi + lo).float() / 2 if centre else torch.zeros_like(s)
-    return torch.stack([c, 1 / s, s]).contiguous()
-
-
-def no_key_smoothing(num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """The identity smoothing (centre 0, spread 1), on the default device."""
-    ones = torch.ones(num_kv_heads, head_dim, dtype=torch.float32)
-    return torch.stack([torch.zeros_like(ones), ones, ones])
-
-
 def transform_keys(k: torch.Tensor, transform: torch.Tensor | None) -> torch.Tensor:
-    """Keys [T, Hkv, D] as a quantized cache stores them: turned (FP8: ``transform`` is R [D, D],
-    k @ R) or smoothed (int4: ``transform`` is key_smoothing's [3, Hkv, D], (k - c) / s), in
-    float32; as they are without a transform."""
-    if transform is None:
-        return k
-    if transform.dim() == 2:
-        return k.float() @ transform
-    return (k.float() - transform[0]) * transform[1]
+    """Keys [T, Hkv, D] as an FP8 cache stores them (``transform`` is R [D, D]: k @ R, in
+    float32); as they are without a transform."""
+    return k if transform is None else k.float() @ transform
 
 
 def transform_queries(q: torch.Tensor, transform: torch.Tensor | None) -> torch.Tensor:
-    """q [T, Hq, D] turned as the stored keys are, so that scores keep their meaning, in q's
-    dtype: q @ R for FP8 ((q R).(k R) = q.k), q * s for int4 (each query head by its KV head's
-    spread: (q s).((k - c) / s) = q.k - q.c, which differs from q.k by the same amount for every
-    key of the query, so softmax gives the same weights); as it is without a transform."""
-    if transform is None:
-        return q
-    if transform.dim() == 2:
-        return (q.float() @ transform).to(q.dtype)
-    s = transform[2].repeat_interleave(q.shape[1] // transform.shape[1], 0)
-    return (q.float() * s).to(q.dtype)
+    """q [T, Hq, D] turned as FP8's stored keys are, so that scores keep their meaning:
+    (q R).(k R) = q.k, in q's dtype; as it is without a transform."""
+    return q if transform is None else (q.float() @ transform).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- torch reference
@@ -182,8 +158,26 @@ def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return (x.float() / scale).clamp(-m, m).to(dtype)
 
 
+def _int4_code_values(x: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of x (float32, not yet integers) for scales s and minimums z (float32)."""
+    return torch.where(s > 0, torch.floor((x - z) / s + 0.5), 0.0).clamp(0, INT4_LEVELS)
+
+
+def int4_pack(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., D] (0..15) -> two a byte [..., ceil(D/2)] uint8, element 2i in the low nibble."""
+    codes = codes.to(torch.uint8)
+    if codes.shape[-1] % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def int4_unpack(packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int4_pack's inverse: codes [..., head_dim] (uint8)."""
+    return torch.stack([packed & 15, packed >> 4], -1).flatten(-2)[..., :head_dim]
+
+
 def int4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (codes packed two a byte [..., ceil(D/2)] uint8,
+    """Values x [..., D] -> (codes packed two a byte [..., ceil(D/2)] uint8,
     [..., ceil(D/32), 2] float16 scale and minimum of each group)."""
     xf = x.float()
     d = xf.shape[-1]
@@ -194,11 +188,7 @@ def int4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     lo, hi = grouped(float("inf")).amin(-1, keepdim=True), grouped(float("-inf")).amax(-1, keepdim=True)
     groups = torch.cat([((hi - lo) / INT4_LEVELS).to(SCALE_DTYPE), lo.to(SCALE_DTYPE)], -1)
-    s, z = int4_group_values(groups, d)
-    codes = torch.where(s > 0, torch.floor((xf - z) / s + 0.5), 0.0).clamp(0, INT4_LEVELS).to(torch.uint8)
-    if d % 2:
-        codes = torch.nn.functional.pad(codes, (0, 1))
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), groups
+    return int4_pack(_int4_code_values(xf, *int4_group_values(groups, d))), groups
 
 
 def int4_group_values(groups: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,9 +198,60 @@ def int4_group_values(groups: torch.Tensor, head_dim: int) -> tuple[torch.Tensor
 
 
 def int4_dequantize(packed: torch.Tensor, groups: torch.Tensor, head_dim: int) -> torch.Tensor:
-    codes = torch.stack([packed & 15, packed >> 4], -1).flatten(-2)[..., :head_dim]
     s, z = int4_group_values(groups, head_dim)
-    return codes.float() * s + z
+    return int4_unpack(packed, head_dim).float() * s + z
+
+
+def int4_block_ranges(new_lo: torch.Tensor, new_hi: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
+                      held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A key block's per-channel scale and minimum once new tokens arrive (all float32, broadcast
+    together): the new tokens' range [new_lo, new_hi] joined, where the block ``held`` tokens
+    already, to the range its scale s and minimum z cover [z, z + 15 s]. -> (scale, minimum,
+    widened): a channel whose range the new tokens do not widen keeps its scale and minimum
+    exactly (its stored codes stay as they are); a widened one (or a fresh block's) gets
+    (hi - lo) / 15 and lo, rounded to float16."""
+    top = z + INT4_LEVELS * s
+    widened = ~held | (new_lo < z) | (new_hi > top)
+    lo = torch.where(held, torch.minimum(new_lo, z), new_lo)
+    hi = torch.where(held, torch.maximum(new_hi, top), new_hi)
+    fresh_s, fresh_z = ((hi - lo) / INT4_LEVELS).to(SCALE_DTYPE).float(), lo.to(SCALE_DTYPE).float()
+    return torch.where(widened, fresh_s, s), torch.where(widened, fresh_z, z), widened
+
+
+def int4_store_keys(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write keys x [T, Hkv, D] into their slots of an int4 cache whose scales are per block and
+    channel ([blocks, Hkv, D, 2]). A block's new tokens follow the ones it holds (a sequence
+    fills its blocks in order): rows before the first new one are held, and are re-quantized in
+    the channels the new tokens widen (int4_block_ranges)."""
+    bs, d = cache.shape[1], x.shape[-1]
+    page, row = slots // bs, slots % bs
+    blocks, which = torch.unique(page, return_inverse=True)
+    first = torch.full((len(blocks),), bs, device=slots.device).scatter_reduce(0, which, row, "amin")
+    new = torch.zeros(len(blocks), bs, dtype=torch.bool, device=x.device)
+    new[which, row] = True
+    vals = torch.zeros(len(blocks), bs, *x.shape[1:], device=x.device)
+    vals[which, row] = x.float()
+    held_rows = torch.arange(bs, device=x.device)[None, :] < first[:, None]  # [P, bs]
+    old_codes = int4_unpack(cache[blocks], d).float()  # [P, bs, H, D]
+    s_old, z_old = scales[blocks].float().unbind(-1)  # [P, H, D] each
+    inside = new[:, :, None, None]
+    new_lo = torch.where(inside, vals, float("inf")).amin(1)
+    new_hi = torch.where(inside, vals, float("-inf")).amax(1)
+    s, z, widened = int4_block_ranges(new_lo, new_hi, s_old, z_old, (first > 0)[:, None, None])
+    old = old_codes * s_old[:, None] + z_old[:, None]
+    codes = torch.where(widened[:, None], _int4_code_values(old, s[:, None], z[:, None]), old_codes)
+    codes = torch.where(inside, _int4_code_values(vals, s[:, None], z[:, None]), codes)
+    write = held_rows | new
+    rows = (blocks[:, None] * bs + torch.arange(bs, device=x.device)[None, :])[write]
+    _rows(cache).index_copy_(0, rows, int4_pack(codes[write]))
+    scales[blocks] = torch.stack([s, z], -1).to(SCALE_DTYPE)
+
+
+def int4_keys_per_block(scales: torch.Tensor) -> bool:
+    """Whether int4 scales are a key cache's, per block and channel [blocks, Hkv, D, 2], rather
+    than a value cache's, per token and group [blocks, block_size, Hkv, groups, 2]. (Both end in
+    (scale, minimum) pairs: one 32-bit word, which the kernels load whole.)"""
+    return scales.dim() == 4
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:
@@ -223,11 +264,13 @@ def _rows(cache: torch.Tensor) -> torch.Tensor:
 def store(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
           transform: torch.Tensor | None = None) -> None:
     """Write keys or values [T, Hkv, D] into their slots, quantized as the cache's dtype says
-    (keys transformed first, when given: ``transform_keys``)."""
+    (FP8 keys turned first, when given: ``transform_keys``)."""
     mode = kv_mode(cache)
     x = transform_keys(x, transform)
     if mode == KV_FP8:
         _rows(cache).index_copy_(0, slots, fp8_quantize(x, scales, cache.dtype).view(torch.uint8))
+    elif mode == KV_INT4 and int4_keys_per_block(scales):
+        int4_store_keys(x, cache, scales, slots)
     elif mode == KV_INT4:
         packed, groups = int4_quantize(x)
         _rows(cache).index_copy_(0, slots, packed)
@@ -241,6 +284,9 @@ def pages(cache: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor,
     mode = kv_mode(cache)
     if mode == KV_FP8:
         return cache.view(torch.uint8)[index].view(cache.dtype).float() * scales
+    if mode == KV_INT4 and int4_keys_per_block(scales):
+        s, z = scales[index].float().unbind(-1)  # [..., H, D]: every token of a block alike
+        return int4_unpack(cache[index], head_dim).float() * s.unsqueeze(-3) + z.unsqueeze(-3)
     if mode == KV_INT4:
         return int4_dequantize(cache[index], scales[index], head_dim)
     return cache[index]
@@ -259,6 +305,22 @@ def int4_codes(x, s, z):
     """4-bit codes (int32) of x for a group's scale s and minimum z (fp32, broadcast)."""
     c = tl.minimum(tl.maximum(tl.floor((x - z) / s + 0.5), 0.0), 15.0)
     return tl.where(s > 0.0, c, 0.0).to(tl.int32)
+
+
+@triton.jit
+def int4_block_range(x, m, s, z, held):
+    """``int4_block_ranges`` for one head of a key block: the new tokens' values x [N, C] (m: the
+    rows and channels that are new), the block's scales and minimums s, z [C] (float32), held: whether the
+    block holds tokens already. -> (scale, minimum, widened), [C] each."""
+    new_lo = tl.min(tl.where(m, x, float("inf")), 0)
+    new_hi = tl.max(tl.where(m, x, float("-inf")), 0)
+    top = z + 15.0 * s
+    widened = (new_lo < z) | (new_hi > top) | (held == 0)
+    lo = tl.where(held, tl.minimum(new_lo, z), new_lo)
+    hi = tl.where(held, tl.maximum(new_hi, top), new_hi)
+    fresh_s = ((hi - lo) / 15.0).to(tl.float16).to(tl.float32)
+    fresh_z = lo.to(tl.float16).to(tl.float32)
+    return tl.where(widened, fresh_s, s), tl.where(widened, fresh_z, z), widened
 
 
 @triton.jit
@@ -292,21 +354,28 @@ def int4_store_groups(x_even, x_odd, m_even, m_odd, data_ptrs, group_ptrs, hmask
 
 
 @triton.jit
-def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   OUT: tl.constexpr):
-    """Dequantized [BLOCK_N, BLOCK_D] in OUT (float16: the attention kernels' dot dtype beside a
-    16-bit query, computed in float16 throughout, so no value passes the conversion unit; or
-    float32): token n's packed bytes start at byte_off[n] (the low nibble of byte j is element
-    2j), group g's scale and minimum sit at grp_off[n] + 2 * g and + 1 (a group: 32 elements,
-    the last one short when the head is; BLOCK_D >= 32, paged_attention.head_block). Each row is
-    one load of bytes and one of each group value, the nibbles split and scaled in registers:
-    loading byte, scale and minimum per element made the decode kernel 14x slower than a 16-bit
-    cache."""
+def int4_load_codes(ptr, byte_off, tmask, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT: tl.constexpr):
+    """The codes [BLOCK_N, BLOCK_D] as their exact values in OUT (float16 or float32): token n's
+    packed bytes start at byte_off[n] (the low nibble of byte j is element 2j), one load of
+    bytes a row, the nibbles split in registers."""
     offs_b = tl.arange(0, BLOCK_D // 2)
     b = tl.load(ptr + byte_off[:, None] + offs_b[None, :], mask=tmask[:, None] & (offs_b * 2 < head_dim)[None, :],
                 other=0)
-    codes = tl.reshape(tl.join(small_int_to_float(b & 15, OUT), small_int_to_float(b >> 4, OUT)),
-                       (BLOCK_N, BLOCK_D))  # element 2j, then 2j + 1
+    return tl.reshape(tl.join(small_int_to_float(b & 15, OUT), small_int_to_float(b >> 4, OUT)),
+                      (BLOCK_N, BLOCK_D))  # element 2j, then 2j + 1
+
+
+@triton.jit
+def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   OUT: tl.constexpr):
+    """Values dequantized [BLOCK_N, BLOCK_D] in OUT (float16: the attention kernels' dot dtype
+    beside a 16-bit query, computed in float16 throughout, so no value passes the conversion
+    unit; or float32): token n's codes as int4_load_codes reads them, group g's scale and minimum
+    at grp_off[n] + 2 * g and + 1 (a group: 32 elements, the last one short when the head is;
+    BLOCK_D >= 32, paged_attention.head_block). Each row is one load of bytes and one of each group
+    value: loading byte, scale and minimum per element made the decode kernel 14x slower than a
+    16-bit cache."""
+    codes = int4_load_codes(ptr, byte_off, tmask, head_dim, BLOCK_N, BLOCK_D, OUT)
     tl.static_assert(BLOCK_D >= 32)  # paged_attention.head_block says why
     NG: tl.constexpr = BLOCK_D // 32
     offs_g = tl.arange(0, NG)
@@ -315,6 +384,33 @@ def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.c
     s = tl.load(gp, mask=gmask, other=0.0).to(OUT)
     z = tl.load(gp + 1, mask=gmask, other=0.0).to(OUT)
     return tl.reshape(tl.reshape(codes, (BLOCK_N, NG, 32)) * s[:, :, None] + z[:, :, None], (BLOCK_N, BLOCK_D))
+
+
+@triton.jit
+def int4_block_scales(g_ptr, block_off, channels, cmask, OUT: tl.constexpr):
+    """Key blocks' scales and minimums [NB, C] in OUT: block_off [NB] are the blocks' (even)
+    offsets in the key scales ([blocks, Hkv, D, 2] float16: a head's channels, each its scale and
+    minimum in one 32-bit word), channels [C] the channels wanted (cmask: those inside the head).
+    One word a channel: 4-byte loads, which Triton's pipeliner copies ahead asynchronously (2-byte
+    ones it left in the loop, each tile then waiting for them: 295 against 204 us on the H200)."""
+    words = (g_ptr + block_off).to(tl.pointer_type(tl.int32), bitcast=True)
+    w = tl.load(words[:, None] + channels[None, :], mask=cmask[None, :], other=0)
+    s = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    z = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return s.to(OUT), z.to(OUT)
+
+
+@triton.jit
+def int4_per_block(codes, s, z):
+    """Codes [BLOCK_N, C] of consecutive tokens scaled by their blocks' per-channel scales and
+    minimums [NB, C] (NB blocks of BLOCK_N / NB tokens each, or one block holding all of them):
+    code * s + z, the tile viewed as [NB, BLOCK_N / NB, C] so that each block's row broadcasts
+    over its tokens without being repeated in registers."""
+    NB: tl.constexpr = s.shape[0]
+    N: tl.constexpr = codes.shape[0]
+    C: tl.constexpr = codes.shape[1]
+    x = tl.reshape(codes, (NB, N // NB, C)) * s[:, None, :] + z[:, None, :]
+    return tl.reshape(x, (N, C))
 
 
 # Packed page reads (the decode kernel's "packed" option, paged_attention.DECODE_CONFIGS): the
@@ -388,6 +484,36 @@ def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr, PINNED: tl.constexpr = False, 
 
 
 @triton.jit
+def int4_bytes_to_codes(b, ASM: tl.constexpr, WORD_ORDER: tl.constexpr = False):
+    """``int4_bytes_to_f16`` without the scaling: (low nibbles, high nibbles) as their exact
+    values in float16, for keys, whose scales are per channel (a byte's two nibbles have their
+    own) and are applied per block after (``int4_per_block``)."""
+    if ASM:
+        if WORD_ORDER:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 w1, k, c; mov.b32 k, 0x64006400; mov.b32 c, 0x54005400; shr.b32 w1, $4, 8;"
+                " lop3.b32 $0, $4, 0x000F000F, k, 0xEA; lop3.b32 $1, w1, 0x000F000F, k, 0xEA;"
+                " lop3.b32 $2, $4, 0x00F000F0, c, 0xEA; lop3.b32 $3, w1, 0x00F000F0, c, 0xEA;"
+                " sub.f16x2 $0, $0, k; sub.f16x2 $1, $1, k; sub.f16x2 $2, $2, c; sub.f16x2 $3, $3, c; }",
+                "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b32 t0, t1, u0, u1, k; mov.b32 k, 0x64006400;"
+                " prmt.b32 t0, $4, 0, 0x5150; prmt.b32 t1, $4, 0, 0x5352;"
+                " shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;"
+                " lop3.b32 t0, t0, 0x000F000F, k, 0xEA; lop3.b32 t1, t1, 0x000F000F, k, 0xEA;"
+                " lop3.b32 u0, u0, 0x000F000F, k, 0xEA; lop3.b32 u1, u1, 0x000F000F, k, 0xEA;"
+                " sub.f16x2 $0, t0, k; sub.f16x2 $1, t1, k; sub.f16x2 $2, u0, k; sub.f16x2 $3, u1, k; }",
+                "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        lo = small_int_to_float(b & 15, tl.float16)
+        hi = small_int_to_float(b >> 4, tl.float16)
+        if WORD_ORDER:
+            lo, hi = _in_word_order(lo), _in_word_order(hi)
+    return lo, hi
+
+
+@triton.jit
 def int4_word_order(j):
     """The byte that index j of a WORD_ORDER tile (``int4_bytes_to_f16``) holds: j with its two
     lowest bits swapped (positions 1 and 2 of every 4 exchanged), so channels 2 * that and
@@ -437,3 +563,17 @@ def int4_load_rows_packed(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_
     even and odd channels interleaved back into channel order."""
     lo, hi = int4_load_rows_split(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N, BLOCK_D, ASM)
     return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_D))  # element 2j, then 2j + 1
+
+
+@triton.jit
+def int4_load_key_rows_split(ptr, byte_off, tmask, head_dim, s_lo, z_lo, s_hi, z_hi, BLOCK_N: tl.constexpr,
+                             BLOCK_D: tl.constexpr, ASM: tl.constexpr, WORD_ORDER: tl.constexpr = False):
+    """Keys as ``int4_load_rows_split`` reads values (float16, the even channels and the odd
+    ones, each [BLOCK_N, BLOCK_D // 2]), scaled per block and channel: s_lo, z_lo [NB,
+    BLOCK_D // 2] are the tile's blocks' scales and minimums of the channels the low nibbles
+    hold (in the tiles' order, WORD_ORDER's or not), s_hi, z_hi the high nibbles'."""
+    offs_b = tl.arange(0, BLOCK_D // 2)
+    b = tl.load(ptr + byte_off[:, None] + offs_b[None, :],
+                mask=tmask[:, None] & (offs_b < (head_dim + 1) // 2)[None, :], other=0)
+    lo, hi = int4_bytes_to_codes(b, ASM, WORD_ORDER)
+    return int4_per_block(lo, s_lo, z_lo), int4_per_block(hi, s_hi, z_hi)

@@ -193,11 +193,15 @@ _LOG2E = 1.4426950408889634
 # buffering did not pay on the H200 (2026-12-02, a9ffafc, `--quick`, batch 32 at 8k): fp8 at 64
 # tokens and 5 stages 204.8 us against 190.9 at 128 tokens and 3; int4 split 229.1 against 203.6
 # at 2 stages (1.23x bf16's 250.6 us; 213.1 before the word-order unpack of a0b92ac).
+# int4 keys per block and channel (2026-12-04, `--quick --layouts bf16,int4`, bf16 259.6 us): split
+# at 128 tokens and 3 stages 225.9 us (1.15x bf16), at 64 and 2 234.7; batch 128 at 2k 224.7 against
+# 294.7, batch 1 at 32k 42.8 against 35.9. The larger tile reads each key block's scales for more
+# tokens at once; the batches that fill the GPU gain, the one sequence loses 7 us a layer.
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
 DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
                   kvq.KV_FP8: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 8, "max_splits": 64,
                                "packed": "values"},
-                  kvq.KV_INT4: {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64,
+                  kvq.KV_INT4: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "max_splits": 64,
                                 "packed": "split"}}
 _PACKED = {False: 0, True: 1, "values": 2, "split": 3}
 
@@ -259,9 +263,11 @@ def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
              PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0):
     """A tile of cached keys or values: [BLOCK_D, BLOCK_N] when D_FIRST (keys, for q @ k),
     else [BLOCK_N, BLOCK_D]. tok_off: each token's element (int4: byte) offset in the cache,
-    grp_off: its (token, head) group's offset in the int4 scales; tmask is used when MASKED.
-    Plain and FP8 tiles come back as stored (FP8's scale is applied by the caller), int4 ones
-    dequantized to DOT, the dots' dtype.
+    grp_off: int4 values' (token, head) group offsets in their scales, or int4 keys' [NB] block
+    offsets in theirs (a tile spans NB blocks, or lies in one: kv_quant.int4_per_block); tmask is
+    used when MASKED. Plain and FP8 tiles
+    come back as stored (FP8's scale is applied by the caller), int4 ones dequantized to DOT,
+    the dots' dtype.
     PACKED (quantized pages, DOT float16): every tile is read token-major, as stored, and comes
     back as float16 converted in the registers it was loaded into (kv_quant.fp8_to_f16,
     int4_load_rows_packed; keys transposed after that), by PTX unless INTERPRET. It needs
@@ -270,7 +276,14 @@ def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
     # one return at the end: the GPU compiler goes on past a return inside a constexpr branch
     if PACKED:  # the host launches it only where it applies (packed_read)
         tl.static_assert(HEAD_DIM > 0 and KV_MODE > 0 and DOT == tl.float16 and (KV_MODE == 1 or offs_d.shape[0] >= 32))
-        if KV_MODE == 2:
+        if KV_MODE == 2 and D_FIRST:
+            j = tl.arange(0, offs_d.shape[0] // 2)
+            s_lo, z_lo = kvq.int4_block_scales(g_ptr, grp_off, 2 * j, 2 * j < HEAD_DIM, tl.float16)
+            s_hi, z_hi = kvq.int4_block_scales(g_ptr, grp_off, 2 * j + 1, 2 * j + 1 < HEAD_DIM, tl.float16)
+            lo, hi = kvq.int4_load_key_rows_split(c_ptr, tok_off, tmask, HEAD_DIM, s_lo, z_lo, s_hi, z_hi,
+                                                  tok_off.shape[0], offs_d.shape[0], not INTERPRET)
+            tile = tl.reshape(tl.join(lo, hi), (tok_off.shape[0], offs_d.shape[0]))  # element 2j, then 2j + 1
+        elif KV_MODE == 2:
             tile = kvq.int4_load_rows_packed(c_ptr, g_ptr, tok_off, grp_off, tmask, HEAD_DIM, tok_off.shape[0],
                                              offs_d.shape[0], not INTERPRET)
         else:
@@ -281,11 +294,14 @@ def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
                                   not INTERPRET)
         if D_FIRST:
             tile = tl.trans(tile)
+    elif KV_MODE == 2 and D_FIRST:
+        codes = kvq.int4_load_codes(c_ptr, tok_off, tmask, tl.sum(dmask.to(tl.int32), 0), tok_off.shape[0],
+                                    offs_d.shape[0], DOT)
+        s, z = kvq.int4_block_scales(g_ptr, grp_off, offs_d, dmask, DOT)
+        tile = tl.trans(kvq.int4_per_block(codes, s, z))
     elif KV_MODE == 2:
         tile = kvq.int4_load_rows(c_ptr, g_ptr, tok_off, grp_off, tmask, tl.sum(dmask.to(tl.int32), 0),
                                   tok_off.shape[0], offs_d.shape[0], DOT)
-        if D_FIRST:
-            tile = tl.trans(tile)
     else:
         if D_FIRST:
             t = tok_off[None, :]
@@ -319,7 +335,7 @@ def _attend_tile(
     in even and odd channels, bytes in word order (``int4_load_rows_split``): q and acc are then
     pairs, (even, odd) channels in that order (``_split_channels``), q already float16."""
     (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-     stride_gb, stride_gs, stride_gh, kvh) = pages
+     stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh) = pages
     pos = n0 + offs_n
     nmask = pos < kv_end
     if MASK > 0:
@@ -329,22 +345,31 @@ def _attend_tile(
     row = (pos % BLOCK_SIZE).to(tl.int64)
     k_off = page * stride_kb + row * stride_ks + kvh * stride_kh
     v_off = page * stride_vb + row * stride_vs + kvh * stride_vh
-    g_off = page * stride_gb + row * stride_gs + kvh * stride_gh  # int4 only (strides 0 otherwise)
+    g_off = page * stride_gb + row * stride_gs + kvh * stride_gh  # int4 values only (strides 0 otherwise)
+    kg_off = g_off  # int4 keys: the tile's blocks' offsets in the key scales, per block and channel
+    if KV_MODE == 2:
+        NB: tl.constexpr = (offs_n.shape[0] + BLOCK_SIZE - 1) // BLOCK_SIZE  # n0 is a multiple of BLOCK_N
+        blocks = n0 // BLOCK_SIZE + tl.arange(0, NB)
+        kb = tl.load(bt_row + blocks, mask=blocks * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
+        kg_off = kb * stride_ksb + kvh * stride_ksh
     # The dots' dtype: the query's, except quantized pages beside a bf16 query, which run in
     # fp16: on Hopper FP8 converts to fp16 in one instruction per pair and to bf16 only through
     # fp32, int4 codes become fp16 values with integer and fp16 instructions alone
     # (kv_quant.int4_load_rows), and the pages' values, the probabilities and a query within
     # fp16's range (clamped) lose nothing there that the quantization had not.
     if PACKED == 3:
-        k_even, k_odd = kvq.int4_load_rows_split(kc_ptr, ks_ptr, k_off, g_off, nmask, HEAD_DIM, offs_n.shape[0],
-                                                 offs_d.shape[0], not INTERPRET, False, True)
+        even = _split_channels(offs_d.shape[0])
+        s_lo, z_lo = kvq.int4_block_scales(ks_ptr, kg_off, even, even < HEAD_DIM, tl.float16)
+        s_hi, z_hi = kvq.int4_block_scales(ks_ptr, kg_off, even + 1, even + 1 < HEAD_DIM, tl.float16)
+        k_even, k_odd = kvq.int4_load_key_rows_split(kc_ptr, k_off, nmask, HEAD_DIM, s_lo, z_lo, s_hi, z_hi,
+                                                     offs_n.shape[0], offs_d.shape[0], not INTERPRET, True)
         qk = tl.dot(q[1], tl.trans(k_odd), tl.dot(q[0], tl.trans(k_even))) * qk_scale
     else:
         dot_dtype = q.dtype
         if KV_MODE > 0:
             if q.dtype == tl.bfloat16:
                 dot_dtype = tl.float16
-        kt = _load_kv(kc_ptr, ks_ptr, k_off, g_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE, dot_dtype,
+        kt = _load_kv(kc_ptr, ks_ptr, k_off, kg_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE, dot_dtype,
                       PACKED == 1, INTERPRET, HEAD_DIM)
         if dot_dtype == q.dtype:
             qk = tl.dot(q, kt.to(dot_dtype), input_precision=dot_precision(dot_dtype)) * qk_scale
@@ -380,12 +405,12 @@ def _attend_tile(
 
 @triton.jit
 def _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-           stride_gb, stride_gs, stride_gh, kvh):
+           stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh):
     """What ``_attend_tile`` reads one sequence's KV head through, as one value: the caches and
-    their scales, the sequence's block-table row, the caches' strides (and the int4 scales'),
-    the KV head."""
+    their scales, the sequence's block-table row, the caches' strides (and the int4 scales': the
+    values' per token and group, the keys' per block and channel), the KV head."""
     return (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            stride_gb, stride_gs, stride_gh, kvh)
+            stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh)
 
 
 @triton.jit
@@ -408,7 +433,7 @@ def _decode_kernel(
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh,
-    stride_bt, stride_ot, stride_oh,
+    stride_ksb, stride_ksh, stride_bt, stride_ot, stride_oh,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_MODE: tl.constexpr,
@@ -466,7 +491,7 @@ def _decode_kernel(
     if KV_MODE == 1:
         qk_scale = qk_scale * tl.load(ks_ptr)
     pages = _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                   stride_vh, stride_gb, stride_gs, stride_gh, kvh)
+                   stride_vh, stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, start, end, end, qk_scale, offs_n, offs_d, dmask,
                                   BLOCK_SIZE, 1 + (WINDOW > 0), KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET,
                                   HEAD_DIM)
@@ -539,7 +564,7 @@ def _prefill_kernel(
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh,
-    stride_bt, stride_ot, stride_oh,
+    stride_ksb, stride_ksh, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
@@ -569,7 +594,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     pages = _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                   stride_vh, stride_gb, stride_gs, stride_gh, kvh)
+                   stride_vh, stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh)
     # Keys before the block's first row position are visible to every row: no mask there.
     full_end = ((prefix + mblk * BLOCK_M) // BLOCK_N) * BLOCK_N
     hi = tl.minimum(prefix + (mblk + 1) * BLOCK_M, ctx)
@@ -669,11 +694,11 @@ def paged_attention_triton(
     options = dict(WINDOW=window or 0, SOFTCAP=(softcap or 0.0) * _LOG2E)  # compile-time, per model
     kv_mode = kvq.kv_mode(k_cache)
     block_d = head_block(head_dim, kv_mode)
-    if kv_mode == kvq.KV_INT4:
-        assert k_scale.stride() == v_scale.stride() and k_scale.stride()[-2:] == (2, 1)
-        group_strides = k_scale.stride()[:3]
+    if kv_mode == kvq.KV_INT4:  # kv_quant.allocate's layouts
+        assert kvq.int4_keys_per_block(k_scale) and k_scale.stride()[-2:] == v_scale.stride()[-2:] == (2, 1)
+        group_strides = (*v_scale.stride()[:3], *k_scale.stride()[:2])
     else:
-        group_strides = (0, 0, 0)
+        group_strides = (0,) * 5
     scales = (k_cache, v_cache) if kv_mode == kvq.KV_PLAIN else (k_scale, v_scale)  # plain: unread
     common = (
         q.stride(0), q.stride(1),
@@ -684,6 +709,9 @@ def paged_attention_triton(
     if max_seqlen_q == 1:
         cfg = decode_config or DECODE_CONFIGS[kv_mode]
         block_n = cfg["block_n"]
+        # int4 values read as stored beside 16-token tiles gave wrong outputs on the H200 (rel err
+        # 1.6, 2026-12-04): the p @ v dot's K of 16 from unpacked bytes, as for 16-channel heads (head_block)
+        assert kv_mode != kvq.KV_INT4 or block_n >= 32, "int4 pages are read in tiles of 32 tokens or more"
         if num_splits is None:
             context = block_tables.shape[1] * block_size
             if window:  # the tiles a windowed query reads, at most

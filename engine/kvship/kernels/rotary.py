@@ -13,14 +13,15 @@ reference is the two references in sequence (``rotary_torch`` then ``store_kv_to
 
 A quantized cache (kernels/kv_quant.py) is written quantized: the rotated key is rounded to the
 model's dtype first, as the reference's is, then divided by the layer's FP8 scale and rounded,
-or, for int4, each head's rotated vector is quantized as one group; the kernel then works on
-each head's even and odd elements (the two nibbles of a byte), rotating each element from its
-rotate-half partner. The keys may be transformed on the way (``k_transform``,
-kv_quant.transform_keys), and q then too (kv_quant.transform_queries, rounded to its dtype
-again), so that the scores keep their meaning: FP8 keys turned by an orthogonal matrix R
-(kv_quant.key_rotation: rotary, rounding, then the product with R, then the quantization), int4
-keys smoothed per channel (kv_quant.key_smoothing: rotary, rounding, minus the channel's centre,
-times its 1 / spread, then the groups; q times the spread).
+or, for int4, quantized per channel over its block: the first of a block's new tokens in the
+step (the program whose token starts the block or follows another block's) stores all of them
+with the block's codes so far, re-quantized where the new tokens widen a channel's range
+(kv_quant.int4_block_ranges), and each value head is quantized in groups of 32 channels. The
+int4 paths work on even and odd elements (the two nibbles of a byte), rotating each element from
+its rotate-half partner. FP8 keys are turned on the way (``k_transform``: an orthogonal matrix R,
+kv_quant.key_rotation: rotary, rounding, then the product with R, then the quantization), and q
+then too (kv_quant.transform_queries, rounded to its dtype again), so that the scores keep their
+meaning.
 
 Qwen3 and Gemma 3 normalize each head of q and k (RMSNorm over head_dim) before rotary; the
 kernel does that too when given ``QKNorm`` weights, in the separate norm's arithmetic (fp32
@@ -39,7 +40,7 @@ import torch
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.norm import rms_norm_torch, rms_rstd
-from kvship.kernels.numerics import fp8_round
+from kvship.kernels.numerics import fp8_round, small_int_to_float
 from kvship.kernels.paged_attention import store_kv_torch
 
 
@@ -122,23 +123,16 @@ def _rotated_halves(src, stride_h, offs_h, cos, sin, offs_d, m, w_ptr, eps,
 @triton.jit
 def _rotate_heads(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask, scale, w_ptr, eps,
                   H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
-                  FP8: tl.constexpr = False, FP8_E5: tl.constexpr = False, spread_ptr=None,
-                  GROUP: tl.constexpr = 0):
+                  FP8: tl.constexpr = False, FP8_E5: tl.constexpr = False):
     """Rotate the H heads of one token at ``src`` (normed first when NORM) into ``dst``
     (rotate-half layout); the two may be the same place, and ``dst``'s dtype is the one written
-    (FP8: divided by scale). GROUP > 0 (queries beside int4 keys smoothed by kv_quant.key_smoothing):
-    each rotated head, rounded to its dtype, is multiplied by the spreads [Hkv, 2 * HALF] at
-    ``spread_ptr`` of its KV head (head // GROUP), as kv_quant.transform_queries does."""
+    (FP8: divided by scale)."""
     offs_h = tl.arange(0, BLOCK_H)
     m = (offs_h[:, None] < H) & dmask[None, :]
     r1, r2 = _rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, w_ptr, eps, HALF, NORM)
     o = dst + offs_h[:, None] * stride_dst_h + offs_d[None, :]
     src_ty = src.dtype.element_ty  # (one assignment each: a tuple of dtypes does not compile on the GPU)
     dst_ty = dst.dtype.element_ty
-    if GROUP > 0:
-        sp = spread_ptr + (offs_h // GROUP)[:, None] * (2 * HALF) + offs_d[None, :]
-        r1 = r1.to(src_ty).to(tl.float32) * tl.load(sp, mask=m, other=1.0)
-        r2 = r2.to(src_ty).to(tl.float32) * tl.load(sp + HALF, mask=m, other=1.0)
     tl.store(o, _to_cache(r1, src_ty, dst_ty, scale, FP8, FP8_E5), mask=m)
     tl.store(o + HALF, _to_cache(r2, src_ty, dst_ty, scale, FP8, FP8_E5), mask=m)
 
@@ -218,10 +212,11 @@ def _head_rstd(src, stride_h, offs_h, hmask, eps, HEAD_DIM: tl.constexpr, BLOCK_
 @triton.jit
 def _heads_at(src, stride_h, offs_h, elem, pos, cs_ptr, m, rstd, w_ptr,
               ROTATE: tl.constexpr, NORM: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Elements ``elem`` [BLOCK_P] of every head of one token [BLOCK_H, BLOCK_P] in fp32,
-    normed by ``rstd`` and the weights at ``w_ptr`` when NORM, rotated (from each element's
-    rotate-half partner, in the reference's order of operations) and rounded to the source
-    dtype when ROTATE, as stored otherwise."""
+    """Elements ``elem`` [BLOCK_P] of rows ``offs_h`` (``stride_h`` apart: one token's heads, or
+    one head's tokens) [BLOCK_H, BLOCK_P] in fp32, normed by ``rstd`` and the weights at
+    ``w_ptr`` when NORM, rotated (from each element's rotate-half partner, in the reference's
+    order of operations; ``pos`` [BLOCK_H]: each row's offset in the cos/sin table) and rounded
+    to the source dtype when ROTATE, as stored otherwise."""
     p = src + (offs_h * stride_h)[:, None]
     ty = src.dtype.element_ty
     emask = elem < HEAD_DIM
@@ -235,44 +230,80 @@ def _heads_at(src, stride_h, offs_h, elem, pos, cs_ptr, m, rstd, w_ptr,
         partner = tl.load(p + other[None, :], mask=m, other=0.0).to(tl.float32)
         if NORM:
             partner = _normed(partner, rstd, w_ptr, other, emask, ty)
-        cos = tl.load(cs_ptr + pos + j, mask=emask, other=0.0)[None, :].to(tl.float32)
-        sin = tl.load(cs_ptr + pos + HALF + j, mask=emask, other=0.0)[None, :].to(tl.float32)
+        cs = cs_ptr + pos[:, None] + j[None, :]
+        cos = tl.load(cs, mask=m, other=0.0).to(tl.float32)
+        sin = tl.load(cs + HALF, mask=m, other=0.0).to(tl.float32)
         x = tl.where(first[None, :], x * cos - partner * sin, x * cos + partner * sin)
         x = x.to(ty).to(tl.float32)
     return x
 
 
 @triton.jit
-def _smoothed(x, sm_ptr, offs_h, elem, m, H: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Elements ``elem`` of H heads [BLOCK_H, BLOCK_P] (fp32) smoothed as kv_quant.transform_keys
-    does for int4: minus each channel's centre, times its 1 / spread (``sm_ptr``: key_smoothing's
-    [3, H, HEAD_DIM])."""
-    p = sm_ptr + offs_h[:, None] * HEAD_DIM + elem[None, :]
-    return (x - tl.load(p, mask=m, other=0.0)) * tl.load(p + H * HEAD_DIM, mask=m, other=1.0)
-
-
-@triton.jit
-def _store_int4_heads(src, stride_h, pos, cs_ptr, dst, stride_dst_h, grp, stride_grp_h, w_ptr, eps, sm_ptr,
-                      ROTATE: tl.constexpr, NORM: tl.constexpr, SMOOTH: tl.constexpr, H: tl.constexpr,
-                      HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One token's H heads (keys normed when NORM, rotated when ROTATE and smoothed by the
-    kv_quant.key_smoothing at ``sm_ptr`` when SMOOTH, first) quantized to int4 groups at dst."""
+def _store_int4_values(src, stride_h, dst, stride_dst_h, grp, stride_grp_h, H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One token's H value heads quantized to int4 groups at dst (kv_quant.int4_store_groups)."""
     offs_h = tl.arange(0, BLOCK_H)
     hmask = offs_h < H
-    rstd = tl.full((BLOCK_H,), 1.0, tl.float32)
-    if NORM:
-        rstd = _head_rstd(src, stride_h, offs_h, hmask, eps, HEAD_DIM, 2 * BLOCK_P)
     even = 2 * tl.arange(0, BLOCK_P)
     m_even = hmask[:, None] & (even < HEAD_DIM)[None, :]
     m_odd = hmask[:, None] & (even + 1 < HEAD_DIM)[None, :]
-    x_even = _heads_at(src, stride_h, offs_h, even, pos, cs_ptr, m_even, rstd, w_ptr, ROTATE, NORM, HALF, HEAD_DIM)
-    x_odd = _heads_at(src, stride_h, offs_h, even + 1, pos, cs_ptr, m_odd, rstd, w_ptr, ROTATE, NORM, HALF, HEAD_DIM)
-    if SMOOTH:
-        x_even = _smoothed(x_even, sm_ptr, offs_h, even, m_even, H, HEAD_DIM)
-        x_odd = _smoothed(x_odd, sm_ptr, offs_h, even + 1, m_odd, H, HEAD_DIM)
+    p = src + (offs_h * stride_h)[:, None] + even[None, :]
+    x_even = tl.load(p, mask=m_even, other=0.0).to(tl.float32)
+    x_odd = tl.load(p + 1, mask=m_odd, other=0.0).to(tl.float32)
     data = dst + offs_h[:, None] * stride_dst_h + (even // 2)[None, :]
     kvq.int4_store_groups(x_even, x_odd, m_even, m_odd, data, grp + offs_h * stride_grp_h, hmask,
                           HEAD_DIM, BLOCK_H, BLOCK_P)
+
+
+@triton.jit
+def _store_int4_key_block(k_ptr, stride_kt, t, row, slot, slot_ptr, pos_ptr, cs_ptr, stride_cs, kc, stride_kcs, ks,
+                          w_ptr, eps, NORM: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Token t (at ``row`` of its block, the block's first new token in this step) and the ones
+    after it that continue the block: their keys of one head (k_ptr: the head's first token's;
+    normed when NORM, rotated) quantized per channel over the block with the ones it holds (rows
+    before ``row``), those re-quantized where the new ones widen a channel
+    (kv_quant.int4_store_keys is the reference). kc, ks: the head's codes in the block and its
+    key scales ([D, 2]: each channel's scale and minimum)."""
+    rows = tl.arange(0, BLOCK_SIZE)
+    tok = t + rows - row
+    new = (rows >= row) & (tok < tl.num_programs(0))
+    new = new & (tl.load(slot_ptr + tok, mask=new, other=-1) == slot - row + rows)
+    held = rows < row
+    pos = tl.load(pos_ptr + tok, mask=new, other=0).to(tl.int64) * stride_cs
+    even = 2 * tl.arange(0, BLOCK_P)
+    em = even < HEAD_DIM
+    om = even + 1 < HEAD_DIM
+    m_even = new[:, None] & em[None, :]
+    m_odd = new[:, None] & om[None, :]
+    write = (held | new)[:, None] & em[None, :]
+    rstd = tl.full((BLOCK_SIZE,), 1.0, tl.float32)
+    if NORM:
+        rstd = _head_rstd(k_ptr, stride_kt, tok, new, eps, HEAD_DIM, 2 * BLOCK_P)
+    x_even = _heads_at(k_ptr, stride_kt, tok, even, pos, cs_ptr, m_even, rstd, w_ptr, True, NORM, HALF, HEAD_DIM)
+    x_odd = _heads_at(k_ptr, stride_kt, tok, even + 1, pos, cs_ptr, m_odd, rstd, w_ptr, True, NORM, HALF, HEAD_DIM)
+    data = kc + rows[:, None] * stride_kcs + (even // 2)[None, :]
+    b = tl.load(data, mask=held[:, None] & em[None, :], other=0)
+    sp = ks + 2 * even  # channel c's scale at 2c, its minimum at 2c + 1
+    s_e = tl.load(sp, mask=em, other=0.0).to(tl.float32)
+    z_e = tl.load(sp + 1, mask=em, other=0.0).to(tl.float32)
+    s_o = tl.load(sp + 2, mask=om, other=0.0).to(tl.float32)
+    z_o = tl.load(sp + 3, mask=om, other=0.0).to(tl.float32)
+    s_e2, z_e2, wide_e = kvq.int4_block_range(x_even, m_even, s_e, z_e, row > 0)
+    s_o2, z_o2, wide_o = kvq.int4_block_range(x_odd, m_odd, s_o, z_o, row > 0)
+    old_e = small_int_to_float(b & 15)
+    old_o = small_int_to_float(b >> 4)
+    c_e = tl.where(wide_e[None, :], kvq.int4_codes(old_e * s_e[None, :] + z_e[None, :], s_e2[None, :], z_e2[None, :]),
+                   old_e.to(tl.int32))
+    c_o = tl.where(wide_o[None, :], kvq.int4_codes(old_o * s_o[None, :] + z_o[None, :], s_o2[None, :], z_o2[None, :]),
+                   old_o.to(tl.int32))
+    c_e = tl.where(new[:, None], kvq.int4_codes(x_even, s_e2[None, :], z_e2[None, :]), c_e)
+    c_o = tl.where(new[:, None], kvq.int4_codes(x_odd, s_o2[None, :], z_o2[None, :]), c_o)
+    tl.store(data, (c_e | (c_o << 4)).to(tl.uint8), mask=write)
+    tl.store(sp, s_e2.to(tl.float16), mask=em)
+    tl.store(sp + 1, z_e2.to(tl.float16), mask=em)
+    tl.store(sp + 2, s_o2.to(tl.float16), mask=om)
+    tl.store(sp + 3, z_o2.to(tl.float16), mask=om)
 
 
 @triton.jit
@@ -289,12 +320,14 @@ def _rotary_store_kv_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, r_ptr, slot_ptr, qw_ptr, kw_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_gb, stride_gs, stride_gh,
+    stride_ksb, stride_ksh,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_MODE: tl.constexpr, FP8_E5: tl.constexpr, TURN_K: tl.constexpr, R_ENTRY: tl.constexpr,
-    SMOOTH_K: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    kh = tl.program_id(1)  # int4: each KV head's key blocks in a program of their own (below); else 0
     offs_d = tl.arange(0, BLOCK_HALF)
     dmask = offs_d < HALF
     # positions and slots come from the host before the step's first kernel and the cos/sin
@@ -302,29 +335,35 @@ def _rotary_store_kv_kernel(
     # projection this kernel follows
     cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_d, dmask, HALF)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64) * stride_cs  # the int4 store's rows of the table (below)
+    prev = tl.load(slot_ptr + t - 1, mask=t > 0, other=-1).to(tl.int64)  # int4: who stores a block's keys
     pdl_wait(PDL)
     q = q_ptr + t * stride_qt
-    if TURN_K:  # the queries are turned as the keys are (kv_quant)
-        _store_turned(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, r_ptr, qw_ptr, eps, HQ, HALF,
-                      HEAD_DIM, BLOCK_HQ, BLOCK_D, QK_NORM, R_ENTRY, False, False)
-    elif SMOOTH_K:  # r_ptr: the int4 keys' smoothing [3, HKV, HEAD_DIM]; the queries take its spreads
-        _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, qw_ptr, eps, HQ, HALF, BLOCK_HQ,
-                      QK_NORM, spread_ptr=r_ptr + 2 * HKV * HEAD_DIM, GROUP=HQ // HKV)
-    else:
-        _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, qw_ptr, eps, HQ, HALF, BLOCK_HQ,
-                      QK_NORM)
+    if kh == 0:
+        if TURN_K:  # the queries are turned as the keys are (kv_quant)
+            _store_turned(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, r_ptr, qw_ptr, eps, HQ, HALF,
+                          HEAD_DIM, BLOCK_HQ, BLOCK_D, QK_NORM, R_ENTRY, False, False)
+        else:
+            _rotate_heads(q, stride_qh, q, stride_qh, cos, sin, offs_d, dmask, 1.0, qw_ptr, eps, HQ, HALF, BLOCK_HQ,
+                          QK_NORM)
     if slot >= 0:  # -1: a padding token, nothing to store
         page = slot // BLOCK_SIZE
         row = slot % BLOCK_SIZE
         kc = kc_ptr + page * stride_kcb + row * stride_kcs
         vc = vc_ptr + page * stride_vcb + row * stride_vcs
         if KV_MODE == 2:
-            grp = page * stride_gb + row * stride_gs
-            _store_int4_heads(k_ptr + t * stride_kt, stride_kh, pos, cs_ptr, kc, stride_kch, ks_ptr + grp, stride_gh,
-                              kw_ptr, eps, r_ptr, True, QK_NORM, SMOOTH_K, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_HALF)
-            _store_int4_heads(v_ptr + t * stride_vt, stride_vh, pos, cs_ptr, vc, stride_vch, vs_ptr + grp, stride_gh,
-                              kw_ptr, eps, r_ptr, False, False, False, HKV, HALF, HEAD_DIM, BLOCK_HKV, BLOCK_HALF)
+            if kh == 0:
+                _store_int4_values(v_ptr + t * stride_vt, stride_vh, vc, stride_vch,
+                                   vs_ptr + page * stride_gb + row * stride_gs, stride_gh, HKV, HEAD_DIM, BLOCK_HKV,
+                                   BLOCK_HALF)
+            # A sequence's new tokens sit in consecutive slots: the first of them in each block
+            # stores that block's keys (the others of the block leave them alone), one KV head a
+            # program: with one program looping over the heads the int4 engine's KV-bound decode
+            # (bench/kv_decode.py, H200) ran at 0.96x bf16's, with a program a head at 1.05x.
+            if (row == 0) | (prev != slot - 1):
+                _store_int4_key_block(k_ptr + kh * stride_kh, stride_kt, t, row, slot, slot_ptr, pos_ptr, cs_ptr,
+                                      stride_cs, kc_ptr + page * stride_kcb + kh * stride_kch, stride_kcs,
+                                      ks_ptr + page * stride_ksb + kh * stride_ksh, kw_ptr, eps, QK_NORM, HALF,
+                                      HEAD_DIM, BLOCK_SIZE, BLOCK_HALF)
         else:
             k_scale = 1.0
             v_scale = 1.0
@@ -365,16 +404,17 @@ def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, 
     t, hq, d = q.shape
     hkv = k.shape[1]
     mode = kvq.kv_mode(k_cache)
-    turn = k_transform is not None and mode == kvq.KV_FP8
-    smooth = k_transform is not None and mode == kvq.KV_INT4
-    assert k_transform is None or turn or smooth, "keys are transformed in quantized caches only"
-    assert not smooth or k_transform.shape == (3, hkv, d) and k_transform.is_contiguous()
-    group_strides = k_scale.stride()[:3] if mode == kvq.KV_INT4 else (0, 0, 0)
-    assert mode != kvq.KV_INT4 or k_scale.stride()[-2:] == (2, 1) and v_scale.stride() == k_scale.stride()
+    turn = k_transform is not None
+    assert not turn or mode == kvq.KV_FP8, "keys are turned in FP8 caches only"
+    if mode == kvq.KV_INT4:  # kv_quant.allocate's layouts
+        assert kvq.int4_keys_per_block(k_scale) and k_scale.stride()[-2:] == v_scale.stride()[-2:] == (2, 1)
+        group_strides = (*v_scale.stride()[:3], *k_scale.stride()[:2])
+    else:
+        group_strides = (0,) * 5
     scales = (k_cache, v_cache) if mode == kvq.KV_PLAIN else (k_scale, v_scale)  # plain: unread
     norm = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (q, q, 0.0)  # else unread
     if t > 0:
-        _rotary_store_kv_kernel[(t,)](
+        _rotary_store_kv_kernel[(t, hkv if mode == kvq.KV_INT4 else 1)](
             positions, q, k, v, cos_sin_cache, k_cache, v_cache, *scales, q if k_transform is None else k_transform,
             slot_mapping,
             *norm,
@@ -386,7 +426,7 @@ def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, 
             BLOCK_HKV=max(16, next_pow2(hkv)) if turn else next_pow2(hkv),
             BLOCK_HALF=max(16, next_pow2(d // 2)), BLOCK_D=next_pow2(d),  # >= 16: int4 groups are 16 bytes
             KV_MODE=mode, FP8_E5=k_cache.dtype == torch.float8_e5m2, TURN_K=turn,
-            R_ENTRY=kvq.hadamard_entry(d) if turn else 0.0, SMOOTH_K=smooth, QK_NORM=qk_norm is not None,
+            R_ENTRY=kvq.hadamard_entry(d) if turn else 0.0, QK_NORM=qk_norm is not None,
             num_warps=4, **pdl_launch(q),
         )
     return q

@@ -30,11 +30,10 @@ class PagedAttention(nn.Module):
 
     With a quantized cache (kernels/kv_quant.py) the kernels also take k_scale and v_scale: for
     FP8 this layer's own one-element tensors (the checkpoint's, or measured by the runner at
-    start-up or on the first prefill), for int4 the per-group tensors bound with the cache. The
-    keys are stored transformed by k_transform, and the queries are transformed to match before
-    attention (kv_quant explains why): FP8 keys turned by R, int4 keys smoothed per channel by
-    this layer's ``int4_k_smoothing``, measured by the runner at start-up. What is measured is
-    written in place, so captured CUDA graphs read the new values.
+    start-up or on the first prefill), for int4 the per-block (keys) and per-group (values)
+    tensors bound with the cache. FP8 keys are stored turned by k_transform (R), and the queries
+    are turned to match before attention (kv_quant explains why). What is measured is written in
+    place, so captured CUDA graphs read the new values.
 
     ``scale`` multiplies the scores (default head_dim ** -0.5); ``window`` limits this layer to
     the last ``window`` positions, ``softcap`` caps its scores (kernels/paged_attention.py).
@@ -59,9 +58,8 @@ class PagedAttention(nn.Module):
         self.k_transform: torch.Tensor | None = None
         self.fp8_k_scale = torch.ones(1, dtype=torch.float32)  # on the device the model is built on
         self.fp8_v_scale = torch.ones(1, dtype=torch.float32)
-        self.int4_k_smoothing = kvq.no_key_smoothing(num_kv_heads, head_dim)
         self.kv_scales_from_checkpoint = False
-        self.measure_kv_scales = False  # set by the runner: the next forward measures the FP8 scales or int4 smoothing
+        self.measure_kv_scales = False  # set by the runner: the next forward measures the FP8 scales
 
     def load_kv_scale(self, kind: str, scale: torch.Tensor) -> None:
         """A checkpoint's ``k_scale`` / ``v_scale`` (dequantized = stored * scale). A per-head
@@ -79,29 +77,20 @@ class PagedAttention(nn.Module):
         if mode == kvq.KV_FP8:
             k_scales, v_scales = self.fp8_k_scale, self.fp8_v_scale
             self.k_transform = kvq.key_rotation(self.head_dim, k_cache.device)
-        elif mode == kvq.KV_INT4:
-            self.k_transform = self.int4_k_smoothing
         self.k_scale, self.v_scale = k_scales, v_scales
 
     def _measure_kv_scales(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            qk_norm: QKNorm | None) -> None:
         """This step's keys (normed and rotated, as the store sees them) and values set, once
-        (blocks already written keep their meaning): for FP8 the scales, from the largest
-        magnitudes of the turned keys and of the values (kv_quant.fp8_scale_from_amax); for int4
-        the keys' smoothing, from each channel's range (kv_quant.key_smoothing), without centres
-        where scores are soft-capped (a shift of every score by the same amount is then no
-        longer invisible to softmax)."""
+        (blocks already written keep their meaning): the FP8 scales, from the largest magnitudes
+        of the turned keys and of the values (kv_quant.fp8_scale_from_amax)."""
         if qk_norm is not None:
             k = rms_norm_torch(k, qk_norm.k_weight, qk_norm.eps)
         k = rotary_torch(positions, k, k, self.rotary.cos_sin_cache)[1]
-        if kvq.kv_mode(self.k_cache) == kvq.KV_INT4:
-            smoothing = kvq.key_smoothing(k.amin(0), k.amax(0), centre=self.softcap is None)
-            self.int4_k_smoothing.copy_(smoothing)
-        else:
-            dtype = self.k_cache.dtype
-            turned = kvq.transform_keys(k, self.k_transform)
-            self.fp8_k_scale.copy_(kvq.fp8_scale_from_amax(turned.abs().amax(), dtype))
-            self.fp8_v_scale.copy_(kvq.fp8_scale_from_amax(v.abs().amax(), dtype))
+        dtype = self.k_cache.dtype
+        turned = kvq.transform_keys(k, self.k_transform)
+        self.fp8_k_scale.copy_(kvq.fp8_scale_from_amax(turned.abs().amax(), dtype))
+        self.fp8_v_scale.copy_(kvq.fp8_scale_from_amax(v.abs().amax(), dtype))
         self.measure_kv_scales = False
 
     def forward(

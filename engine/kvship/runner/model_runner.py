@@ -28,10 +28,9 @@ from kvship.sequence import Batch, Sequence
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-KV_SCALE_TOKENS = 256  # the start-up prefill that measures FP8 scales a checkpoint lacks, or int4 key smoothing
-# ... and the seed of its random tokens: fixed, not --seed (the sampling's). The int4 smoothing
-# measured on one draw of tokens or another moves perplexity by points (docs/kv-cache.md), and a
-# cache's quality should not change with the seed a user picks for sampling.
+KV_SCALE_TOKENS = 256  # the start-up prefill that measures FP8 scales a checkpoint lacks
+# ... and the seed of its random tokens: fixed, not --seed (the sampling's): a cache's quality
+# should not change with the seed a user picks for sampling.
 KV_SCALE_SEED = 0
 
 
@@ -184,8 +183,8 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Every layer's cache for one block: its keys and values, or keys alone (multi-head
         latent attention: one row of latent and rope key a token, layers/attention.py)."""
-        return sum((1 + attn.cache_values) * self.block_size * attn.num_kv_heads
-                   * kvq.bytes_per_token_head(self.config.kv_cache_dtype, attn.head_dim, self.dtype)
+        return sum(attn.num_kv_heads * kvq.bytes_per_block_head(self.config.kv_cache_dtype, attn.head_dim, self.dtype,
+                                                                self.block_size, attn.cache_values)
                    for attn in self.model.attention_layers())
 
     def _num_blocks_to_allocate(self) -> int:
@@ -266,13 +265,8 @@ class ModelRunner:
         checkpoint's scales measure theirs now, on a prefill of random tokens: one scale for
         every layer (vLLM's 1.0) put SmolLM2-135M's small values into e4m3's subnormals and
         saturated its large ones, and cost +1.0% perplexity more than scales measured per layer.
-        int4 layers measure their keys' smoothing the same way: groups of 32 channels of one
-        key spend their 16 levels on the offsets between channels, which cost +10.9% perplexity
-        unsmoothed (docs/kv-cache.md)."""
+        (int4 measures nothing: its scales are each block's own.)"""
         layers = self.model.attention_layers()
-        if self.config.kv_cache_dtype == "int4":
-            self._measure_kv_scales(layers)
-            return False
         if self.config.kv_cache_dtype not in kvq.FP8_DTYPES:
             return False
         if self.config.calculate_kv_scales:
@@ -287,7 +281,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _measure_kv_scales(self, layers: list) -> None:
-        """FP8 scales or int4 key smoothing for ``layers`` from one prefill of KV_SCALE_TOKENS
+        """FP8 scales for ``layers`` from one prefill of KV_SCALE_TOKENS
         random tokens drawn from KV_SCALE_SEED (the same on every tensor-parallel rank, so the
         collectives match) into a throw-away cache: they do not depend on the cache's size, and
         the cache is left as it was."""
@@ -302,12 +296,6 @@ class ModelRunner:
         self.model(ids, meta.positions, meta.attention)
         for attn, *cache in caches:
             attn.bind_kv_cache(*cache)
-        if self.config.kv_cache_dtype == "int4":
-            spreads = [attn.int4_k_smoothing[2] for attn in layers]  # (layers' head shapes may differ)
-            log.info("int4 KV cache: keys smoothed per channel, measured on %d random tokens: spreads %.3g to %.3g "
-                     "of their head's mean", seq_len, min(float(s.min()) for s in spreads),
-                     max(float(s.max()) for s in spreads))
-            return
         k = [float(attn.fp8_k_scale) for attn in layers]
         v = [float(attn.fp8_v_scale) for attn in layers]
         log.info("FP8 KV cache: no k/v scales in the checkpoint for %d layers; measured on %d random tokens "
