@@ -437,6 +437,38 @@ def fp8_to_f16(x, ASM: tl.constexpr):
     return y
 
 
+def _int4_unpack_ptx(word_order: bool, scaled: bool) -> str:
+    """The PTX of ``int4_bytes_to_f16`` (scaled) and ``int4_bytes_to_codes`` (not): one 32-bit
+    word of packed codes ($4) -> four float16 pairs ($0-$3: low nibbles, then high ones), each
+    code ORed into the mantissa of a power of two by a LOP3 and left exact by a packed subtract;
+    scaled, a packed FMA then applies each pair's scale ($5, $6) and minimum ($7, $8)."""
+    out = ("$0", "$1", "$2", "$3")
+    if word_order:
+        text = ("{ .reg .b32 w1, k, c; mov.b32 k, 0x64006400; mov.b32 c, 0x54005400; shr.b32 w1, $4, 8;"
+                " lop3.b32 $0, $4, 0x000F000F, k, 0xEA; lop3.b32 $1, w1, 0x000F000F, k, 0xEA;"
+                " lop3.b32 $2, $4, 0x00F000F0, c, 0xEA; lop3.b32 $3, w1, 0x00F000F0, c, 0xEA;")
+        work, bias = out, ("k", "k", "c", "c")
+    else:
+        text = ("{ .reg .b32 t0, t1, u0, u1, k; mov.b32 k, 0x64006400;"
+                " prmt.b32 t0, $4, 0, 0x5150; prmt.b32 t1, $4, 0, 0x5352;"
+                " shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;"
+                " lop3.b32 t0, t0, 0x000F000F, k, 0xEA; lop3.b32 t1, t1, 0x000F000F, k, 0xEA;"
+                " lop3.b32 u0, u0, 0x000F000F, k, 0xEA; lop3.b32 u1, u1, 0x000F000F, k, 0xEA;")
+        work, bias = ("t0", "t1", "u0", "u1"), ("k",) * 4
+    codes = work if scaled else out
+    text += "".join(f" sub.f16x2 {c}, {w}, {b};" for c, w, b in zip(codes, work, bias))
+    if scaled:
+        text += "".join(f" fma.rn.f16x2 {o}, {w}, {s}, {z};"
+                        for o, w, s, z in zip(out, work, ("$5", "$6", "$5", "$6"), ("$7", "$8", "$7", "$8")))
+    return text + " }"
+
+
+_INT4_F16_WORDS = tl.constexpr(_int4_unpack_ptx(True, True))
+_INT4_F16_CHANNELS = tl.constexpr(_int4_unpack_ptx(False, True))
+_INT4_CODES_WORDS = tl.constexpr(_int4_unpack_ptx(True, False))
+_INT4_CODES_CHANNELS = tl.constexpr(_int4_unpack_ptx(False, False))
+
+
 @triton.jit
 def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr, PINNED: tl.constexpr = False, WORD_ORDER: tl.constexpr = False):
     """Packed int4 bytes b (uint8, the last dimension a multiple of 4) and each byte's group
@@ -457,24 +489,12 @@ def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr, PINNED: tl.constexpr = False, 
     if ASM:
         if WORD_ORDER:
             lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 w1, k, c; mov.b32 k, 0x64006400; mov.b32 c, 0x54005400; shr.b32 w1, $4, 8;"
-                " lop3.b32 $0, $4, 0x000F000F, k, 0xEA; lop3.b32 $1, w1, 0x000F000F, k, 0xEA;"
-                " lop3.b32 $2, $4, 0x00F000F0, c, 0xEA; lop3.b32 $3, w1, 0x00F000F0, c, 0xEA;"
-                " sub.f16x2 $0, $0, k; sub.f16x2 $1, $1, k; sub.f16x2 $2, $2, c; sub.f16x2 $3, $3, c;"
-                " fma.rn.f16x2 $0, $0, $5, $7; fma.rn.f16x2 $1, $1, $6, $8;"
-                " fma.rn.f16x2 $2, $2, $5, $7; fma.rn.f16x2 $3, $3, $6, $8; }",
-                "=r,=r,=r,=r,r,r,r,r,r", [b, s, z], dtype=(tl.float16, tl.float16), is_pure=not PINNED, pack=4)
+                _INT4_F16_WORDS, "=r,=r,=r,=r,r,r,r,r,r", [b, s, z],
+                dtype=(tl.float16, tl.float16), is_pure=not PINNED, pack=4)
         else:
             lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t0, t1, u0, u1, k; mov.b32 k, 0x64006400;"
-                " prmt.b32 t0, $4, 0, 0x5150; prmt.b32 t1, $4, 0, 0x5352;"
-                " shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;"
-                " lop3.b32 t0, t0, 0x000F000F, k, 0xEA; lop3.b32 t1, t1, 0x000F000F, k, 0xEA;"
-                " lop3.b32 u0, u0, 0x000F000F, k, 0xEA; lop3.b32 u1, u1, 0x000F000F, k, 0xEA;"
-                " sub.f16x2 t0, t0, k; sub.f16x2 t1, t1, k; sub.f16x2 u0, u0, k; sub.f16x2 u1, u1, k;"
-                " fma.rn.f16x2 $0, t0, $5, $7; fma.rn.f16x2 $1, t1, $6, $8;"
-                " fma.rn.f16x2 $2, u0, $5, $7; fma.rn.f16x2 $3, u1, $6, $8; }",
-                "=r,=r,=r,=r,r,r,r,r,r", [b, s, z], dtype=(tl.float16, tl.float16), is_pure=not PINNED, pack=4)
+                _INT4_F16_CHANNELS, "=r,=r,=r,=r,r,r,r,r,r", [b, s, z],
+                dtype=(tl.float16, tl.float16), is_pure=not PINNED, pack=4)
     else:
         lo = small_int_to_float(b & 15, tl.float16) * s + z
         hi = small_int_to_float(b >> 4, tl.float16) * s + z
@@ -491,20 +511,12 @@ def int4_bytes_to_codes(b, ASM: tl.constexpr, WORD_ORDER: tl.constexpr = False):
     if ASM:
         if WORD_ORDER:
             lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 w1, k, c; mov.b32 k, 0x64006400; mov.b32 c, 0x54005400; shr.b32 w1, $4, 8;"
-                " lop3.b32 $0, $4, 0x000F000F, k, 0xEA; lop3.b32 $1, w1, 0x000F000F, k, 0xEA;"
-                " lop3.b32 $2, $4, 0x00F000F0, c, 0xEA; lop3.b32 $3, w1, 0x00F000F0, c, 0xEA;"
-                " sub.f16x2 $0, $0, k; sub.f16x2 $1, $1, k; sub.f16x2 $2, $2, c; sub.f16x2 $3, $3, c; }",
-                "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+                _INT4_CODES_WORDS, "=r,=r,=r,=r,r", [b],
+                dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
         else:
             lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t0, t1, u0, u1, k; mov.b32 k, 0x64006400;"
-                " prmt.b32 t0, $4, 0, 0x5150; prmt.b32 t1, $4, 0, 0x5352;"
-                " shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;"
-                " lop3.b32 t0, t0, 0x000F000F, k, 0xEA; lop3.b32 t1, t1, 0x000F000F, k, 0xEA;"
-                " lop3.b32 u0, u0, 0x000F000F, k, 0xEA; lop3.b32 u1, u1, 0x000F000F, k, 0xEA;"
-                " sub.f16x2 $0, t0, k; sub.f16x2 $1, t1, k; sub.f16x2 $2, u0, k; sub.f16x2 $3, u1, k; }",
-                "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+                _INT4_CODES_CHANNELS, "=r,=r,=r,=r,r", [b],
+                dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
         lo = small_int_to_float(b & 15, tl.float16)
         hi = small_int_to_float(b >> 4, tl.float16)

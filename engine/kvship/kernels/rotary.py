@@ -335,7 +335,9 @@ def _rotary_store_kv_kernel(
     # projection this kernel follows
     cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_d, dmask, HALF)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    prev = tl.load(slot_ptr + t - 1, mask=t > 0, other=-1).to(tl.int64)  # int4: who stores a block's keys
+    prev = slot - 1  # the token before's slot, read by int4 alone: it says who stores a block's keys
+    if KV_MODE == 2:
+        prev = tl.load(slot_ptr + t - 1, mask=t > 0, other=-1).to(tl.int64)
     pdl_wait(PDL)
     q = q_ptr + t * stride_qt
     if kh == 0:
