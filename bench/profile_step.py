@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -41,13 +42,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
         llm = LLM(folder, load_format="dummy", dtype="bfloat16" if cuda else "float32",
-                  max_model_len=args.context + 2 * args.steps + 64, max_num_seqs=max(8, args.batch),
+                  max_model_len=args.context + 3 * args.steps + 64, max_num_seqs=max(8, args.batch),
                   enforce_eager=not args.graphs, tensor_parallel_size=args.tp,
                   quantization=method, kv_cache_dtype=args.kv_cache_dtype)
         eng = llm.engine
         vocab = eng.model_config.vocab_size
         g = torch.Generator().manual_seed(0)
-        params = SamplingParams(temperature=0, max_tokens=2 * args.steps + 16, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 16, ignore_eos=True)
         llm.generate([torch.randint(2, vocab, (32,), generator=g).tolist()], SamplingParams(max_tokens=4))  # warm-up
         for i in range(args.batch):
             eng.add_request(f"p{i}", torch.randint(2, vocab, (args.context,), generator=g).tolist(), params)
@@ -55,6 +56,15 @@ def main() -> None:
             eng.step()  # prefill, not profiled
         for _ in range(4):
             eng.step()  # settle into pure decode
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):  # the same steps' wall time, without the profiler, for the gaps
+            eng.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / args.steps * 1e6
+        replay = replay_time(eng, args.batch, args.steps) if args.graphs and cuda else None
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(args.steps):
@@ -67,6 +77,27 @@ def main() -> None:
                  f"{'CUDA graphs' if args.graphs else 'eager'}, TP={args.tp}, weights {args.quantization or 'bf16'}, "
                  f"{args.kv_cache_dtype} KV"))
     print(table(rows, ["kernel", "µs / step", "launches / step", "share"]))
+    print(f"\nwall time per step, the same decode without the profiler: {wall:,.1f} µs")
+    if replay is not None:
+        print(f"the step's CUDA graph replayed alone (no host work between replays): {replay:,.1f} µs")
+
+
+def replay_time(eng, batch: int, n: int) -> float | None:
+    """µs per replay of the decode graph that serves ``batch`` sequences, back to back: the GPU's
+    step without the engine's host work, so wall time minus this is what the host adds."""
+    graphs = eng.runner.graphs
+    if graphs is None or batch > graphs.max_bs:
+        return None
+    g = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n * 1e3
 
 
 if __name__ == "__main__":

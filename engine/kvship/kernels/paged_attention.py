@@ -37,7 +37,10 @@ kernels/rotary.py: ``rotary_store_kv``; ``store_kv_torch`` here is its reference
   Both paths read pages through the block table token by token, so any block size works.
   Quantized pages are dequantized in registers: an FP8 tile converts exactly to the query's
   dtype and its per-layer scales multiply the scores (k) and the output (v); an int4 tile is
-  unpacked and scaled per (token, head) before the dot.
+  unpacked and scaled per (token, head) before the dot. The decode kernel's "fp8q" read (a
+  launch option, DECODE_CONFIGS) is the exception: keys on FP8 pages stay FP8 and the query
+  becomes FP8 too, two codes a value, so that the scores are one tensor-core dot on the codes
+  as stored.
   The decode path is CUDA-graph capturable: no host syncs, grid and split count come from
   tensor shapes (and the SM count) only.
   A layer's window and soft cap are compile-time constants (WINDOW, SOFTCAP; 0: off), one
@@ -176,7 +179,9 @@ _LOG2E = 1.4426950408889634
 # dot's layout, which reads whole words for keys); "split" (int4 pages), keys and values packed
 # and left as their even and odd channels (low and high nibbles), each dot taken as two, with
 # the query's even and odd channels and two accumulators, so the unpacked codes are never
-# interleaved back into channel order; False, both as stored. -> the PACKED constexpr.
+# interleaved back into channel order; "fp8q" (FP8 pages), the keys' dot taken on the FP8 codes as
+# stored, on the tensor cores, beside the query quantized to two FP8 codes a value (_fp8_query),
+# values packed; False, both as stored. -> the PACKED constexpr.
 # A float32 query (--dtype float32), and int4 heads under 32 channels or short of a power of
 # two, read as stored whatever the config says, and "split" beside FP8 pages is the packed read
 # (packed_read decides).
@@ -198,12 +203,19 @@ _LOG2E = 1.4426950408889634
 # 294.7, batch 1 at 32k 42.8 against 35.9. The larger tile reads each key block's scales for more
 # tokens at once; the batches that fill the GPU gain, the one sequence loses 7 us a layer.
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
+# FP8 query (2026-12-04, second stop, `--quick --layouts bf16,fp8`): at 64 tokens, 2 stages, 4 waves
+# 183.1 us against 195.5 for packed values at their best (1.07x; bf16 262.3 us), batch 1 at 32k
+# 31.7 against 36.3, batch 128 at 2k 181.2 against 196.6; rel err 1.6e-3 against 7.6e-4 (the
+# query's two codes hold some 7 significant bits; one code alone: 181.9 us at 2.5e-2). The engine's
+# KV-bound decode (bench/kv_decode.py) ran at 2,942 tok/s with it, as fast as with packed values
+# (2,934 the day before): not the default until a profile in the engine says where the kernel's
+# gain went.
 DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
                   kvq.KV_FP8: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 8, "max_splits": 64,
                                "packed": "values"},
                   kvq.KV_INT4: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "max_splits": 64,
                                 "packed": "split"}}
-_PACKED = {False: 0, True: 1, "values": 2, "split": 3}
+_PACKED = {False: 0, True: 1, "values": 2, "split": 3, "fp8q": 4}
 
 
 def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, head_dim: int) -> int:
@@ -219,9 +231,18 @@ def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, head_dim: int) ->
         return 0
     if kv_mode == kvq.KV_INT4 and head_dim != head_block(head_dim, kv_mode):
         return 0
-    if packed == 3 and kv_mode != kvq.KV_INT4:
+    if packed == 4 and kv_mode == kvq.KV_FP8 and head_block(head_dim, kv_mode) < 32:
+        packed = 2  # an FP8 dot on the tensor cores takes 32 channels at a time
+    if packed == 3 and kv_mode != kvq.KV_INT4 or packed == 4 and kv_mode != kvq.KV_FP8:
         packed = 1
     return packed
+
+
+def query_rows(group: int, packed: int) -> int:
+    """The decode kernel's BLOCK_G: the query heads of a KV head padded to a power of two of 16
+    rows or more (a tl.dot's least), twice the group for the FP8 query (PACKED 4), whose low
+    codes take the rows past the high ones (_fp8_query)."""
+    return max(16, next_pow2(2 * group if packed == 4 else group))
 
 
 def head_block(head_dim: int, kv_mode: int) -> int:
@@ -333,7 +354,8 @@ def _attend_tile(
     INTERPRET, HEAD_DIM: how quantized pages are read (``_load_kv``); PACKED 1: keys and values
     packed, 2: values alone (keys as stored), 0: neither; 3: int4 pages beside a 16-bit query
     in even and odd channels, bytes in word order (``int4_load_rows_split``): q and acc are then
-    pairs, (even, odd) channels in that order (``_split_channels``), q already float16."""
+    pairs, (even, odd) channels in that order (``_split_channels``), q already float16; 4: FP8
+    pages, q the FP8 query of ``_fp8_query`` (its scale in qk_scale), values packed."""
     (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
      stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh) = pages
     pos = n0 + offs_n
@@ -357,7 +379,22 @@ def _attend_tile(
     # fp32, int4 codes become fp16 values with integer and fp16 instructions alone
     # (kv_quant.int4_load_rows), and the pages' values, the probabilities and a query within
     # fp16's range (clamped) lose nothing there that the quantization had not.
-    if PACKED == 3:
+    if PACKED == 4:
+        # Keys times the query, the keys as the dot's rows: 16 query rows are too few for Hopper's
+        # FP8 tensor-core dot (wgmma, 64 rows or more; below, Triton converts FP8 operands to
+        # float16 first), a tile's tokens are not. The keys go from shared memory into the dot
+        # as stored; row g of the query holds head g's high code, row HALF_G + g its low one, so
+        # a head's score is column g plus column HALF_G + g over LO (kv_quant.fp8_split_rows),
+        # then copied to both columns (the second copy's row is padding, never stored). The
+        # TTGIR (sm_90) has no layout conversion for these reshapes.
+        HALF_G: tl.constexpr = q.shape[0] // 2
+        LO: tl.constexpr = 16.0 if q.dtype == tl.float8e4nv else 4.0
+        k = _load_kv(kc_ptr, ks_ptr, k_off, kg_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, tl.float16)
+        st = tl.reshape(tl.dot(k, tl.trans(q)), (offs_n.shape[0], 2, HALF_G))
+        st = tl.sum(st * tl.where(tl.arange(0, 2) == 0, 1.0, 1.0 / LO)[None, :, None], 1)
+        st = tl.reshape(tl.broadcast_to(st[:, None, :], (offs_n.shape[0], 2, HALF_G)), (offs_n.shape[0], q.shape[0]))
+        qk = tl.trans(st) * qk_scale
+    elif PACKED == 3:
         even = _split_channels(offs_d.shape[0])
         s_lo, z_lo = kvq.int4_block_scales(ks_ptr, kg_off, even, even < HEAD_DIM, tl.float16)
         s_hi, z_hi = kvq.int4_block_scales(ks_ptr, kg_off, even + 1, even + 1 < HEAD_DIM, tl.float16)
@@ -396,6 +433,10 @@ def _attend_tile(
                                                  offs_d.shape[0], not INTERPRET, True, True)
         p16 = p.to(tl.float16)
         acc = (tl.dot(p16, v_even, acc[0] * alpha[:, None]), tl.dot(p16, v_odd, acc[1] * alpha[:, None]))
+    elif PACKED == 4:  # values packed, in float16
+        v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, tl.float16,
+                     True, INTERPRET, HEAD_DIM)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
     else:
         v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, dot_dtype,
                      PACKED > 0, INTERPRET, HEAD_DIM)
@@ -481,6 +522,11 @@ def _decode_kernel(
         q = (tl.minimum(tl.maximum(q_even, -65504.0), 65504.0).to(tl.float16),
              tl.minimum(tl.maximum(q_odd, -65504.0), 65504.0).to(tl.float16))
         acc = (tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32), tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32))
+    elif PACKED == 4:
+        q, q_scale = _fp8_query(q_ptr + q_row * stride_qt + kvh * GROUP * stride_qh, stride_qh, offs_g, offs_d, dmask,
+                                GROUP, kc_ptr.dtype.element_ty)
+        qk_scale = qk_scale * q_scale[:, None]
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     else:
         q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -508,6 +554,21 @@ def _decode_kernel(
     if NUM_SPLITS > 1:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, lse, mask=gmask)
+
+
+@triton.jit
+def _fp8_query(q_ptr, stride_qh, offs_g, offs_d, dmask, GROUP: tl.constexpr, DTYPE: tl.constexpr):
+    """A KV head's query heads (q_ptr: its first) in the FP8 format DTYPE as one [BLOCK_G, BLOCK_D]
+    tile: row g < BLOCK_G / 2 holds head g's high code, row BLOCK_G / 2 + g its low one
+    (kv_quant.fp8_split_rows; rows past the group are zeros), and each row's scale. The group pads
+    to BLOCK_G rows anyway: the low codes ride in the padding, so one dot takes both."""
+    HALF_G: tl.constexpr = offs_g.shape[0] // 2
+    tl.static_assert(GROUP <= HALF_G)
+    g = offs_g % HALF_G
+    q = tl.load(q_ptr + g[:, None] * stride_qh + offs_d[None, :], mask=(g < GROUP)[:, None] & dmask[None, :],
+                other=0.0)
+    hi, lo, scale = kvq.fp8_split_rows(q, DTYPE)
+    return tl.where((offs_g < HALF_G)[:, None], hi, lo), scale
 
 
 @triton.jit
@@ -730,7 +791,7 @@ def paged_attention_triton(
         _decode_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
             qk_scale, *common, *mid_strides,
-            GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            GROUP=group, BLOCK_G=query_rows(group, packed), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode, **options,
             PACKED=packed, INTERPRET=INTERPRET,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q),
