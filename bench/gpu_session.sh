@@ -10,6 +10,8 @@
 #   perplexity by KV dtype through the Triton path (needs the bundled model, 94 MB: more than a
 #   call carries), rotary kernel tests, the engine's KV dtypes in CUDA graphs: kv-ppl kv-rotary kv-graphs
 #   decode attention settings per KV layout, FP8 GEMV: bash bench/gpu_session.sh kv-sweep fp8-gemv latency-fp8
+#   FP8 pages read as packed values against the FP8 query, in the engine (KV-bound decode, the step's
+#   kernels): bash bench/gpu_session.sh kv-read-ab
 #   Qwen3-30B-A3B offline throughput: bash bench/gpu_session.sh throughput-moe
 #   quantized experts (GPU tests, batch-1 by format): bash bench/gpu_session.sh moe-tests latency-moe-q
 #   integer one-row GEMV (tests, settings sweep, batch 1): bash bench/gpu_session.sh int-gemv-tests int-gemv latency-int
@@ -66,6 +68,10 @@ bench throughput-8b 240 python3 bench/throughput.py --hf-prompts 8 --hf-batch 8
 bench kv-tests 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_kv_quant.py tests/test_kv_quant_engine.py -k "not perplexity and not greedy_agrees and not prefix_hits"
 bench throughput-8b-fp8 240 python3 bench/throughput.py --kv-cache-dtype fp8 --hf-prompts 0
 bench kv-decode 290 python3 bench/kv_decode.py
+bench kv-read-ab 560 bash -c "python3 bench/kv_decode.py --kv auto fp8 fp8:fp8q && \
+  KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 32 --context 8000 --steps 8 --kv-cache-dtype fp8 --top 6 && \
+  KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 32 --context 8000 --steps 8 --kv-cache-dtype fp8 --top 6 \
+  --fp8-read fp8q"
 bench kv-ppl 200 python3 bench/kv_perplexity.py
 bench kv-graphs 500 python3 -m pytest -q -s -p no:cacheprovider --tb=short tests/test_kv_quant_engine.py -k gpu_kernels
 bench kv-rotary 150 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py -k "rotary or rotation"

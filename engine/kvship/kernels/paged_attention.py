@@ -210,6 +210,7 @@ DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "ma
 # KV-bound decode (bench/kv_decode.py) ran at 2,942 tok/s with it, as fast as with packed values
 # (2,934 the day before): not the default until a profile in the engine says where the kernel's
 # gain went.
+FP8_QUERY_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64, "packed": "fp8q"}
 DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
                   kvq.KV_FP8: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 8, "max_splits": 64,
                                "packed": "values"},
