@@ -267,6 +267,16 @@ def int4_store_keys(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, 
     scales[blocks] = torch.stack([s, z], -1).to(SCALE_DTYPE)
 
 
+def scale_strides(mode: int, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[int, ...]:
+    """The kernels' five int4 scale strides: the values' per token and group (block, row, head),
+    then the keys' per block and channel (block, head), checked against ``allocate``'s layouts
+    (each (scale, minimum) pair one 32-bit word); zeros (unread) for other caches."""
+    if mode != KV_INT4:
+        return (0,) * 5
+    assert int4_keys_per_block(k_scale) and k_scale.stride()[-2:] == v_scale.stride()[-2:] == (2, 1)
+    return (*v_scale.stride()[:3], *k_scale.stride()[:2])
+
+
 def int4_keys_per_block(scales: torch.Tensor) -> bool:
     """Whether int4 scales are a key cache's, per block and channel [blocks, Hkv, D, 2], rather
     than a value cache's, per token and group [blocks, block_size, Hkv, groups, 2]. (Both end in
@@ -440,6 +450,12 @@ def int4_per_block(codes, s, z):
 # through shared memory as single bytes) nor unpack element by element. The interpreter runs no
 # PTX: ASM=False computes the same values with Triton operations.
 
+@triton.constexpr_function
+def fp8_lo(dtype):
+    """``fp8_lo_factor`` for a Triton FP8 dtype (the kernels' side of the same rule)."""
+    return 16.0 if dtype == tl.float8e4nv else 4.0
+
+
 @triton.jit
 def fp8_split_rows(x, DTYPE: tl.constexpr):
     """Each row of x as two tiles of the FP8 format DTYPE, hi + lo / LO, scaled so that the row's
@@ -449,7 +465,7 @@ def fp8_split_rows(x, DTYPE: tl.constexpr):
     Rounded in float32 first (numerics.fp8_round), so the casts are exact on every backend;
     ``fp8_split_rows_torch`` is the reference."""
     FMAX: tl.constexpr = 448.0 if DTYPE == tl.float8e4nv else 57344.0
-    LO: tl.constexpr = 16.0 if DTYPE == tl.float8e4nv else 4.0
+    LO: tl.constexpr = fp8_lo(DTYPE)
     xf = x.to(tl.float32)
     amax = tl.max(tl.abs(xf), 1)
     scale = tl.where(amax > 0.0, amax / FMAX, 1.0)

@@ -64,8 +64,7 @@ def store_kv_torch(
     k_transform: torch.Tensor | None = None,
 ) -> None:
     """Write new keys/values [T, Hkv, D] into their slots; slot -1 means padding (skipped).
-    ``k_transform``: how the keys are stored (kv_quant.transform_keys: FP8 keys turned by R, int4
-    keys smoothed)."""
+    ``k_transform``: how the keys are stored (kv_quant.transform_keys: FP8 keys turned by R)."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
@@ -389,7 +388,7 @@ def _attend_tile(
         # then copied to both columns (the second copy's row is padding, never stored). The
         # TTGIR (sm_90) has no layout conversion for these reshapes.
         HALF_G: tl.constexpr = q.shape[0] // 2
-        LO: tl.constexpr = 16.0 if q.dtype == tl.float8e4nv else 4.0
+        LO: tl.constexpr = kvq.fp8_lo(q.dtype)
         k = _load_kv(kc_ptr, ks_ptr, k_off, kg_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, tl.float16)
         st = tl.reshape(tl.dot(k, tl.trans(q)), (offs_n.shape[0], 2, HALF_G))
         st = tl.sum(st * tl.where(tl.arange(0, 2) == 0, 1.0, 1.0 / LO)[None, :, None], 1)
@@ -756,11 +755,7 @@ def paged_attention_triton(
     options = dict(WINDOW=window or 0, SOFTCAP=(softcap or 0.0) * _LOG2E)  # compile-time, per model
     kv_mode = kvq.kv_mode(k_cache)
     block_d = head_block(head_dim, kv_mode)
-    if kv_mode == kvq.KV_INT4:  # kv_quant.allocate's layouts
-        assert kvq.int4_keys_per_block(k_scale) and k_scale.stride()[-2:] == v_scale.stride()[-2:] == (2, 1)
-        group_strides = (*v_scale.stride()[:3], *k_scale.stride()[:2])
-    else:
-        group_strides = (0,) * 5
+    group_strides = kvq.scale_strides(kv_mode, k_scale, v_scale)
     scales = (k_cache, v_cache) if kv_mode == kvq.KV_PLAIN else (k_scale, v_scale)  # plain: unread
     common = (
         q.stride(0), q.stride(1),

@@ -285,25 +285,28 @@ def _store_int4_key_block(k_ptr, stride_kt, t, row, slot, slot_ptr, pos_ptr, cs_
     data = kc + rows[:, None] * stride_kcs + (even // 2)[None, :]
     b = tl.load(data, mask=held[:, None] & em[None, :], other=0)
     sp = ks + 2 * even  # channel c's scale at 2c, its minimum at 2c + 1
-    s_e = tl.load(sp, mask=em, other=0.0).to(tl.float32)
-    z_e = tl.load(sp + 1, mask=em, other=0.0).to(tl.float32)
-    s_o = tl.load(sp + 2, mask=om, other=0.0).to(tl.float32)
-    z_o = tl.load(sp + 3, mask=om, other=0.0).to(tl.float32)
-    s_e2, z_e2, wide_e = kvq.int4_block_range(x_even, m_even, s_e, z_e, row > 0)
-    s_o2, z_o2, wide_o = kvq.int4_block_range(x_odd, m_odd, s_o, z_o, row > 0)
-    old_e = small_int_to_float(b & 15)
-    old_o = small_int_to_float(b >> 4)
-    c_e = tl.where(wide_e[None, :], kvq.int4_codes(old_e * s_e[None, :] + z_e[None, :], s_e2[None, :], z_e2[None, :]),
-                   old_e.to(tl.int32))
-    c_o = tl.where(wide_o[None, :], kvq.int4_codes(old_o * s_o[None, :] + z_o[None, :], s_o2[None, :], z_o2[None, :]),
-                   old_o.to(tl.int32))
-    c_e = tl.where(new[:, None], kvq.int4_codes(x_even, s_e2[None, :], z_e2[None, :]), c_e)
-    c_o = tl.where(new[:, None], kvq.int4_codes(x_odd, s_o2[None, :], z_o2[None, :]), c_o)
+    c_e = _key_block_codes(small_int_to_float(b & 15), x_even, m_even, new, sp, em, row > 0)
+    c_o = _key_block_codes(small_int_to_float(b >> 4), x_odd, m_odd, new, sp + 2, om, row > 0)
     tl.store(data, (c_e | (c_o << 4)).to(tl.uint8), mask=write)
-    tl.store(sp, s_e2.to(tl.float16), mask=em)
-    tl.store(sp + 1, z_e2.to(tl.float16), mask=em)
-    tl.store(sp + 2, s_o2.to(tl.float16), mask=om)
-    tl.store(sp + 3, z_o2.to(tl.float16), mask=om)
+
+
+@triton.jit
+def _key_block_codes(old, x, m, new, sp, cmask, held):
+    """One key block's codes [BLOCK_SIZE, C] in C of its channels (the even ones or the odd
+    ones): ``old`` the stored codes (as exact floats), x the new tokens' values (m: their rows
+    and channels; new: their rows), sp each channel's (scale, minimum) in the block's key scales,
+    cmask the channels inside the head, held whether the block holds tokens already. The
+    channels' ranges widen to take the new values (kv_quant.int4_block_range; the new scales
+    and minimums are stored), old codes are re-quantized in a widened channel, new ones coded."""
+    s = tl.load(sp, mask=cmask, other=0.0).to(tl.float32)
+    z = tl.load(sp + 1, mask=cmask, other=0.0).to(tl.float32)
+    s2, z2, wide = kvq.int4_block_range(x, m, s, z, held)
+    c = tl.where(wide[None, :], kvq.int4_codes(old * s[None, :] + z[None, :], s2[None, :], z2[None, :]),
+                 old.to(tl.int32))
+    c = tl.where(new[:, None], kvq.int4_codes(x, s2[None, :], z2[None, :]), c)
+    tl.store(sp, s2.to(tl.float16), mask=cmask)
+    tl.store(sp + 1, z2.to(tl.float16), mask=cmask)
+    return c
 
 
 @triton.jit
@@ -408,11 +411,7 @@ def rotary_store_kv_triton(positions, q, k, v, cos_sin_cache, k_cache, v_cache, 
     mode = kvq.kv_mode(k_cache)
     turn = k_transform is not None
     assert not turn or mode == kvq.KV_FP8, "keys are turned in FP8 caches only"
-    if mode == kvq.KV_INT4:  # kv_quant.allocate's layouts
-        assert kvq.int4_keys_per_block(k_scale) and k_scale.stride()[-2:] == v_scale.stride()[-2:] == (2, 1)
-        group_strides = (*v_scale.stride()[:3], *k_scale.stride()[:2])
-    else:
-        group_strides = (0,) * 5
+    group_strides = kvq.scale_strides(mode, k_scale, v_scale)
     scales = (k_cache, v_cache) if mode == kvq.KV_PLAIN else (k_scale, v_scale)  # plain: unread
     norm = (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps) if qk_norm is not None else (q, q, 0.0)  # else unread
     if t > 0:
