@@ -44,17 +44,20 @@ SHAPES = {
 
 
 # In-situ weight formats the benchmarks compare; "int4-g32" is int4 in groups of 32 with offsets,
-# the layout GGUF Q4_K blocks load into.
-WEIGHT_FORMATS = ["fp8", "int8", "int4", "int4-g32"]
+# the layout GGUF Q4_K blocks load into; "fp8-block" FP8 with a scale per 128 x 128 block, the
+# layout of block-wise FP8 checkpoints (Qwen3-FP8, DeepSeek-V3).
+WEIGHT_FORMATS = ["fp8", "fp8-block", "int8", "int4", "int4-g32"]
 
 
 def insitu_method(fmt: str | None) -> str | None:
     """The engine's ``quantization`` for a benchmark weight format (None or "none": 16-bit); sets
-    kvship.quant.insitu.INT4_GROUP, which the int4 formats differ by, for the engine built next."""
+    kvship.quant.insitu.INT4_GROUP and FP8_BLOCK, which the int4 and the FP8 formats differ by,
+    for the engine built next."""
     from kvship.quant import insitu
 
     insitu.INT4_GROUP = 32 if fmt == "int4-g32" else 128
-    return {None: None, "none": None, "int4-g32": "int4"}.get(fmt, fmt)
+    insitu.FP8_BLOCK = 128 if fmt == "fp8-block" else 0
+    return {None: None, "none": None, "int4-g32": "int4", "fp8-block": "fp8"}.get(fmt, fmt)
 
 
 def use_fp8_read(read: str | None) -> None:

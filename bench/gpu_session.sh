@@ -16,6 +16,9 @@
 #   quantized experts (GPU tests, batch-1 by format): bash bench/gpu_session.sh moe-tests latency-moe-q
 #   integer one-row GEMV (tests, settings sweep, batch 1): bash bench/gpu_session.sh int-gemv-tests int-gemv latency-int
 #   programmatic dependent launch off and on (KVSHIP_PDL), batch 1: bash bench/gpu_session.sh pdl-ab
+#   block-wise FP8 weights (a scale per 128 x 128 block) through W8A8 and the group GEMM: GPU tests,
+#   the GEMM against the bf16 expansion it replaces, the kernel tests of the rotary/int4 pages, then
+#   offline throughput bf16 / fp8-block (300 prompts): fp8-block-tests fp8-block-gemm kv-quant-tests throughput-fp8-block
 #   4-bit GEMV on the tensor cores for 2-8 rows (tests, sweeps, a batch-4 step off and on), every
 #   pairs-kernel setting per projection: bash bench/gpu_session.sh mma-tests mma-gemv mma-ab pairs-all
 #   the sweep's best pairs settings for FP8 and Q4_K's layout, batch 1 without and with them: pairs-best
@@ -103,6 +106,12 @@ bench latency-formats 200 python3 bench/latency.py --quantization none fp8 int4 
 bench profile-int4-b4 120 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 4 --quantization int4 --top 8
 bench pdl-ab 330 bash -c "KVSHIP_PDL=0 python3 bench/latency.py --quantization none fp8 int4 --no-hf && \
   KVSHIP_PDL=1 python3 bench/latency.py --quantization none fp8 int4 --no-hf"
+bench fp8-block-tests 200 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_fp8_matmul.py \
+  tests/test_quantized_weights.py -k "fp8 or kernel_matches or dense"
+bench fp8-block-gemm 300 python3 bench/fp8_gemm.py --rows 2 16 64 256 512 1024
+bench kv-quant-tests 300 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kv_quant.py -k "rotary or int4 or decode"
+bench throughput-fp8-block 400 bash -c "python3 bench/throughput.py --hf-prompts 0 --num-prompts 300 && \
+  python3 bench/throughput.py --hf-prompts 0 --num-prompts 300 --quantization fp8-block"
 bench latency-moe 150 python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf
 bench fp8-gemv 240 python3 bench/quant_gemv_sweep.py --formats fp8 --quick
 bench latency-fp8 280 python3 bench/latency.py --quantization none fp8 int8 --no-hf

@@ -10,7 +10,7 @@ weight bytes with --quantization (the bytes the loaded layers hold; the prefill 
 bf16 matmul rate, so an FP8 W8A8 limit is conservative there).
 
     python bench/throughput.py [--shape llama3-8b] [--num-prompts 1000] [--max-num-seqs 256]
-                               [--kv-cache-dtype auto|fp8|fp8_e5m2|int4] [--quantization fp8|int8|int4]
+                               [--kv-cache-dtype auto|fp8|fp8_e5m2|int4] [--quantization fp8|fp8-block|int8|int4]
                                [--profile TOP]
 
 The table's last columns count the engine's steps by kind: decodes alone (CUDA graphs), prompt
@@ -32,9 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (
     SHAPES,
+    WEIGHT_FORMATS,
     expert_bytes_per_token,
     experts_read,
     header,
+    insitu_method,
     kernel_rows,
     kv_bytes_per_token,
     measure_ceilings,
@@ -177,7 +179,8 @@ def main() -> None:
     ap.add_argument("--hf-prompts", type=int, default=64, help="subset size for the HF reference (0: skip)")
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"])
-    ap.add_argument("--quantization", default=None, choices=["fp8", "int8", "int4"], help="in-situ weight format")
+    ap.add_argument("--quantization", default=None, choices=WEIGHT_FORMATS,
+                    help="in-situ weight format (fp8-block: a scale per 128 x 128 block, as block-wise checkpoints)")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="profile the kvship pass, print TOP kernels")
     ap.add_argument("--passes", type=int, default=1,
                     help="passes over the workload in one engine; the row shows the median pass and lists them all "
@@ -195,7 +198,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             folder = write_shape_folder(args.shape, tmp)
             results, wbytes, ebytes, prof_rows = run_kvship(
-                folder, prompts, outs, args.max_num_seqs, args.kv_cache_dtype, args.quantization, tp, args.profile,
+                folder, prompts, outs, args.max_num_seqs, args.kv_cache_dtype, insitu_method(args.quantization), tp,
+                args.profile,
                 passes=args.passes, vocab=vocab)
         dt, produced, busy, kinds = sorted(results)[len(results) // 2]  # the median pass (by seconds)
         # tp GPUs side by side: each reads its shard (rank 0's bytes), 1/tp of the KV and of the FLOPs

@@ -1,4 +1,4 @@
-"""The quantized-weight kernels and the FP8 W8A8 activation quantizer compile for sm_90
+"""The quantized-weight kernels, the FP8 W8A8 activation quantizers and the block-wise W8A8 GEMM compile for sm_90
 (H100/H200), every variant the engine launches, on a machine without a GPU
 (tests/sm90_compile.py says why)."""
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvship.kernels._triton import HAS_TRITON
+from kvship.kernels.fp8_matmul import GROUP_GEMM_CONFIGS, GROUP_GEMM_SHAPES
 from kvship.kernels.quant_gemv import CODE_SHIFT
 from sm90_compile import compile_in_child
 
@@ -53,11 +54,26 @@ def _specs():
                "types": {**words, "s_ptr": "*fp32", "b_ptr": "*fp32"},
                "constexprs": {"BITS": 8, "FP8": True, "SYMM": True, "HAS_BIAS": bias, "G": g, "ASM": True,
                               "EVEN": bias, "CODE_SHIFT": CODE_SHIFT[8, True], "BLOCK_N": 8, "BLOCK_W": 512}}
+    fp8 = "kvship.kernels.fp8_matmul"
     for dtype in ("bf16", "fp16"):  # rows read once (8B's hidden 4096) and twice (its down_proj's 14336)
         for block, one_pass in ((4096, True), (8192, False)):
-            yield {"kernel": f"{MODULE}:_fp8_rows_kernel",
+            yield {"kernel": f"{fp8}:_fp8_rows_kernel",
                    "types": {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "stride_x": "i32"},
                    "constexprs": {"BLOCK_K": block, "ONE_PASS": one_pass}}
+        yield {"kernel": f"{fp8}:_fp8_groups_kernel",
+               "types": {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32", "NG": "i32",
+                         "stride_x": "i32"},
+               "constexprs": {"G": 128, "GROUPS": 32}, "options": {"num_warps": 4}}
+    # block-wise FP8 weights' W8A8 GEMM, every tile setting the engine's tables hold, groups of 128
+    gemm = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "bias_ptr": "*bf16",
+            "c_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_a": "i32", "stride_b": "i32",
+            "stride_c": "i32", "stride_as": "i32", "stride_bs": "i32"}
+    settings = {tuple(c.values()) for t in (GROUP_GEMM_CONFIGS, *GROUP_GEMM_SHAPES.values()) for c in t.values()}
+    for i, (bm, bn, nw, ns, gm) in enumerate(sorted(settings)):
+        yield {"kernel": f"{fp8}:_fp8_group_gemm_kernel", "types": gemm,
+               "constexprs": {"HAS_BIAS": i % 2 == 1, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": gm},
+               "divisible": ["a_ptr", "b_ptr", "c_ptr", "stride_a", "stride_b", "stride_c"],
+               "options": {"num_warps": nw, "num_stages": ns}}
 
 
 @pytest.mark.timeout(900)

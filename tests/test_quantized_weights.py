@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_tiny_model
-from kvship.kernels import quant_linear
+from kvship.kernels import fp8_matmul
 from kvship.kernels._triton import HAS_TRITON
+from kvship.kernels.fp8_matmul import quantize_fp8_rows_torch, quantize_fp8_rows_triton
 from kvship.kernels.quant_linear import (
     dense_rows,
     dequantize_torch,
@@ -21,8 +22,6 @@ from kvship.kernels.quant_linear import (
     pack,
     quant_linear_torch,
     quant_linear_triton,
-    quantize_fp8_rows_torch,
-    quantize_fp8_rows_triton,
 )
 from kvship.quant import QuantizedTensor, UnsupportedQuantization, checkpoint_format, quantize
 from kvship.quant.insitu import quantize_groups
@@ -96,7 +95,7 @@ def test_fp8_activation_rows_match_reference(monkeypatch, dtype, k):
     """W8A8's per-token FP8 activations: the kernel's codes and scales equal the torch
     reference's bit for bit (both divisions round to nearest, and the codes are rounded in fp32
     before the cast). Rows wider than 64 (here) are read in blocks, twice."""
-    monkeypatch.setattr(quant_linear, "FP8_ROWS_BLOCK", 64)
+    monkeypatch.setattr(fp8_matmul, "FP8_ROWS_BLOCK", 64)
     g = torch.Generator().manual_seed(k)
     x = torch.randn(7, k, generator=g)
     x[1] = 0.0

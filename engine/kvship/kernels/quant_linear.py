@@ -12,9 +12,9 @@ codes once with plain FMAs and one reduction at the end (as kernels/gemv.py does
 codes beside 16-bit x in kernels/quant_gemv.py's fp16-pair form, see _one_row_config); more rows
 go through a tiled tensor-core GEMM. Both take the scales of a whole tile of groups
 at once (a [.., groups, group] view of the tile), except for act-order weights, whose groups are
-scattered over K and are looked up per input. FP8 W8A8 (``_dense_matmul``) quantizes its
-activations per token in one kernel (``quantize_fp8_rows_triton``, reference
-``quantize_fp8_rows_torch``).
+scattered over K and are looked up per input. FP8 weights from two rows take the FP8 tensor
+cores (``_dense_matmul``, W8A8): activations quantized per token for per-row weights
+(torch._scaled_mm), per token and group for block-wise ones (kernels/fp8_matmul.py).
 """
 from __future__ import annotations
 
@@ -25,10 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
-from kvship.kernels.numerics import fp8_round, small_int_to_float
+from kvship.kernels.fp8_matmul import (
+    GROUP_GEMM_ROWS,
+    fp8_group_matmul_triton,
+    group_matmul_fits,
+    quantize_fp8_groups,
+    quantize_fp8_rows,
+)
+from kvship.kernels.numerics import small_int_to_float
 from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton, tiles_keep_groups
 from kvship.kernels.quant_gemv_mma import MAX_TOKENS, mma_fit, qgemv_mma_triton
-from kvship.quant.insitu import FP8_MAX
 from kvship.quant.tensor import QuantizedTensor, code_centre
 
 
@@ -441,86 +447,30 @@ def dequantize_triton(w: QWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _w8a8(x2: torch.Tensor, w: QWeight) -> bool:
-    """FP8 weights with one scale per row, on a GPU with FP8 tensor cores (compute capability
-    8.9+), 16-bit activations: torch._scaled_mm with per-token activation scales."""
-    return (x2.is_cuda and w.fp8 and w.scales.shape[1] == 1 and x2.dtype in (torch.bfloat16, torch.float16)
-            and w.n % 16 == 0 and w.k % 16 == 0 and torch.cuda.get_device_capability(x2.device) >= (8, 9))
-
-
-def quantize_fp8_rows_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token FP8 activations for W8A8: x2 [M, K] -> (codes [M, K] float8_e4m3fn, scales
-    [M, 1] float32) with x2 ~= codes * scales; a row's scale is its amax / 448 (at least 1e-12,
-    so that a row of zeros divides to zeros), and x2 / scale is rounded to nearest, ties to even."""
-    scale = (x2.abs().amax(1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
-    return (x2.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-@triton.jit
-def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
-    """One row per program, ``quantize_fp8_rows_torch``'s arithmetic bit for bit: both divisions
-    round to nearest (``/`` is an approximate division on NVIDIA GPUs), and fp8_round rounds in
-    fp32 before the then exact cast. ONE_PASS: the row fits one block and is read once; longer
-    rows are read twice (amax, then codes), the second time from the cache."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    q_row = q_ptr + row * K
-    offs = tl.arange(0, BLOCK_K)
-    if ONE_PASS:
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), 0)
-    else:
-        acc = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.abs(x))
-        amax = tl.max(acc, 0)
-    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)  # 448: FP8_MAX
-    tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        if not ONE_PASS:
-            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x, scale)
-        r = fp8_round(v, False)
-        # fp8_round's + 1.5 * 2**23 turns a negative value that rounds to zero into +0; the
-        # torch cast keeps its sign (-0, byte 0x80)
-        sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
-        r = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-        tl.store(q_row + k0 + offs, r.to(tl.float8e4nv), mask=k0 + offs < K)
-
-
-# Widest row read once; wider ones are read in blocks of this many elements, twice.
-FP8_ROWS_BLOCK = 8192
-
-
-def quantize_fp8_rows_triton(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of ``quantize_fp8_rows_torch``: one launch instead of four elementwise ones."""
-    m, k = x2.shape
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x2.device)
-    scales = torch.empty(m, 1, dtype=torch.float32, device=x2.device)
-    block = min(triton.next_power_of_2(k), FP8_ROWS_BLOCK)
-    if m > 0:
-        _fp8_rows_kernel[(m,)](x2, codes, scales, k, x2.stride(0), BLOCK_K=block, ONE_PASS=k <= block,
-                               num_warps=8 if block >= 2048 else 4)
-    return codes, scales
-
-
-def quantize_fp8_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(x2):
-        return quantize_fp8_rows_triton(x2)
-    return quantize_fp8_rows_torch(x2)
+    """FP8 weights beside 16-bit activations on a GPU with FP8 tensor cores (compute capability
+    8.9+), with one scale per row (torch._scaled_mm, per-token activation scales) or per row
+    and group of inputs that fp8_matmul's group GEMM takes (block-wise checkpoints)."""
+    if not (x2.is_cuda and w.fp8 and x2.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(x2.device) >= (8, 9)):
+        return False
+    if w.scales.shape[1] == 1:
+        return w.n % 16 == 0 and w.k % 16 == 0
+    return group_matmul_fits(w.group_size, w.k) and w.k % 16 == 0
 
 
 def _dense_matmul(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """Many rows: tensor cores at full rate. FP8 per-row weights multiply FP8 activations
-    (quantized per token, dynamically, as vLLM's FP8 W8A8 does); other formats are expanded into
-    a transient 16-bit matrix for cuBLAS (compute-bound at these sizes: the expansion costs less
-    than the dequantizing GEMM lost)."""
-    if _w8a8(x2, w):
+    """Many rows: tensor cores at full rate. FP8 weights multiply FP8 activations quantized
+    dynamically (W8A8, as vLLM's): per token beside per-row weights, per token and group beside
+    block-wise ones up to GROUP_GEMM_ROWS rows; other formats, and block-wise FP8 beyond those
+    rows, are expanded into a transient 16-bit matrix for cuBLAS (compute-bound at these sizes:
+    the expansion costs less than the dequantizing GEMM lost)."""
+    if _w8a8(x2, w) and w.scales.shape[1] == 1:
         xq, scale_a = quantize_fp8_rows(x2)
         return torch._scaled_mm(xq, w.qweight.t(), scale_a=scale_a, scale_b=w.scales.view(1, -1),
                                 bias=bias, out_dtype=x2.dtype)
+    if _w8a8(x2, w) and x2.shape[0] <= GROUP_GEMM_ROWS:  # block-wise: activations per token and group
+        xq, scale_a = quantize_fp8_groups(x2, w.group_size)
+        return fp8_group_matmul_triton(xq, scale_a, w.qweight, w.scales, w.group_size, bias, x2.dtype)
     return F.linear(x2, dequantize_triton(w, x2.dtype), bias)
 
 

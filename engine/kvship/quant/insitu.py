@@ -15,11 +15,17 @@ from .tensor import QuantizedTensor
 
 INSITU_METHODS = ("fp8", "int8", "int4")
 INT4_GROUP = 128
+# 0: fp8 takes a scale per output row. A block size (the benchmarks' "fp8-block"): a scale per
+# block of FP8_BLOCK x FP8_BLOCK, the layout block-wise FP8 checkpoints (DeepSeek-V3, Qwen3-FP8)
+# load into, for matrices whose sides are whole blocks.
+FP8_BLOCK = 0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def quantize(w: torch.Tensor, method: str) -> QuantizedTensor:
     w = w.float()
+    if method == "fp8" and FP8_BLOCK and w.shape[0] % FP8_BLOCK == 0 and w.shape[1] % FP8_BLOCK == 0:
+        return quantize_fp8_blocks(w, FP8_BLOCK)
     if method == "fp8":
         scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
         codes = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -31,6 +37,16 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedTensor:
     if method == "int4":
         return quantize_groups(w, 4, INT4_GROUP)
     raise ValueError(f"unknown in-situ quantization {method!r}; choose one of {', '.join(INSITU_METHODS)}")
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: int) -> QuantizedTensor:
+    """FP8 codes with a scale per block x block tile (amax / 448), held as quant/formats.py holds
+    a block-wise checkpoint's: each block's scale repeated over its rows, groups of ``block``."""
+    n, k = w.shape
+    scale = (w.view(n // block, block, k // block, block).abs().amax((1, 3)) / FP8_MAX).clamp_min(1e-12)
+    rows = scale.repeat_interleave(block, 0)
+    codes = (w / rows.repeat_interleave(block, 1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedTensor(codes, rows.contiguous(), None, 8, block)
 
 
 def quantize_groups(w: torch.Tensor, bits: int, group: int) -> QuantizedTensor:
