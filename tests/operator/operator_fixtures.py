@@ -95,12 +95,18 @@ def namespace(api, crd_installed):
 
 
 @pytest.fixture
-def run_operator(cluster):
-    """Factory: start operators (stopped at teardown)."""
+def run_operator(cluster, request):
+    """Factory: start operators (stopped at teardown). In a test with a ``namespace`` an
+    operator watches that namespace alone unless the test names ``namespaces`` (None: the whole
+    cluster): one cluster serves every test, and an operator watching all of it took up the
+    objects of the test before, in a namespace being deleted (CI, 2026-12-04: events refused
+    there held its stop)."""
     started: list[OperatorThread] = []
     logging.getLogger("kopf").setLevel(logging.INFO)
 
     def start(kubeconfig: Path | str | None = None, **kw: Any) -> OperatorThread:
+        if "namespaces" not in kw and "namespace" in request.fixturenames:
+            kw["namespaces"] = [request.getfixturevalue("namespace")]
         op = OperatorThread(kubeconfig or cluster.kubeconfig, **kw).start()
         started.append(op)
         return op
