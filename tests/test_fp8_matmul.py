@@ -18,8 +18,7 @@ from kvship.kernels.fp8_matmul import (
     quantize_fp8_rows_torch,
 )
 from kvship.kernels.quant_linear import dense_rows, pack, quant_linear_torch, quant_linear_triton
-from kvship.quant import QuantizedTensor
-from kvship.quant.insitu import FP8_MAX
+from kvship.quant.insitu import FP8_MAX, quantize_fp8_blocks
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
@@ -92,22 +91,11 @@ def test_group_gemm_matches_dequantized_product(m, n, k, group, bias):
     torch.testing.assert_close(got, ref, atol=(1e-3 if GPU else 1e-4) * ref.abs().max().item(), rtol=1e-5)
 
 
-def _block_fp8_weight(n: int, k: int, seed: int):
-    """A block-wise FP8 matrix as quant/formats.py loads one: codes, and each 128 x 128 block's
-    scale repeated over its rows."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * 0.05
-    blocks = w.view(n // 128, 128, k // 128, 128).abs().amax((1, 3)) / FP8_MAX
-    scales = blocks.repeat_interleave(128, 0)
-    codes = (w / scales.repeat_interleave(128, 1)).to(torch.float8_e4m3fn)
-    return QuantizedTensor(codes, scales, None, 8, 128)
-
-
 @pytest.mark.skipif(not GPU, reason="W8A8 needs FP8 tensor cores")
 @pytest.mark.parametrize("m", [2, 16, 256])
 def test_block_fp8_linear_runs_the_group_gemm(monkeypatch, m):
-    qt = _block_fp8_weight(1024, 2048, seed=m)
-    w = pack(qt, DEV)
+    # a block-wise FP8 matrix as quant/formats.py loads one: each 128 x 128 block's scale over its rows
+    w = pack(quantize_fp8_blocks(torch.randn(1024, 2048, generator=torch.Generator().manual_seed(m)) * 0.05, 128), DEV)
     x = torch.randn(m, 2048, device=DEV, dtype=torch.bfloat16)
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")

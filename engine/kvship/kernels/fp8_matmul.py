@@ -23,6 +23,7 @@ import torch
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.numerics import fp8_round
 from kvship.quant.insitu import FP8_MAX
+from kvship.quant.tensor import QuantizedTensor
 
 
 def quantize_fp8_groups_torch(x2: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,17 +146,12 @@ def quantize_fp8_groups(x2: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     return quantize_fp8_groups_torch(x2, group)
 
 
-def _expand_groups(scales: torch.Tensor, group: int, k: int) -> torch.Tensor:
-    return scales.repeat_interleave(group, 1)[:, :k]
-
-
 def fp8_group_matmul_torch(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
                            group: int, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """y [M, N] = (xq * x_scales) @ (wq * w_scales)^T (+ bias) in float32, then out_dtype: codes
     [M, K] and [N, K], scales per row and group of ``group`` inputs."""
-    k = xq.shape[1]
-    x = xq.float() * _expand_groups(x_scales, group, k)
-    w = wq.float() * _expand_groups(w_scales, group, k)
+    x = QuantizedTensor(xq, x_scales, None, 8, group).dequantize()
+    w = QuantizedTensor(wq, w_scales, None, 8, group).dequantize()
     y = x @ w.t()
     if bias is not None:
         y = y + bias.float()

@@ -464,13 +464,14 @@ def _dense_matmul(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> to
     block-wise ones up to GROUP_GEMM_ROWS rows; other formats, and block-wise FP8 beyond those
     rows, are expanded into a transient 16-bit matrix for cuBLAS (compute-bound at these sizes:
     the expansion costs less than the dequantizing GEMM lost)."""
-    if _w8a8(x2, w) and w.scales.shape[1] == 1:
-        xq, scale_a = quantize_fp8_rows(x2)
-        return torch._scaled_mm(xq, w.qweight.t(), scale_a=scale_a, scale_b=w.scales.view(1, -1),
-                                bias=bias, out_dtype=x2.dtype)
-    if _w8a8(x2, w) and x2.shape[0] <= GROUP_GEMM_ROWS:  # block-wise: activations per token and group
-        xq, scale_a = quantize_fp8_groups(x2, w.group_size)
-        return fp8_group_matmul_triton(xq, scale_a, w.qweight, w.scales, w.group_size, bias, x2.dtype)
+    if _w8a8(x2, w):
+        if w.scales.shape[1] == 1:
+            xq, scale_a = quantize_fp8_rows(x2)
+            return torch._scaled_mm(xq, w.qweight.t(), scale_a=scale_a, scale_b=w.scales.view(1, -1),
+                                    bias=bias, out_dtype=x2.dtype)
+        if x2.shape[0] <= GROUP_GEMM_ROWS:  # block-wise: activations per token and group
+            xq, scale_a = quantize_fp8_groups(x2, w.group_size)
+            return fp8_group_matmul_triton(xq, scale_a, w.qweight, w.scales, w.group_size, bias, x2.dtype)
     return F.linear(x2, dequantize_triton(w, x2.dtype), bias)
 
 
