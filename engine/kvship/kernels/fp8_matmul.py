@@ -46,6 +46,13 @@ def quantize_fp8_rows_torch(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 @triton.jit
+def _fp8_scale(amax):
+    """A group's scale from its largest magnitude, ``quantize_fp8_groups_torch``'s rule: amax /
+    448 (FP8_MAX) rounded to nearest, at least 1e-12."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)
+
+
+@triton.jit
 def _fp8_codes(x, scale):
     """x (fp32) / scale (fp32, broadcast) as FP8 E4M3 codes, ``quantize_fp8_groups_torch``'s
     arithmetic bit for bit: the division rounds to nearest (``/`` is an approximate division on
@@ -75,7 +82,7 @@ def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK_K: tl.constexpr, ON
             x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             acc = tl.maximum(acc, tl.abs(x))
         amax = tl.max(acc, 0)
-    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-12)  # 448: FP8_MAX
+    scale = _fp8_scale(amax)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         if not ONE_PASS:
@@ -93,7 +100,7 @@ def _fp8_groups_kernel(x_ptr, q_ptr, s_ptr, K, NG, stride_x, G: tl.constexpr, GR
     offs = gs[:, None] * G + tl.arange(0, G)[None, :]
     m = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), 448.0), 1e-12)  # 448: FP8_MAX
+    scale = _fp8_scale(tl.max(tl.abs(x), 1))
     tl.store(s_ptr + row * NG + gs, scale, mask=gs < NG)
     tl.store(q_ptr + row * K + offs, _fp8_codes(x, scale[:, None]), mask=m)
 
