@@ -40,6 +40,20 @@ SHAPES = {
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                           rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
                           tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
+    # DeepSeek-V2-Lite (16B, 2.4B active): multi-head latent attention (the cache holds a 512-wide
+    # latent and a 64-wide rope key a token), 6 of 64 routed experts and 2 shared ones from layer 1
+    "deepseek-v2-lite": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048,
+                             intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+                             num_key_value_heads=16, vocab_size=102400, q_lora_rank=None, kv_lora_rank=512,
+                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1,
+                             moe_layer_freq=1, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                             moe_intermediate_size=1408, routed_scaling_factor=1.0, topk_method="greedy", n_group=1,
+                             topk_group=1, norm_topk_prob=False, scoring_func="softmax", rope_theta=10000,
+                             rope_scaling={"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                           "beta_fast": 32, "beta_slow": 1,
+                                           "original_max_position_embeddings": 4096},
+                             max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                             torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
 }
 
 
@@ -92,6 +106,9 @@ def param_count(shape: str) -> int:
     """Parameters one token computes with: with routed experts (in every layer, as in the shapes
     here), the k it picks and the router, not the others."""
     c = SHAPES[shape]
+    if c.get("kv_lora_rank"):  # its attention and dense-then-sparse layers are not counted here
+        raise ValueError(f"{shape}: no parameter count from the config; the benchmarks that count the built "
+                         "model's bytes (latency.py --quantization none) take it")
     h, i, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     router = 0
     if c.get("num_experts"):
@@ -153,6 +170,8 @@ def kv_bytes_per_token(shape: str, elem: int = 2, kv_cache_dtype: str = "auto") 
     from kvship.kernels.kv_quant import bytes_per_block_head
 
     c = SHAPES[shape]
+    if c.get("kv_lora_rank"):  # one latent row a token and layer, in the model's dtype
+        return c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * elem
     d = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
     if kv_cache_dtype == "auto":
         per_head = 2 * d * elem

@@ -7,7 +7,7 @@ import torch
 
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
-from kvship.sequence import Batch
+from test_models import assert_graph_step_equals_eager, gpu_greedy_agreement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -24,15 +24,7 @@ def test_gpu_greedy_matches_transformers(tiny_models):
     llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16)
     assert llm.engine.runner.graphs is not None
     ps = prompts()
-    got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY)]
-    ref = ref.cuda()
-    agree = 0
-    for p, ours in zip(ps, got):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, min_new_tokens=12,
-                                do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-        agree += ours == want
-    ref.cpu()
+    agree = gpu_greedy_agreement(llm, ref, ps, 12)
     # tf32 dots may flip a near-tie in a random model; nearly all must be identical.
     assert agree >= len(ps) - 1
     kv = llm.engine.kv
@@ -42,20 +34,7 @@ def test_gpu_greedy_matches_transformers(tiny_models):
 def test_cuda_graph_replay_equals_eager(tiny_models):
     folder, _ = tiny_models["qwen3-qknorm"]
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=16)
-    eng, runner = llm.engine, llm.engine.runner
-    ps = prompts(11)  # 11 pads to the 16-wide graph
-    for i, p in enumerate(ps):
-        eng.add_request(f"g{i}", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    eng.step()  # all prompts prefilled (well within the token budget): the next step is pure decode
-    prev = eng.in_flight  # the first tokens, still on the GPU: this step's inputs
-    batch = eng.scheduler.schedule(prev.rows)
-    assert set(batch.num_new_tokens) == {1} and len(batch) == len(ps)
-    graphs = runner.graphs
-    with_graph = runner.run(batch, prev)
-    runner.graphs = None
-    eager = runner.run(Batch(batch.seqs, batch.num_new_tokens), prev)
-    runner.graphs = graphs
-    torch.testing.assert_close(with_graph, eager, atol=2e-2, rtol=2e-2)
+    assert_graph_step_equals_eager(llm, prompts(11))  # 11 pads to the 16-wide graph
 
 
 def test_gpu_seeded_sampling_reproducible(tiny_models):

@@ -81,6 +81,40 @@ def assert_greedy_matches(folder, ref, prompts: list[list[int]], max_tokens: int
         assert got == out[0, len(p):].tolist(), p
 
 
+def gpu_greedy_agreement(llm, ref, prompts: list[list[int]], max_tokens: int) -> int:
+    """How many of the prompts, generated greedily together by ``llm`` on the GPU, give
+    transformers' own greedy tokens (``ref`` moved to the GPU for it and back)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    ref = ref.cuda()
+    agree = 0
+    for p, ours in zip(prompts, got):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_tokens,
+                                min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        agree += ours == want
+    ref.cpu()
+    return agree
+
+
+def assert_graph_step_equals_eager(llm, prompts: list[list[int]]) -> None:
+    """Once every prompt is prefilled, the decode step's logits replayed from a CUDA graph equal
+    the same step run eagerly (bf16 tolerance)."""
+    eng, runner = llm.engine, llm.engine.runner
+    for i, p in enumerate(prompts):
+        eng.add_request(f"g{i}", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    eng.step()  # all prompts prefilled (well within the token budget): the next step is pure decode
+    prev = eng.in_flight  # the first tokens, still on the GPU: this step's inputs
+    batch = eng.scheduler.schedule(prev.rows)
+    assert set(batch.num_new_tokens) == {1} and len(batch) == len(prompts)
+    graphs = runner.graphs
+    with_graph = runner.run(batch, prev)
+    runner.graphs = None
+    eager = runner.run(Batch(batch.seqs, batch.num_new_tokens), prev)
+    runner.graphs = graphs
+    torch.testing.assert_close(with_graph, eager, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", list(TINY_ARCHS))
 def test_logits_match_transformers(tiny_models, arch, device):

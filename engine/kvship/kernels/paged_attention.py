@@ -168,7 +168,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 
 # ----------------------------------------------------------------------------- Triton kernels
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 
 # Launch settings; the benchmark may override them. Keyed by head_dim where it matters, and the
 # decode kernel's by the cache's layout (kv_quant.KV_*): DECODE_CONFIG for 16-bit pages.
@@ -468,6 +468,30 @@ def _attend_range(
     return acc, l_i, m_i
 
 
+@triton.jit
+def decode_row(cuq_ptr, seqlens_ptr, b):
+    """Sequence b of a decode batch: its query's row (int64), whether it has a new token (the
+    first sequences of a mixed step have, and so do a graph's padding rows), its context length."""
+    q_row = tl.load(cuq_ptr + b)
+    return q_row.to(tl.int64), tl.load(cuq_ptr + b + 1) > q_row, tl.load(seqlens_ptr + b)
+
+
+@triton.jit
+def split_range(seq_len, first, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """A split decode program's share [start, end) of the context from position ``first`` to
+    ``seq_len``: NUM_SPLITS equal shares of its actual length, in whole BLOCK_N tiles."""
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
+    start = first + split * tiles_per_split * BLOCK_N
+    return start, tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+
+@triton.jit
+def store_split_lse(ptr, m_i, l_i, mask):
+    """A split's log-sum-exp per row (log2 domain; -inf where it saw no key), for decode_reduce."""
+    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    tl.store(ptr, lse, mask=mask)
+
+
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
@@ -488,11 +512,9 @@ def _decode_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    q_row = tl.load(cuq_ptr + b)
-    if tl.load(cuq_ptr + b + 1) <= q_row:  # no new token for this sequence
+    q_row, has_token, seq_len = decode_row(cuq_ptr, seqlens_ptr, b)
+    if not has_token:
         return
-    q_row = q_row.to(tl.int64)
-    seq_len = tl.load(seqlens_ptr + b)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -509,9 +531,7 @@ def _decode_kernel(
     if WINDOW > 0:
         first = (tl.maximum(seq_len - WINDOW, 0) // BLOCK_N) * BLOCK_N
         q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
-    start = first + split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    start, end = split_range(seq_len, first, split, BLOCK_N, NUM_SPLITS)
 
     pdl_wait(PDL)  # q and the new token's K/V: the rotary + KV-store kernel writes them
     if PACKED == 3:  # the host passes it for int4 pages beside a 16-bit query, BLOCK_D >= 32
@@ -552,8 +572,7 @@ def _decode_kernel(
     else:
         _store_rows(o_ptr, acc / l_safe[:, None], offs_d, gmask, vs_ptr, HEAD_DIM, KV_MODE)
     if NUM_SPLITS > 1:
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, lse, mask=gmask)
+        store_split_lse(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i, l_i, gmask)
 
 
 @triton.jit
@@ -684,6 +703,20 @@ def _prefill_kernel(
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
+def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, cu_seqlens_q: torch.Tensor, out: torch.Tensor) -> None:
+    """A split decode's partial outputs (mid_o [B, H, splits, D] fp32, mid_lse [B, H, splits],
+    log2 domain) merged by their log-sum-exp into out's row of each sequence (its cu_seqlens_q
+    start): the second kernel of every split-context decode (this file's, kernels/mla_attention.py's)."""
+    batch, num_heads, num_splits, head_dim = mid_o.shape
+    _decode_reduce_kernel[(batch, num_heads)](
+        mid_o, mid_lse, cu_seqlens_q, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+        num_warps=4, **pdl_launch(out),
+    )
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sms: int, block_n: int,
                       config: dict | None = None) -> int:
     """How many context splits the decode kernel uses: enough programs for ``waves`` rounds
@@ -751,8 +784,8 @@ def paged_attention_triton(
     batch = seq_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    qk_scale = float(scale) * _LOG2E
-    options = dict(WINDOW=window or 0, SOFTCAP=(softcap or 0.0) * _LOG2E)  # compile-time, per model
+    qk_scale = float(scale) * LOG2E
+    options = dict(WINDOW=window or 0, SOFTCAP=(softcap or 0.0) * LOG2E)  # compile-time, per model
     kv_mode = kvq.kv_mode(k_cache)
     block_d = head_block(head_dim, kv_mode)
     group_strides = kvq.scale_strides(kv_mode, k_scale, v_scale)
@@ -793,12 +826,7 @@ def paged_attention_triton(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q),
         )
         if num_splits > 1:
-            _decode_reduce_kernel[(batch, num_q_heads)](
-                mid_o, mid_lse, cu_seqlens_q, out,
-                *mid_strides, out.stride(0), out.stride(1),
-                NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-                num_warps=4, **pdl_launch(q),
-            )
+            decode_reduce(mid_o, mid_lse, cu_seqlens_q, out)
         return out
 
     cfg = PREFILL_CONFIG.get(head_dim, PREFILL_CONFIG[128])

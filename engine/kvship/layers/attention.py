@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from kvship.kernels import kv_quant as kvq
+from kvship.kernels import mla_attention as mla
 from kvship.kernels import paged_attention as pa
 from kvship.kernels.norm import rms_norm_torch
 from kvship.kernels.rotary import QKNorm, rotary_store_kv, rotary_store_kv_torch, rotary_torch
@@ -128,13 +129,15 @@ class LatentAttention(PagedAttention):
     output's last rope-dim columns (p . k_pe) are dropped, and the model maps the rest through
     W_UV. The cache is in the model's dtype (the runner refuses quantized KV caches for it).
 
-    Attention runs the plain-torch paged reference on every device, the GPU included (no
-    Triton kernel for a 576-wide head yet), so the model is not captured in CUDA graphs."""
+    On the GPU, decodes store and attend through kernels/mla_attention.py's Triton kernels
+    (capturable in CUDA graphs), prompt chunks through its torch reference; elsewhere (and with
+    the "torch" backend) everything runs the reference."""
 
     cache_values = False
 
-    def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, rotary: RotaryEmbedding, scale: float):
-        super().__init__(num_heads, 1, kv_lora_rank + rope_dim, rotary, "torch", scale)
+    def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, rotary: RotaryEmbedding, backend: str,
+                 scale: float):
+        super().__init__(num_heads, 1, kv_lora_rank + rope_dim, rotary, backend, scale)
         self.kv_lora_rank = kv_lora_rank
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
@@ -149,9 +152,7 @@ class LatentAttention(PagedAttention):
         k_pe [T, rope] (both not yet rotated) -> the attention-weighted latents [T, H, kv_lora_rank]."""
         q_pe, k_pe = rotary_torch(positions, q_pe, k_pe[:, None], self.rotary.cos_sin_cache)
         q = torch.cat([q_lat, q_pe], dim=-1)
-        row = torch.cat([latent, k_pe[:, 0]], dim=-1)[:, None]  # [T, 1, kv_lora_rank + rope]
-        keep = meta.slot_mapping >= 0
-        kvq.store(row[keep], self.k_cache, None, meta.slot_mapping[keep])
-        out = pa.paged_attention_torch(q, self.k_cache, self.k_cache, meta.block_tables, meta.seq_lens,
-                                       meta.cu_seqlens_q, self.scale)
-        return out[..., :self.kv_lora_rank]
+        row = torch.cat([latent, k_pe[:, 0]], dim=-1)  # [T, kv_lora_rank + rope]
+        mla.store_latent(row, self.k_cache, meta.slot_mapping, self.force_torch)
+        return mla.mla_attention(q, self.k_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
+                                 self.kv_lora_rank, meta.max_seqlen_q, meta.num_decodes, self.force_torch)

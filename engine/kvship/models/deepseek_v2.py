@@ -29,7 +29,6 @@ norm_topk_prob.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
@@ -45,8 +44,6 @@ from kvship.loader.source import WeightRef, apply_slices
 from kvship.models.config import ModelConfig
 from kvship.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, SparseMoeBlock
 from kvship.parallel import SINGLE, TPContext
-
-log = logging.getLogger(__name__)
 
 
 def mla_scale(cfg: ModelConfig) -> float:
@@ -77,7 +74,7 @@ class DeepseekV2Attention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim), False, tp)
         # partial sums: the post-attention norm reduces them, as in LlamaAttention
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, False, tp, reduce=False)
-        self.attn = LatentAttention(self.num_heads, self.rank, self.rope, rotary, mla_scale(cfg))
+        self.attn = LatentAttention(self.num_heads, self.rank, self.rope, rotary, backend, mla_scale(cfg))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.num_heads
@@ -135,14 +132,7 @@ class DeepseekV2Model(LlamaModel):
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     backbone = DeepseekV2Model
-    cuda_graphs = False  # LatentAttention's torch path syncs with the host
     packed = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
-        super().__init__(cfg, max_positions, tp, backend)
-        if torch.get_default_device().type == "cuda":
-            log.info("DeepSeek-V2: multi-head latent attention runs the plain-torch paged attention on the GPU "
-                     "(no Triton kernel for it yet), without CUDA graphs")
 
     def load_weights(self, weights: Iterable[tuple[str, object]], need_lm_head: bool = True) -> None:
         super().load_weights(((name, self._halves_layout(name, ref)) for name, ref in weights), need_lm_head)

@@ -1,0 +1,98 @@
+"""Multi-head latent attention's Triton kernels (kernels/mla_attention.py) against their torch
+reference in the interpreter: the decode kernel over shuffled pages at DeepSeek-V2-Lite's row
+width and a tiny one, split and not, head counts off the head block; a step mixing decodes with
+prompt chunks; the latent store skipping padding slots. Then both kernels compile for sm_90."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvship.kernels import mla_attention as mla
+from kvship.kernels._triton import HAS_TRITON
+from sm90_compile import compile_in_child, ints
+
+pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="triton not installed"), pytest.mark.timeout(600)]
+
+
+def _paged(lens: list[int], block_size: int, width: int, dtype, seed: int):
+    """A cache holding every sequence's rows on shuffled blocks, and its tables and lengths."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(per_seq) + 3
+    cache = torch.randn(num_blocks, block_size, 1, width, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    return cache, tables, torch.tensor(lens, dtype=torch.int32), g
+
+
+@pytest.mark.parametrize("heads,rank,rope,dtype,splits", [
+    (16, 512, 64, torch.float32, 1),  # V2-Lite's row (576 wide) and heads
+    (16, 512, 64, torch.float16, 4),  # 16-bit (the interpreter's bf16 dots are wrong: numpy has no bf16)
+    (20, 32, 8, torch.float32, 3),  # two head blocks, the second part-filled; rope under 16 channels
+    (5, 32, 16, torch.float32, None),  # fewer heads than a dot's 16 rows; splits from the shapes
+])
+def test_decode_kernel_matches_reference(heads, rank, rope, dtype, splits):
+    lens = [1, 37, 70, 5]
+    cache, tables, seq_lens, g = _paged(lens, 16, rank + rope, dtype, 0)
+    q = torch.randn(len(lens), heads, rank + rope, generator=g).to(dtype)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+    scale = (rank + rope) ** -0.5
+    want = mla.mla_attention_torch(q, cache, tables, seq_lens, cu, scale, rank)
+    out = torch.empty(len(lens), heads, rank, dtype=dtype)
+    got = mla.mla_decode_triton(q, cache, tables, seq_lens, cu, scale, rank, out, num_splits=splits)
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_mixed_step_decodes_and_chunks():
+    """Two decodes first, then two prompt chunks over a cached prefix: every row as the reference."""
+    rank, rope, heads, bs = 32, 8, 4, 4
+    lens = [9, 30, 12, 21]
+    new = [1, 1, 5, 12]
+    cache, tables, seq_lens, g = _paged(lens, bs, rank + rope, torch.float32, 1)
+    q = torch.randn(sum(new), heads, rank + rope, generator=g)
+    cu = torch.tensor([0, 1, 2, 7, 19], dtype=torch.int32)
+    want = mla.mla_attention_torch(q, cache, tables, seq_lens, cu, 0.3, rank)
+    got = mla.mla_attention_triton(q, cache, tables, seq_lens, cu, 0.3, rank, max(new), num_decodes=2, num_splits=2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_store_skips_padding_slots():
+    cache = torch.zeros(4, 4, 1, 40)
+    want = cache.clone()
+    rows = torch.randn(5, 40)
+    slots = torch.tensor([3, -1, 12, 0, -1])
+    mla.store_latent_triton(rows, cache, slots)
+    mla.store_latent_torch(rows, want, slots)
+    assert torch.equal(cache, want) and torch.equal(cache.view(16, 40)[12], rows[2])
+    assert int((cache.view(16, 40).abs().sum(1) > 0).sum()) == 3
+
+
+@pytest.mark.timeout(900)
+def test_mla_kernels_compile_for_sm90():
+    module = "kvship.kernels.mla_attention"
+    specs = []
+    for dtype in ("bf16", "fp32"):  # serving; --dtype float32
+        types = {"q_ptr": f"*{dtype}", "c_ptr": f"*{dtype}", "bt_ptr": "*i32", "seqlens_ptr": "*i32",
+                 "cuq_ptr": "*i32", "out_ptr": f"*{dtype}", "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
+                 "qk_scale": "fp32",
+                 **ints("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_bt", "stride_ot", "stride_oh",
+                        "stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh")}
+        cfg = mla.MLA_DECODE_CONFIG
+        for splits in (1, 8):
+            specs.append({"kernel": f"{module}:_mla_decode_kernel", "types": types,
+                          "constexprs": {"NUM_HEADS": 16, "RANK": 512, "ROPE": 64, "BLOCK_R": 512, "BLOCK_P": 64,
+                                         "BLOCK_H": cfg["block_h"], "BLOCK_SIZE": 16, "BLOCK_N": cfg["block_n"],
+                                         "NUM_SPLITS": splits},
+                          "divisible": ["q_ptr", "c_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_cb",
+                                        "stride_cs"],
+                          "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}})
+        specs.append({"kernel": f"{module}:_store_latent_kernel",
+                      "types": {"rows_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}", "slots_ptr": "*i64",
+                                **ints("stride_r", "stride_c")},
+                      "constexprs": {"WIDTH": 576, "BLOCK": 1024}})
+    compile_in_child(specs)
