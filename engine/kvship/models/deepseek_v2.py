@@ -23,7 +23,12 @@ n_shared_experts * moe_intermediate_size, ungated.
 
 Tensor parallelism: query heads are sharded (q_proj / q_b_proj and kv_b_proj by rows, o_proj by
 columns); the latent's projection and norm (and q_a_proj) are replicated, so every rank stores
-the whole latent cache. Not supported (refused by name in models/config.py or the runner):
+the whole latent cache.
+
+Quantized weights: in-situ (--quantization) only, every projection but kv_b_proj (which
+stays 16-bit for the absorbed products) and the router, as for the other families.
+
+Not supported (refused by name in models/config.py or the runner): quantized checkpoints,
 quantized KV caches, scoring functions other than softmax, attention or MLP biases,
 norm_topk_prob.
 """
@@ -63,17 +68,19 @@ class DeepseekV2Attention(nn.Module):
         self.nope, self.rope, self.v_dim, self.rank = cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         self.num_heads = tp.shard(heads, "num_attention_heads")
         q_out = heads * (self.nope + self.rope)
+        quant = cfg.quantization
         if cfg.q_lora_rank:
-            self.q_a_proj = ColumnParallelLinear(hidden, cfg.q_lora_rank, False, SINGLE)  # replicated
+            self.q_a_proj = ColumnParallelLinear(hidden, cfg.q_lora_rank, False, SINGLE, quant)  # replicated
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, q_out, False, tp)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, q_out, False, tp, quant)
         else:
-            self.q_proj = ColumnParallelLinear(hidden, q_out, False, tp)
-        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, self.rank + self.rope, False, SINGLE)  # replicated
+            self.q_proj = ColumnParallelLinear(hidden, q_out, False, tp, quant)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, self.rank + self.rope, False, SINGLE, quant)  # replicated
         self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        # 16 bits always: forward multiplies by its per-head blocks (W_UK, W_UV) directly
         self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim), False, tp)
         # partial sums: the post-attention norm reduces them, as in LlamaAttention
-        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, False, tp, reduce=False)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, False, tp, reduce=False, quant=quant)
         self.attn = LatentAttention(self.num_heads, self.rank, self.rope, rotary, backend, mla_scale(cfg))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

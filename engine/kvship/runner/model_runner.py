@@ -85,8 +85,10 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     if model_config.kv_lora_rank and config.kv_cache_dtype != "auto":
         raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: DeepSeek-V2's latent KV cache is kept in the "
                          "model's dtype (auto); quantized KV caches are not supported for it")
-    if model_config.kv_lora_rank and model_config.quantization is not None:
-        raise ValueError(f"DeepSeek-V2 is served in 16 bits only, not {model_config.quantization.describe()}")
+    scheme = model_config.quantization
+    if model_config.kv_lora_rank and scheme is not None and scheme.checkpoint is not None:
+        raise ValueError(f"DeepSeek-V2 checkpoints quantized as {scheme.checkpoint} are not read; serve its 16-bit "
+                         "checkpoint (--quantization fp8, int8 or int4 quantizes that while loading)")
     if config.task == "embed" and config.tensor_parallel_size > 1:
         raise ValueError("embedding models are served with --tensor-parallel-size 1")
     return source, model_config
