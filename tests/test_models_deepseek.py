@@ -1,4 +1,4 @@
-"""DeepSeek-V2 (multi-head latent attention, routed + shared experts, YaRN) against transformers
+"""DeepSeek-V2 and V3 (multi-head latent attention, routed + shared experts, YaRN) against transformers
 on tiny random checkpoints: logits in fp32 (batched, and in chunks over the cached prefix),
 greedy tokens through the engine (batched with other requests, chunked prefill, a prefix-cache
 hit); the paged cache holding the latent (not per-head keys and values) and sized by its
@@ -43,6 +43,12 @@ DEEPSEEK = {
     # V2's: a low-rank query (q_a_proj, q_a_layernorm, q_b_proj) and group-limited routing
     "v2": ("DeepseekV2Config", MLA | dict(q_lora_rank=24, num_experts_per_tok=2, topk_method="group_limited_greedy",
                                           n_group=4, topk_group=2)),
+    # V3's architecture: sigmoid routing with a correction bias in 4 groups (2 kept), top-3
+    # renormalized; its rope interleaved (pairs, as V2) or not (halves)
+    "v3": ("DeepseekV3Config", MLA | dict(q_lora_rank=24, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                          norm_topk_prob=True)),
+    "v3-halves": ("DeepseekV3Config", MLA | dict(q_lora_rank=None, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                                 norm_topk_prob=False, rope_interleave=False)),
 }
 LITE_ROPE = {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
              "beta_slow": 1, "original_max_position_embeddings": 4096}
@@ -69,6 +75,9 @@ def models(tmp_path_factory):
             for pname, p in ref.named_parameters():
                 if ".self_attn." in pname and "norm" not in pname:
                     p.mul_(8.0)
+            for pname, b in ref.named_buffers():  # V3's router bias (zeros as transformers makes it)
+                if pname.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(pname)))
         ref.save_pretrained(root / name)
         out[name] = (root / name, ref)
     return out
@@ -165,10 +174,30 @@ def test_yarn_frequencies_match_transformers():
     (dict(norm_topk_prob=True), "norm_topk_prob=True"),
     (dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
     (dict(attention_bias=True), "attention_bias=True"),
+    # V3's architecture routes by noaux_tc alone
+    (dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", scoring_func="softmax"),
+     "DeepSeek-V3 with scoring_func='softmax'"),
+    (dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", scoring_func="sigmoid",
+          topk_method="group_limited_greedy"), "DeepSeek-V3 routing topk_method='group_limited_greedy'"),
 ])
 def test_unsupported_variants_are_refused_by_name(change, match):
     with pytest.raises(UnsupportedModelError, match=match):
         ModelConfig.from_hf(V2_LITE | change)
+
+
+def test_v3_multi_token_prediction_layers_are_skipped(models, tmp_path):
+    """A V3 checkpoint's layers past num_hidden_layers (its multi-token-prediction module, for
+    speculative decoding) load as nothing: the logits stay transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    folder, ref = models["v3"]
+    mtp = tmp_path / "mtp"
+    shutil.copytree(folder, mtp)
+    tensors = load_file(str(mtp / "model.safetensors"))
+    extra = {"model.layers.2.eh_proj.weight": torch.randn(64, 128), "model.layers.2.enorm.weight": torch.ones(64),
+             "model.layers.2.self_attn.kv_a_layernorm.weight": torch.ones(32)}
+    save_file(tensors | extra, str(mtp / "model.safetensors"))
+    assert_logits_match(mtp, ref, _prompts(5)[:1])
 
 
 def test_quantized_kv_cache_and_checkpoint_are_refused(models, tmp_path):

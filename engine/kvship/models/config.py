@@ -26,8 +26,10 @@ FAMILIES = {
     # Gemma 2 and text-only Gemma 3 (models/gemma.py)
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
-    # DeepSeek-V2 and V2-Lite: multi-head latent attention and routed + shared experts (models/deepseek_v2.py)
+    # DeepSeek-V2 and V2-Lite: multi-head latent attention and routed + shared experts (models/deepseek_v2.py);
+    # DeepSeek-V3's architecture (Moonlight): the same, routed by sigmoid scores
     "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     # base models without the output projection, as embedding models are saved
     "LlamaModel": "llama",
     "MistralModel": "llama",
@@ -36,7 +38,8 @@ FAMILIES = {
 }
 _BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
-                "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "deepseek_v2": "deepseek_v2"}
+                "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "deepseek_v2": "deepseek_v2",
+                  "deepseek_v3": "deepseek_v3"}
 # architectures refused with a reason of their own
 _REFUSED = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (4B and larger) is not supported: kvship "
                                               "runs text-only Gemma 3 (Gemma3ForCausalLM, model_type gemma3_text)"}
@@ -105,7 +108,10 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
-    moe_groups: tuple[int, int] | None = None  # (n_group, topk_group): group_limited_greedy routing
+    moe_groups: tuple[int, int] | None = None  # (n_group, topk_group): routing within the best groups
+    # "softmax" (DeepSeek-V2) or "sigmoid" (V3's noaux_tc: sigmoid scores, chosen with a bias)
+    moe_scoring: str = "softmax"
+    rope_interleave: bool = True  # DeepSeek's rope channels rotate as adjacent pairs (V3 may say False)
     shared_experts_intermediate_size: int = 0  # DeepSeek's always-on experts, ungated, as one MLP
 
     def is_sparse(self, layer: int) -> bool:
@@ -248,26 +254,35 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek-V2's attention and experts; what its model file does not run is refused by name."""
-    if arch != "deepseek_v2":
+    """DeepSeek-V2's and V3's attention and experts; what their model file does not run is
+    refused by name. V2 routes by softmax (greedy, or group_limited_greedy: groups rated by their
+    best expert), V3 by noaux_tc (sigmoid scores; groups rated by their best two)."""
+    if arch not in ("deepseek_v2", "deepseek_v3"):
         return {}
-    # norm_topk_prob: DeepSeek's own code then skips routed_scaling_factor, transformers ignores it
-    for key, want in (("scoring_func", "softmax"), ("attention_bias", False), ("mlp_bias", False),
-                      ("hidden_act", "silu"), ("norm_topk_prob", False)):
+    name = "DeepSeek-V2" if arch == "deepseek_v2" else "DeepSeek-V3"
+    v3 = arch == "deepseek_v3"
+    scoring, methods = ("sigmoid", ("noaux_tc",)) if v3 else ("softmax", ("greedy", "group_limited_greedy"))
+    # V2 with norm_topk_prob: DeepSeek's own code then skips routed_scaling_factor, transformers ignores it
+    wants = [("scoring_func", scoring), ("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")]
+    if not v3:
+        wants.append(("norm_topk_prob", False))
+    for key, want in wants:
         if cfg.get(key, want) != want:
-            raise UnsupportedModelError(f"DeepSeek-V2 with {key}={cfg[key]!r} is not supported ({want!r} is)")
-    method = cfg.get("topk_method") or "greedy"
-    if method not in ("greedy", "group_limited_greedy"):
-        raise UnsupportedModelError(f"DeepSeek-V2 routing topk_method={method!r} is not supported "
-                                    "(greedy and group_limited_greedy are)")
+            raise UnsupportedModelError(f"{name} with {key}={cfg[key]!r} is not supported ({want!r} is)")
+    method = cfg.get("topk_method") or methods[0]
+    if method not in methods:
+        raise UnsupportedModelError(f"{name} routing topk_method={method!r} is not supported "
+                                    f"({' and '.join(methods)} {'are' if len(methods) > 1 else 'is'})")
     n = cfg["num_hidden_layers"]
     first_dense, freq = cfg.get("first_k_dense_replace", 0) or 0, cfg.get("moe_layer_freq", 1) or 1
+    grouped = v3 or method == "group_limited_greedy"
     return dict(num_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                 moe_intermediate_size=cfg["moe_intermediate_size"],
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
                 shared_experts_intermediate_size=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
                 sparse_layers=frozenset(i for i in range(n) if i >= first_dense and i % freq == 0),
                 kv_lora_rank=cfg["kv_lora_rank"],
                 q_lora_rank=cfg.get("q_lora_rank") or 0, qk_nope_head_dim=cfg["qk_nope_head_dim"],
                 v_head_dim=cfg["v_head_dim"], routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                moe_groups=(cfg["n_group"], cfg["topk_group"]) if method == "group_limited_greedy" else None)
+                moe_groups=(cfg.get("n_group") or 1, cfg.get("topk_group") or 1) if grouped else None,
+                moe_scoring=scoring, rope_interleave=bool(cfg.get("rope_interleave", True)))

@@ -1,5 +1,6 @@
-"""DeepSeek-V2 and DeepSeek-V2-Lite (DeepseekV2ForCausalLM): Llama's pre-norm block (models/llama.py)
-with multi-head latent attention (MLA) and, from layer first_k_dense_replace on, routed experts
+"""DeepSeek-V2 and DeepSeek-V2-Lite (DeepseekV2ForCausalLM), and DeepSeek-V3's architecture
+(DeepseekV3ForCausalLM: Moonlight-16B-A3B): Llama's pre-norm block (models/llama.py) with
+multi-head latent attention (MLA) and, from layer first_k_dense_replace on, routed experts
 beside always-on shared experts.
 
 MLA compresses each token's keys and values into one normalized latent c (kv_lora_rank wide)
@@ -16,9 +17,9 @@ puts the rope rows of q_proj (q_b_proj) and kv_a_proj_with_mqa in the order even
 odd ones, so the projections come out in the halves layout: the same rotation of the same
 pairs, and as q_pe and k_pe only meet in their dot product, the same scores.
 
-Routing: softmax over the experts, the top k (greedy, or DeepSeek-V2's group_limited_greedy:
-only the topk_group groups with the best expert compete), weights times routed_scaling_factor,
-computed in float32 as transformers does. The shared experts are one SwiGLU MLP of
+Routing: V2 takes a softmax over the experts, the top k (greedy, or group_limited_greedy: only
+the topk_group groups with the best expert compete); V3 sigmoid scores, chosen with a bias
+(noaux_route). Weights times routed_scaling_factor, computed in float32 as transformers does. The shared experts are one SwiGLU MLP of
 n_shared_experts * moe_intermediate_size, ungated.
 
 Tensor parallelism: query heads are sharded (q_proj / q_b_proj and kv_b_proj by rows, o_proj by
@@ -34,6 +35,7 @@ norm_topk_prob.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -49,6 +51,8 @@ from kvship.loader.source import WeightRef, apply_slices
 from kvship.models.config import ModelConfig
 from kvship.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, SparseMoeBlock
 from kvship.parallel import SINGLE, TPContext
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def mla_scale(cfg: ModelConfig) -> float:
@@ -108,19 +112,45 @@ def group_limited_route(logits: torch.Tensor, top_k: int, n_group: int, topk_gro
     return weights, ids
 
 
+def noaux_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's noaux_tc: sigmoid scores; the experts are chosen by score plus
+    e_score_correction_bias (a load-balancing term that the weights leave out), a group rated by
+    the sum of its best two, the top k over the best topk_group groups' experts; the weights are
+    the chosen experts' scores, summing to 1 when ``renormalize`` (norm_topk_prob)."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + bias
+    per_group = scores.shape[-1] // n_group
+    rated = choice.view(-1, n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
+    keep = torch.zeros_like(rated).scatter_(1, rated.topk(topk_group, dim=-1).indices, 1.0)
+    choice = choice.masked_fill(keep.repeat_interleave(per_group, dim=1) == 0, float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights, ids
+
+
 class DeepseekV2MoE(SparseMoeBlock):
-    """SparseMoeBlock's router and experts, DeepSeek's routing, and the ungated shared experts."""
+    """SparseMoeBlock's router and experts, DeepSeek's routing (V3's with its router's
+    e_score_correction_bias, float32 as checkpoints store it), and the ungated shared experts."""
 
     def __init__(self, cfg: ModelConfig, tp: TPContext):
         super().__init__(cfg, tp)
-        self.scaling, self.groups = cfg.routed_scaling_factor, cfg.moe_groups
+        self.scaling, self.groups, self.scoring = cfg.routed_scaling_factor, cfg.moe_groups, cfg.moe_scoring
+        if self.scoring == "sigmoid":
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32),
+                                                             requires_grad=False)
         self.shared_experts = None
         if cfg.shared_experts_intermediate_size:
             self.shared_experts = LlamaMLP(cfg, tp, cfg.shared_experts_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())
-        if self.groups is None:
+        if self.scoring == "sigmoid":
+            weights, ids = noaux_route(logits, self.gate.e_score_correction_bias, self.top_k, *self.groups,
+                                       self.renormalize)
+        elif self.groups is None:
             weights, ids = route(logits, self.top_k, False)
         else:
             weights, ids = group_limited_route(logits, self.top_k, *self.groups)
@@ -142,12 +172,19 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     packed = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def load_weights(self, weights: Iterable[tuple[str, object]], need_lm_head: bool = True) -> None:
-        super().load_weights(((name, self._halves_layout(name, ref)) for name, ref in weights), need_lm_head)
+        """The checkpoint's layers past num_hidden_layers are V3's multi-token-prediction
+        modules, for speculative decoding, which kvship does not run: skipped."""
+        n = self.cfg.num_hidden_layers
+        super().load_weights(((name, self._halves_layout(name, ref)) for name, ref in weights
+                              if (m := _LAYER.search(name)) is None or int(m.group(1)) < n), need_lm_head)
 
     def _halves_layout(self, name: str, ref):
         """The rope rows of a query or latent projection reordered from DeepSeek's adjacent pairs
-        to the halves layout (module docstring); other tensors as they are."""
+        to the halves layout (module docstring); other tensors as they are, and every tensor of a
+        V3 checkpoint that says its rope is not interleaved (rope_interleave false)."""
         c = self.cfg
+        if not c.rope_interleave:
+            return ref
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
             head, first = c.qk_nope_head_dim + c.head_dim, c.qk_nope_head_dim
         elif name.endswith("self_attn.kv_a_proj_with_mqa.weight"):

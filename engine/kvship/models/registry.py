@@ -20,6 +20,7 @@ MODEL_CLASSES = {
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV2ForCausalLM,  # V2's model, V3's router (ModelConfig.moe_scoring)
 }
 
 
