@@ -1,7 +1,8 @@
 """Multi-head latent attention's Triton kernels (kernels/mla_attention.py) against their torch
 reference in the interpreter: the decode kernel over shuffled pages at DeepSeek-V2-Lite's row
 width and a tiny one, split and not, head counts off the head block; a step mixing decodes with
-prompt chunks; the latent store skipping padding slots. Then both kernels compile for sm_90."""
+prompt chunks; the latent store skipping padding slots; FP8 pages stored and read. Then both
+kernels compile for sm_90, every cache dtype."""
 from __future__ import annotations
 
 import pytest
@@ -48,6 +49,31 @@ def test_decode_kernel_matches_reference(heads, rank, rope, dtype, splits):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_kernel_reads_fp8_pages(fp8, dtype):
+    """An FP8 latent cache (one scale for the layer): rows stored through both stores alike, the
+    kernel's output as the reference's over the same pages, split and not."""
+    rank, rope, heads, lens = 64, 16, 16, [1, 40, 97]
+    full, tables, seq_lens, g = _paged(lens, 16, rank + rope, torch.float32, 2)
+    scale = torch.tensor([0.05])
+    slots = torch.randperm(full.shape[0] * 16, generator=g)[:60]
+    rows = torch.randn(60, rank + rope, generator=g) * 3
+    cache, want_cache = torch.zeros(full.shape, dtype=fp8), torch.zeros(full.shape, dtype=fp8)
+    mla.store_latent_triton(rows, cache, slots, scale)
+    mla.store_latent_torch(rows, want_cache, slots, scale)
+    assert torch.equal(cache.float(), want_cache.float())  # bit for bit up to the sign of zero
+    assert (cache.view(-1, rank + rope)[slots].float() * scale - rows).abs().max() < 0.2 * rows.abs().max()
+    q = torch.randn(len(lens), heads, rank + rope, generator=g).to(dtype)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+    want = mla.mla_attention_torch(q, cache, tables, seq_lens, cu, 0.1, rank, scale)
+    for splits in (1, 4):
+        out = torch.empty(len(lens), heads, rank, dtype=dtype)
+        got = mla.mla_decode_triton(q, cache, tables, seq_lens, cu, 0.1, rank, out, scale, num_splits=splits)
+        tol = 2e-3 if dtype == torch.float16 else 1e-5
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def test_mixed_step_decodes_and_chunks():
     """Two decodes first, then two prompt chunks over a cached prefix: every row as the reference."""
     rank, rope, heads, bs = 32, 8, 4, 4
@@ -83,16 +109,19 @@ def test_mla_kernels_compile_for_sm90():
                  **ints("stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_bt", "stride_ot", "stride_oh",
                         "stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh")}
         cfg = mla.MLA_DECODE_CONFIG
-        for splits in (1, 8):
-            specs.append({"kernel": f"{module}:_mla_decode_kernel", "types": types,
+        for splits, fp8 in ((1, 0), (8, 0), (8, 1), (8, 2)):
+            cache = {0: dtype, 1: "fp8e4nv", 2: "fp8e5"}[fp8]
+            specs.append({"kernel": f"{module}:_mla_decode_kernel",
+                          "types": types | {"c_ptr": f"*{cache}", "scale_ptr": "*fp32"},
                           "constexprs": {"NUM_HEADS": 16, "RANK": 512, "ROPE": 64, "BLOCK_R": 512, "BLOCK_P": 64,
                                          "BLOCK_H": cfg["block_h"], "BLOCK_SIZE": 16, "BLOCK_N": cfg["block_n"],
-                                         "NUM_SPLITS": splits},
+                                         "NUM_SPLITS": splits, "FP8": fp8},
                           "divisible": ["q_ptr", "c_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_cb",
                                         "stride_cs"],
                           "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}})
-        specs.append({"kernel": f"{module}:_store_latent_kernel",
-                      "types": {"rows_ptr": f"*{dtype}", "cache_ptr": f"*{dtype}", "slots_ptr": "*i64",
-                                **ints("stride_r", "stride_c")},
-                      "constexprs": {"WIDTH": 576, "BLOCK": 1024}})
+        for fp8, cache in ((0, dtype), (1, "fp8e4nv"), (2, "fp8e5")):
+            specs.append({"kernel": f"{module}:_store_latent_kernel",
+                          "types": {"rows_ptr": f"*{dtype}", "cache_ptr": f"*{cache}", "slots_ptr": "*i64",
+                                    "scale_ptr": "*fp32", **ints("stride_r", "stride_c")},
+                          "constexprs": {"WIDTH": 576, "BLOCK": 1024, "FP8": fp8}})
     compile_in_child(specs)

@@ -21,12 +21,13 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def our_logits(folder, prompts: list[list[int]], block_size: int = 4, chunk: int | None = None,
-               device: str = "cpu", quantization: str | None = None) -> list[torch.Tensor]:
+               device: str = "cpu", quantization: str | None = None, kv_cache_dtype: str = "auto"
+               ) -> list[torch.Tensor]:
     """All-position logits for each prompt, run as one batch (or in chunks of `chunk` tokens);
     ``quantization``: --quantization's in-situ method."""
     source = resolve_model(str(folder))
     cfg = EngineConfig(model=str(folder), device=device, dtype="float32", block_size=block_size, num_kv_blocks=256,
-                       enforce_eager=True, max_model_len=256)
+                       enforce_eager=True, max_model_len=256, kv_cache_dtype=kv_cache_dtype)
     mc = ModelConfig.from_hf(source.hf_config)
     if quantization is not None:
         mc.quantization = QuantScheme(insitu=quantization)

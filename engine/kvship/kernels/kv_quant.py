@@ -93,11 +93,13 @@ def allocate(kv_cache_dtype: str, num_blocks: int, block_size: int, num_kv_heads
     """(k_cache, v_cache, k_scales, v_scales) of one layer; the scales are int4's per-channel
     (keys) and per-group (values) tensors, None otherwise (the per-layer FP8 scales belong to the
     attention layer). ``values=False``: a key cache alone (v_cache None), in the model's dtype
-    (multi-head latent attention reads its values from the keys' rows)."""
+    (multi-head latent attention reads its values from the keys' rows), or FP8 (the runner
+    refuses int4 for it, runner/model_runner.py load_model)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    if not values:  # the runner refuses a quantized dtype for it (runner/model_runner.py load_model)
-        assert kv_cache_dtype == "auto", kv_cache_dtype
-        return torch.zeros(shape, dtype=model_dtype, device=device), None, None, None
+    if not values:
+        assert kv_cache_dtype != "int4", kv_cache_dtype
+        dtype = FP8_DTYPES.get(kv_cache_dtype, model_dtype)
+        return torch.zeros(shape, dtype=dtype, device=device), None, None, None
     if kv_cache_dtype == "int4":
         packed = (num_blocks, block_size, num_kv_heads, -(-head_dim // 2))
         groups = (num_blocks, block_size, num_kv_heads, -(-head_dim // INT4_GROUP), 2)

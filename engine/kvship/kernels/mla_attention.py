@@ -2,7 +2,8 @@
 (layers/attention.py LatentAttention explains the algebra).
 
 Cache: [num_blocks, block_size, 1, rank + rope]: per token the normalized latent c, then the
-rotated k_pe. Query: [T, H, rank + rope]: each head's q_nope projected into the latent space,
+rotated k_pe, in the model's dtype or FP8 (one scale per layer for the whole row, ``kv_scale``).
+Query: [T, H, rank + rope]: each head's q_nope projected into the latent space,
 then its rotated q_pe. A head's score over a token is q . row (both parts), its output the
 probability-weighted sum of the latents: [T, H, rank], the rows' first ``rank`` channels.
 
@@ -24,28 +25,38 @@ import torch
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels import paged_attention as pa
 from kvship.kernels._triton import device_sms, next_pow2, tl, triton, use_triton
+from kvship.kernels.numerics import fp8_round
 
 # Launch settings, not yet measured on a GPU: the tile of 32 rows keeps the latent tile (32 KB
 # in bf16 at rank 512) double-buffered well inside an sm_90 block's shared memory.
 MLA_DECODE_CONFIG = {"block_n": 32, "block_h": 16, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
 
 
-def store_latent_torch(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """rows [T, rank + rope] into their slots of the cache; slot -1 (padding) writes nothing."""
+def store_latent_torch(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                       kv_scale: torch.Tensor | None = None) -> None:
+    """rows [T, rank + rope] into their slots of the cache (an FP8 one: divided by kv_scale);
+    slot -1 (padding) writes nothing."""
     keep = slots >= 0
-    kvq.store(rows[keep][:, None], cache, None, slots[keep])
+    kvq.store(rows[keep][:, None], cache, kv_scale, slots[keep])
 
 
 def mla_attention_torch(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        cu_seqlens_q: torch.Tensor, scale: float, rank: int) -> torch.Tensor:
-    """q [T, H, rank + rope] -> [T, H, rank] (module docstring)."""
-    out = pa.paged_attention_torch(q, cache, cache, block_tables, seq_lens, cu_seqlens_q, scale)
+                        cu_seqlens_q: torch.Tensor, scale: float, rank: int,
+                        kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, rank + rope] -> [T, H, rank] (module docstring); an FP8 cache's rows read times
+    kv_scale, as keys and as values."""
+    out = pa.paged_attention_torch(q, cache, cache, block_tables, seq_lens, cu_seqlens_q, scale, kv_scale, kv_scale)
     return out[..., :rank]
 
 
+def _fp8_format(cache: torch.Tensor) -> int:
+    """The kernels' FP8 constexpr: 0 a 16-bit (or float32) cache, 1 e4m3, 2 e5m2."""
+    return {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}.get(cache.dtype, 0)
+
+
 @triton.jit
-def _store_latent_kernel(rows_ptr, cache_ptr, slots_ptr, stride_r, stride_c, WIDTH: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _store_latent_kernel(rows_ptr, cache_ptr, slots_ptr, scale_ptr, stride_r, stride_c, WIDTH: tl.constexpr,
+                         BLOCK: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     if slot < 0:
@@ -53,29 +64,34 @@ def _store_latent_kernel(rows_ptr, cache_ptr, slots_ptr, stride_r, stride_c, WID
     offs = tl.arange(0, BLOCK)
     m = offs < WIDTH
     row = tl.load(rows_ptr + t.to(tl.int64) * stride_r + offs, mask=m)
+    if FP8:  # kv_quant.fp8_quantize's arithmetic: an exact division, rounded to nearest in fp32
+        row = fp8_round(tl.math.div_rn(row.to(tl.float32), tl.load(scale_ptr)), FP8 == 2)
     tl.store(cache_ptr + slot * stride_c + offs, row.to(cache_ptr.dtype.element_ty), mask=m)
 
 
-def store_latent_triton(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+def store_latent_triton(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                        kv_scale: torch.Tensor | None = None) -> None:
     """Triton twin of ``store_latent_torch``: no host sync for the padding rows' mask, so a
     captured decode step may store."""
     width = cache.shape[-1]
     assert rows.shape[-1] == width and rows.stride(-1) == 1 and cache.is_contiguous()
+    fp8 = _fp8_format(cache)
     if rows.shape[0]:
-        _store_latent_kernel[(rows.shape[0],)](rows, cache, slots, rows.stride(0), width, WIDTH=width,
-                                               BLOCK=next_pow2(width))
+        _store_latent_kernel[(rows.shape[0],)](rows, cache, slots, kv_scale if fp8 else cache, rows.stride(0), width,
+                                               WIDTH=width, BLOCK=next_pow2(width), FP8=fp8)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
 def _mla_decode_kernel(
-    q_ptr, c_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+    q_ptr, c_ptr, scale_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     NUM_HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr = 0,
 ):
-    """One (sequence, block of BLOCK_H heads, split of the context) per program."""
+    """One (sequence, block of BLOCK_H heads, split of the context) per program. FP8 pages are
+    converted to the query's dtype as loaded; their scale multiplies the scores and the output."""
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -93,6 +109,10 @@ def _mla_decode_kernel(
     q_pe = tl.load(q_head + RANK + offs_p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
 
     start, end = pa.split_range(seq_len, 0, split, BLOCK_N, NUM_SPLITS)
+    kv_scale = 1.0
+    if FP8:
+        kv_scale = tl.load(scale_ptr)
+        qk_scale = qk_scale * kv_scale
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -104,6 +124,8 @@ def _mla_decode_kernel(
         row = c_ptr + page * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
         c = tl.load(row[:, None] + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
         pe = tl.load(row[:, None] + RANK + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
+        if FP8:
+            c, pe = c.to(q_lat.dtype), pe.to(q_lat.dtype)
         # (dots with an accumulator argument come out wrong for bf16 operands in the interpreter)
         qk = tl.dot(q_lat, tl.trans(c), input_precision=pa.dot_precision(c.dtype))
         qk = (qk + tl.dot(q_pe, tl.trans(pe), input_precision=pa.dot_precision(c.dtype))) * qk_scale
@@ -115,19 +137,23 @@ def _mla_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=pa.dot_precision(c.dtype))
         m_i = m_new
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if FP8:
+        o = o * kv_scale
     omask = hmask[:, None] & rmask[None, :]
     if NUM_SPLITS == 1:
         o_ptr = out_ptr + q_row * stride_ot + heads[:, None] * stride_oh
     else:
         o_ptr = mid_o_ptr + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
-    tl.store(o_ptr + offs_r[None, :], (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=omask)
+    tl.store(o_ptr + offs_r[None, :], o.to(o_ptr.dtype.element_ty), mask=omask)
     if NUM_SPLITS > 1:
         pa.store_split_lse(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i, l_i, hmask)
 
 
 def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, scale: float, rank: int, out: torch.Tensor,
-                      num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+                      kv_scale: torch.Tensor | None = None, num_splits: int | None = None,
+                      config: dict | None = None) -> torch.Tensor:
     """The decode kernel into out [T, H, rank] for sequences of one new token each."""
     cfg = config or MLA_DECODE_CONFIG
     batch, (_, num_heads, width) = seq_lens.shape[0], q.shape
@@ -135,6 +161,7 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
     assert q.stride(-1) == 1 and cache.is_contiguous() and cache.shape[2] == 1 and cache.shape[3] == width
     if batch == 0:
         return out
+    fp8 = _fp8_format(cache)
     block_h = min(cfg["block_h"], max(16, next_pow2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
@@ -148,11 +175,12 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
         mid_o = mid_lse = out  # unused
         mid_strides = (0, 0, 0, 0, 0)
     _mla_decode_kernel[(batch, head_blocks, num_splits)](
-        q, cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse, float(scale) * pa.LOG2E,
+        q, cache, kv_scale if fp8 else cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
+        float(scale) * pa.LOG2E,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), *mid_strides,
         NUM_HEADS=num_heads, RANK=rank, ROPE=rope, BLOCK_R=next_pow2(rank), BLOCK_P=max(16, next_pow2(rope)),
-        BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits,
+        BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, FP8=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
@@ -162,30 +190,33 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
 
 def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, scale: float, rank: int, max_seqlen_q: int,
-                         num_decodes: int = 0, num_splits: int | None = None) -> torch.Tensor:
+                         num_decodes: int = 0, kv_scale: torch.Tensor | None = None,
+                         num_splits: int | None = None) -> torch.Tensor:
     """[T, H, rank]: decodes (a decode step, or a mixed step's first ``num_decodes`` sequences)
     through the decode kernel, prompt chunks through the torch reference (eager steps only)."""
     decodes = seq_lens.shape[0] if max_seqlen_q == 1 else num_decodes
     out = torch.empty(*q.shape[:2], rank, dtype=q.dtype, device=q.device)
     if decodes < seq_lens.shape[0]:  # the chunks' rows follow the decodes' (Batch.decodes_first)
         d = decodes
-        out[d:] = mla_attention_torch(q, cache, block_tables[d:], seq_lens[d:], cu_seqlens_q[d:], scale, rank)[d:]
+        out[d:] = mla_attention_torch(q, cache, block_tables[d:], seq_lens[d:], cu_seqlens_q[d:], scale, rank,
+                                      kv_scale)[d:]
     return mla_decode_triton(q, cache, block_tables[:decodes], seq_lens[:decodes], cu_seqlens_q[:decodes + 1],
-                             scale, rank, out, num_splits)
+                             scale, rank, out, kv_scale, num_splits)
 
 
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, scale: float, rank: int, max_seqlen_q: int, num_decodes: int = 0,
-                  force_torch: bool = False) -> torch.Tensor:
+                  kv_scale: torch.Tensor | None = None, force_torch: bool = False) -> torch.Tensor:
     """The Triton path on the GPU (unless ``force_torch``), the torch reference elsewhere."""
     if force_torch or not use_triton(q):
-        return mla_attention_torch(q, cache, block_tables, seq_lens, cu_seqlens_q, scale, rank)
+        return mla_attention_torch(q, cache, block_tables, seq_lens, cu_seqlens_q, scale, rank, kv_scale)
     return mla_attention_triton(q, cache, block_tables, seq_lens, cu_seqlens_q, scale, rank, max_seqlen_q,
-                                num_decodes)
+                                num_decodes, kv_scale)
 
 
-def store_latent(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, force_torch: bool = False) -> None:
+def store_latent(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, kv_scale: torch.Tensor | None = None,
+                 force_torch: bool = False) -> None:
     if force_torch or not use_triton(rows):
-        store_latent_torch(rows, cache, slots)
+        store_latent_torch(rows, cache, slots, kv_scale)
     else:
-        store_latent_triton(rows, cache, slots)
+        store_latent_triton(rows, cache, slots, kv_scale)

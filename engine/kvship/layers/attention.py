@@ -127,7 +127,8 @@ class LatentAttention(PagedAttention):
     values are the latents themselves, the first kv_lora_rank columns of the same rows: this
     layer has a key cache only (cache_values False) and passes it as the value cache too; the
     output's last rope-dim columns (p . k_pe) are dropped, and the model maps the rest through
-    W_UV. The cache is in the model's dtype (the runner refuses quantized KV caches for it).
+    W_UV. The cache is in the model's dtype, or FP8 with one scale per layer for the whole row
+    (this layer's fp8_k_scale: the checkpoint's k_scale, or measured as PagedAttention's are).
 
     On the GPU, decodes store and attend through kernels/mla_attention.py's Triton kernels
     (capturable in CUDA graphs), prompt chunks through its torch reference; elsewhere (and with
@@ -142,9 +143,11 @@ class LatentAttention(PagedAttention):
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                       k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
-        if kvq.kv_mode(k_cache) != kvq.KV_PLAIN or v_cache is not None:
-            raise ValueError("multi-head latent attention keeps its cache in the model's dtype, keys only")
+        mode = kvq.kv_mode(k_cache)
+        if mode == kvq.KV_INT4 or v_cache is not None:
+            raise ValueError("multi-head latent attention keeps its cache in the model's dtype or FP8, keys only")
         self.k_cache = k_cache
+        self.k_scale = self.fp8_k_scale if mode == kvq.KV_FP8 else None
 
     def forward(self, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                 k_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -153,6 +156,11 @@ class LatentAttention(PagedAttention):
         q_pe, k_pe = rotary_torch(positions, q_pe, k_pe[:, None], self.rotary.cos_sin_cache)
         q = torch.cat([q_lat, q_pe], dim=-1)
         row = torch.cat([latent, k_pe[:, 0]], dim=-1)  # [T, kv_lora_rank + rope]
-        mla.store_latent(row, self.k_cache, meta.slot_mapping, self.force_torch)
+        if self.measure_kv_scales:  # one FP8 scale for the row, latent and rope key alike
+            self.fp8_k_scale.copy_(kvq.fp8_scale_from_amax(row.abs().amax(), self.k_cache.dtype))
+            self.fp8_v_scale.copy_(self.fp8_k_scale)
+            self.measure_kv_scales = False
+        mla.store_latent(row, self.k_cache, meta.slot_mapping, self.k_scale, self.force_torch)
         return mla.mla_attention(q, self.k_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
-                                 self.kv_lora_rank, meta.max_seqlen_q, meta.num_decodes, self.force_torch)
+                                 self.kv_lora_rank, meta.max_seqlen_q, meta.num_decodes, self.k_scale,
+                                 self.force_torch)

@@ -29,9 +29,11 @@ the whole latent cache.
 Quantized weights: in-situ (--quantization) only, every projection but kv_b_proj (which
 stays 16-bit for the absorbed products) and the router, as for the other families.
 
-Not supported (refused by name in models/config.py or the runner): quantized checkpoints,
-quantized KV caches, scoring functions other than softmax, attention or MLP biases,
-norm_topk_prob.
+KV cache: the model's dtype or FP8 (LatentAttention).
+
+Not supported (refused by name in models/config.py or the runner): quantized checkpoints, an
+int4 KV cache, V2 scoring other than softmax (V3's other than noaux_tc), attention or MLP
+biases, V2 with norm_topk_prob.
 """
 from __future__ import annotations
 

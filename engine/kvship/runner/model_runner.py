@@ -82,9 +82,9 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     config.max_model_len = config.max_model_len or limit
     if config.task == "auto":
         config.task = "embed" if source.pooling is not None else "generate"
-    if model_config.kv_lora_rank and config.kv_cache_dtype != "auto":
-        raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype}: DeepSeek-V2's latent KV cache is kept in the "
-                         "model's dtype (auto); quantized KV caches are not supported for it")
+    if model_config.kv_lora_rank and config.kv_cache_dtype == "int4":
+        raise ValueError("--kv-cache-dtype int4: DeepSeek's latent KV cache is kept in the model's dtype (auto) or "
+                         "in FP8 (fp8, fp8_e4m3, fp8_e5m2), not in 4 bits")
     scheme = model_config.quantization
     if model_config.kv_lora_rank and scheme is not None and scheme.checkpoint is not None:
         raise ValueError(f"DeepSeek-V2 checkpoints quantized as {scheme.checkpoint} are not read; serve its 16-bit "
