@@ -1,8 +1,8 @@
 """Multi-head latent attention's Triton kernels (kernels/mla_attention.py) against their torch
 reference in the interpreter: the decode kernel over shuffled pages at DeepSeek-V2-Lite's row
-width and a tiny one, split and not, head counts off the head block; a step mixing decodes with
-prompt chunks; the latent store skipping padding slots; FP8 pages stored and read. Then both
-kernels compile for sm_90, every cache dtype."""
+width and a tiny one, split and not, head counts off the head block; the prefill kernel over
+cached prefixes; a step mixing decodes with prompt chunks; the latent store skipping padding
+slots; FP8 pages stored and read. Then the kernels compile for sm_90, every cache dtype."""
 from __future__ import annotations
 
 import pytest
@@ -74,6 +74,24 @@ def test_decode_kernel_reads_fp8_pages(fp8, dtype):
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_prefill_kernel_matches_reference(cache_dtype):
+    """Prompt chunks over cached prefixes, one longer than a row block (45 new tokens after 30),
+    one whole prompt, one of a single token: every row as the reference's, causal."""
+    rank, rope, heads = 64, 16, 3
+    lens, new = [75, 20, 9], [45, 20, 1]
+    full, tables, seq_lens, g = _paged(lens, 8, rank + rope, torch.float32, 3)
+    scale = torch.tensor([0.02])
+    cache = full if cache_dtype == torch.float32 else (full / scale).to(cache_dtype)
+    q = torch.randn(sum(new), heads, rank + rope, generator=g)
+    cu = torch.tensor([0, 45, 65, 66], dtype=torch.int32)
+    kv_scale = None if cache_dtype == torch.float32 else scale
+    want = mla.mla_attention_torch(q, cache, tables, seq_lens, cu, 0.1, rank, kv_scale)
+    out = torch.empty(sum(new), heads, rank)
+    got = mla.mla_prefill_triton(q, cache, tables, seq_lens, cu, 0.1, rank, max(new), out, kv_scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_mixed_step_decodes_and_chunks():
     """Two decodes first, then two prompt chunks over a cached prefix: every row as the reference."""
     rank, rope, heads, bs = 32, 8, 4, 4
@@ -119,6 +137,16 @@ def test_mla_kernels_compile_for_sm90():
                           "divisible": ["q_ptr", "c_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_cb",
                                         "stride_cs"],
                           "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}})
+            if splits > 1:  # the prefill kernel, once per cache dtype
+                pre = mla.MLA_PREFILL_CONFIG
+                specs.append({"kernel": f"{module}:_mla_prefill_kernel",
+                              "types": {k: v for k, v in types.items() if not k.startswith(("mid", "stride_m"))}
+                              | {"c_ptr": f"*{cache}", "scale_ptr": "*fp32"},
+                              "constexprs": {"RANK": 512, "ROPE": 64, "BLOCK_R": 512, "BLOCK_P": 64, "BLOCK_SIZE": 16,
+                                             "BLOCK_M": pre["block_m"], "BLOCK_N": pre["block_n"], "FP8": fp8},
+                              "divisible": ["q_ptr", "c_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_cb",
+                                            "stride_cs"],
+                              "options": {"num_warps": pre["num_warps"], "num_stages": pre["num_stages"]}})
         for fp8, cache in ((0, dtype), (1, "fp8e4nv"), (2, "fp8e5")):
             specs.append({"kernel": f"{module}:_store_latent_kernel",
                           "types": {"rows_ptr": f"*{dtype}", "cache_ptr": f"*{cache}", "slots_ptr": "*i64",

@@ -10,13 +10,16 @@ probability-weighted sum of the latents: [T, H, rank], the rows' first ``rank`` 
 The torch reference is paged_attention_torch with the cache as both keys and values (MQA: one
 KV "head", every query head in its group), its output cut to ``rank`` channels.
 
-The Triton decode kernel (one new token per sequence) reads each tile of rows once for all
-heads of a head block, as the latent and rope parts ([BLOCK_N, rank] and [BLOCK_N, rope]: the
-576-wide rows of V2 and V2-Lite would pad to 1,024 channels as one head), takes the scores as
-two dots and the output as a third on the same latent tile, and splits the context over
-programs as the paged decode kernel does (flash-decoding), merged by paged_attention's reduce
-kernel. Prompt chunks take the torch reference (they run eagerly; only decode steps are
-captured in CUDA graphs, which this kernel allows: grid and splits come from shapes alone).
+The Triton kernels read each tile of rows once for all the query rows of a program, as the
+latent and rope parts ([BLOCK_N, rank] and [BLOCK_N, rope]: the 576-wide rows of V2 and V2-Lite
+would pad to 1,024 channels as one head), and take the scores as two dots and the output as a
+third on the same latent tile (``_mla_range``). The decode kernel (one new token per sequence)
+takes a block of heads as its rows and splits the context over programs as the paged decode
+kernel does (flash-decoding), merged by paged_attention's reduce kernel; it is CUDA-graph
+capturable (grid and splits come from shapes alone). The prefill kernel takes BLOCK_M new
+tokens of one head as its rows, causal over the cached prefix: the absorbed form costs some
+3.4x the FLOPs of expanding each head's keys and values for a long prompt (576 + 512 channels
+per score and output against 192 + 128), which it saves in gathers and memory.
 """
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ from kvship.kernels.numerics import fp8_round
 # Launch settings, not yet measured on a GPU: the tile of 32 rows keeps the latent tile (32 KB
 # in bf16 at rank 512) double-buffered well inside an sm_90 block's shared memory.
 MLA_DECODE_CONFIG = {"block_n": 32, "block_h": 16, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
+# Prefill: 32 tokens of one head against tiles of 32 rows; a [32, 512] fp32 accumulator is 128
+# registers a thread at 4 warps. Not yet measured either.
+MLA_PREFILL_CONFIG = {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
 def store_latent_torch(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
@@ -81,6 +87,52 @@ def store_latent_triton(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Te
                                                WIDTH=width, BLOCK=next_pow2(width), FP8=fp8)
 
 
+@triton.jit
+def _mla_query(q_rows, offs_r, offs_p, qmask, RANK: tl.constexpr, ROPE: tl.constexpr):
+    """Query rows (q_rows: each row's first element, [R, 1]) as their latent and rope parts."""
+    q_lat = tl.load(q_rows + offs_r[None, :], mask=qmask[:, None] & (offs_r < RANK)[None, :], other=0.0)
+    q_pe = tl.load(q_rows + RANK + offs_p[None, :], mask=qmask[:, None] & (offs_p < ROPE)[None, :], other=0.0)
+    return q_lat, q_pe
+
+
+@triton.jit
+def _mla_range(acc, l_i, m_i, q_lat, q_pe, q_pos, c_ptr, bt_row, lo, hi, qk_scale, stride_cb, stride_cs,
+               RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, FP8: tl.constexpr):
+    """The rows' running softmax state (log2 domain) over the positions from lo up to hi, in
+    tiles of BLOCK_N rows of the cache read once for all query rows: the latent part and the rope
+    part, two dots for the scores and a third for the output on the same latent tile. CAUSAL: a
+    query row at position q_pos sees positions up to its own."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, q_lat.shape[1])
+    offs_p = tl.arange(0, q_pe.shape[1])
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + offs_n
+        nmask = pos < hi
+        page = tl.load(bt_row + pos // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        row = c_ptr + page * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+        c = tl.load(row[:, None] + offs_r[None, :], mask=nmask[:, None] & (offs_r < RANK)[None, :], other=0.0)
+        pe = tl.load(row[:, None] + RANK + offs_p[None, :], mask=nmask[:, None] & (offs_p < ROPE)[None, :],
+                     other=0.0)
+        if FP8:
+            c, pe = c.to(q_lat.dtype), pe.to(q_lat.dtype)
+        # (dots with an accumulator argument come out wrong for bf16 operands in the interpreter)
+        qk = tl.dot(q_lat, tl.trans(c), input_precision=pa.dot_precision(c.dtype))
+        qk = (qk + tl.dot(q_pe, tl.trans(pe), input_precision=pa.dot_precision(c.dtype))) * qk_scale
+        visible = nmask[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet: zeros, not NaN
+        p = tl.exp2(qk - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=pa.dot_precision(c.dtype))
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
 def _mla_decode_kernel(
     q_ptr, c_ptr, scale_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
@@ -90,8 +142,9 @@ def _mla_decode_kernel(
     BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP8: tl.constexpr = 0,
 ):
-    """One (sequence, block of BLOCK_H heads, split of the context) per program. FP8 pages are
-    converted to the query's dtype as loaded; their scale multiplies the scores and the output."""
+    """One (sequence, block of BLOCK_H heads, split of the context) per program: the heads are
+    the tile's rows. FP8 pages are converted to the query's dtype as loaded; their scale
+    multiplies the scores and the output."""
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -99,55 +152,63 @@ def _mla_decode_kernel(
     if not has_token:
         return
     offs_r = tl.arange(0, BLOCK_R)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
     hmask = heads < NUM_HEADS
-    rmask = offs_r < RANK
-    pmask = offs_p < ROPE
-    q_head = q_ptr + q_row * stride_qt + heads[:, None] * stride_qh
-    q_lat = tl.load(q_head + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
-    q_pe = tl.load(q_head + RANK + offs_p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
-
+    q_lat, q_pe = _mla_query(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh, offs_r, tl.arange(0, BLOCK_P),
+                             hmask, RANK, ROPE)
     start, end = pa.split_range(seq_len, 0, split, BLOCK_N, NUM_SPLITS)
     kv_scale = 1.0
     if FP8:
         kv_scale = tl.load(scale_ptr)
         qk_scale = qk_scale * kv_scale
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + offs_n
-        nmask = pos < end
-        page = tl.load(bt_row + pos // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        row = c_ptr + page * stride_cb + (pos % BLOCK_SIZE).to(tl.int64) * stride_cs
-        c = tl.load(row[:, None] + offs_r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
-        pe = tl.load(row[:, None] + RANK + offs_p[None, :], mask=nmask[:, None] & pmask[None, :], other=0.0)
-        if FP8:
-            c, pe = c.to(q_lat.dtype), pe.to(q_lat.dtype)
-        # (dots with an accumulator argument come out wrong for bf16 operands in the interpreter)
-        qk = tl.dot(q_lat, tl.trans(c), input_precision=pa.dot_precision(c.dtype))
-        qk = (qk + tl.dot(q_pe, tl.trans(pe), input_precision=pa.dot_precision(c.dtype))) * qk_scale
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=pa.dot_precision(c.dtype))
-        m_i = m_new
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    if FP8:
-        o = o * kv_scale
-    omask = hmask[:, None] & rmask[None, :]
+    acc, l_i, m_i = _mla_range(tl.zeros([BLOCK_H, BLOCK_R], tl.float32), tl.zeros([BLOCK_H], tl.float32),
+                               tl.full([BLOCK_H], float("-inf"), tl.float32), q_lat, q_pe, heads,
+                               c_ptr, bt_ptr + b.to(tl.int64) * stride_bt, start, end, qk_scale, stride_cb, stride_cs,
+                               RANK, ROPE, BLOCK_SIZE, BLOCK_N, False, FP8)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * kv_scale
     if NUM_SPLITS == 1:
         o_ptr = out_ptr + q_row * stride_ot + heads[:, None] * stride_oh
     else:
         o_ptr = mid_o_ptr + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
-    tl.store(o_ptr + offs_r[None, :], o.to(o_ptr.dtype.element_ty), mask=omask)
+    tl.store(o_ptr + offs_r[None, :], o.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & (offs_r < RANK)[None, :])
     if NUM_SPLITS > 1:
         pa.store_split_lse(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i, l_i, hmask)
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _mla_prefill_kernel(
+    q_ptr, c_ptr, scale_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, qk_scale,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr = 0,
+):
+    """One (head, BLOCK_M new tokens, sequence) per program: the tokens are the tile's rows,
+    causal over the cached prefix and the new tokens (already stored)."""
+    h = tl.program_id(0)
+    mblk = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) row blocks start first
+    b = tl.program_id(2)
+    q_start = tl.load(cuq_ptr + b)
+    q_len = tl.load(cuq_ptr + b + 1) - q_start
+    if mblk * BLOCK_M >= q_len:
+        return
+    prefix = tl.load(seqlens_ptr + b) - q_len
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    mmask = offs_m < q_len
+    rows = (q_start + offs_m).to(tl.int64)
+    q_lat, q_pe = _mla_query(q_ptr + rows[:, None] * stride_qt + h * stride_qh, offs_r, tl.arange(0, BLOCK_P), mmask,
+                             RANK, ROPE)
+    kv_scale = 1.0
+    if FP8:
+        kv_scale = tl.load(scale_ptr)
+        qk_scale = qk_scale * kv_scale
+    hi = prefix + tl.minimum((mblk + 1) * BLOCK_M, q_len)  # the block's last row's position, plus one
+    acc, l_i, m_i = _mla_range(tl.zeros([BLOCK_M, BLOCK_R], tl.float32), tl.zeros([BLOCK_M], tl.float32),
+                               tl.full([BLOCK_M], float("-inf"), tl.float32), q_lat, q_pe, prefix + offs_m,
+                               c_ptr, bt_ptr + b.to(tl.int64) * stride_bt, 0, hi, qk_scale, stride_cb, stride_cs,
+                               RANK, ROPE, BLOCK_SIZE, BLOCK_N, True, FP8)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * kv_scale
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_r[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & (offs_r < RANK)[None, :])
 
 
 def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -188,18 +249,40 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
     return out
 
 
+def mla_prefill_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       cu_seqlens_q: torch.Tensor, scale: float, rank: int, max_seqlen_q: int, out: torch.Tensor,
+                       kv_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """The prefill kernel into out [T, H, rank] for the sequences' new tokens (any count each)."""
+    cfg = config or MLA_PREFILL_CONFIG
+    batch, (_, num_heads, width) = seq_lens.shape[0], q.shape
+    fp8 = _fp8_format(cache)
+    assert q.stride(-1) == 1 and cache.is_contiguous() and cache.shape[2] == 1 and cache.shape[3] == width
+    if batch == 0:
+        return out
+    block_m = min(cfg["block_m"], max(16, next_pow2(max_seqlen_q)))
+    _mla_prefill_kernel[(num_heads, triton.cdiv(max_seqlen_q, block_m), batch)](
+        q, cache, kv_scale if fp8 else cache, block_tables, seq_lens, cu_seqlens_q, out, float(scale) * pa.LOG2E,
+        q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0),
+        out.stride(1),
+        RANK=rank, ROPE=width - rank, BLOCK_R=next_pow2(rank), BLOCK_P=max(16, next_pow2(width - rank)),
+        BLOCK_SIZE=cache.shape[1], BLOCK_M=block_m, BLOCK_N=cfg["block_n"], FP8=fp8,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
 def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, scale: float, rank: int, max_seqlen_q: int,
                          num_decodes: int = 0, kv_scale: torch.Tensor | None = None,
                          num_splits: int | None = None) -> torch.Tensor:
     """[T, H, rank]: decodes (a decode step, or a mixed step's first ``num_decodes`` sequences)
-    through the decode kernel, prompt chunks through the torch reference (eager steps only)."""
+    through the decode kernel, prompt chunks through the prefill kernel."""
     decodes = seq_lens.shape[0] if max_seqlen_q == 1 else num_decodes
     out = torch.empty(*q.shape[:2], rank, dtype=q.dtype, device=q.device)
-    if decodes < seq_lens.shape[0]:  # the chunks' rows follow the decodes' (Batch.decodes_first)
+    if decodes < seq_lens.shape[0]:  # both kernels find their rows through cu_seqlens_q
         d = decodes
-        out[d:] = mla_attention_torch(q, cache, block_tables[d:], seq_lens[d:], cu_seqlens_q[d:], scale, rank,
-                                      kv_scale)[d:]
+        mla_prefill_triton(q, cache, block_tables[d:], seq_lens[d:], cu_seqlens_q[d:], scale, rank, max_seqlen_q,
+                           out, kv_scale)
     return mla_decode_triton(q, cache, block_tables[:decodes], seq_lens[:decodes], cu_seqlens_q[:decodes + 1],
                              scale, rank, out, kv_scale, num_splits)
 

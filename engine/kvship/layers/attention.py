@@ -130,9 +130,9 @@ class LatentAttention(PagedAttention):
     W_UV. The cache is in the model's dtype, or FP8 with one scale per layer for the whole row
     (this layer's fp8_k_scale: the checkpoint's k_scale, or measured as PagedAttention's are).
 
-    On the GPU, decodes store and attend through kernels/mla_attention.py's Triton kernels
-    (capturable in CUDA graphs), prompt chunks through its torch reference; elsewhere (and with
-    the "torch" backend) everything runs the reference."""
+    On the GPU, rows are stored and attended through kernels/mla_attention.py's Triton kernels
+    (decode steps capturable in CUDA graphs); elsewhere (and with the "torch" backend) through
+    its torch reference."""
 
     cache_values = False
 
