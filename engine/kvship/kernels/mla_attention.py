@@ -183,14 +183,10 @@ def _mla_prefill_kernel(
 ):
     """One (head, BLOCK_M new tokens, sequence) per program: the tokens are the tile's rows,
     causal over the cached prefix and the new tokens (already stored)."""
-    h = tl.program_id(0)
-    mblk = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) row blocks start first
-    b = tl.program_id(2)
-    q_start = tl.load(cuq_ptr + b)
-    q_len = tl.load(cuq_ptr + b + 1) - q_start
-    if mblk * BLOCK_M >= q_len:
+    h, mblk, b, q_start, q_len, ctx, has_rows = pa.prefill_block(cuq_ptr, seqlens_ptr, BLOCK_M)
+    if not has_rows:
         return
-    prefix = tl.load(seqlens_ptr + b) - q_len
+    prefix = ctx - q_len
     offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     mmask = offs_m < q_len

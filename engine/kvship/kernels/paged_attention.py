@@ -477,6 +477,19 @@ def decode_row(cuq_ptr, seqlens_ptr, b):
 
 
 @triton.jit
+def prefill_block(cuq_ptr, seqlens_ptr, BLOCK_M: tl.constexpr):
+    """A prefill program's head, block of BLOCK_M new tokens and sequence (grid: heads, row
+    blocks, sequences; the longest, last, row blocks start first); the sequence's first query
+    row, new-token count and context length; whether the block holds any of its rows."""
+    h = tl.program_id(0)
+    mblk = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(cuq_ptr + b)
+    q_len = tl.load(cuq_ptr + b + 1) - q_start
+    return h, mblk, b, q_start, q_len, tl.load(seqlens_ptr + b), mblk * BLOCK_M < q_len
+
+
+@triton.jit
 def split_range(seq_len, first, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """A split decode program's share [start, end) of the context from position ``first`` to
     ``seq_len``: NUM_SPLITS equal shares of its actual length, in whole BLOCK_N tiles."""
@@ -649,14 +662,9 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
-    h = tl.program_id(0)
-    mblk = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) row blocks start first
-    b = tl.program_id(2)
-    q_start = tl.load(cuq_ptr + b)
-    q_len = tl.load(cuq_ptr + b + 1) - q_start
-    if mblk * BLOCK_M >= q_len:
+    h, mblk, b, q_start, q_len, ctx, has_rows = prefill_block(cuq_ptr, seqlens_ptr, BLOCK_M)
+    if not has_rows:
         return
-    ctx = tl.load(seqlens_ptr + b)
     prefix = ctx - q_len
     kvh = h // GROUP
 
