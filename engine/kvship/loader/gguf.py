@@ -36,7 +36,17 @@ _ARCHS = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),  # Phi-3, Phi-3.5 and Phi-4
 }
+# llama.cpp's converter stores Gemma's norm weights as 1 + w (its norms multiply by the weight
+# alone); kvship's Gemma norms multiply by 1 + w, as transformers' do: the loader subtracts 1.
+_NORM_PLUS_ONE = {"gemma2", "gemma3"}
+# llama.cpp's attention scale for Gemma: 1/sqrt(head_dim), except for the 27B models (46 layers
+# for Gemma 2, 62 for Gemma 3), whose query_pre_attn_scalar is hidden_size / heads; files do not
+# store it, and llama.cpp decides by the model's size.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp writes Mixtral as a "llama" file whose llama.expert_count is above zero
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # architectures whose Q/K rows llama.cpp's converter permuted (to its rope layout)
@@ -75,7 +85,10 @@ def _f32(v: Any) -> float:
     return float(str(np.float32(v)))
 
 
-def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int]) -> dict:
+def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int],
+                   rope_factors: dict[str, list[float]] | None = None) -> dict:
+    """The HF config.json a GGUF file's metadata describes; ``rope_factors``: Phi-3's longrope
+    factor tensors ("long", "short"), read from the file."""
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise ModelSourceError(
@@ -131,7 +144,43 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int]) 
     elif any(n.endswith("attn_q.bias") for n in tensor_names):
         cfg["attention_bias"] = True
     cfg.update(_moe_config(meta, arch, tensor_names, cfg["num_hidden_layers"]))
+    cfg.update(_gemma_config(meta, arch, cfg))
+    if arch == "phi3":
+        cfg.update(_phi3_config(meta, rope_factors or {}))
     return cfg
+
+
+def _gemma_config(meta: dict, arch: str, cfg: dict) -> dict:
+    """Gemma 2 / 3's keys of the HF config: the window, the soft caps (Gemma 2), the attention
+    scale llama.cpp uses (_GEMMA_27B_LAYERS), Gemma 3's local rope base (10000 in llama.cpp, not
+    stored) and its one global layer in six."""
+    if arch not in _NORM_PLUS_ONE:
+        return {}
+    p = arch + "."
+    big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    out = {"sliding_window": int(meta[p + "attention.sliding_window"]), "hidden_activation": "gelu_pytorch_tanh",
+           "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]}
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = _f32(meta.get(p + "attn_logit_softcapping", 50.0))
+        out["final_logit_softcapping"] = _f32(meta.get(p + "final_logit_softcapping", 30.0))
+    else:
+        out["rope_local_base_freq"] = 10000.0
+        out["sliding_window_pattern"] = int(meta.get(p + "attention.sliding_window_pattern", 6))
+    return out
+
+
+def _phi3_config(meta: dict, rope_factors: dict[str, list[float]]) -> dict:
+    """Phi-3's window (Phi-3-mini slides over 2047 tokens) and longrope: its factors are tensors
+    in the file (rope_factors_long / _short), the original context a metadata key."""
+    out: dict[str, Any] = {}
+    window = meta.get("phi3.attention.sliding_window")
+    if window:
+        out["sliding_window"] = int(window)
+    if rope_factors:
+        out["rope_scaling"] = {"rope_type": "longrope", "long_factor": rope_factors["long"],
+                               "short_factor": rope_factors["short"]}
+        out["original_max_position_embeddings"] = int(meta["phi3.rope.scaling.original_context_length"])
+    return out
 
 
 def _moe_config(meta: dict, arch: str, tensor_names: set[str], layers: int) -> dict:
@@ -204,6 +253,11 @@ def _make_quant_ref(info: GGUFTensorInfo, permute_heads: int | None) -> QuantRef
     return QuantRef(read, f"GGUF {info.type_name} {info.name}", info.shape)
 
 
+def _minus_one(ref: WeightRef) -> WeightRef:
+    """A Gemma norm weight as HF stores it (the file's 1 + w, _NORM_PLUS_ONE)."""
+    return WeightRef(ref.shape, ref.dtype, lambda slices: ref.load(slices).float() - 1.0)
+
+
 def _kept_quantized(hf_name: str, info: GGUFTensorInfo) -> bool:
     """A linear matrix, or a stack of experts' matrices ([E, rows, cols], one per expert), in a
     type kvship serves in its blocks: dense layers with kernels/quant_linear.py, experts with
@@ -230,13 +284,13 @@ _MOE_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
 _SPLIT_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
-def _hf_name(gname: str) -> str | None:
+def _hf_name(gname: str, arch: str) -> str | None:
     m = _SPLIT_EXPERT.match(gname)
     if m:
         return f"model.layers.{m[1]}.mlp.experts.{m[3]}.{m[2]}_proj.weight"
     m = _MOE_TENSOR.match(gname)
     part = _MOE_PARTS.get(m[2]) if m else None
-    return f"model.layers.{m[1]}.{part}.weight" if part else gguf_to_hf_name(gname)
+    return f"model.layers.{m[1]}.{part}.weight" if part else gguf_to_hf_name(gname, arch)
 
 
 def _expert(info: GGUFTensorInfo, e: int) -> GGUFTensorInfo:
@@ -284,8 +338,10 @@ def load_gguf(path: str) -> ModelSource:
     for k in list(meta):
         if k.startswith("split."):
             meta.pop(k)
+    factors = {kind: tensors[f"rope_factors_{kind}.weight"].load(None).flatten().tolist()
+               for kind in ("long", "short") if f"rope_factors_{kind}.weight" in tensors}
     try:
-        cfg = gguf_hf_config(meta, set(tensors), [t.ggml_type for t in tensors.values()])
+        cfg = gguf_hf_config(meta, set(tensors), [t.ggml_type for t in tensors.values()], factors)
     except KeyError as e:
         raise ModelSourceError(f"GGUF file {path!r} lacks metadata key {e}; is it a complete model?") from None
     try:
@@ -299,7 +355,7 @@ def load_gguf(path: str) -> ModelSource:
     arch = meta["general.architecture"]
     permute = arch in _PERMUTED_ARCHS
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    names = {g: _hf_name(g) for g in tensors}
+    names = {g: _hf_name(g, arch) for g in tensors}
     kept = {g for g, hf in names.items() if hf is not None and _kept_quantized(hf, tensors[g])}
     if kept:
         cfg["quantization_config"] = {"quant_method": "gguf"}
@@ -324,6 +380,9 @@ def load_gguf(path: str) -> ModelSource:
                 heads = n_head
             elif permute and hf.endswith(("k_proj.weight", "k_proj.bias")):
                 heads = n_kv
+            if arch in _NORM_PLUS_ONE and hf.endswith("norm.weight"):
+                yield hf, _minus_one(_make_ref(info, None))
+                continue
             yield from _refs(hf, info, heads, gname in kept)
             if tied_head and gname == "token_embd.weight":
                 yield "lm_head.weight", _make_quant_ref(info, None)

@@ -1,4 +1,5 @@
-"""GGUF (llama.cpp) tensor names -> Hugging Face parameter names for llama / qwen2 / qwen3."""
+"""GGUF (llama.cpp) tensor names -> Hugging Face parameter names for the Llama block, and where
+Gemma 2 / 3 and Phi-3 name theirs otherwise."""
 from __future__ import annotations
 
 import re
@@ -23,6 +24,16 @@ _LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 
+# Where a family's layer tensors differ: Gemma's four norms a layer (llama.cpp's ffn_norm is the
+# norm before the MLP, the Llama block's post-attention norm), Phi-3's fused q/k/v and gate/up
+# matrices (split by the model's loader, models/llama.py).
+_ARCH_LAYER = {
+    "gemma2": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_LAYER["gemma3"] = _ARCH_LAYER["gemma2"]
+
 # Tensors llama.cpp stores that carry no parameter of their own (e.g. llama-3 rope factors,
 # which the config's rope scaling already describes).
 SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -31,14 +42,15 @@ _BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _PLAIN = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """The HF name for a GGUF tensor name, or None when the tensor has no HF counterpart."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """The HF name for a GGUF tensor name of an ``arch`` file, or None when the tensor has no HF
+    counterpart."""
     if name in SKIPPED:
         return None
     m = _BLK.match(name)
     if m:
         layer, part, kind = m.groups()
-        hf = _LAYER.get(part)
+        hf = _ARCH_LAYER.get(arch, {}).get(part) or _LAYER.get(part)
         return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
     m = _PLAIN.match(name)
     if m:
