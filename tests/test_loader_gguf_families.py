@@ -16,6 +16,7 @@ from gguf import quants
 
 from conftest import write_word_tokenizer
 from kvship.loader import resolve_model
+from test_loader_gguf_moe import dense_metadata
 from test_models import our_logits
 
 pytestmark = pytest.mark.timeout(300)
@@ -90,16 +91,9 @@ def _tensors(model, arch: str) -> dict[str, np.ndarray]:
 def _write(path, model, arch: str, linear_type=QT.F32) -> None:
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    dense_metadata(w, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
     if arch == "gemma2":
         w.add_sliding_window(cfg.sliding_window)
@@ -115,10 +109,6 @@ def _write(path, model, arch: str, linear_type=QT.F32) -> None:
         w.add_rope_freq_base(float(rope["rope_theta"]))
         w.add_rope_dimension_count(head_dim)
         w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size - 1)] + ["</s>"])
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id)
     for name, arr in _tensors(model, arch).items():
         qtype = linear_type if arr.ndim == 2 and name.startswith("blk.") else QT.F32
         data = quants.quantize(np.ascontiguousarray(arr), qtype)

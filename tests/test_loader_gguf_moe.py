@@ -83,8 +83,9 @@ def _gguf_tensors(model, arch: str, split_experts: bool = False) -> dict[str, np
     return out
 
 
-def _metadata(w, model, arch: str) -> None:
-    cfg = model.config
+def dense_metadata(w, cfg) -> None:
+    """The keys every llama.cpp architecture writes (shapes, norm epsilon) and a word-level
+    "gpt2" vocabulary of the config's size."""
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -92,18 +93,23 @@ def _metadata(w, model, arch: str) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size - 1)] + ["</s>"])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+
+
+def _metadata(w, model, arch: str) -> None:
+    cfg = model.config
+    dense_metadata(w, cfg)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if arch != "llama":
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", 0):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size - 1)] + ["</s>"])
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id)
 
 
 def _encoded(arr: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
