@@ -165,14 +165,16 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        """The tokenizer a GGUF file's metadata describes: byte-level BPE with its merges ("gpt2":
+        Llama 3, Qwen, Phi-4, SmolLM) or SentencePiece's BPE ("llama": Llama 2, Mistral, Gemma,
+        Phi-3), as llama.cpp tokenizes them."""
         kind = meta.get("tokenizer.ggml.model")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise ModelSourceError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-                "use the model's HF folder instead.")
+                f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and SentencePiece "
+                "'llama' are); use the model's HF folder instead.")
         types = meta.get("tokenizer.ggml.token_type") or [_TT_NORMAL] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         vocab = {t: i for i, t in enumerate(tokens)}
 
         def tok(key: str) -> str | None:
@@ -182,12 +184,17 @@ class Tokenizer:
         unk = tok("tokenizer.ggml.unknown_token_id")
         bos, eos, pad = tok("tokenizer.ggml.bos_token_id"), tok("tokenizer.ggml.eos_token_id"), \
             tok("tokenizer.ggml.padding_token_id")
-        backend = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True,
-                                                  byte_fallback=True))
-        backend.normalizer = normalizers.Sequence([])
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False,
-                                                         use_regex=True)
-        backend.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+            backend = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True,
+                                                      byte_fallback=True))
+            backend.normalizer = normalizers.Sequence([])
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False,
+                                                             use_regex=True)
+            backend.decoder = decoders.ByteLevel()
+        else:
+            backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
+                                         unk, bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
         specials = [AddedToken(tokens[i], normalized=False, special=True)
                     for i, t in enumerate(types) if t == _TT_CONTROL]
         if specials:
@@ -216,3 +223,30 @@ class Tokenizer:
                     extra.append(i)
         return cls(backend, bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad, extra_eos_ids=extra,
                    chat_template=template)
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], unk: str | None,
+                       add_space_prefix: bool) -> tokenizers.Tokenizer:
+    """SentencePiece's BPE as llama.cpp runs it from a GGUF vocabulary: spaces become "▁" (and one
+    leads the text when ``add_space_prefix``), then adjacent pieces merge, the pair whose joined
+    piece scores highest first, and characters no piece holds fall back to their UTF-8 bytes
+    (the <0xXX> pieces). The tokenizers library's BPE does the same given the merges ranked by
+    the joined piece's score, which the file does not store: every split of a normal piece into
+    two pieces of the vocabulary is one (as transformers derives them for SentencePiece models)."""
+    normal = {t: i for i, t in enumerate(tokens) if types[i] in (_TT_NORMAL, _TT_UNKNOWN)}
+    merges = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                merges.append((-scores[i], i, normal[left], normal[right], left, right))
+    merges.sort()
+    backend = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [(m[4], m[5]) for m in merges],
+                                              unk_token=unk, fuse_unk=True, byte_fallback=True))
+    replace = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if add_space_prefix else replace
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
