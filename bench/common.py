@@ -54,6 +54,17 @@ SHAPES = {
                                            "original_max_position_embeddings": 4096},
                              max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
                              torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
+    # Moonlight-16B-A3B: DeepSeek-V3's architecture (sigmoid routing with a correction bias,
+    # 6 of 64 experts in 1 group, 2 shared), no rope scaling, 27 layers of MLA
+    "moonlight-16b-a3b": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=2048,
+                              intermediate_size=11264, num_hidden_layers=27, num_attention_heads=16,
+                              num_key_value_heads=16, vocab_size=163840, q_lora_rank=None, kv_lora_rank=512,
+                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1,
+                              moe_layer_freq=1, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                              moe_intermediate_size=1408, routed_scaling_factor=2.446, topk_method="noaux_tc",
+                              scoring_func="sigmoid", n_group=1, topk_group=1, norm_topk_prob=True,
+                              rope_theta=50000.0, rope_scaling=None, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                              tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
 }
 
 
