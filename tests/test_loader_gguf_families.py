@@ -167,6 +167,34 @@ def test_family_gguf_matches_transformers(files, arch):
         torch.testing.assert_close(got, _logits(ref, p), atol=ATOL, rtol=0)
 
 
+def test_gemma3_layer_pattern_as_flags(files, tmp_path):
+    """Files that give Gemma 3's pattern as a flag per layer (true: sliding) serve the same layers."""
+    path, ref = files["gemma3"]
+    cfg = resolve_model(str(path)).hf_config
+    flagged = tmp_path / "flags.gguf"
+    reader = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(flagged), "gemma3")
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", "general.architecture")):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            w.add_array(field.name, field.contents())
+        else:
+            w.add_key_value(field.name, field.contents(), kind)
+    w.add_array("gemma3.attention.sliding_window_pattern", [(i + 1) % 6 != 0 for i in range(6)])
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=np.asarray(t.data).shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    flags = resolve_model(str(flagged)).hf_config
+    assert flags["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"] and cfg["sliding_window_pattern"] == 6
+    for p, got in zip(PROMPTS, our_logits(flagged, PROMPTS)):
+        torch.testing.assert_close(got, _logits(ref, p), atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "phi3"])
 def test_quantized_linears_stay_quantized(files, arch, tmp_path):
     """Q8_0 linear matrices (Phi-3's fused ones split by rows in their blocks): kept quantized, and

@@ -165,7 +165,11 @@ def _gemma_config(meta: dict, arch: str, cfg: dict) -> dict:
         out["final_logit_softcapping"] = _f32(meta.get(p + "final_logit_softcapping", 30.0))
     else:
         out["rope_local_base_freq"] = 10000.0
-        out["sliding_window_pattern"] = int(meta.get(p + "attention.sliding_window_pattern", 6))
+        pattern = meta.get(p + "attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # newer files: a flag per layer, true where it slides
+            out["layer_types"] = ["sliding_attention" if slides else "full_attention" for slides in pattern]
+        else:
+            out["sliding_window_pattern"] = int(pattern)
     return out
 
 
