@@ -215,3 +215,30 @@ def test_quantized_linears_stay_quantized(files, arch, tmp_path):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
         moved = max(moved, (want - _logits(ref, p)).abs().max().item())
     assert moved > 10 * ATOL  # the blocks' rounding shows: the comparison would catch a 16-bit load
+
+
+def _meta(arch: str, **keys) -> dict:
+    base = {"general.architecture": arch, f"{arch}.embedding_length": 512, f"{arch}.attention.head_count": 4,
+            f"{arch}.feed_forward_length": 1024, f"{arch}.block_count": 4, "tokenizer.ggml.tokens": ["a"] * 10}
+    return base | {f"{arch}.{k}": v for k, v in keys.items()}
+
+
+def test_partial_rotary_phi_is_refused_by_name():
+    """Phi-4-mini rotates 3/4 of each head (rope.dimension_count 96 of 128): refused as the HF
+    config is, not built with the wrong rotation (or a longrope table of the wrong width)."""
+    from kvship.loader.gguf import gguf_hf_config
+    from kvship.models.config import ModelConfig, UnsupportedModelError
+
+    cfg = gguf_hf_config(_meta("phi3", **{"rope.dimension_count": 96}), set(), [])
+    assert cfg["partial_rotary_factor"] == 0.75
+    with pytest.raises(UnsupportedModelError, match="partial rotary"):
+        ModelConfig.from_hf(cfg)
+    assert "partial_rotary_factor" not in gguf_hf_config(_meta("phi3", **{"rope.dimension_count": 128}), set(), [])
+
+
+def test_gemma3_without_a_window_is_global():
+    from kvship.loader.gguf import gguf_hf_config
+    from kvship.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(gguf_hf_config(_meta("gemma3", **{"attention.key_length": 128}), set(), []))
+    assert cfg.kv_window is None and all(cfg.window(i) is None for i in range(4))

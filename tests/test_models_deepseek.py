@@ -207,6 +207,16 @@ def test_yarn_frequencies_match_transformers():
     assert rope_attention_factor(cfg.rope_scaling) == pytest.approx(factor)
 
 
+def test_v3_config_keys_left_out_take_transformers_defaults():
+    v3 = {k: v for k, v in V2_LITE.items() if k not in ("n_group", "topk_group", "routed_scaling_factor",
+                                                          "first_k_dense_replace", "topk_method", "scoring_func",
+                                                          "norm_topk_prob")}
+    cfg = ModelConfig.from_hf(v3 | dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"))
+    assert (cfg.moe_groups, cfg.routed_scaling_factor, cfg.norm_topk_prob, cfg.moe_scoring) == ((8, 4), 2.5, True,
+                                                                                              "sigmoid")
+    assert min(cfg.sparse_layers) == 3
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(scoring_func="sigmoid"), "scoring_func='sigmoid'"),
     (dict(norm_topk_prob=True), "norm_topk_prob=True"),

@@ -82,3 +82,17 @@ def test_gguf_sentencepiece_vocabulary_tokenizes_as_sentencepiece(add_dummy_pref
     text = "".join(stream.push([i]) for i in out) + stream.flush()
     head = ours.decode(prompt)
     assert text == ours.decode(prompt + out)[len(head):] and text.strip() == ours.decode(out).strip()
+
+
+def test_phi3_files_drop_whitespace_after_pieces():
+    """llama.cpp's rule for Phi-3 files (named so in general.name): whitespace after a control or
+    user-defined piece goes, so the next word takes SentencePiece's leading space instead."""
+    sp = _trained(True)
+    meta = _gguf_metadata(sp, True)
+    phi3 = Tokenizer.from_gguf_metadata(meta | {"general.name": "Phi-3-mini-4k-instruct"})
+    plain = Tokenizer.from_gguf_metadata(meta)
+    for piece in ("<usr>", "<ctl>"):
+        text = f"a{piece}\n  b c"
+        want = sp.encode("a") + [sp.piece_to_id(piece)] + sp.encode("b c")
+        assert phi3.encode(text)[1:] == want
+        assert plain.encode(text)[1:] == _llama_cpp_ids(sp, text) != want

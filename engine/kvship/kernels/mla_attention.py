@@ -33,9 +33,10 @@ from kvship.kernels.numerics import fp8_round
 # Launch settings, not yet measured on a GPU: the tile of 32 rows keeps the latent tile (32 KB
 # in bf16 at rank 512) double-buffered well inside an sm_90 block's shared memory.
 MLA_DECODE_CONFIG = {"block_n": 32, "block_h": 16, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
-# Prefill: 32 tokens of one head against tiles of 32 rows; a [32, 512] fp32 accumulator is 128
-# registers a thread at 4 warps. Not yet measured either.
-MLA_PREFILL_CONFIG = {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
+# Prefill: 16 tokens of one head (a dot's fewest rows) against tiles of 32 rows: a [16, 512] fp32
+# accumulator is 64 registers a thread at 4 warps, beside the query's [16, 512] 16-bit rows; 32
+# tokens would double both, near the 255-register limit where they spill. Not measured either.
+MLA_PREFILL_CONFIG = {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
 def store_latent_torch(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,

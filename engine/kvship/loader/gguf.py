@@ -145,6 +145,9 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int],
         cfg["attention_bias"] = True
     cfg.update(_moe_config(meta, arch, tensor_names, cfg["num_hidden_layers"]))
     cfg.update(_gemma_config(meta, arch, cfg))
+    rope_dims = meta.get(p + "rope.dimension_count")
+    if rope_dims and int(rope_dims) != head_dim:  # Phi-4-mini rotates 96 of 128 channels: refused by name
+        cfg["partial_rotary_factor"] = int(rope_dims) / head_dim
     if arch == "phi3":
         cfg.update(_phi3_config(meta, rope_factors or {}))
     return cfg
@@ -158,8 +161,10 @@ def _gemma_config(meta: dict, arch: str, cfg: dict) -> dict:
         return {}
     p = arch + "."
     big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
-    out = {"sliding_window": int(meta[p + "attention.sliding_window"]), "hidden_activation": "gelu_pytorch_tanh",
+    out = {"hidden_activation": "gelu_pytorch_tanh",
            "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]}
+    if meta.get(p + "attention.sliding_window"):  # optional for Gemma 3 (none: every layer global)
+        out["sliding_window"] = int(meta[p + "attention.sliding_window"])
     if arch == "gemma2":
         out["attn_logit_softcapping"] = _f32(meta.get(p + "attn_logit_softcapping", 50.0))
         out["final_logit_softcapping"] = _f32(meta.get(p + "final_logit_softcapping", 30.0))

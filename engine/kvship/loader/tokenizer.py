@@ -195,11 +195,19 @@ class Tokenizer:
         else:
             backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
                                          unk, bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
-        specials = [AddedToken(tokens[i], normalized=False, special=True)
+        # llama.cpp's rule for Phi-3 files (by name, as their tokenizer.json has it): whitespace after
+        # a control or user-defined piece is dropped, except after <unk>, <s> and <|endoftext|>
+        name = str(meta.get("general.name", "")).lower()
+        phi3 = "phi-3" in name or "phi3" in name
+
+        def rstrip(piece: str) -> bool:
+            return phi3 and piece not in ("<unk>", "<s>", "<|endoftext|>")
+
+        specials = [AddedToken(tokens[i], normalized=False, special=True, rstrip=rstrip(tokens[i]))
                     for i, t in enumerate(types) if t == _TT_CONTROL]
         if specials:
             backend.add_special_tokens(specials)
-        user = [AddedToken(tokens[i], normalized=False, special=False)
+        user = [AddedToken(tokens[i], normalized=False, special=False, rstrip=rstrip(tokens[i]))
                 for i, t in enumerate(types) if t == _TT_USER_DEFINED]
         if user:
             backend.add_tokens(user)
@@ -233,7 +241,9 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int],
     (the <0xXX> pieces). The tokenizers library's BPE does the same given the merges ranked by
     the joined piece's score, which the file does not store: every split of a normal piece into
     two pieces of the vocabulary is one (as transformers derives them for SentencePiece models)."""
-    normal = {t: i for i, t in enumerate(tokens) if types[i] in (_TT_NORMAL, _TT_UNKNOWN)}
+    # user-defined pieces join merges too: one written with "▁" ("▁▁" in older Gemma files) is
+    # never matched in the raw text, only formed from its halves, as llama.cpp's merging does
+    normal = {t: i for i, t in enumerate(tokens) if types[i] in (_TT_NORMAL, _TT_UNKNOWN, _TT_USER_DEFINED)}
     merges = []
     for piece, i in normal.items():
         for cut in range(1, len(piece)):

@@ -274,7 +274,10 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedModelError(f"{name} routing topk_method={method!r} is not supported "
                                     f"({' and '.join(methods)} {'are' if len(methods) > 1 else 'is'})")
     n = cfg["num_hidden_layers"]
-    first_dense, freq = cfg.get("first_k_dense_replace", 0) or 0, cfg.get("moe_layer_freq", 1) or 1
+    # a key config.json leaves out takes transformers' default for the architecture (V3's: 3 dense
+    # layers, 8 groups of which 4 are kept, weights times 2.5)
+    first_dense = cfg.get("first_k_dense_replace", 3 if v3 else 0) or 0
+    freq = cfg.get("moe_layer_freq", 1) or 1
     grouped = v3 or method == "group_limited_greedy"
     return dict(num_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                 moe_intermediate_size=cfg["moe_intermediate_size"],
@@ -283,6 +286,8 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 sparse_layers=frozenset(i for i in range(n) if i >= first_dense and i % freq == 0),
                 kv_lora_rank=cfg["kv_lora_rank"],
                 q_lora_rank=cfg.get("q_lora_rank") or 0, qk_nope_head_dim=cfg["qk_nope_head_dim"],
-                v_head_dim=cfg["v_head_dim"], routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                moe_groups=(cfg.get("n_group") or 1, cfg.get("topk_group") or 1) if grouped else None,
+                v_head_dim=cfg["v_head_dim"],
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+                moe_groups=(cfg.get("n_group", 8 if v3 else 1) or 1, cfg.get("topk_group", 4 if v3 else 1) or 1)
+                if grouped else None,
                 moe_scoring=scoring, rope_interleave=bool(cfg.get("rope_interleave", True)))

@@ -167,8 +167,10 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
         # graphs: decode only; routed experts only through the fused Triton path (the torch one
-        # syncs with the host and its shapes follow the routing)
+        # syncs with the host and its shapes follow the routing), and none with --attention-backend
+        # torch (the torch attention reference syncs with the host too)
         if self.device.type == "cuda" and not config.enforce_eager and config.task != "embed" \
+                and self.backend != "torch" \
                 and (HAS_TRITON or not model_config.num_experts) and self.model.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, 512),
                                        -(-max_model_len // self.block_size), self.device)
