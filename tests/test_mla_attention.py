@@ -11,6 +11,7 @@ import torch
 from kvship.kernels import mla_attention as mla
 from kvship.kernels._triton import HAS_TRITON
 from sm90_compile import compile_in_child, ints
+from test_kernels import DEV
 
 pytestmark = [pytest.mark.skipif(not HAS_TRITON, reason="triton not installed"), pytest.mark.timeout(600)]
 
@@ -27,7 +28,7 @@ def _paged(lens: list[int], block_size: int, width: int, dtype, seed: int):
     for i, n in enumerate(per_seq):
         tables[i, :n] = order[used:used + n]
         used += n
-    return cache, tables, torch.tensor(lens, dtype=torch.int32), g
+    return cache.to(DEV), tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV), g
 
 
 @pytest.mark.parametrize("heads,rank,rope,dtype,splits", [
@@ -39,11 +40,11 @@ def _paged(lens: list[int], block_size: int, width: int, dtype, seed: int):
 def test_decode_kernel_matches_reference(heads, rank, rope, dtype, splits):
     lens = [1, 37, 70, 5]
     cache, tables, seq_lens, g = _paged(lens, 16, rank + rope, dtype, 0)
-    q = torch.randn(len(lens), heads, rank + rope, generator=g).to(dtype)
-    cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+    q = torch.randn(len(lens), heads, rank + rope, generator=g).to(DEV, dtype)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
     scale = (rank + rope) ** -0.5
     want = mla.mla_attention_torch(q, cache, tables, seq_lens, cu, scale, rank)
-    out = torch.empty(len(lens), heads, rank, dtype=dtype)
+    out = torch.empty(len(lens), heads, rank, dtype=dtype, device=DEV)
     got = mla.mla_decode_triton(q, cache, tables, seq_lens, cu, scale, rank, out, num_splits=splits)
     tol = 2e-3 if dtype == torch.float16 else 1e-5
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -56,19 +57,19 @@ def test_decode_kernel_reads_fp8_pages(fp8, dtype):
     kernel's output as the reference's over the same pages, split and not."""
     rank, rope, heads, lens = 64, 16, 16, [1, 40, 97]
     full, tables, seq_lens, g = _paged(lens, 16, rank + rope, torch.float32, 2)
-    scale = torch.tensor([0.05])
-    slots = torch.randperm(full.shape[0] * 16, generator=g)[:60]
-    rows = torch.randn(60, rank + rope, generator=g) * 3
-    cache, want_cache = torch.zeros(full.shape, dtype=fp8), torch.zeros(full.shape, dtype=fp8)
+    scale = torch.tensor([0.05], device=DEV)
+    slots = torch.randperm(full.shape[0] * 16, generator=g)[:60].to(DEV)
+    rows = torch.randn(60, rank + rope, generator=g).to(DEV) * 3
+    cache, want_cache = (torch.zeros(full.shape, dtype=fp8, device=DEV) for _ in range(2))
     mla.store_latent_triton(rows, cache, slots, scale)
     mla.store_latent_torch(rows, want_cache, slots, scale)
     assert torch.equal(cache.float(), want_cache.float())  # bit for bit up to the sign of zero
     assert (cache.view(-1, rank + rope)[slots].float() * scale - rows).abs().max() < 0.2 * rows.abs().max()
-    q = torch.randn(len(lens), heads, rank + rope, generator=g).to(dtype)
-    cu = torch.arange(len(lens) + 1, dtype=torch.int32)
+    q = torch.randn(len(lens), heads, rank + rope, generator=g).to(DEV, dtype)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
     want = mla.mla_attention_torch(q, cache, tables, seq_lens, cu, 0.1, rank, scale)
     for splits in (1, 4):
-        out = torch.empty(len(lens), heads, rank, dtype=dtype)
+        out = torch.empty(len(lens), heads, rank, dtype=dtype, device=DEV)
         got = mla.mla_decode_triton(q, cache, tables, seq_lens, cu, 0.1, rank, out, scale, num_splits=splits)
         tol = 2e-3 if dtype == torch.float16 else 1e-5
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -81,13 +82,13 @@ def test_prefill_kernel_matches_reference(cache_dtype):
     rank, rope, heads = 64, 16, 3
     lens, new = [75, 20, 9], [45, 20, 1]
     full, tables, seq_lens, g = _paged(lens, 8, rank + rope, torch.float32, 3)
-    scale = torch.tensor([0.02])
+    scale = torch.tensor([0.02], device=DEV)
     cache = full if cache_dtype == torch.float32 else (full / scale).to(cache_dtype)
-    q = torch.randn(sum(new), heads, rank + rope, generator=g)
-    cu = torch.tensor([0, 45, 65, 66], dtype=torch.int32)
+    q = torch.randn(sum(new), heads, rank + rope, generator=g).to(DEV)
+    cu = torch.tensor([0, 45, 65, 66], dtype=torch.int32, device=DEV)
     kv_scale = None if cache_dtype == torch.float32 else scale
     want = mla.mla_attention_torch(q, cache, tables, seq_lens, cu, 0.1, rank, kv_scale)
-    out = torch.empty(sum(new), heads, rank)
+    out = torch.empty(sum(new), heads, rank, device=DEV)
     got = mla.mla_prefill_triton(q, cache, tables, seq_lens, cu, 0.1, rank, max(new), out, kv_scale)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -98,18 +99,18 @@ def test_mixed_step_decodes_and_chunks():
     lens = [9, 30, 12, 21]
     new = [1, 1, 5, 12]
     cache, tables, seq_lens, g = _paged(lens, bs, rank + rope, torch.float32, 1)
-    q = torch.randn(sum(new), heads, rank + rope, generator=g)
-    cu = torch.tensor([0, 1, 2, 7, 19], dtype=torch.int32)
+    q = torch.randn(sum(new), heads, rank + rope, generator=g).to(DEV)
+    cu = torch.tensor([0, 1, 2, 7, 19], dtype=torch.int32, device=DEV)
     want = mla.mla_attention_torch(q, cache, tables, seq_lens, cu, 0.3, rank)
     got = mla.mla_attention_triton(q, cache, tables, seq_lens, cu, 0.3, rank, max(new), num_decodes=2, num_splits=2)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_store_skips_padding_slots():
-    cache = torch.zeros(4, 4, 1, 40)
+    cache = torch.zeros(4, 4, 1, 40, device=DEV)
     want = cache.clone()
-    rows = torch.randn(5, 40)
-    slots = torch.tensor([3, -1, 12, 0, -1])
+    rows = torch.randn(5, 40, device=DEV)
+    slots = torch.tensor([3, -1, 12, 0, -1], device=DEV)
     mla.store_latent_triton(rows, cache, slots)
     mla.store_latent_torch(rows, want, slots)
     assert torch.equal(cache, want) and torch.equal(cache.view(16, 40)[12], rows[2])
