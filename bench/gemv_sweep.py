@@ -4,12 +4,13 @@ timed from a CUDA graph that cycles through enough weight copies to overflow L2 
 step, where each layer's weights come from HBM). Prints a table and the GEMV_SHAPES entries
 (engine/kvship/kernels/gemv.py) for the shapes where the best setting beats cuBLAS.
 
-    python bench/gemv_sweep.py [--quick] [--more]
+    python bench/gemv_sweep.py [--quick] [--more | --deepseek] [--best-json PATH]
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -27,6 +28,12 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
 MORE_SHAPES = [("a3b qkv", 5120, 2048), ("a3b o", 2048, 4096), ("a3b router", 128, 2048), ("gemma2 qkv", 8192, 3584),
                ("gemma2 o", 3584, 4096), ("gemma2 gate_up", 28672, 3584), ("gemma2 down", 3584, 14336),
                ("phi4 qkv", 7680, 5120), ("phi4 o", 5120, 5120), ("phi4 down", 5120, 17920)]
+# --deepseek: DeepSeek-V2-Lite's and Moonlight's q, latent (kv_a) and o projections, their router, the shared
+# experts' gate/up and down, and their first (dense) layer's MLP
+DEEPSEEK_SHAPES = [("ds q", 3072, 2048), ("ds kv_a", 576, 2048), ("ds o", 2048, 2048), ("ds shared gate_up", 5632, 2048),
+                   ("ds shared down", 2048, 2816), ("v2-lite dense gate_up", 21888, 2048),
+                   ("v2-lite dense down", 2048, 10944), ("moonlight dense gate_up", 22528, 2048),
+                   ("moonlight dense down", 2048, 11264)]
 
 
 def time_per_call(fn_per_copy, copies: int, reps: int = 20) -> float:
@@ -56,6 +63,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a small grid of settings")
     ap.add_argument("--more", action="store_true", help="the other bench shapes' projections instead of Llama-3-8B's")
+    ap.add_argument("--deepseek", action="store_true", help="DeepSeek-V2-Lite's and Moonlight's instead")
+    ap.add_argument("--best-json", help="write the GEMV_SHAPES entries found here, as [[N, K], setting] pairs "
+                    "(bench/latency.py --settings tries them)")
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     copy_bw, _ = measure_ceilings()
@@ -63,7 +73,9 @@ def main() -> None:
     if args.quick:
         grid = [(16, 512, 4, 3), (32, 256, 4, 3), (8, 1024, 4, 1)]
     rows, best_table = [], {}
-    for name, n, k in (MORE_SHAPES if args.more else SHAPES):
+    if args.deepseek:
+        grid = list(itertools.product([4, 8, 16], [512, 1024, 2048], [2, 4, 8], [1, 3]))
+    for name, n, k in (DEEPSEEK_SHAPES if args.deepseek else MORE_SHAPES if args.more else SHAPES):
         copies = max(4, -(-300_000_000 // (n * k * 2)))  # > 2x the 50 MB L2 every replay
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device=dev, dtype=dt)
@@ -99,6 +111,8 @@ def main() -> None:
     for (n, k), cfg in best_table.items():
         print(f"    ({n}, {k}): {cfg},")
     print("}")
+    if args.best_json:
+        Path(args.best_json).write_text(json.dumps([[list(key), cfg] for key, cfg in best_table.items()]))
 
 
 if __name__ == "__main__":

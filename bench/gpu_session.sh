@@ -25,6 +25,8 @@
 #   quantized-weight GPU tests, batch 1 by format, the batch-4 int4 step: final-verify latency-formats profile-int4-b4
 #   DeepSeek-V2's latent attention in Triton and CUDA graphs (kernel and model GPU tests, then
 #   batch 1 of the V2-Lite and Moonlight shapes, where V2-Lite's step goes): mla-tests latency-mla profile-mla
+#   the rotary + latent store in one kernel (kernel tests, graphs), DeepSeek's projections in the one-row GEMV
+#   (sweep, then batch 1 without and with its settings): mla-quick gemv-deepseek
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 #   throughput by KV and weight dtype (two passes each: one tree's single runs spread by 7%), then where
@@ -117,6 +119,12 @@ bench throughput-fp8-block 400 bash -c "python3 bench/throughput.py --hf-prompts
 bench latency-moe 150 python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf
 bench mla-tests 420 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_mla_attention.py \
   tests/test_models_deepseek.py -k "(gpu or cuda or not deepseek) and not compile"
+bench mla-quick 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_mla_attention.py \
+  tests/test_models_deepseek.py -k "(not deepseek and not compile) or (gpu_decode_in_cuda_graphs and (lite or v3) and not halves) or (gpu_fp8_latent and not e5m2)"
+bench gemv-deepseek 400 bash -c "python3 bench/gemv_sweep.py --deepseek --best-json $OUT/gemv-deepseek.json && \
+  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
+  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf --settings $OUT/gemv-deepseek.json && \
+  python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf --settings $OUT/gemv-deepseek.json"
 bench profile-mla 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape deepseek-v2-lite --top 14
 bench latency-mla 300 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"

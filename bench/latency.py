@@ -137,12 +137,16 @@ def moe_layer_rows(shape: str, bw: float, token_counts=(1, 4, 16, 64)) -> list[l
 
 
 def use_settings(settings: list) -> None:
-    """Put [shape key, setting] pairs into quant_linear's per-shape tables (the engine runs in this
-    process): pairs-kernel settings for one row, mma-kernel ones for 2 to 8 rows."""
-    from kvship.kernels import quant_linear
+    """Put [shape key, setting] pairs into the kernels' per-shape tables (the engine runs in this
+    process): 16-bit GEMV settings for (N, K) keys (gemv_sweep.py --best-json); quantized ones
+    (quant_gemv_sweep.py --best-json): pairs-kernel settings for one row, mma-kernel ones for 2 to 8 rows."""
+    from kvship.kernels import gemv, quant_linear
 
     for key, cfg in settings:
-        table_ = quant_linear.MMA_GEMV_SHAPES if "mma" in cfg else quant_linear.PAIRS_GEMV_SHAPES
+        if len(key) == 2:
+            table_ = gemv.GEMV_SHAPES
+        else:
+            table_ = quant_linear.MMA_GEMV_SHAPES if "mma" in cfg else quant_linear.PAIRS_GEMV_SHAPES
         table_[tuple(key)] = cfg
         print(f"setting {tuple(key)}: {cfg}", file=sys.stderr)
 
@@ -158,7 +162,7 @@ def main() -> None:
                          "int4-g32: in-situ int4 in groups of 32 with offsets, the layout GGUF Q4_K blocks load into; "
                          "q4_k_m: a GGUF file of the shape with Q4_K_M's tensor types (bench/gguf_shape.py)")
     ap.add_argument("--settings", help="one-row and small-batch GEMV settings per weight to try (the JSON of "
-                                       "bench/quant_gemv_sweep.py --best-json), over the engine's own")
+                                       "bench/quant_gemv_sweep.py or bench/gemv_sweep.py --best-json), over the engine's own")
     args = ap.parse_args()
     if args.settings:
         use_settings(json.loads(Path(args.settings).read_text()))

@@ -1,14 +1,15 @@
 """Multi-head latent attention's Triton kernels (kernels/mla_attention.py) against their torch
 reference in the interpreter: the decode kernel over shuffled pages at DeepSeek-V2-Lite's row
 width and a tiny one, split and not, head counts off the head block; the prefill kernel over
-cached prefixes; a step mixing decodes with prompt chunks; the latent store skipping padding
-slots; FP8 pages stored and read. Then the kernels compile for sm_90, every cache dtype."""
+cached prefixes; a step mixing decodes with prompt chunks; the rotary + latent store (padding
+slots skipped, FP8 pages stored and read). Then the kernels compile for sm_90, every cache dtype."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kvship.kernels import mla_attention as mla
+from kvship.kernels import rotary
 from kvship.kernels._triton import HAS_TRITON
 from sm90_compile import compile_in_child, ints
 from test_kernels import DEV
@@ -50,20 +51,57 @@ def test_decode_kernel_matches_reference(heads, rank, rope, dtype, splits):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+def _projected(tokens: int, heads: int, rank: int, rope: int, dtype, g, nope: int = 24):
+    """q_lat, q_pe, latent and k_pe as strided views, the way DeepSeekV2Attention leaves them
+    (q_pe beside q_nope in the query projection, k_pe beside the latent, q_lat transposed from
+    the per-head bmm), and a cos/sin table with positions."""
+    q = (torch.randn(tokens, heads, nope + rope, generator=g) * 2).to(DEV, dtype)
+    kv = (torch.randn(tokens, rank + rope, generator=g) * 3).to(DEV, dtype)
+    q_lat = torch.randn(heads, tokens, rank, generator=g).to(DEV, dtype).transpose(0, 1)
+    cos_sin = rotary.build_cos_sin_cache(64, rope, device=DEV)
+    positions = torch.randint(0, 64, (tokens,), generator=g).to(DEV)
+    return positions, q_lat, q[..., nope:], kv[:, :rank], kv[:, rank:], cos_sin
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_rope_store_matches_reference(cache_dtype):
+    """The one-launch rotary + latent store against the torch reference on strided views: the
+    query (two head blocks, the second part-filled) and the cache rows, padding slots (-1) writing
+    nothing."""
+    g = torch.Generator().manual_seed(4)
+    heads, rank, rope, tokens = 20, 64, 16, 9
+    dtype = torch.float16 if cache_dtype == torch.float16 else torch.float32
+    positions, q_lat, q_pe, latent, k_pe, cos_sin = _projected(tokens, heads, rank, rope, dtype, g)
+    slots = torch.randperm(6 * 8, generator=g)[:tokens].to(DEV)
+    slots[[2, 7]] = -1
+    scale = torch.tensor([0.05], device=DEV) if cache_dtype.itemsize == 1 else None
+    got_cache, want_cache = (torch.zeros(6, 8, 1, rank + rope, dtype=cache_dtype, device=DEV) for _ in range(2))
+    got = mla.rope_store_latent_triton(positions, q_lat, q_pe, latent, k_pe, cos_sin, got_cache, slots, scale)
+    want = mla.rope_store_latent_torch(positions, q_lat, q_pe, latent, k_pe, cos_sin, want_cache, slots, scale)
+    # bit for bit in the interpreter; a GPU compile may fuse the rotation's multiply-adds (one fp32 rounding
+    # fewer), which can move a rounded value by a step of its format
+    step = {torch.float32: 1e-6, torch.float16: 1e-3, torch.float8_e4m3fn: 0.125, torch.float8_e5m2: 0.25}
+    exact = 0 if DEV == "cpu" else 1
+    torch.testing.assert_close(got[..., :rank], want[..., :rank], atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=exact * 1e-6, rtol=exact * step[dtype])
+    assert torch.equal(got_cache[..., :rank].float(), want_cache[..., :rank].float())
+    torch.testing.assert_close(got_cache.float(), want_cache.float(), atol=exact * 1e-6, rtol=exact * step[cache_dtype])
+    assert int((got_cache.view(-1, rank + rope).float().abs().sum(1) > 0).sum()) == tokens - 2
+
+
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_kernel_reads_fp8_pages(fp8, dtype):
-    """An FP8 latent cache (one scale for the layer): rows stored through both stores alike, the
+    """An FP8 latent cache (one scale for the layer): rows stored by the Triton store, the
     kernel's output as the reference's over the same pages, split and not."""
     rank, rope, heads, lens = 64, 16, 16, [1, 40, 97]
     full, tables, seq_lens, g = _paged(lens, 16, rank + rope, torch.float32, 2)
     scale = torch.tensor([0.05], device=DEV)
     slots = torch.randperm(full.shape[0] * 16, generator=g)[:60].to(DEV)
-    rows = torch.randn(60, rank + rope, generator=g).to(DEV) * 3
-    cache, want_cache = (torch.zeros(full.shape, dtype=fp8, device=DEV) for _ in range(2))
-    mla.store_latent_triton(rows, cache, slots, scale)
-    mla.store_latent_torch(rows, want_cache, slots, scale)
-    assert torch.equal(cache.float(), want_cache.float())  # bit for bit up to the sign of zero
+    positions, q_lat, q_pe, latent, k_pe, cos_sin = _projected(60, heads, rank, rope, torch.float32, g)
+    cache = torch.zeros(full.shape, dtype=fp8, device=DEV)
+    mla.rope_store_latent_triton(positions, q_lat, q_pe, latent, k_pe, cos_sin, cache, slots, scale)
+    rows = mla.rope_latent_torch(positions, q_lat, q_pe, latent, k_pe, cos_sin)[1]
     assert (cache.view(-1, rank + rope)[slots].float() * scale - rows).abs().max() < 0.2 * rows.abs().max()
     q = torch.randn(len(lens), heads, rank + rope, generator=g).to(DEV, dtype)
     cu = torch.arange(len(lens) + 1, dtype=torch.int32, device=DEV)
@@ -106,17 +144,6 @@ def test_mixed_step_decodes_and_chunks():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_store_skips_padding_slots():
-    cache = torch.zeros(4, 4, 1, 40, device=DEV)
-    want = cache.clone()
-    rows = torch.randn(5, 40, device=DEV)
-    slots = torch.tensor([3, -1, 12, 0, -1], device=DEV)
-    mla.store_latent_triton(rows, cache, slots)
-    mla.store_latent_torch(rows, want, slots)
-    assert torch.equal(cache, want) and torch.equal(cache.view(16, 40)[12], rows[2])
-    assert int((cache.view(16, 40).abs().sum(1) > 0).sum()) == 3
-
-
 @pytest.mark.timeout(900)
 def test_mla_kernels_compile_for_sm90():
     module = "kvship.kernels.mla_attention"
@@ -149,8 +176,12 @@ def test_mla_kernels_compile_for_sm90():
                                             "stride_cs"],
                               "options": {"num_warps": pre["num_warps"], "num_stages": pre["num_stages"]}})
         for fp8, cache in ((0, dtype), (1, "fp8e4nv"), (2, "fp8e5")):
-            specs.append({"kernel": f"{module}:_store_latent_kernel",
-                          "types": {"rows_ptr": f"*{dtype}", "cache_ptr": f"*{cache}", "slots_ptr": "*i64",
-                                    "scale_ptr": "*fp32", **ints("stride_r", "stride_c")},
-                          "constexprs": {"WIDTH": 576, "BLOCK": 1024, "FP8": fp8}})
+            specs.append({"kernel": f"{module}:_rope_store_latent_kernel",
+                          "types": {"pos_ptr": "*i64", "cs_ptr": "*fp32", "qlat_ptr": f"*{dtype}", "qpe_ptr": f"*{dtype}",
+                                    "lat_ptr": f"*{dtype}", "kpe_ptr": f"*{dtype}", "q_ptr": f"*{dtype}",
+                                    "cache_ptr": f"*{cache}", "slots_ptr": "*i64", "scale_ptr": "*fp32",
+                                    **ints("stride_cs", "stride_qlt", "stride_qlh", "stride_qpt", "stride_qph",
+                                           "stride_lt", "stride_kt", "stride_qt", "stride_qh", "stride_c")},
+                          "constexprs": {"NUM_HEADS": 16, "RANK": 512, "HALF": 32, "BLOCK_R": 512, "BLOCK_HALF": 32,
+                                         "BLOCK_H": 16, "FP8": fp8}})
     compile_in_child(specs)

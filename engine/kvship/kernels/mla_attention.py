@@ -29,6 +29,7 @@ from kvship.kernels import kv_quant as kvq
 from kvship.kernels import paged_attention as pa
 from kvship.kernels._triton import device_sms, next_pow2, tl, triton, use_triton
 from kvship.kernels.numerics import fp8_round
+from kvship.kernels.rotary import rotary_torch
 
 # Launch settings, not yet measured on a GPU: the tile of 32 rows keeps the latent tile (32 KB
 # in bf16 at rank 512) double-buffered well inside an sm_90 block's shared memory.
@@ -39,12 +40,23 @@ MLA_DECODE_CONFIG = {"block_n": 32, "block_h": 16, "num_warps": 4, "num_stages":
 MLA_PREFILL_CONFIG = {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
-def store_latent_torch(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
-                       kv_scale: torch.Tensor | None = None) -> None:
-    """rows [T, rank + rope] into their slots of the cache (an FP8 one: divided by kv_scale);
-    slot -1 (padding) writes nothing."""
+def rope_latent_torch(positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                      k_pe: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the query [T, H, rank + rope], the cache rows [T, rank + rope]): q_lat [T, H, rank] beside
+    q_pe [T, H, rope] rotated, latent [T, rank] beside k_pe [T, rope] rotated (halves layout)."""
+    q_pe, k_pe = rotary_torch(positions, q_pe, k_pe[:, None], cos_sin_cache)
+    return torch.cat([q_lat, q_pe], dim=-1), torch.cat([latent, k_pe[:, 0]], dim=-1)
+
+
+def rope_store_latent_torch(positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                            k_pe: torch.Tensor, cos_sin_cache: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The query (rope_latent_torch); the rows into their slots of the cache (an FP8 one: divided
+    by kv_scale); slot -1 (padding) writes nothing."""
+    q, rows = rope_latent_torch(positions, q_lat, q_pe, latent, k_pe, cos_sin_cache)
     keep = slots >= 0
     kvq.store(rows[keep][:, None], cache, kv_scale, slots[keep])
+    return q
 
 
 def mla_attention_torch(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -62,30 +74,87 @@ def _fp8_format(cache: torch.Tensor) -> int:
 
 
 @triton.jit
-def _store_latent_kernel(rows_ptr, cache_ptr, slots_ptr, scale_ptr, stride_r, stride_c, WIDTH: tl.constexpr,
-                         BLOCK: tl.constexpr, FP8: tl.constexpr):
+def _rotated(src, cos, sin, offs_h, m, HALF: tl.constexpr):
+    """Rows (src: each row's first rope element, [R, 1]) rotated in fp32 (halves layout, as
+    rotary_torch) and rounded to their dtype: the two halves."""
+    x1 = tl.load(src + offs_h[None, :], mask=m, other=0.0)
+    x2 = tl.load(src + HALF + offs_h[None, :], mask=m, other=0.0)
+    ty = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    return (x1 * cos - x2 * sin).to(ty), (x2 * cos + x1 * sin).to(ty)
+
+
+@triton.jit
+def _cache_value(x, scale_ptr, dst_ty: tl.constexpr, FP8: tl.constexpr):
+    """Values as an FP8 cache stores them: kv_quant.fp8_quantize's arithmetic, an exact division
+    rounded to nearest in fp32."""
+    if FP8:
+        x = fp8_round(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), FP8 == 2)
+    return x.to(dst_ty)
+
+
+@triton.jit
+def _rope_store_latent_kernel(
+    pos_ptr, cs_ptr, qlat_ptr, qpe_ptr, lat_ptr, kpe_ptr, q_ptr, cache_ptr, slots_ptr, scale_ptr,
+    stride_cs, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_lt, stride_kt, stride_qt, stride_qh, stride_c,
+    NUM_HEADS: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+):
+    """One (token, block of BLOCK_H heads) per program: the heads' query rows (latent part copied,
+    rope part rotated); the first head block also stores the token's cache row (slot -1: none)."""
     t = tl.program_id(0)
-    slot = tl.load(slots_ptr + t)
-    if slot < 0:
+    t64 = t.to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = (heads < NUM_HEADS)[:, None]
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = (offs_r < RANK)[None, :]
+    offs_h = tl.arange(0, BLOCK_HALF)
+    half_mask = (offs_h < HALF)[None, :]
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cs + offs_h[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_h[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    q_rows = q_ptr + t64 * stride_qt + heads[:, None] * stride_qh
+    lat = tl.load(qlat_ptr + t64 * stride_qlt + heads[:, None] * stride_qlh + offs_r[None, :], mask=hmask & rmask)
+    tl.store(q_rows + offs_r[None, :], lat, mask=hmask & rmask)
+    r1, r2 = _rotated(qpe_ptr + t64 * stride_qpt + heads[:, None] * stride_qph, cos, sin, offs_h, hmask & half_mask,
+                      HALF)
+    tl.store(q_rows + RANK + offs_h[None, :], r1, mask=hmask & half_mask)
+    tl.store(q_rows + RANK + HALF + offs_h[None, :], r2, mask=hmask & half_mask)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    if tl.program_id(1) > 0 or slot < 0:
         return
-    offs = tl.arange(0, BLOCK)
-    m = offs < WIDTH
-    row = tl.load(rows_ptr + t.to(tl.int64) * stride_r + offs, mask=m)
-    if FP8:  # kv_quant.fp8_quantize's arithmetic: an exact division, rounded to nearest in fp32
-        row = fp8_round(tl.math.div_rn(row.to(tl.float32), tl.load(scale_ptr)), FP8 == 2)
-    tl.store(cache_ptr + slot * stride_c + offs, row.to(cache_ptr.dtype.element_ty), mask=m)
+    dst = cache_ptr + slot * stride_c
+    ty = cache_ptr.dtype.element_ty
+    c = tl.load(lat_ptr + t64 * stride_lt + offs_r[None, :], mask=rmask)
+    tl.store(dst + offs_r[None, :], _cache_value(c, scale_ptr, ty, FP8), mask=rmask)
+    k1, k2 = _rotated(kpe_ptr + t64 * stride_kt, cos, sin, offs_h, half_mask, HALF)
+    tl.store(dst + RANK + offs_h[None, :], _cache_value(k1, scale_ptr, ty, FP8), mask=half_mask)
+    tl.store(dst + RANK + HALF + offs_h[None, :], _cache_value(k2, scale_ptr, ty, FP8), mask=half_mask)
 
 
-def store_latent_triton(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
-                        kv_scale: torch.Tensor | None = None) -> None:
-    """Triton twin of ``store_latent_torch``: no host sync for the padding rows' mask, so a
-    captured decode step may store."""
+def rope_store_latent_triton(positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                             k_pe: torch.Tensor, cos_sin_cache: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                             kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of ``rope_store_latent_torch`` in one launch (the reference takes some twenty
+    elementwise kernels a layer), on strided views as the projections leave them; no host sync
+    for the padding rows' mask, so a captured decode step may store."""
+    tokens, num_heads, rank = q_lat.shape
+    rope = q_pe.shape[-1]
     width = cache.shape[-1]
-    assert rows.shape[-1] == width and rows.stride(-1) == 1 and cache.is_contiguous()
+    assert width == rank + rope and rope % 2 == 0 and cache.is_contiguous() and cos_sin_cache.stride(-1) == 1
+    assert q_lat.stride(-1) == q_pe.stride(-1) == latent.stride(-1) == k_pe.stride(-1) == 1
+    q = torch.empty(tokens, num_heads, width, dtype=q_lat.dtype, device=q_lat.device)
     fp8 = _fp8_format(cache)
-    if rows.shape[0]:
-        _store_latent_kernel[(rows.shape[0],)](rows, cache, slots, kv_scale if fp8 else cache, rows.stride(0), width,
-                                               WIDTH=width, BLOCK=next_pow2(width), FP8=fp8)
+    block_h = min(16, next_pow2(num_heads))
+    if tokens:
+        _rope_store_latent_kernel[(tokens, triton.cdiv(num_heads, block_h))](
+            positions, cos_sin_cache, q_lat, q_pe, latent, k_pe, q, cache, slots, kv_scale if fp8 else cache,
+            cos_sin_cache.stride(0), q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+            latent.stride(0), k_pe.stride(0), q.stride(0), q.stride(1), width,
+            NUM_HEADS=num_heads, RANK=rank, HALF=rope // 2, BLOCK_R=next_pow2(rank), BLOCK_HALF=next_pow2(rope // 2),
+            BLOCK_H=block_h, FP8=fp8,
+        )
+    return q
 
 
 @triton.jit
@@ -294,9 +363,11 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tens
                                 num_decodes, kv_scale)
 
 
-def store_latent(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, kv_scale: torch.Tensor | None = None,
-                 force_torch: bool = False) -> None:
-    if force_torch or not use_triton(rows):
-        store_latent_torch(rows, cache, slots, kv_scale)
-    else:
-        store_latent_triton(rows, cache, slots, kv_scale)
+def rope_store_latent(positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                      k_pe: torch.Tensor, cos_sin_cache: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                      kv_scale: torch.Tensor | None = None, force_torch: bool = False) -> torch.Tensor:
+    """The query for the attention kernels, the rows into the cache: Triton on the GPU (unless
+    ``force_torch``), the torch reference elsewhere."""
+    if force_torch or not use_triton(q_lat):
+        return rope_store_latent_torch(positions, q_lat, q_pe, latent, k_pe, cos_sin_cache, cache, slots, kv_scale)
+    return rope_store_latent_triton(positions, q_lat, q_pe, latent, k_pe, cos_sin_cache, cache, slots, kv_scale)

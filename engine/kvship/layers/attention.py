@@ -152,15 +152,15 @@ class LatentAttention(PagedAttention):
     def forward(self, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                 k_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q_lat [T, H, kv_lora_rank], q_pe [T, H, rope], latent [T, kv_lora_rank] (normalized),
-        k_pe [T, rope] (both not yet rotated) -> the attention-weighted latents [T, H, kv_lora_rank]."""
-        q_pe, k_pe = rotary_torch(positions, q_pe, k_pe[:, None], self.rotary.cos_sin_cache)
-        q = torch.cat([q_lat, q_pe], dim=-1)
-        row = torch.cat([latent, k_pe[:, 0]], dim=-1)  # [T, kv_lora_rank + rope]
+        k_pe [T, rope] (both not yet rotated; views with unit last strides) -> the attention-weighted latents [T, H, kv_lora_rank]."""
+        cos_sin = self.rotary.cos_sin_cache
         if self.measure_kv_scales:  # one FP8 scale for the row, latent and rope key alike
+            row = mla.rope_latent_torch(positions, q_lat, q_pe, latent, k_pe, cos_sin)[1]
             self.fp8_k_scale.copy_(kvq.fp8_scale_from_amax(row.abs().amax(), self.k_cache.dtype))
             self.fp8_v_scale.copy_(self.fp8_k_scale)
             self.measure_kv_scales = False
-        mla.store_latent(row, self.k_cache, meta.slot_mapping, self.k_scale, self.force_torch)
+        q = mla.rope_store_latent(positions, q_lat, q_pe, latent, k_pe, cos_sin, self.k_cache, meta.slot_mapping,
+                                  self.k_scale, self.force_torch)
         return mla.mla_attention(q, self.k_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
                                  self.kv_lora_rank, meta.max_seqlen_q, meta.num_decodes, self.k_scale,
                                  self.force_torch)

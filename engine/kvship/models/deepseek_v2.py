@@ -97,7 +97,7 @@ class DeepseekV2Attention(nn.Module):
         latent = self.kv_a_layernorm(latent.contiguous())
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)  # per head: W_UK rows, then W_UV rows
         q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :self.nope]).transpose(0, 1)  # [T, h, rank]
-        o_lat = self.attn(positions, q_lat, q_pe.contiguous(), latent, k_pe.contiguous(), meta)
+        o_lat = self.attn(positions, q_lat, q_pe, latent, k_pe, meta)
         out = torch.bmm(o_lat.transpose(0, 1), w[:, self.nope:].transpose(1, 2))  # [h, T, v]
         return self.o_proj(out.transpose(0, 1).reshape(-1, h * self.v_dim))
 
@@ -140,6 +140,7 @@ class DeepseekV2MoE(SparseMoeBlock):
     def __init__(self, cfg: ModelConfig, tp: TPContext):
         super().__init__(cfg, tp)
         self.scaling, self.groups, self.scoring = cfg.routed_scaling_factor, cfg.moe_groups, cfg.moe_scoring
+        self.gate.float()  # DeepSeek routes in float32: held so, not converted every step
         if self.scoring == "sigmoid":
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32),
                                                              requires_grad=False)
@@ -148,7 +149,7 @@ class DeepseekV2MoE(SparseMoeBlock):
             self.shared_experts = LlamaMLP(cfg, tp, cfg.shared_experts_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = F.linear(x.float(), self.gate.weight)
         if self.scoring == "sigmoid":
             weights, ids = noaux_route(logits, self.gate.e_score_correction_bias, self.top_k, *self.groups,
                                        self.renormalize)
@@ -156,7 +157,7 @@ class DeepseekV2MoE(SparseMoeBlock):
             weights, ids = route(logits, self.top_k, False)
         else:
             weights, ids = group_limited_route(logits, self.top_k, *self.groups)
-        out = self.experts(x, weights * self.scaling, ids)
+        out = self.experts(x, weights * self.scaling if self.scaling != 1.0 else weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
