@@ -125,6 +125,9 @@ bench gemv-deepseek 400 bash -c "python3 bench/gemv_sweep.py --deepseek --best-j
   python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf --settings $OUT/gemv-deepseek.json && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf --settings $OUT/gemv-deepseek.json"
+bench mla-rest 300 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_models_deepseek.py \
+  -k '(gpu_decode_in_cuda_graphs and v3 and not halves) or (gpu_fp8_latent and not e5m2)' && \
+  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf"
 bench profile-mla 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape deepseek-v2-lite --top 14
 bench latency-mla 300 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
