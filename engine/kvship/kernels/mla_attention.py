@@ -73,6 +73,14 @@ def _fp8_format(cache: torch.Tensor) -> int:
     return {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}.get(cache.dtype, 0)
 
 
+def _attention_launch(q: torch.Tensor, cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[int, torch.Tensor]:
+    """What both attention launchers check and pass: the query and cache layouts they read, and
+    the FP8 constexpr with the scale pointer (the cache itself, unread, for a 16-bit one)."""
+    assert q.stride(-1) == 1 and cache.is_contiguous() and cache.shape[2] == 1 and cache.shape[3] == q.shape[-1]
+    fp8 = _fp8_format(cache)
+    return fp8, kv_scale if fp8 else cache
+
+
 @triton.jit
 def _rotated(src, cos, sin, offs_h, m, HALF: tl.constexpr):
     """Rows (src: each row's first rope element, [R, 1]) rotated in fp32 (halves layout, as
@@ -285,10 +293,9 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
     cfg = config or MLA_DECODE_CONFIG
     batch, (_, num_heads, width) = seq_lens.shape[0], q.shape
     block_size, rope = cache.shape[1], width - rank
-    assert q.stride(-1) == 1 and cache.is_contiguous() and cache.shape[2] == 1 and cache.shape[3] == width
+    fp8, scale_arg = _attention_launch(q, cache, kv_scale)
     if batch == 0:
         return out
-    fp8 = _fp8_format(cache)
     block_h = min(cfg["block_h"], max(16, next_pow2(num_heads)))
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
@@ -302,7 +309,7 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
         mid_o = mid_lse = out  # unused
         mid_strides = (0, 0, 0, 0, 0)
     _mla_decode_kernel[(batch, head_blocks, num_splits)](
-        q, cache, kv_scale if fp8 else cache, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
+        q, cache, scale_arg, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
         float(scale) * pa.LOG2E,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), *mid_strides,
@@ -321,13 +328,12 @@ def mla_prefill_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch
     """The prefill kernel into out [T, H, rank] for the sequences' new tokens (any count each)."""
     cfg = config or MLA_PREFILL_CONFIG
     batch, (_, num_heads, width) = seq_lens.shape[0], q.shape
-    fp8 = _fp8_format(cache)
-    assert q.stride(-1) == 1 and cache.is_contiguous() and cache.shape[2] == 1 and cache.shape[3] == width
+    fp8, scale_arg = _attention_launch(q, cache, kv_scale)
     if batch == 0:
         return out
     block_m = min(cfg["block_m"], max(16, next_pow2(max_seqlen_q)))
     _mla_prefill_kernel[(num_heads, triton.cdiv(max_seqlen_q, block_m), batch)](
-        q, cache, kv_scale if fp8 else cache, block_tables, seq_lens, cu_seqlens_q, out, float(scale) * pa.LOG2E,
+        q, cache, scale_arg, block_tables, seq_lens, cu_seqlens_q, out, float(scale) * pa.LOG2E,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1),
         RANK=rank, ROPE=width - rank, BLOCK_R=next_pow2(rank), BLOCK_P=max(16, next_pow2(width - rank)),

@@ -19,7 +19,8 @@ pairs, and as q_pe and k_pe only meet in their dot product, the same scores.
 
 Routing: V2 takes a softmax over the experts, the top k (greedy, or group_limited_greedy: only
 the topk_group groups with the best expert compete); V3 sigmoid scores, chosen with a bias
-(noaux_route). Weights times routed_scaling_factor, computed in float32 as transformers does. The shared experts are one SwiGLU MLP of
+(noaux_route). Weights times routed_scaling_factor, computed in float32 as transformers does
+(the router's weight is held in float32). The shared experts are one SwiGLU MLP of
 n_shared_experts * moe_intermediate_size, ungated.
 
 Tensor parallelism: query heads are sharded (q_proj / q_b_proj and kv_b_proj by rows, o_proj by
