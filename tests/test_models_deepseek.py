@@ -248,19 +248,77 @@ def test_v3_multi_token_prediction_layers_are_skipped(models, tmp_path):
     assert_logits_match(mtp, ref, _prompts(5)[:1])
 
 
-def test_int4_kv_cache_and_quantized_checkpoint_are_refused(models, tmp_path):
+def test_int4_kv_cache_is_refused(models):
     from kvship.runner.model_runner import load_model
 
-    folder = models["v2-lite"][0]
     with pytest.raises(ValueError, match="--kv-cache-dtype int4: DeepSeek's latent KV cache"):
-        load_model(EngineConfig(model=str(folder), device="cpu", kv_cache_dtype="int4"))
-    fp8 = tmp_path / "fp8"
-    shutil.copytree(folder, fp8)
-    cfg = json.loads((fp8 / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
-    (fp8 / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="DeepSeek-V2 checkpoints quantized as fp8 are not read; serve its 16-bit"):
-        load_model(EngineConfig(model=str(fp8), device="cpu"))
+        load_model(EngineConfig(model=str(models["v2-lite"][0]), device="cpu", kv_cache_dtype="int4"))
+
+
+# a checkpoint's linear layers, as FP8 checkpoints quantize them (the router stays 16-bit)
+_CHECKPOINT_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                       "up_proj", "down_proj")
+_FP8_BLOCK = 16  # blocks of 16 x 16: the tiny matrices (24 to 112 rows, 24 to 64 inputs) end in partial ones
+
+
+def _fp8_checkpoint(src, dst, fmt: str):
+    """The checkpoint in src written to dst in ``fmt``: "fp8-block" (quant_method fp8, a
+    weight_scale_inv per block, partial blocks at the edges as DeepSeek-V3's 576-row kv_a_proj has)
+    or "ct-fp8-channel" (compressed-tensors, a weight_scale per row); the same checkpoint with the
+    format's dequantized values in 16-bit form beside it, in dst / "dequantized"."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    shutil.copytree(src, dst / "dequantized")
+    out, deq = {}, {}
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            w = f.get_tensor(name)
+            prefix, _, leaf = name.rpartition(".")
+            if leaf != "weight" or prefix.rpartition(".")[2] not in _CHECKPOINT_LINEARS:
+                out[name] = deq[name] = w
+                continue
+            n, k = w.shape
+            if fmt == "fp8-block":
+                b = _FP8_BLOCK
+                padded = torch.zeros(-(-n // b) * b, -(-k // b) * b)
+                padded[:n, :k] = w
+                blocks = (padded.view(padded.shape[0] // b, b, padded.shape[1] // b, b).abs().amax((1, 3)) / 448.0)
+                scale = blocks.repeat_interleave(b, 0).repeat_interleave(b, 1)[:n, :k]
+                out[prefix + ".weight_scale_inv"] = blocks.float()
+            else:
+                scale = w.abs().amax(1, keepdim=True) / 448.0
+                out[prefix + ".weight_scale"] = scale.float()
+            out[name] = (w / scale).to(torch.float8_e4m3fn)
+            deq[name] = out[name].float() * scale
+    save_file(out, str(dst / "model.safetensors"))
+    save_file(deq, str(dst / "dequantized" / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = (
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [_FP8_BLOCK, _FP8_BLOCK]}
+        if fmt == "fp8-block" else
+        {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+         "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
+                                       "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                                       "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}}})
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-fp8-channel"])
+@pytest.mark.parametrize("arch", ["v2-lite", "v2", "v3"])
+def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(models, tmp_path, arch, fmt):
+    """FP8 checkpoints (block-wise as DeepSeek-V3's, per channel as compressed-tensors writes
+    them), every linear layer quantized, kv_b_proj too (held dequantized): logits equal
+    transformers' on the format's dequantized weights in fp32, whole and chunked, and greedy
+    tokens; the rope rows' reordering (V2, V3 interleaved) reorders codes and scales alike."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / fmt
+    _fp8_checkpoint(models[arch][0], folder, fmt)
+    ref = AutoModelForCausalLM.from_pretrained(folder / "dequantized", dtype=torch.float32).eval()
+    assert_logits_match(folder, ref, _prompts(8), "cpu", chunks=(None, 7))
+    assert_greedy_matches(folder, ref, _prompts(9), 6)
 
 
 # what in-situ quantization quantizes: every projection but kv_b_proj (absorbed, kept 16-bit) and

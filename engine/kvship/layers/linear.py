@@ -59,6 +59,8 @@ class _Linear(nn.Module):
     def _store(self, param: nn.Parameter, offset: int, src) -> None:
         """Rows [offset, offset + len(src)) of ``param`` come from ``src``."""
         if param is not self.weight or self.quant is None:
+            if isinstance(src, QuantizedTensor):  # a layer held in 16 bits whatever the checkpoint's format
+                src = src.dequantize(param.dtype)  # (DeepSeek's kv_b_proj, whose per-head blocks are multiplied directly)
             param.data[offset : offset + src.shape[0]].copy_(src)
             return
         device = param.device

@@ -27,14 +27,16 @@ Tensor parallelism: query heads are sharded (q_proj / q_b_proj and kv_b_proj by 
 columns); the latent's projection and norm (and q_a_proj) are replicated, so every rank stores
 the whole latent cache.
 
-Quantized weights: in-situ (--quantization) only, every projection but kv_b_proj (which
-stays 16-bit for the absorbed products) and the router, as for the other families.
+Quantized weights: a quantized checkpoint (FP8 block-wise or per channel, GPTQ, AWQ,
+compressed-tensors: quant/formats.py) or in-situ (--quantization): every projection but
+kv_b_proj, which the absorbed products multiply by its per-head blocks and which is held in 16
+bits (a checkpoint's quantized one dequantized at load), and the router.
 
 KV cache: the model's dtype or FP8 (LatentAttention).
 
-Not supported (refused by name in models/config.py or the runner): quantized checkpoints, an
-int4 KV cache, V2 scoring other than softmax (V3's other than noaux_tc), attention or MLP
-biases, V2 with norm_topk_prob.
+Not supported (refused by name in models/config.py or the runner): an int4 KV cache, V2
+scoring other than softmax (V3's other than noaux_tc), attention or MLP biases, V2 with
+norm_topk_prob.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ from kvship.loader.source import WeightRef, apply_slices
 from kvship.models.config import ModelConfig
 from kvship.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, SparseMoeBlock
 from kvship.parallel import SINGLE, TPContext
+from kvship.quant import QuantRef
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -198,7 +201,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         order = torch.cat([torch.arange(head)[:first], first + torch.arange(0, c.head_dim, 2),
                            first + torch.arange(1, c.head_dim, 2)])
 
-        def load(slices):
-            t = ref.load()
-            return apply_slices(t.view(-1, head, *t.shape[1:])[:, order].reshape(t.shape), slices)
-        return WeightRef(ref.shape, ref.dtype, load)
+        def reorder(t: torch.Tensor) -> torch.Tensor:  # the rows of each head, then of the whole tensor
+            return t.view(-1, head, *t.shape[1:])[:, order].reshape(t.shape)
+        if isinstance(ref, QuantRef):  # its codes and per-row scales (QuantizedTensor) alike
+            return QuantRef(lambda: ref.load().map_rows(reorder), ref.what, ref.shape)
+        return WeightRef(ref.shape, ref.dtype, lambda slices: apply_slices(reorder(ref.load()), slices))

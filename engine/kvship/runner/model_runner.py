@@ -85,10 +85,6 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     if model_config.kv_lora_rank and config.kv_cache_dtype == "int4":
         raise ValueError("--kv-cache-dtype int4: DeepSeek's latent KV cache is kept in the model's dtype (auto) or "
                          "in FP8 (fp8, fp8_e4m3, fp8_e5m2), not in 4 bits")
-    scheme = model_config.quantization
-    if model_config.kv_lora_rank and scheme is not None and scheme.checkpoint is not None:
-        raise ValueError(f"DeepSeek-V2 checkpoints quantized as {scheme.checkpoint} are not read; serve its 16-bit "
-                         "checkpoint (--quantization fp8, int8 or int4 quantizes that while loading)")
     if config.task == "embed" and config.tensor_parallel_size > 1:
         raise ValueError("embedding models are served with --tensor-parallel-size 1")
     return source, model_config
