@@ -21,7 +21,7 @@ from kvship.quant import QuantizedTensor, QuantRef
 from .errors import ModelSourceError
 from .gguf_blocks import NATIVE_TORCH, SPLITTABLE, GGMLType, split_tensor
 from .gguf_file import GGUFFile, GGUFTensorInfo
-from .gguf_names import gguf_to_hf_name
+from .gguf_names import arch_layer_name, gguf_to_hf_name
 from .source import ModelSource, WeightRef, apply_slices
 from .tokenizer import Tokenizer
 
@@ -39,6 +39,7 @@ _ARCHS = {
     "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),  # Phi-3, Phi-3.5 and Phi-4
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # and V3's architecture: _deepseek_config
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norms multiply by the weight
 # alone); kvship's Gemma norms multiply by 1 + w, as transformers' do: the loader subtracts 1.
@@ -143,6 +144,9 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int],
         cfg["attention_bias"] = True
     elif any(n.endswith("attn_q.bias") for n in tensor_names):
         cfg["attention_bias"] = True
+    if arch == "deepseek2":
+        cfg.update(_deepseek_config(meta, heads))
+        return cfg
     cfg.update(_moe_config(meta, arch, tensor_names, cfg["num_hidden_layers"]))
     cfg.update(_gemma_config(meta, arch, cfg))
     rope_dims = meta.get(p + "rope.dimension_count")
@@ -189,6 +193,44 @@ def _phi3_config(meta: dict, rope_factors: dict[str, list[float]]) -> dict:
         out["rope_scaling"] = {"rope_type": "longrope", "long_factor": rope_factors["long"],
                                "short_factor": rope_factors["short"]}
         out["original_max_position_embeddings"] = int(meta["phi3.rope.scaling.original_context_length"])
+    return out
+
+
+def _deepseek_config(meta: dict, heads: int) -> dict:
+    """DeepSeek's keys of the HF config from a "deepseek2" file (V2, V2-Lite and V3's architecture:
+    V3 routes by sigmoid, expert_gating_func 2). Files written since llama.cpp split kv_b_proj give
+    the query/key and value head sizes as key_length_mla / value_length_mla (key_length and
+    value_length are then the latent row's, MQA style, with one KV head); older ones give them as
+    key_length / value_length. llama.cpp's YaRN keeps one mscale (yarn_log_multiplier = 0.1 x
+    mscale_all_dim), which DeepSeek's configs set equal to mscale; its beta_fast / beta_slow are
+    32 / 1. Groups of experts (V2's group_limited_greedy, V3's) only where the file states them."""
+    p = "deepseek2."
+    rope = int(meta[p + "rope.dimension_count"])
+    key = int(meta.get(p + "attention.key_length_mla") or meta[p + "attention.key_length"])
+    value = int(meta.get(p + "attention.value_length_mla") or meta[p + "attention.value_length"])
+    sigmoid = int(meta.get(p + "expert_gating_func") or 1) == 2
+    groups, kept = int(meta.get(p + "expert_group_count") or 1), int(meta.get(p + "expert_group_used_count") or 1)
+    q_lora = meta.get(p + "attention.q_lora_rank")
+    out = {
+        "num_key_value_heads": heads, "head_dim": rope, "qk_rope_head_dim": rope, "qk_nope_head_dim": key - rope,
+        "v_head_dim": value, "kv_lora_rank": int(meta[p + "attention.kv_lora_rank"]),
+        "q_lora_rank": int(q_lora) if q_lora else None,
+        "first_k_dense_replace": int(meta.get(p + "leading_dense_block_count") or 0), "moe_layer_freq": 1,
+        "n_routed_experts": int(meta[p + "expert_count"]), "num_experts_per_tok": int(meta[p + "expert_used_count"]),
+        "moe_intermediate_size": int(meta[p + "expert_feed_forward_length"]),
+        "n_shared_experts": int(meta.get(p + "expert_shared_count") or 0),
+        "routed_scaling_factor": _f32(meta.get(p + "expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(meta.get(p + "expert_weights_norm", False)),
+        "scoring_func": "sigmoid" if sigmoid else "softmax", "n_group": groups, "topk_group": kept,
+        "topk_method": "noaux_tc" if sigmoid else "group_limited_greedy" if groups > 1 else "greedy",
+    }
+    if sigmoid:
+        out["architectures"], out["model_type"] = ["DeepseekV3ForCausalLM"], "deepseek_v3"
+    if meta.get(p + "rope.scaling.type") == "yarn":
+        mscale = _f32(meta.get(p + "rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        out["rope_scaling"] = {"type": "yarn", "factor": _f32(meta[p + "rope.scaling.factor"]),
+                               "original_max_position_embeddings": int(meta[p + "rope.scaling.original_context_length"]),
+                               "mscale": mscale, "mscale_all_dim": mscale, "beta_fast": 32, "beta_slow": 1}
     return out
 
 
@@ -251,7 +293,7 @@ def _make_ref(info: GGUFTensorInfo, permute_heads: int | None, hf_shape: tuple[i
 # Linear layers' matrices, and the output matrix (layers/embedding.py ParallelLMHead): kept in
 # their quantized blocks when their type is in SPLITTABLE.
 _LINEARS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                                         "lm_head"))
+                                         "lm_head", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"))
 
 
 def _make_quant_ref(info: GGUFTensorInfo, permute_heads: int | None) -> QuantRef:
@@ -293,13 +335,36 @@ _MOE_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
 _SPLIT_EXPERT = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
+# DeepSeek-V3's router bias (HF's e_score_correction_bias, a float32 vector)
+_ROUTER_BIAS = re.compile(r"^blk\.(\d+)\.exp_probs_b\.bias$")
+
+
 def _hf_name(gname: str, arch: str) -> str | None:
     m = _SPLIT_EXPERT.match(gname)
     if m:
         return f"model.layers.{m[1]}.mlp.experts.{m[3]}.{m[2]}_proj.weight"
+    m = _ROUTER_BIAS.match(gname)
+    if m:
+        return f"model.layers.{m[1]}.mlp.gate.e_score_correction_bias"
     m = _MOE_TENSOR.match(gname)
-    part = _MOE_PARTS.get(m[2]) if m else None
+    part = (arch_layer_name(arch, m[2]) or _MOE_PARTS.get(m[2])) if m else None
     return f"model.layers.{m[1]}.{part}.weight" if part else gguf_to_hf_name(gname, arch)
+
+
+def _joined_kv_b(k_b: GGUFTensorInfo, v_b: GGUFTensorInfo) -> WeightRef:
+    """DeepSeek's kv_b_proj [heads * (nope + v), rank] (per head: its W_UK rows, then its W_UV
+    rows) from the halves llama.cpp's converter writes it as since it split it: attn_k_b [heads,
+    rank, nope] (each head's W_UK transposed) and attn_v_b [heads, v, rank]. Dequantized: the
+    model holds kv_b_proj in 16 bits (models/deepseek_v2.py)."""
+    heads, rank, nope = k_b.shape
+    v = v_b.shape[1]
+
+    def load(slices: tuple[slice, ...] | None) -> torch.Tensor:
+        kb = k_b.load(None).float().reshape(heads, rank, nope).transpose(1, 2)
+        t = torch.cat([kb, v_b.load(None).float().reshape(heads, v, rank)], dim=1)
+        return apply_slices(t.reshape(heads * (nope + v), rank), slices)
+
+    return WeightRef((heads * (nope + v), rank), torch.float32, load)
 
 
 def _expert(info: GGUFTensorInfo, e: int) -> GGUFTensorInfo:
@@ -380,6 +445,11 @@ def load_gguf(path: str) -> ModelSource:
     def weights() -> Iterator[tuple[str, WeightRef]]:
         for gname, info in tensors.items():
             hf = names[gname]
+            if arch == "deepseek2" and gname.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+                if gname.endswith("attn_k_b.weight"):
+                    hf = gname.replace("blk.", "model.layers.").replace("attn_k_b", "self_attn.kv_b_proj")
+                    yield hf, _joined_kv_b(info, tensors[gname.replace("attn_k_b", "attn_v_b")])
+                continue
             if hf is None:
                 if gname not in ("rope_freqs.weight",):
                     log.warning("GGUF tensor %s has no known HF name; skipped", gname)

@@ -1,5 +1,5 @@
 """GGUF (llama.cpp) tensor names -> Hugging Face parameter names for the Llama block, and where
-Gemma 2 / 3 and Phi-3 name theirs otherwise."""
+Gemma 2 / 3, Phi-3 and DeepSeek name theirs otherwise."""
 from __future__ import annotations
 
 import re
@@ -33,6 +33,15 @@ _ARCH_LAYER = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 _ARCH_LAYER["gemma3"] = _ARCH_LAYER["gemma2"]
+# DeepSeek-V2/V3 ("deepseek2"): the attention's low-rank projections and their norms, kv_b_proj in
+# files from before llama.cpp split it (newer ones: attn_k_b and attn_v_b, joined by the loader),
+# and the shared experts, "shared_experts" in HF's DeepSeek where Qwen2-MoE's is "shared_expert".
+_ARCH_LAYER["deepseek2"] = {
+    "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm", "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 
 # Tensors llama.cpp stores that carry no parameter of their own (e.g. llama-3 rope factors,
 # which the config's rope scaling already describes).
@@ -40,6 +49,12 @@ SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.
 
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _PLAIN = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
+
+
+def arch_layer_name(arch: str, part: str) -> str | None:
+    """A family's own HF name for a layer tensor's llama.cpp name (``part``: "ffn_up_shexp"), if it
+    has one: it takes precedence over the shared tables."""
+    return _ARCH_LAYER.get(arch, {}).get(part)
 
 
 def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
@@ -50,7 +65,7 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     m = _BLK.match(name)
     if m:
         layer, part, kind = m.groups()
-        hf = _ARCH_LAYER.get(arch, {}).get(part) or _LAYER.get(part)
+        hf = arch_layer_name(arch, part) or _LAYER.get(part)
         return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
     m = _PLAIN.match(name)
     if m:

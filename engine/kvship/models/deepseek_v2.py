@@ -28,7 +28,8 @@ columns); the latent's projection and norm (and q_a_proj) are replicated, so eve
 the whole latent cache.
 
 Quantized weights: a quantized checkpoint (FP8 block-wise or per channel, GPTQ, AWQ,
-compressed-tensors: quant/formats.py) or in-situ (--quantization): every projection but
+compressed-tensors: quant/formats.py; a GGUF file's blocks: loader/gguf.py) or in-situ
+(--quantization): every projection but
 kv_b_proj, which the absorbed products multiply by its per-head blocks and which is held in 16
 bits (a checkpoint's quantized one dequantized at load), and the router.
 
