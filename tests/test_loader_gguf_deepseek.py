@@ -119,11 +119,14 @@ _Q8 = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "attn_q_a.weight", "attn_kv
        "ffn_gate_shexp.weight", "ffn_up_shexp.weight")
 
 
-def write_deepseek_gguf(path, model, split_kv_b: bool, q8: bool) -> None:
+def write_deepseek_gguf(path, model, split_kv_b: bool, q8: bool, drop: str | None = None) -> None:
+    """``drop``: a tensor left out of the file."""
     w = gguf.GGUFWriter(str(path), "deepseek2")
     _metadata(w, model.config, split_kv_b)
     rng = np.random.default_rng(0)
     for name, arr in _gguf_tensors(model, split_kv_b).items():
+        if name == drop:
+            continue
         qtype = QT.Q8_0 if q8 and name.endswith(_Q8) else QT.F32
         data = _encoded(arr, qtype, rng)
         w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
@@ -203,3 +206,13 @@ def test_deepseek_gguf_matches_transformers(files, case):
     assert c["kv_lora_rank"] == ref.config.kv_lora_rank and c["qk_nope_head_dim"] == ref.config.qk_nope_head_dim
     assert ("quantization_config" in c) == q8
     _check_against(ref, path, PROMPTS)
+
+
+def test_half_of_a_split_kv_b_missing_is_named(files, tmp_path):
+    from kvship.llm import LLM
+    from kvship.loader import ModelSourceError
+
+    path = tmp_path / "no-v-b.gguf"
+    write_deepseek_gguf(path, files["v2-lite"][1], True, False, drop="blk.0.attn_v_b.weight")
+    with pytest.raises(ModelSourceError, match="holds blk.0.attn_k_b.weight without its attn_v_b half"):
+        LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64)

@@ -447,8 +447,11 @@ def load_gguf(path: str) -> ModelSource:
             hf = names[gname]
             if arch == "deepseek2" and gname.endswith(("attn_k_b.weight", "attn_v_b.weight")):
                 if gname.endswith("attn_k_b.weight"):
+                    v_b = tensors.get(gname.replace("attn_k_b", "attn_v_b"))
+                    if v_b is None:
+                        raise ModelSourceError(f"GGUF file {path!r} holds {gname} without its attn_v_b half")
                     hf = gname.replace("blk.", "model.layers.").replace("attn_k_b", "self_attn.kv_b_proj")
-                    yield hf, _joined_kv_b(info, tensors[gname.replace("attn_k_b", "attn_v_b")])
+                    yield hf, _joined_kv_b(info, v_b)
                 continue
             if hf is None:
                 if gname not in ("rope_freqs.weight",):
