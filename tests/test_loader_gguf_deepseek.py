@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as QT
 
 from conftest import make_tiny_model
 from kvship.loader import resolve_model
-from test_loader_gguf_moe import PROMPTS, _check_against, _encoded, dense_metadata
+from test_loader_gguf_moe import PROMPTS, TOP, _check_against, _encoded, dense_metadata, layer_tensors
 from test_models_deepseek import DEEPSEEK
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,20 +45,10 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
           "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
-
-
 def _gguf_tensors(model, split_kv_b: bool) -> dict[str, np.ndarray]:
     cfg = model.config
     out = {}
-    for name, t in model.state_dict().items():
-        w = t.detach().float().numpy()
-        if name in _TOP:
-            out[_TOP[name]] = w
-            continue
-        _, _, layer, rest = name.split(".", 3)
-        blk = f"blk.{layer}."
+    for blk, rest, w in layer_tensors(model, out):
         if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
             out[blk + "ffn_gate_exps.weight"], out[blk + "ffn_up_exps.weight"] = np.split(w, 2, axis=1)
         elif rest == "mlp.experts.down_proj":
@@ -142,8 +132,8 @@ def _reference_from(model, tensors: dict[str, np.ndarray], split_kv_b: bool):
     back = {v: k for k, v in _LAYER.items()}
     with torch.no_grad():
         for gname, arr in tensors.items():
-            if gname in _TOP.values():
-                sd[{v: k for k, v in _TOP.items()}[gname]].copy_(torch.tensor(arr))
+            if gname in TOP.values():
+                sd[{v: k for k, v in TOP.items()}[gname]].copy_(torch.tensor(arr))
                 continue
             _, layer, part, kind = gname.split(".")
             pre = f"model.layers.{layer}."

@@ -16,7 +16,7 @@ from gguf import quants
 
 from conftest import write_word_tokenizer
 from kvship.loader import resolve_model
-from test_loader_gguf_moe import dense_metadata
+from test_loader_gguf_moe import TOP, dense_metadata
 from test_models import our_logits
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,8 +37,6 @@ SPECS = {
                                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                                               "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
 }
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -73,9 +71,9 @@ def _tensors(model, arch: str) -> dict[str, np.ndarray]:
         w = t.detach().float().numpy()
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1.0
-        if name in _TOP:
+        if name in TOP:
             if not (arch.startswith("gemma") and name == "lm_head.weight"):  # tied: no output.weight
-                out[_TOP[name]] = w
+                out[TOP[name]] = w
             continue
         _, _, layer, rest = name.split(".", 3)
         part, kind = rest.rsplit(".", 1)

@@ -4,6 +4,8 @@ experts, the router as ffn_gate_inp, the shared expert as *_shexp, Mixtral as a 
 rope-permuted q/k), then served by kvship and compared with transformers."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -40,8 +42,8 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
           "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
           "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
+TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+       "lm_head.weight": "output.weight"}
 
 
 def _rope_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -58,16 +60,22 @@ def _experts(out: dict, blk: str, part: str, w: np.ndarray, split: bool) -> None
         out[f"{blk}ffn_{part}_exps.weight"] = w
 
 
+def layer_tensors(model, out: dict[str, np.ndarray]) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(llama.cpp's "blk.N." prefix, the HF name below model.layers.N, the fp32 values) of each
+    layer tensor of ``model``; its top-level tensors go into ``out`` under llama.cpp's names."""
+    for name, t in model.state_dict().items():
+        w = t.detach().float().numpy()
+        if name in TOP:
+            out[TOP[name]] = w
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        yield f"blk.{layer}.", rest, w
+
+
 def _gguf_tensors(model, arch: str, split_experts: bool = False) -> dict[str, np.ndarray]:
     cfg = model.config
     out = {}
-    for name, t in model.state_dict().items():
-        w = t.detach().float().numpy()
-        if name in _TOP:
-            out[_TOP[name]] = w
-            continue
-        _, _, layer, rest = name.split(".", 3)
-        blk = f"blk.{layer}."
+    for blk, rest, w in layer_tensors(model, out):
         if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
             gate, up = np.split(w, 2, axis=1)
             _experts(out, blk, "gate", gate, split_experts)
