@@ -152,7 +152,8 @@ class LatentAttention(PagedAttention):
     def forward(self, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
                 k_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q_lat [T, H, kv_lora_rank], q_pe [T, H, rope], latent [T, kv_lora_rank] (normalized),
-        k_pe [T, rope] (both not yet rotated; views with unit last strides) -> the attention-weighted latents [T, H, kv_lora_rank]."""
+        k_pe [T, rope] (both not yet rotated), any of them a view with a unit last stride -> the
+        attention-weighted latents [T, H, kv_lora_rank]."""
         cos_sin = self.rotary.cos_sin_cache
         if self.measure_kv_scales:  # one FP8 scale for the row, latent and rope key alike
             row = mla.rope_latent_torch(positions, q_lat, q_pe, latent, k_pe, cos_sin)[1]

@@ -29,9 +29,9 @@ the whole latent cache.
 
 Quantized weights: a quantized checkpoint (FP8 block-wise or per channel, GPTQ, AWQ,
 compressed-tensors: quant/formats.py; a GGUF file's blocks: loader/gguf.py) or in-situ
-(--quantization): every projection but
-kv_b_proj, which the absorbed products multiply by its per-head blocks and which is held in 16
-bits (a checkpoint's quantized one dequantized at load), and the router.
+(--quantization): every projection but the router and kv_b_proj, which the absorbed products
+multiply by its per-head blocks and which is held in 16 bits (a checkpoint's quantized one
+dequantized at load).
 
 KV cache: the model's dtype or FP8 (LatentAttention).
 
