@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from typing import Any
 
@@ -15,12 +16,56 @@ from .errors import ModelSourceError
 
 __all__ = ["Tokenizer", "ChatTemplateError"]
 
+log = logging.getLogger(__name__)
+
 # GGUF token types (llama.cpp's llama_token_type)
 _TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
 
 # Tokens that end an assistant turn in common chat formats; a GGUF's control token with one of
 # these names stops generation when the chat template uses it (llama.cpp does the same).
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+
+# A byte-level ("gpt2") GGUF vocabulary's pre-tokenizer, named by tokenizer.ggml.pre as llama.cpp's
+# converter writes it: the regular expressions that cut the text before BPE, applied one after
+# the other (each cuts every piece the one before left into its matches and the text between),
+# as the model's own tokenizer.json has them and llama.cpp's llama-vocab.cpp reimplements them.
+# GPT-2's own split is the byte-level step's built-in one (None here).
+_GPT2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"""
+_LLAMA3 = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_QWEN2 = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+_TEKKEN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"""
+           r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"""
+           r""" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_DEEPSEEK_V3 = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"""
+                r""" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""]
+_SMOLLM = [r"\p{N}", _GPT2]  # digits one by one, then GPT-2's
+# name -> (splits, whether a piece that is a whole token skips the merges: llama.cpp's ignore_merges)
+_PRE_TOKENIZERS: dict[str, tuple[list[str] | None, bool]] = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "lfm2"), ([_LLAMA3], True)),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), ([_LLAMA3], False)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan"), ([_QWEN2], False)),
+    "deepseek-v3": (_DEEPSEEK_V3, False),
+    "tekken": ([_TEKKEN], True),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+                    (_SMOLLM, False)),
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling"), (None, False)),
+}
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> tuple[Any, bool]:
+    """The pre-tokenizer of a byte-level vocabulary named ``pre`` (tokenizer.ggml.pre), and its
+    ignore_merges flag. A file without the key takes GPT-2's split; a name not listed too, with a
+    warning: its text may cut otherwise than the model's own tokenizer does."""
+    if pre is not None and pre not in _PRE_TOKENIZERS:
+        log.warning("GGUF pre-tokenizer %r is not known here: GPT-2's split is used, which may cut some text "
+                    "differently from the model's own tokenizer", pre)
+    splits, ignore_merges = _PRE_TOKENIZERS.get(pre, (None, False))
+    if splits is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=True), ignore_merges
+    steps = [pre_tokenizers.Split(tokenizers.Regex(r), behavior="isolated") for r in splits]
+    return pre_tokenizers.Sequence(steps + [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False,
+                                                                     use_regex=False)]), ignore_merges
 
 
 def _token_content(tok: Any) -> str | None:
@@ -186,11 +231,11 @@ class Tokenizer:
             tok("tokenizer.ggml.padding_token_id")
         if kind == "gpt2":
             merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+            pre, ignore_merges = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
             backend = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True,
-                                                      byte_fallback=True))
+                                                      byte_fallback=True, ignore_merges=ignore_merges))
             backend.normalizer = normalizers.Sequence([])
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False,
-                                                             use_regex=True)
+            backend.pre_tokenizer = pre
             backend.decoder = decoders.ByteLevel()
         else:
             backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
