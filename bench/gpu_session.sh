@@ -27,6 +27,7 @@
 #   batch 1 of the V2-Lite and Moonlight shapes, where V2-Lite's step goes): mla-tests latency-mla profile-mla
 #   the rotary + latent store in one kernel (kernel tests, graphs), DeepSeek's projections in the one-row GEMV
 #   (sweep, then batch 1 without and with its settings): mla-quick gemv-deepseek
+#   DeepSeek-V3's routing in one kernel (its GPU tests, Moonlight's batch 1): noaux-route
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 #   throughput by KV and weight dtype (two passes each: one tree's single runs spread by 7%), then where
@@ -128,6 +129,8 @@ bench gemv-deepseek 400 bash -c "python3 bench/gemv_sweep.py --deepseek --best-j
 bench mla-rest 300 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_models_deepseek.py \
   -k '(gpu_decode_in_cuda_graphs and v3 and not halves) or (gpu_fp8_latent and not e5m2)' && \
   python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf"
+bench noaux-route 400 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_fused_moe.py \
+  -k 'noaux or route_kernel' && python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
 bench profile-mla 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape deepseek-v2-lite --top 14
 bench latency-mla 300 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"

@@ -72,6 +72,28 @@ def test_route_kernel(renormalize):
         torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n_group,topk_group,num_experts,top_k,renormalize", [
+    (1, 1, 64, 6, True),  # Moonlight-16B-A3B
+    (8, 4, 256, 8, True),  # DeepSeek-V3
+    (4, 2, 16, 3, False),
+    (2, 1, 4, 1, True),  # groups of two: the second best is the other one
+])
+def test_noaux_route_kernel(n_group, topk_group, num_experts, top_k, renormalize):
+    """DeepSeek-V3's routing in one kernel against its torch reference: the same experts in the
+    same order, the same weights; biased choices so that the bias (left out of the weights) and
+    the group limit both decide some of them."""
+    g = torch.Generator().manual_seed(num_experts)
+    logits = torch.randn(9, num_experts, generator=g).to(DEV)
+    bias = (torch.randn(num_experts, generator=g) * 0.5).to(DEV)
+    weights, ids = fm.noaux_route_triton(logits, bias, top_k, n_group, topk_group, renormalize)
+    want_w, want_ids = fm.noaux_route_torch(logits, bias, top_k, n_group, topk_group, renormalize)
+    assert ids.dtype == want_ids.dtype and torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+    if n_group > 1:  # the group limit changed some choice against a plain top-k of score plus bias
+        plain = (torch.sigmoid(logits) + bias).topk(top_k, dim=-1).indices
+        assert not torch.equal(plain, want_ids)
+
+
 def _problem(tokens, top_k, num_experts, hidden, inter, seed, dead, dtype=torch.float32, device=DEV):
     """x, router, w13, w2 with expert `dead` never chosen: x's first feature is 1 and only the
     dead expert's router row weighs it, with a large negative weight."""

@@ -1,4 +1,4 @@
-"""The fused MoE kernels (router, alignment, grouped GEMM) compile for sm_90 (H100/H200) in every
+"""The fused MoE kernels (routers, alignment, grouped GEMM) compile for sm_90 (H100/H200) in every
 variant the engine launches, with its launch's warps, pipeline stages and 16-byte alignments, and
 each fits in an SM's shared memory; on a machine without a GPU (tests/sm90_compile.py says why).
 Shared memory is what only the compiled kernel reveals: the stages multiply it for the largest
@@ -46,6 +46,14 @@ def _route_and_align_specs():
                          "stride_l": "i32"},
                "constexprs": {"TOP_K": top_k, "RENORMALIZE": True, "E_POW2": experts, "K_POW2": top_k},
                "options": {"num_warps": 1 if experts <= 256 else 4}}
+    # DeepSeek-V3's routing (256 experts in 8 groups, 4 kept, top 8) and Moonlight's (64, one group, top 6)
+    for groups, experts, kept, top_k in ((8, 256, 4, 8), (1, 64, 1, 6)):
+        yield {"kernel": "_noaux_route_kernel", "aligned": [],
+               "types": {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+                         "stride_l": "i32"},
+               "constexprs": {"N_GROUP": groups, "PER_GROUP": experts // groups, "TOPK_GROUP": kept, "TOP_K": top_k,
+                              "K_POW2": 1 << (top_k - 1).bit_length(), "RENORMALIZE": True},
+               "options": {"num_warps": 1}}
     # the largest one-hot matrices align_by_expert hands the kernel, for E = 128 (Qwen3-30B-A3B at
     # 32 decode tokens and at 1), 8 (Mixtral, 2048 tokens) and 512
     for pairs, experts, block_m in ((256, 128, 16), (8, 128, 16), (4096, 8, 128), (64, 512, 16)):

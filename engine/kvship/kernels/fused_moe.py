@@ -177,6 +177,93 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return route_torch(router_logits, top_k, renormalize)
 
 
+def noaux_route_torch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                      renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's noaux_tc: sigmoid scores; the experts are chosen by score plus
+    e_score_correction_bias (a load-balancing term that the weights leave out), a group rated by
+    the sum of its best two, the top k over the best topk_group groups' experts; the weights are
+    the chosen experts' scores, summing to 1 when ``renormalize`` (norm_topk_prob)."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + bias
+    per_group = scores.shape[-1] // n_group
+    rated = choice.view(-1, n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
+    keep = torch.zeros_like(rated).scatter_(1, rated.topk(topk_group, dim=-1).indices, 1.0)
+    choice = choice.masked_fill(keep.repeat_interleave(per_group, dim=1) == 0, float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights, ids
+
+
+@triton.jit
+def _noaux_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, N_GROUP: tl.constexpr,
+                        PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                        RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    """One token, its experts as [N_GROUP, PER_GROUP]: the groups rated by their best two
+    choices, TOPK_GROUP of them kept, then k times the largest choice left (lowest index on a tie)."""
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    grp = tl.arange(0, N_GROUP)
+    col = tl.arange(0, PER_GROUP)[None, :]
+    offs = grp[:, None] * PER_GROUP + col
+    scores = tl.sigmoid(tl.load(logits_ptr + t * stride_l + offs).to(tl.float32))
+    choice = scores + tl.load(bias_ptr + offs).to(tl.float32)
+    best = tl.max(choice, 1)
+    rated = best
+    if PER_GROUP > 1:  # plus the second best: the best's first place taken out
+        first = tl.min(tl.where(choice == best[:, None], col, PER_GROUP), 1)
+        rated += tl.max(tl.where(col == first[:, None], float("-inf"), choice), 1)
+    kept = grp < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        g = tl.min(tl.where(rated == tl.max(rated, 0), grp, N_GROUP), 0)
+        kept = kept | (grp == g)
+        rated = tl.where(grp == g, float("-inf"), rated)
+    choice = tl.where(kept[:, None], choice, float("-inf"))
+    slots = tl.arange(0, K_POW2)
+    top_w = tl.zeros((K_POW2,), dtype=tl.float32)
+    top_i = tl.zeros((K_POW2,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        top = tl.max(tl.max(choice, 1), 0)
+        idx = tl.min(tl.min(tl.where(choice == top, offs, N_GROUP * PER_GROUP), 1), 0)
+        top_w = tl.where(slots == j, tl.sum(tl.sum(tl.where(offs == idx, scores, 0.0), 1), 0), top_w)
+        top_i = tl.where(slots == j, idx, top_i)
+        choice = tl.where(offs == idx, float("-inf"), choice)
+    if RENORMALIZE:
+        top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
+    tl.store(weights_ptr + t * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slots, top_i.to(tl.int64), mask=slots < TOP_K)
+
+
+def noaux_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                       renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``noaux_route_torch``: one launch where the reference takes a dozen; groups and
+    their experts in powers of two (DeepSeek-V3: 8 x 32, Moonlight: 1 x 64)."""
+    tokens, num_experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens > 0:
+        _noaux_route_kernel[(tokens,)](logits, bias, weights, ids, logits.stride(0), N_GROUP=n_group,
+                                       PER_GROUP=num_experts // n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
+                                       K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+                                       num_warps=1 if num_experts <= 256 else 4, **pdl_launch(logits))
+    return weights, ids
+
+
+def noaux_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64) by DeepSeek-V3's rule (noaux_route_torch):
+    the kernel on the GPU where the groups and their experts are powers of two, else the reference."""
+    per_group = logits.shape[-1] // n_group
+    if use_triton(logits) and logits.stride(-1) == 1 and _pow2(n_group) and _pow2(per_group):
+        return noaux_route_triton(logits, bias, top_k, n_group, topk_group, renormalize)
+    return noaux_route_torch(logits, bias, top_k, n_group, topk_group, renormalize)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def _num_blocks(pairs: int, num_experts: int, block_m: int) -> int:
     """Blocks enough for any routing: every expert that has pairs pads its list by < block_m."""
     return triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m)

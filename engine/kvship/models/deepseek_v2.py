@@ -19,7 +19,7 @@ pairs, and as q_pe and k_pe only meet in their dot product, the same scores.
 
 Routing: V2 takes a softmax over the experts, the top k (greedy, or group_limited_greedy: only
 the topk_group groups with the best expert compete); V3 sigmoid scores, chosen with a bias
-(noaux_route). Weights times routed_scaling_factor, computed in float32 as transformers does
+(kernels/fused_moe.py noaux_route). Weights times routed_scaling_factor, computed in float32 as transformers does
 (the router's weight is held in float32). The shared experts are one SwiGLU MLP of
 n_shared_experts * moe_intermediate_size, ungated.
 
@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvship.kernels.fused_moe import noaux_route
 from kvship.layers.attention import AttentionMetadata, LatentAttention
 from kvship.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvship.layers.moe import route
@@ -116,25 +117,6 @@ def group_limited_route(logits: torch.Tensor, top_k: int, n_group: int, topk_gro
     best = probs.view(-1, n_group, per_group).amax(dim=-1)
     keep = torch.zeros_like(best).scatter_(1, best.topk(topk_group, dim=-1).indices, 1.0)
     weights, ids = (probs * keep.repeat_interleave(per_group, dim=1)).topk(top_k, dim=-1)
-    return weights, ids
-
-
-def noaux_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's noaux_tc: sigmoid scores; the experts are chosen by score plus
-    e_score_correction_bias (a load-balancing term that the weights leave out), a group rated by
-    the sum of its best two, the top k over the best topk_group groups' experts; the weights are
-    the chosen experts' scores, summing to 1 when ``renormalize`` (norm_topk_prob)."""
-    scores = torch.sigmoid(logits.float())
-    choice = scores + bias
-    per_group = scores.shape[-1] // n_group
-    rated = choice.view(-1, n_group, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
-    keep = torch.zeros_like(rated).scatter_(1, rated.topk(topk_group, dim=-1).indices, 1.0)
-    choice = choice.masked_fill(keep.repeat_interleave(per_group, dim=1) == 0, float("-inf"))
-    ids = choice.topk(top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights, ids
 
 
