@@ -255,13 +255,10 @@ def noaux_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: i
     """(weights [T, k] float32, expert ids [T, k] int64) by DeepSeek-V3's rule (noaux_route_torch):
     the kernel on the GPU where the groups and their experts are powers of two, else the reference."""
     per_group = logits.shape[-1] // n_group
-    if use_triton(logits) and logits.stride(-1) == 1 and _pow2(n_group) and _pow2(per_group):
+    pow2 = triton.next_power_of_2(n_group) == n_group and triton.next_power_of_2(per_group) == per_group
+    if use_triton(logits) and logits.stride(-1) == 1 and pow2:
         return noaux_route_triton(logits, bias, top_k, n_group, topk_group, renormalize)
     return noaux_route_torch(logits, bias, top_k, n_group, topk_group, renormalize)
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _num_blocks(pairs: int, num_experts: int, block_m: int) -> int:

@@ -27,9 +27,9 @@ import torch
 
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels import paged_attention as pa
+from kvship.kernels import rotary
 from kvship.kernels._triton import device_sms, next_pow2, tl, triton, use_triton
 from kvship.kernels.numerics import fp8_round
-from kvship.kernels.rotary import rotary_torch
 
 # Launch settings, not yet measured on a GPU: the tile of 32 rows keeps the latent tile (32 KB
 # in bf16 at rank 512) double-buffered well inside an sm_90 block's shared memory.
@@ -44,7 +44,7 @@ def rope_latent_torch(positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.
                       k_pe: torch.Tensor, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the query [T, H, rank + rope], the cache rows [T, rank + rope]): q_lat [T, H, rank] beside
     q_pe [T, H, rope] rotated, latent [T, rank] beside k_pe [T, rope] rotated (halves layout)."""
-    q_pe, k_pe = rotary_torch(positions, q_pe, k_pe[:, None], cos_sin_cache)
+    q_pe, k_pe = rotary.rotary_torch(positions, q_pe, k_pe[:, None], cos_sin_cache)
     return torch.cat([q_lat, q_pe], dim=-1), torch.cat([latent, k_pe[:, 0]], dim=-1)
 
 
@@ -82,17 +82,6 @@ def _attention_launch(q: torch.Tensor, cache: torch.Tensor, kv_scale: torch.Tens
 
 
 @triton.jit
-def _rotated(src, cos, sin, offs_h, m, HALF: tl.constexpr):
-    """Rows (src: each row's first rope element, [R, 1]) rotated in fp32 (halves layout, as
-    rotary_torch) and rounded to their dtype: the two halves."""
-    x1 = tl.load(src + offs_h[None, :], mask=m, other=0.0)
-    x2 = tl.load(src + HALF + offs_h[None, :], mask=m, other=0.0)
-    ty = x1.dtype
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    return (x1 * cos - x2 * sin).to(ty), (x2 * cos + x1 * sin).to(ty)
-
-
-@triton.jit
 def _cache_value(x, scale_ptr, dst_ty: tl.constexpr, FP8: tl.constexpr):
     """Values as an FP8 cache stores them: kv_quant.fp8_quantize's arithmetic, an exact division
     rounded to nearest in fp32."""
@@ -118,26 +107,29 @@ def _rope_store_latent_kernel(
     rmask = (offs_r < RANK)[None, :]
     offs_h = tl.arange(0, BLOCK_HALF)
     half_mask = (offs_h < HALF)[None, :]
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * stride_cs + offs_h[None, :], mask=half_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_h[None, :], mask=half_mask, other=0.0).to(tl.float32)
+    cos, sin = rotary.cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_h, offs_h < HALF, HALF)
     q_rows = q_ptr + t64 * stride_qt + heads[:, None] * stride_qh
     lat = tl.load(qlat_ptr + t64 * stride_qlt + heads[:, None] * stride_qlh + offs_r[None, :], mask=hmask & rmask)
     tl.store(q_rows + offs_r[None, :], lat, mask=hmask & rmask)
-    r1, r2 = _rotated(qpe_ptr + t64 * stride_qpt + heads[:, None] * stride_qph, cos, sin, offs_h, hmask & half_mask,
-                      HALF)
-    tl.store(q_rows + RANK + offs_h[None, :], r1, mask=hmask & half_mask)
-    tl.store(q_rows + RANK + HALF + offs_h[None, :], r2, mask=hmask & half_mask)
+    # rotated in fp32 and rounded to the query's dtype, as rotary_torch
+    r1, r2 = rotary.rotated_halves(qpe_ptr + t64 * stride_qpt, stride_qph, heads, cos, sin, offs_h, hmask & half_mask,
+                                   qpe_ptr, 0.0, HALF, False)
+    ty = qpe_ptr.dtype.element_ty
+    tl.store(q_rows + RANK + offs_h[None, :], r1.to(ty), mask=hmask & half_mask)
+    tl.store(q_rows + RANK + HALF + offs_h[None, :], r2.to(ty), mask=hmask & half_mask)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     if tl.program_id(1) > 0 or slot < 0:
         return
     dst = cache_ptr + slot * stride_c
-    ty = cache_ptr.dtype.element_ty
+    cty = cache_ptr.dtype.element_ty
     c = tl.load(lat_ptr + t64 * stride_lt + offs_r[None, :], mask=rmask)
-    tl.store(dst + offs_r[None, :], _cache_value(c, scale_ptr, ty, FP8), mask=rmask)
-    k1, k2 = _rotated(kpe_ptr + t64 * stride_kt, cos, sin, offs_h, half_mask, HALF)
-    tl.store(dst + RANK + offs_h[None, :], _cache_value(k1, scale_ptr, ty, FP8), mask=half_mask)
-    tl.store(dst + RANK + HALF + offs_h[None, :], _cache_value(k2, scale_ptr, ty, FP8), mask=half_mask)
+    tl.store(dst + offs_r[None, :], _cache_value(c, scale_ptr, cty, FP8), mask=rmask)
+    # the key part: one row (a head of stride 0), rounded to k_pe's dtype before any FP8 quantization
+    k1, k2 = rotary.rotated_halves(kpe_ptr + t64 * stride_kt, 0, tl.arange(0, 1), cos, sin, offs_h, half_mask,
+                                   kpe_ptr, 0.0, HALF, False)
+    kty = kpe_ptr.dtype.element_ty
+    tl.store(dst + RANK + offs_h[None, :], _cache_value(k1.to(kty), scale_ptr, cty, FP8), mask=half_mask)
+    tl.store(dst + RANK + HALF + offs_h[None, :], _cache_value(k2.to(kty), scale_ptr, cty, FP8), mask=half_mask)
 
 
 def rope_store_latent_triton(positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,

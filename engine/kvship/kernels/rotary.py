@@ -104,7 +104,7 @@ def _normed(x, rstd, w_ptr, elem, emask, ty: tl.constexpr):
 
 
 @triton.jit
-def _rotated_halves(src, stride_h, offs_h, cos, sin, offs_d, m, w_ptr, eps,
+def rotated_halves(src, stride_h, offs_h, cos, sin, offs_d, m, w_ptr, eps,
                     HALF: tl.constexpr, NORM: tl.constexpr):
     """Both halves [BLOCK_H, BLOCK_HALF] of one token's heads at ``src``, each head RMS-normed
     with the weights at ``w_ptr`` first when NORM, rotated, in fp32. The statistics come from
@@ -129,7 +129,7 @@ def _rotate_heads(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask,
     (FP8: divided by scale)."""
     offs_h = tl.arange(0, BLOCK_H)
     m = (offs_h[:, None] < H) & dmask[None, :]
-    r1, r2 = _rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, w_ptr, eps, HALF, NORM)
+    r1, r2 = rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, w_ptr, eps, HALF, NORM)
     o = dst + offs_h[:, None] * stride_dst_h + offs_d[None, :]
     src_ty = src.dtype.element_ty  # (one assignment each: a tuple of dtypes does not compile on the GPU)
     dst_ty = dst.dtype.element_ty
@@ -189,7 +189,7 @@ def _store_turned(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask,
     every write after them)."""
     offs_h = tl.arange(0, BLOCK_H)
     m = (offs_h[:, None] < H) & dmask[None, :]
-    r1, r2 = _rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, w_ptr, eps, HALF, NORM)
+    r1, r2 = rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, w_ptr, eps, HALF, NORM)
     cols = tl.arange(0, BLOCK_D)
     turned = _turn(r1, r2, r_ptr, offs_d, dmask, src.dtype.element_ty, HALF, HEAD_DIM, BLOCK_D, R_ENTRY)
     o = dst + offs_h[:, None] * stride_dst_h + cols[None, :]
@@ -310,7 +310,7 @@ def _key_block_codes(old, x, m, new, sp, cmask, held):
 
 
 @triton.jit
-def _cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_d, dmask, HALF: tl.constexpr):
+def cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_d, dmask, HALF: tl.constexpr):
     """cos and sin of token t's position, as [1, BLOCK_HALF] fp32 rows."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cs_ptr + pos * stride_cs + offs_d, mask=dmask, other=0.0).to(tl.float32)[None, :]
@@ -336,7 +336,7 @@ def _rotary_store_kv_kernel(
     # positions and slots come from the host before the step's first kernel and the cos/sin
     # table is constant: read before the PDL wait (kernels/_triton.py), they overlap the q/k/v
     # projection this kernel follows
-    cos, sin = _cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_d, dmask, HALF)
+    cos, sin = cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_d, dmask, HALF)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     prev = slot - 1  # the token before's slot, read by int4 alone: it says who stores a block's keys
     if KV_MODE == 2:
