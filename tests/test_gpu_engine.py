@@ -45,3 +45,42 @@ def test_gpu_seeded_sampling_reproducible(tiny_models):
     alone = llm.generate([ps[2]], p)[0].outputs[0].token_ids
     mixed = llm.generate(ps, [SamplingParams(temperature=1.0, max_tokens=16)] * 2 + [p, GREEDY])
     assert mixed[2].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen3-qknorm"])
+def test_batch1_graphs_with_the_norms_in_the_gemv(tiny_models, arch, monkeypatch):
+    """Every projection of the tiny model listed for the one-row GEMV, as the 8B shape's are: a
+    batch-1 graph then runs no norm kernel inside its layers (q/k/v and gate/up normalize in
+    their prologues, o and down add into the residual). fp32 greedy tokens against transformers,
+    prompts one at a time; then the bf16 graph step against the eager one."""
+    from kvship.kernels import gemv
+    from test_models import _EveryShape
+
+    monkeypatch.setattr(gemv, "GEMV_SHAPES", _EveryShape())
+    folder, ref = tiny_models[arch]
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=1)
+    ps = prompts(4)
+    agree = sum(gpu_greedy_agreement(llm, ref, [p], 12) for p in ps)
+    assert agree >= len(ps) - 1
+    llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=1)
+    assert_graph_step_equals_eager(llm, prompts(1))
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "int4"])
+def test_batch1_quantized_with_the_norms_in_the_gemv(tiny_models, quantization, monkeypatch):
+    """In-situ FP8 and int4 at batch 1: the pairs GEMV takes the norms and residuals (its one-row
+    path runs in and out of graphs alike). Greedy tokens with the fusions against the same
+    engine with its norms as kernels of their own (KVSHIP_NORM_GEMV=0's switch)."""
+    from kvship.models import llama
+
+    folder, _ = tiny_models["qwen3-qknorm"]
+    ps = prompts(4)
+
+    def greedy(fused: bool) -> list[list[int]]:
+        monkeypatch.setattr(llama, "ONE_ROW_NORMS", fused)
+        llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=1,
+                  quantization=quantization)
+        return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in ps]
+
+    fused, plain = greedy(True), greedy(False)
+    assert sum(a == b for a, b in zip(fused, plain)) >= len(ps) - 1
