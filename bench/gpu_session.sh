@@ -28,7 +28,6 @@
 #   the rotary + latent store in one kernel (kernel tests, graphs), DeepSeek's projections in the one-row GEMV
 #   (sweep, then batch 1 without and with its settings): mla-quick gemv-deepseek
 #   DeepSeek-V3's routing in one kernel (its GPU tests, Moonlight's batch 1): noaux-route
-#   the decoder layers' norms in the one-row GEMVs (batch 1 without and with them, then the GPU tests): norm-ab norm-tests
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 #   throughput by KV and weight dtype (two passes each: one tree's single runs spread by 7%), then where
@@ -132,10 +131,6 @@ bench mla-rest 300 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short 
   python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf"
 bench noaux-route 400 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_fused_moe.py \
   -k 'noaux or route_kernel' && python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
-bench norm-ab 330 bash -c "KVSHIP_NORM_GEMV=0 python3 bench/latency.py --quantization none fp8 int4 --no-hf --output 128 && \
-  KVSHIP_NORM_GEMV=1 python3 bench/latency.py --quantization none fp8 int4 --no-hf --output 128"
-bench norm-tests 240 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py tests/test_quant_gemv.py \
-  tests/test_gpu_engine.py -k "pending or pdl_chain or batch1 or test_gemv"
 bench profile-mla 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape deepseek-v2-lite --top 14
 bench latency-mla 300 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"

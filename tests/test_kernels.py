@@ -319,32 +319,6 @@ def test_gemv(n, k, bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(50, 200), (24, 4100)] if not GPU else [(6144, 4096), (4096, 14336)])
-def test_gemv_takes_a_pending_norm_and_a_residual(n, k, dtype):
-    """The GEMV's prologue norm (a PendingNorm x: 1 / rms over the whole row, read in blocks of up
-    to 4096, so k = 4100 takes two) and its residual epilogue (the product rounded, added in
-    place) against the norm kernel's reference, then F.linear, then the add; the gated input
-    with the epilogue too (the MLP's down projection)."""
-    g = torch.Generator().manual_seed(n + 3 * k)
-    x = (3 * torch.randn(1, k, generator=g)).to(dtype).to(DEV)
-    w_norm = (1 + 0.3 * torch.randn(k, generator=g)).to(dtype).to(DEV)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV)
-    h = (2 * torch.randn(1, 2 * k, generator=g)).to(dtype).to(DEV)
-    w_down = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV)
-    res = torch.randn(1, n, generator=g).to(dtype).to(DEV)
-    cfg = {"block_n": 8, "block_k": 128, "num_warps": 4, "num_stages": 2}
-    pending = norm.PendingNorm(x, w_norm, 1e-5)
-    want = gemv.gemv_torch(norm.rms_norm_torch(x, w_norm, 1e-5), w)
-    close(gemv.gemv_triton(pending, w, None, cfg), want, dtype, "prologue norm")
-    got, ref = res.clone(), res.clone()
-    assert gemv.gemv_triton(pending, w, None, cfg, add_to=got) is got
-    close(got, gemv.gemv_torch(pending, w, add_to=ref), dtype, "norm and residual")
-    got, ref = res.clone(), res.clone()
-    gemv.gemv_triton(h, w_down, None, cfg, act="silu", add_to=got)
-    close(got, gemv.gemv_torch(h, w_down, act="silu", add_to=ref), dtype, "gated input and residual")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,v", [(1, 9000), (3, 4096), (2, 100)] if not GPU else [(1, 128256), (256, 151936), (5, 49152)])
 def test_argmax(b, v, dtype):
     """Parallel argmax = torch's, ties included: they go to the lowest index."""
@@ -365,7 +339,7 @@ def test_linear_dispatch_only_on_listed_shapes_in_graphs(monkeypatch):
     calls = []
     capturing = [False]
     monkeypatch.setattr(gemv, "gemv_triton",
-                        lambda x, w, b, cfg, act=None, add_to=None: calls.append(cfg) or gemv.gemv_torch(x, w, b, act))
+                        lambda x, w, b, cfg, act=None: calls.append(cfg) or gemv.gemv_torch(x, w, b, act))
     monkeypatch.setattr(gemv, "use_triton", lambda t: True)
     monkeypatch.setattr(gemv.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setitem(gemv.GEMV_SHAPES, (8, 16), {"block_n": 8})
@@ -444,8 +418,7 @@ def test_decode_cuda_graph_capture():
 @pytest.mark.parametrize("pdl_on", [False, True])
 def test_pdl_chain_in_a_cuda_graph(pdl_on, monkeypatch):
     """A decode step's chain of PDL-aware kernels (residual norm, one-row GEMV, the fp16-pair
-    GEMV reading its first tile before its wait, activation, argmax; both GEMVs with a norm in
-    their prologue and a residual added in their epilogue) replayed from a CUDA graph,
+    GEMV reading its first tile before its wait, activation, argmax) replayed from a CUDA graph,
     each kernel reading its predecessor's output: with programmatic dependent launch (on an
     sm_90 GPU) the results are the ones without it, bit for bit, every replay."""
     from kvship.kernels import _triton
@@ -468,13 +441,7 @@ def test_pdl_chain_in_a_cuda_graph(pdl_on, monkeypatch):
         y = gemv.gemv_triton(h, w1, config=cfg1)
         z = qgemv_pairs_triton(y, w2.qweight, w2.scales, w2.biases, None, 4, 128, 4096, PAIRS_GEMV_CONFIGS[4])
         a = activation.act_and_mul(z, "silu")
-        # the batch-1 fusions: norms in the GEMVs' prologues, residuals added in their epilogues
-        pending = norm.PendingNorm(r, w_norm, 1e-5)
-        p = gemv.gemv_triton(pending, w1, config=cfg1)
-        t = gemv.gemv_triton(p, w1, config=cfg1, add_to=y.clone())
-        u = qgemv_pairs_triton(pending, w2.qweight, w2.scales, w2.biases, None, 4, 128, 4096, PAIRS_GEMV_CONFIGS[4],
-                               add_to=z.clone())
-        return r, y, z, a, argmax.argmax_triton(a.float()), p, t, u
+        return r, y, z, a, argmax.argmax_triton(a.float())
 
     monkeypatch.setattr(_triton, "PDL_ENABLED", False)
     want = chain()

@@ -125,44 +125,6 @@ def test_logits_match_transformers(tiny_models, arch, device):
     assert_logits_match(folder, ref, prompts, device)
 
 
-class _EveryShape(dict):
-    """GEMV_SHAPES that lists every weight shape (with one small tile setting)."""
-
-    def get(self, key, default=None):
-        return {"block_n": 8, "block_k": 32, "num_warps": 4, "num_stages": 1}
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs this path in CUDA graphs (test_gpu_engine)")
-@pytest.mark.parametrize("arch", ["llama-gqa-tied", "qwen3-qknorm", "phi3", "qwen3-moe"])
-def test_one_row_steps_with_the_norms_in_the_gemv_match_transformers(tiny_models, arch, monkeypatch):
-    """Batch-1 decode's fused path: every projection of the tiny model takes the one-row GEMV (in
-    the interpreter) as inside a captured CUDA graph, so the decoder layers hand q/k/v and gate/up
-    their norms as PendingNorms and let o and down add into the residual. The prompt runs a token
-    a step (each step one row); the logits equal transformers'. The MoE model's routed layer keeps
-    its post-attention norm (its experts are not a GEMV) beside a dense one that fuses."""
-    from kvship.kernels import gemv
-    from kvship.kernels.norm import PendingNorm
-
-    seen = set()
-    kernel = gemv.gemv_triton
-
-    def spy(x, w, b=None, config=None, act=None, add_to=None):
-        seen.add((isinstance(x, PendingNorm), add_to is not None))
-        return kernel(x, w, b, config, act, add_to)
-
-    monkeypatch.setattr(gemv, "gemv_triton", spy)
-    monkeypatch.setattr(gemv, "use_triton", lambda t: True)
-    monkeypatch.setattr(gemv.torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(gemv, "GEMV_SHAPES", _EveryShape())
-    folder, ref = tiny_models[arch]
-    prompt = [3, 17, 99, 5, 250, 41]
-    with torch.no_grad():
-        want = ref(torch.tensor([prompt])).logits[0]
-    got = our_logits(folder, [prompt], chunk=1)[0]
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-    assert {(True, False), (False, True)} <= seen  # norms taken in the prologue, residuals in the epilogue
-
-
 def test_chunked_prefill_matches_whole(tiny_models):
     folder, ref = tiny_models["llama-gqa-tied"]
     prompts = [list(range(3, 40)), list(range(100, 123))]

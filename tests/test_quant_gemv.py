@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kvship.kernels._triton import HAS_TRITON
-from kvship.kernels.norm import PendingNorm, rms_norm_torch
 from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton
 from kvship.kernels.quant_linear import pack, quant_linear_torch
 from kvship.quant import QuantizedTensor
@@ -145,31 +144,3 @@ def test_layouts_the_pairs_kernel_leaves():
     assert not pairs_fit(4, 384, 16, 24, False)  # groups of 16 inputs: 2 words, half a chain
     assert pairs_fit(4, 384, 96, 4, False)  # 3 chains a group
     assert pairs_fit(4, 4096, 128, 32, False) and pairs_fit(8, 4096, 4096, 1, False)
-
-
-@pytest.mark.parametrize("bits,group,kind", [(4, 128, "int"), (4, 32, "int"), (8, 1 << 20, "fp8")])
-def test_pairs_gemv_takes_a_pending_norm_and_a_residual(bits, group, kind):
-    """The pairs kernel's prologue norm (x a PendingNorm: its inputs times 1 / rms and the norm's
-    weight as they are read) and its residual epilogue (the product rounded to the residual's
-    dtype, added in place) against the norm's reference, dequantize-then-linear and the add.
-    Asymmetric integer codes, whose offsets multiply the sums of the normalized inputs, and FP8."""
-    fp8 = kind == "fp8"
-    n, k = (4096, 4096) if GPU else (20, 512)
-    dtype = torch.bfloat16 if GPU else torch.float32
-    w = _weights(n, k, bits, min(group, k), symmetric=False if not fp8 else True, seed=bits + group, fp8=fp8)
-    g = torch.Generator().manual_seed(group)
-    x = (4 * torch.randn(1, k, generator=g)).to(DEV, dtype)
-    w_norm = (1 + 0.3 * torch.randn(k, generator=g)).to(DEV, dtype)
-    res = torch.randn(1, n, generator=g).to(DEV, dtype)
-    cfg = {"block_n": 8, "block_w": 16, "num_warps": 4, "num_stages": 2}
-    pending = PendingNorm(x, w_norm, 1e-6)
-    want = quant_linear_torch(rms_norm_torch(x.float(), w_norm.float(), 1e-6), w)
-    got = qgemv_pairs_triton(pending, w.qweight, w.scales, w.biases, None, bits, w.group_size, k, cfg).float()
-    rel = ((got - want).norm() / want.norm()).item()
-    assert rel < (1e-2 if GPU else 2e-3), f"prologue norm: relative error {rel:.2e}"
-    out = res.clone()
-    assert qgemv_pairs_triton(pending, w.qweight, w.scales, w.biases, None, bits, w.group_size, k, cfg,
-                              add_to=out) is out
-    added = out.float() - res.float()
-    rel = ((added - want).norm() / want.norm()).item()
-    assert rel < (2e-2 if GPU else 2e-3), f"residual epilogue: relative error {rel:.2e}"

@@ -39,8 +39,7 @@ def _specs():
     # quant_gemv.py's one-row kernels (inline PTX in the pairs kernel: compiled here only, as the
     # interpreter runs its pure-Triton twin), every layout the engine gives them
     words = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "b_ptr": "*fp16", "bias_ptr": "*bf16",
-             "g_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "KW": "i32", "stride_w": "i32", "stride_s": "i32",
-             "ngroups": "i32", "eps": "fp32"}
+             "y_ptr": "*bf16", "N": "i32", "KW": "i32", "stride_w": "i32", "stride_s": "i32", "ngroups": "i32"}
     for bits, symm, g in ((4, True, 128), (4, False, 32), (4, True, 1 << 30), (8, True, 1 << 30), (8, False, 16)):
         for bias in (False, True):
             yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_pairs_kernel", "types": words,
@@ -55,22 +54,6 @@ def _specs():
                "types": {**words, "s_ptr": "*fp32", "b_ptr": "*fp32"},
                "constexprs": {"BITS": 8, "FP8": True, "SYMM": True, "HAS_BIAS": bias, "G": g, "ASM": True,
                               "EVEN": bias, "CODE_SHIFT": CODE_SHIFT[8, True], "BLOCK_N": 8, "BLOCK_W": 512}}
-    # the norm in the prologue (q/k/v, gate/up) and the residual in the epilogue (o, down) of a
-    # batch-1 decode step, FP8 per row and asymmetric 4-bit codes in groups of 32 (GGUF Q4_K)
-    for fp8, norm in ((True, True), (True, False), (False, True), (False, False)):
-        yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_pairs_kernel",
-               "types": {**words, "s_ptr": "*fp32", "b_ptr": "*fp32"} if fp8 else words,
-               "constexprs": {"BITS": 8 if fp8 else 4, "FP8": fp8, "SYMM": fp8, "HAS_BIAS": False,
-                              "G": 1 << 30 if fp8 else 32, "ASM": True, "EVEN": True,
-                              "CODE_SHIFT": CODE_SHIFT[8 if fp8 else 4, fp8], "BLOCK_N": 8, "BLOCK_W": 256,
-                              "NORM": norm, "ADD": not norm, "RSTD_BLOCK": 4096}}
-    # the 16-bit one-row GEMV (kernels/gemv.py), plain and with either fusion, gated with the residual
-    gemv_types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "g_ptr": "*bf16", "y_ptr": "*bf16",
-                  "N": "i32", "K": "i32", "stride_w": "i32", "eps": "fp32"}
-    for gated, norm, add in ((False, False, False), (False, True, False), (False, False, True), (True, False, True)):
-        yield {"kernel": "kvship.kernels.gemv:_gemv_kernel", "types": gemv_types,
-               "constexprs": {"HAS_BIAS": False, "GATED": gated, "GELU": False, "BLOCK_N": 8, "BLOCK_K": 1024,
-                              "NORM": norm, "ADD": add, "RSTD_BLOCK": 4096}}
     fp8 = "kvship.kernels.fp8_matmul"
     for dtype in ("bf16", "fp16"):  # rows read once (8B's hidden 4096) and twice (its down_proj's 14336)
         for block, one_pass in ((4096, True), (8192, False)):

@@ -14,11 +14,6 @@ gate/up projection's output [1, 2K] and the kernel applies the gated activation 
 (act(gate) * up, rounded to the input dtype as the separate kernel does): the MLP's down
 projection then needs no activation kernel of its own.
 
-Two more fusions spare a batch-1 decode step its norm kernels (kernels/norm.py): x may be a
-``PendingNorm``, which the kernel applies in its prologue (1 / rms of the whole row, then each
-input times it and the norm's weight as it is read), and ``add_to`` (a residual [1, N]) takes
-the product in place, rounded to the dtype first, as the fused add-and-norm would have summed it.
-
 ``gemv_torch`` (F.linear, after the gated activation when ``act`` is set) is the reference;
 ``gemv_triton`` the kernel; ``linear`` and ``act_mul_linear`` pick one.
 """
@@ -29,7 +24,6 @@ import torch.nn.functional as F
 
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.activation import act_and_mul, act_and_mul_torch, gelu_tanh_mul, silu_mul
-from kvship.kernels.norm import PendingNorm, dense, row_rstd, rstd_block
 
 DEFAULT_CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
 # (N, K) weight shape -> launch settings, for the shapes where the kernel beat cuBLAS at M = 1
@@ -70,20 +64,16 @@ GEMV_SHAPES: dict[tuple[int, int], dict[str, int]] = {
 
 
 def gemv_torch(
-    x: "torch.Tensor | PendingNorm", weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None,
-    add_to: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
 ) -> torch.Tensor:
-    """The reference: with ``add_to``, the product rounded to its dtype is added into it in place
-    and ``add_to`` returned."""
-    y = F.linear(act_and_mul_torch(x, act) if act else dense(x), weight, bias)
-    return y if add_to is None else add_to.copy_((y.float() + add_to.float()).to(add_to.dtype))
+    return F.linear(act_and_mul_torch(x, act) if act else x, weight, bias)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, g_ptr, y_ptr, N, K, stride_w, eps,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr, NORM: tl.constexpr = False, ADD: tl.constexpr = False, RSTD_BLOCK: tl.constexpr = 4096,
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # With PDL the wait comes first: reading the first weight tile before it, with the loop
     # peeled to use it, slowed the H200's bf16 8B step from 218 to 147 tok/s (78bf07a).
@@ -92,8 +82,6 @@ def _gemv_kernel(
     nmask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-    if NORM:  # x is the norm's input (g_ptr its weight)
-        rstd = row_rstd(x_ptr, K, eps, RSTD_BLOCK)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
@@ -106,75 +94,56 @@ def _gemv_kernel(
             else:
                 x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
         x = x.to(tl.float32)
-        if NORM:
-            x = x * rstd * tl.load(g_ptr + kk, mask=kmask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0,
                     eviction_policy="evict_first")  # each weight byte is read once per step
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-    if ADD:  # y_ptr is the residual: the product rounded as a layer's output, then the sum rounded
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(y_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
 def gemv_triton(
-    x: "torch.Tensor | PendingNorm", weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: dict[str, int] | None = None, act: str | None = None, add_to: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict[str, int] | None = None,
+    act: str | None = None,
 ) -> torch.Tensor:
-    """Triton twin of ``gemv_torch`` for x with one row ([1, K], or [1, 2K] with ``act``; or a
-    PendingNorm of such a row, not with ``act``); W [N, K]."""
+    """Triton twin of ``gemv_torch`` for x with one row ([1, K], or [1, 2K] with ``act``); W [N, K]."""
     n, k = weight.shape
-    norm = x if isinstance(x, PendingNorm) else None
-    x = (norm.x if norm is not None else x).contiguous()
     assert x.numel() == x.shape[-1] == (2 * k if act else k) and weight.stride(-1) == 1
-    assert norm is None or act is None
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if add_to is None else add_to
-    assert y.numel() == n and y.is_contiguous() and y.dtype == x.dtype
+    x = x.contiguous()
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     cfg = config or DEFAULT_CONFIG
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
-        x, weight, bias if bias is not None else weight, norm.weight if norm is not None else weight, y, n, k,
-        weight.stride(0), norm.eps if norm is not None else 0.0,
-        HAS_BIAS=bias is not None, GATED=act is not None, GELU=act == "gelu_tanh", NORM=norm is not None,
-        ADD=add_to is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], RSTD_BLOCK=rstd_block(k),
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **pdl_launch(x),
+        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, GATED=act is not None, GELU=act == "gelu_tanh", BLOCK_N=cfg["block_n"],
+        BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_launch(x),
     )
     return y
 
 
-def _graph_config(x: "torch.Tensor | PendingNorm", weight: torch.Tensor) -> dict[str, int] | None:
+def _graph_config(x: torch.Tensor, weight: torch.Tensor) -> dict[str, int] | None:
     """The kernel's launch settings when it should take x @ W^T, else None: one row, a listed
     weight shape, and a CUDA graph being captured. Replayed from a graph a launch costs the
     host nothing; run eagerly, a Triton launch costs more host time than the kernel saves on the
     GPU (batch-1 eager 8B decode fell from 76.5 to 41.4 tok/s when the kernel ran eagerly)."""
-    if isinstance(x, PendingNorm):
-        x = x.x
     if x.numel() != x.shape[-1] or not use_triton(x) or not torch.cuda.is_current_stream_capturing():
         return None
     return GEMV_SHAPES.get(tuple(weight.shape))
 
 
-def linear(x: "torch.Tensor | PendingNorm", weight: torch.Tensor, bias: torch.Tensor | None = None,
-           add_to: torch.Tensor | None = None) -> torch.Tensor | None:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except that while a CUDA graph is captured, one-row inputs on weight shapes
-    listed in GEMV_SHAPES go to the kernel, which applies a PendingNorm x itself and, given
-    ``add_to``, adds the product into it and returns None. Elsewhere a PendingNorm is computed
-    first and ``add_to`` is left alone (the product is returned)."""
+    listed in GEMV_SHAPES go to the kernel."""
     config = _graph_config(x, weight)
     if config is not None:
-        y = gemv_triton(x, weight, bias, config, add_to=add_to)
-        return None if y is add_to else y
-    return F.linear(dense(x), weight, bias)
+        return gemv_triton(x, weight, bias, config)
+    return F.linear(x, weight, bias)
 
 
-def act_mul_linear(h: torch.Tensor, weight: torch.Tensor, act: str, bias: torch.Tensor | None = None,
-                   add_to: torch.Tensor | None = None) -> torch.Tensor | None:
-    """F.linear(act_and_mul(h, act)): one kernel where ``linear`` would take the GEMV (which also
-    takes ``add_to`` as ``linear`` does), two otherwise."""
+def act_mul_linear(h: torch.Tensor, weight: torch.Tensor, act: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(act_and_mul(h, act)): one kernel where ``linear`` would take the GEMV, two otherwise."""
     config = _graph_config(h, weight)
     if config is not None:
-        y = gemv_triton(h, weight, bias, config, act=act, add_to=add_to)
-        return None if y is add_to else y
+        return gemv_triton(h, weight, bias, config, act=act)
     return F.linear(act_and_mul(h, act), weight, bias)

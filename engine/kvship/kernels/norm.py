@@ -5,16 +5,8 @@
 per row); ``rms_norm`` / ``fused_add_rms_norm`` pick one by device. Statistics in fp32, output
 in the input dtype. The fused variant returns ``(normed, new_residual)`` with
 ``new_residual = x + residual`` rounded to the input dtype (what an unfused model computes).
-
-``PendingNorm`` is a norm not yet computed: the one-row GEMV kernels (kernels/gemv.py,
-kernels/quant_gemv.py) take it and normalize their input in their prologue (``row_rstd``), so
-that a batch-1 decode step runs no norm kernel before its q/k/v (or gate/up) projection; any
-other consumer computes it first (``dense``).
 """
 from __future__ import annotations
-
-import os
-from dataclasses import dataclass
 
 import torch
 
@@ -40,18 +32,6 @@ def rms_rstd(sum_sq, eps, N):
     shares (this one's, the fused all-reduce norm's and rotary's per-head q/k norm): one rounding
     of the mean, a square root and a division, as the unfused kernels always computed it."""
     return 1.0 / tl.sqrt(sum_sq / N + eps)
-
-
-@triton.jit
-def row_rstd(x_ptr, N, eps, BLOCK: tl.constexpr):
-    """1 / rms of the row of N elements at x_ptr, in fp32 (``rms_rstd``), read BLOCK at a time:
-    what a GEMV that normalizes its input in its prologue multiplies the row by."""
-    acc = tl.zeros([BLOCK], tl.float32)
-    for k0 in range(0, N, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        acc += x * x
-    return rms_rstd(tl.sum(acc, 0), eps, N)
 
 
 @triton.jit
@@ -115,28 +95,6 @@ def fused_add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch(x, residual, weight, eps)
-
-
-# KVSHIP_NORM_GEMV=0: the decoder layers run their norms as kernels of their own (A/B runs).
-ONE_ROW_NORMS = os.environ.get("KVSHIP_NORM_GEMV", "1") != "0"
-
-
-@dataclass(frozen=True)
-class PendingNorm:
-    """rms_norm(x, weight, eps), not yet computed (module docstring)."""
-    x: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
-def rstd_block(n: int) -> int:
-    """``row_rstd``'s BLOCK for rows of n: the 8B shape's 4096 inputs in one read."""
-    return min(next_pow2(n), 4096)
-
-
-def dense(x: "torch.Tensor | PendingNorm") -> torch.Tensor:
-    """x itself, or the norm a PendingNorm stands for, computed now."""
-    return rms_norm(x.x, x.weight, x.eps) if isinstance(x, PendingNorm) else x
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

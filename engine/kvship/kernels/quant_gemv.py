@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from kvship.kernels._triton import INTERPRET, pdl_launch, pdl_wait, tl, triton
-from kvship.kernels.norm import PendingNorm, row_rstd, rstd_block
 from kvship.kernels.numerics import small_int_to_float
 from kvship.quant.tensor import code_centre
 
@@ -347,36 +346,25 @@ def _step(q, x0, x1, x2, x3, a, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.c
 
 
 @triton.jit
-def _inputs(x_ptr, g_ptr, rstd, offs, mask, NORM: tl.constexpr):
-    """x's inputs at offs in fp32; NORM: normalized (times rstd and the norm's weight)."""
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        x = x * rstd * tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _chains(q, x_ptr, first, KW, g_ptr, rstd, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
-            NORM: tl.constexpr):
+def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr):
     """fp32 sums of the chains of tile q [rows, chains, 4 words] whose first words are ``first``
     [chains], and the fp32 sums of x over each chain's inputs [chains] (what offsets multiply).
     x's pairs for the tile are made as one [chains, 4 words, pairs] tensor, each pair once per
     program (the layout change that hands them to the rows' threads goes through shared memory),
     then sliced in registers. Pair p of a word holds inputs p and p + PAIRS (integer codes) or
-    2p and 2p + 1 (FP8: the bytes one conversion takes). NORM: x is a norm's input, taken times
-    ``rstd`` and the norm's weight (at g_ptr) as it is read."""
+    2p and 2p + 1 (FP8: the bytes one conversion takes)."""
     CODES: tl.constexpr = 32 // BITS
     PAIRS: tl.constexpr = CODES // 2
     word = first[:, None, None] + tl.arange(0, 4)[None, :, None]
     wmask = word < KW
     if FP8:  # the word's inputs in one load, split into its pairs' halves
-        xo = word[:, :, :, None] * CODES + tl.arange(0, CODES)[None, None, None, :]
-        xw = _inputs(x_ptr, g_ptr, rstd, xo, wmask[:, :, :, None], NORM)
+        xw = tl.load(x_ptr + word[:, :, :, None] * CODES + tl.arange(0, CODES)[None, None, None, :],
+                     mask=wmask[:, :, :, None], other=0.0).to(tl.float32)
         lo, hi = tl.split(tl.reshape(xw, [first.shape[0], 4, PAIRS, 2]))
     else:
         xo = word * CODES + tl.arange(0, PAIRS)[None, None, :]
-        lo = _inputs(x_ptr, g_ptr, rstd, xo, wmask, NORM)
-        hi = _inputs(x_ptr, g_ptr, rstd, xo + PAIRS, wmask, NORM)
+        lo = tl.load(x_ptr + xo, mask=wmask, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + xo + PAIRS, mask=wmask, other=0.0).to(tl.float32)
     xp = _pair(lo, hi, ASM)
     xsum = tl.sum(tl.sum(lo + hi, 2), 1)
     q0, q1, q2, q3 = _split4(q)
@@ -399,18 +387,16 @@ def _chains(q, x_ptr, first, KW, g_ptr, rstd, BITS: tl.constexpr, FP8: tl.conste
 
 
 @triton.jit
-def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, g_ptr, y_ptr, N, KW, stride_w, stride_s, ngroups,
-                        eps, BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride_w, stride_s, ngroups,
+                        BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
                         G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
-                        NORM: tl.constexpr = False, ADD: tl.constexpr = False, RSTD_BLOCK: tl.constexpr = 4096):
+                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     """A program's tile is [BLOCK_N rows, BLOCK_W words] = [rows, chains, 4 words]. Each chain's
     fp32 sum takes its (row, group)'s scale (and offset; a chain lies in one group) into an fp32
     accumulator, reduced once at the end. The next tile's words are loaded before this one's
     arithmetic (a tile ahead in registers); the first is loaded before x exists (with PDL: while
     the kernel before finishes). EVEN: N and the row's words are whole tiles (no masks but the
-    look-ahead's). NORM and ADD as kernels/gemv.py's: x a PendingNorm's input (g_ptr its weight),
-    y_ptr the residual the product is added into."""
+    look-ahead's)."""
     CODES: tl.constexpr = 32 // BITS
     NCH: tl.constexpr = BLOCK_W // 4
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -425,9 +411,6 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, g_ptr, y_ptr, N, K
         q = tl.load(rows, mask=nmask[:, None] & (tl.arange(0, BLOCK_W) < KW)[None, :], other=0,
                     eviction_policy="evict_first")
     pdl_wait(PDL)
-    rstd = 1.0
-    if NORM:
-        rstd = row_rstd(x_ptr, KW * CODES, eps, RSTD_BLOCK)
     for w0 in range(0, KW, BLOCK_W):
         nxt = w0 + BLOCK_W
         if EVEN:
@@ -436,7 +419,7 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, g_ptr, y_ptr, N, K
         else:
             q_next = tl.load(rows + nxt, mask=nmask[:, None] & (nxt + tl.arange(0, BLOCK_W) < KW)[None, :],
                              other=0, eviction_policy="evict_first")
-        d, xs = _chains(tl.reshape(q, [BLOCK_N, NCH, 4]), x_ptr, w0 + chain, KW, g_ptr, rstd, BITS, FP8, ASM, NORM)
+        d, xs = _chains(tl.reshape(q, [BLOCK_N, NCH, 4]), x_ptr, w0 + chain, KW, BITS, FP8, ASM)
         gs = (w0 + chain) * CODES // G
         if EVEN:
             s = tl.load(s_ptr + srows + gs[None, :]).to(tl.float32)
@@ -454,8 +437,6 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, g_ptr, y_ptr, N, K
     y = tl.sum(acc, 1) * (1 << CODE_SHIFT)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-    if ADD:
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + tl.load(y_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -468,28 +449,21 @@ def pairs_fit(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool)
     return ngroups == 1 or group_size % (CHAIN * codes) == 0
 
 
-def qgemv_pairs_triton(x: "torch.Tensor | PendingNorm", qweight: torch.Tensor, scales: torch.Tensor,
-                       biases: torch.Tensor | None, bias: torch.Tensor | None, bits: int, group_size: int, k: int,
-                       config: dict[str, int], add_to: torch.Tensor | None = None) -> torch.Tensor:
-    """As ``qgemv_words_triton`` for 16-bit x (``pairs_fit`` must hold); x may be a PendingNorm,
-    and ``add_to`` a residual [1, N] that takes the product (kernels/gemv.py's ``gemv_triton``)."""
+def qgemv_pairs_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
+                       bias: torch.Tensor | None, bits: int, group_size: int, k: int,
+                       config: dict[str, int]) -> torch.Tensor:
+    """As ``qgemv_words_triton`` for 16-bit x (``pairs_fit`` must hold)."""
     n = qweight.shape[0]
-    norm = x if isinstance(x, PendingNorm) else None
-    if norm is not None:
-        x = norm.x.contiguous()
     words = qweight.view(torch.uint8).view(torch.int32)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device) if add_to is None else add_to
-    assert y.numel() == n and y.is_contiguous() and y.dtype == x.dtype
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     fp8 = qweight.dtype == torch.float8_e4m3fn
     symm = biases is None  # FP8: symmetric about 0
     _qgemv_pairs_kernel[(triton.cdiv(n, config["block_n"]),)](
-        x, words, scales, biases if biases is not None else scales, bias if bias is not None else scales,
-        norm.weight if norm is not None else scales, y,
-        n, k * bits // 32, words.stride(0), scales.stride(0), scales.shape[1], norm.eps if norm is not None else 0.0,
+        x, words, scales, biases if biases is not None else scales, bias if bias is not None else scales, y,
+        n, k * bits // 32, words.stride(0), scales.stride(0), scales.shape[1],
         BITS=bits, FP8=fp8, SYMM=symm, HAS_BIAS=bias is not None,
         G=group_size if scales.shape[1] > 1 else 1 << 30, CODE_SHIFT=CODE_SHIFT[bits, fp8], ASM=not INTERPRET,
         EVEN=n % config["block_n"] == 0 and (k * bits // 32) % config["block_w"] == 0,
-        NORM=norm is not None, ADD=add_to is not None, RSTD_BLOCK=rstd_block(k),
         BLOCK_N=config["block_n"], BLOCK_W=config["block_w"], num_warps=config["num_warps"],
         num_stages=config["num_stages"], **pdl_launch(x))
     return y

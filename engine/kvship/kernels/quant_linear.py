@@ -32,7 +32,6 @@ from kvship.kernels.fp8_matmul import (
     quantize_fp8_groups,
     quantize_fp8_rows,
 )
-from kvship.kernels.norm import PendingNorm, dense
 from kvship.kernels.numerics import small_int_to_float
 from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton, tiles_keep_groups
 from kvship.kernels.quant_gemv_mma import MAX_TOKENS, mma_fit, qgemv_mma_triton
@@ -363,18 +362,8 @@ def _one_row_config(w: QWeight, dtype: torch.dtype) -> dict[str, int]:
     return GEMV_CONFIGS[w.bits]
 
 
-def quant_linear_triton(x: "torch.Tensor | PendingNorm", w: QWeight, bias: torch.Tensor | None = None,
-                        config: dict[str, int] | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x may be a PendingNorm and ``add_to`` a residual: one row that the pairs kernel takes has
-    both applied there (kernels/gemv.py's ``linear``: None comes back when the product went into
-    ``add_to``); anywhere else the norm is computed first and the product returned."""
-    if isinstance(x, PendingNorm) or add_to is not None:
-        rows = x.x if isinstance(x, PendingNorm) else x
-        cfg = config or _one_row_config(w, rows.dtype)
-        if rows.numel() == rows.shape[-1] and "pairs" in cfg:
-            y = qgemv_pairs_triton(x, w.qweight, w.scales, w.biases, bias, w.bits, w.group_size, w.k, cfg, add_to)
-            return None if add_to is not None else y.view(*rows.shape[:-1], w.n)
-        x = dense(x)
+def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None,
+                        config: dict[str, int] | None = None) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -486,9 +475,7 @@ def _dense_matmul(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> to
     return F.linear(x2, dequantize_triton(w, x2.dtype), bias)
 
 
-def quant_linear(x: "torch.Tensor | PendingNorm", w: QWeight, bias: torch.Tensor | None = None,
-                 add_to: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x @ W^T (+ bias); with a PendingNorm x and ``add_to`` as ``quant_linear_triton``."""
-    if use_triton(x.x if isinstance(x, PendingNorm) else x):
-        return quant_linear_triton(x, w, bias, add_to=add_to)
-    return quant_linear_torch(dense(x), w, bias)
+def quant_linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if use_triton(x):
+        return quant_linear_triton(x, w, bias)
+    return quant_linear_torch(x, w, bias)

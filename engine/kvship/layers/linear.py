@@ -18,7 +18,6 @@ from torch import nn
 
 from kvship.kernels.activation import act_and_mul
 from kvship.kernels.gemv import act_mul_linear, linear
-from kvship.kernels.norm import PendingNorm
 from kvship.kernels.quant_linear import QWeight, pack, quant_linear
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor, quantize
@@ -52,9 +51,7 @@ class _Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: "torch.Tensor | PendingNorm") -> torch.Tensor:
-        """x may be a PendingNorm (kernels/norm.py): a one-row GEMV applies it, anything else
-        computes it first."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return quant_linear(x, self.qweight, self.bias)
         return linear(x, self.weight, self.bias)
@@ -179,20 +176,13 @@ class RowParallelLinear(_Linear):
         start = self.tp.rank * size
         self._store(param, 0, ref.load((slice(None), slice(start, start + size))))
 
-    def forward(self, x: torch.Tensor, add_to: torch.Tensor | None = None) -> torch.Tensor | None:
-        """With ``add_to`` (a residual stream), where the one-row GEMV takes the product it adds
-        it into ``add_to`` in place and None comes back; otherwise the product does, as without.
-        Only a layer whose output is whole (one rank, no bias) takes it."""
-        if self.tp.size > 1 or self.bias is not None:
-            add_to = None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            y = quant_linear(act_and_mul(x, self.act) if self.gated_input else x, self.qweight, add_to=add_to)
+            y = quant_linear(act_and_mul(x, self.act) if self.gated_input else x, self.qweight)
         elif self.gated_input:
-            y = act_mul_linear(x, self.weight, self.act, add_to=add_to)
+            y = act_mul_linear(x, self.weight, self.act)
         else:
-            y = linear(x, self.weight, add_to=add_to)
-        if y is None:
-            return None
+            y = linear(x, self.weight)
         if not self.reduce:
             return y
         y = self.tp.all_reduce(y)

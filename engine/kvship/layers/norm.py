@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvship.kernels.norm import PendingNorm, fused_add_rms_norm, rms_norm
+from kvship.kernels.norm import fused_add_rms_norm, rms_norm
 from kvship.parallel import TPContext
 
 
@@ -21,15 +21,8 @@ class RMSNorm(nn.Module):
         self.reduce_tp = reduce_tp if reduce_tp is not None and reduce_tp.size > 1 else None
         self.site = site
 
-    def forward(self, x: torch.Tensor | None, residual: torch.Tensor | None = None, pending: bool = False):
-        """With a residual: (norm(x + residual), x + residual), x summed over ranks first. x None:
-        the block before added its output into the residual itself (a one-row GEMV's epilogue),
-        so this is (norm(residual), residual), the norm a PendingNorm where ``pending`` says its
-        consumer may take one (a GEMV then applies it in its prologue: no kernel here)."""
-        if x is None:
-            if pending:
-                return PendingNorm(residual, self.weight, self.eps), residual
-            return rms_norm(residual, self.weight, self.eps), residual
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With a residual: (norm(x + residual), x + residual), x summed over ranks first."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         tp = self.reduce_tp

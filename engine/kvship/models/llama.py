@@ -10,7 +10,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvship.kernels.norm import ONE_ROW_NORMS, PendingNorm
 from kvship.layers.attention import AttentionMetadata, PagedAttention, QKNorm
 from kvship.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -47,10 +46,7 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, rotary, backend,
                                    cfg.attention_scale, window, cfg.attn_logit_softcapping)
 
-    one_row_fusions = True  # LlamaDecoderLayer: forward takes a PendingNorm x and a residual to add into
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor | PendingNorm, meta: AttentionMetadata,
-                add_to: torch.Tensor | None = None) -> torch.Tensor | None:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -59,7 +55,7 @@ class LlamaAttention(nn.Module):
         # the per-head norms run inside the rotary + KV-store kernel (one launch instead of three)
         qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         out = self.attn(positions, q, k, v, meta, qk_norm)
-        return self.o_proj(out.flatten(1), add_to)
+        return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
@@ -74,10 +70,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, gated_input=True, reduce=reduce,
                                           quant=cfg.quantization, act=cfg.hidden_act)
 
-    one_row_fusions = True  # as LlamaAttention's
-
-    def forward(self, x: torch.Tensor | PendingNorm, add_to: torch.Tensor | None = None) -> torch.Tensor | None:
-        return self.down_proj(self.gate_up_proj(x), add_to)  # the activation-and-mul happens in down_proj
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x))  # the activation-and-mul happens in down_proj
 
 
 class SparseMoeBlock(nn.Module):
@@ -120,25 +114,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.sparse_mlp(cfg, tp) if cfg.is_sparse(index) else LlamaMLP(cfg, tp)
 
     def forward(self, positions, x, residual, meta):
-        """x: the last block's output, None where that block added it into the residual itself.
-        Where a block has ``one_row_fusions`` (LlamaAttention, LlamaMLP), a batch-1 decode step
-        runs no norm kernel of its own around it: its first projection normalizes its input in
-        the GEMV's prologue (a PendingNorm) and its last adds its output into the residual in
-        the GEMV's epilogue (kernels/gemv.py). Elsewhere (more rows, other kernels, TP > 1) the
-        projections compute the norm first and return their product, as without."""
         if residual is None:
-            residual, x = x, None
-        x, residual = self.input_layernorm(x, residual, pending=self._fuses(self.self_attn))
-        if self._fuses(self.self_attn):
-            x = self.self_attn(positions, x, meta, residual)
+            residual, x = x, self.input_layernorm(x)
         else:
-            x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual, pending=self._fuses(self.mlp))
-        return (self.mlp(x, residual) if self._fuses(self.mlp) else self.mlp(x)), residual
-
-    @staticmethod
-    def _fuses(block: nn.Module) -> bool:
-        return ONE_ROW_NORMS and getattr(block, "one_row_fusions", False)
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
