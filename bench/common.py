@@ -136,9 +136,10 @@ def experts_read(shape: str, batch: int) -> float:
     E * (1 - (1 - k/E)^batch) / k under uniform routing (1 at batch 1; E/k once every expert is
     picked). 1 for a dense shape."""
     c = SHAPES[shape]
-    if not c.get("num_experts"):
+    e = c.get("num_experts") or c.get("n_routed_experts")  # DeepSeek's name for it
+    if not e:
         return 1.0
-    e, k = c["num_experts"], c["num_experts_per_tok"]
+    k = c["num_experts_per_tok"]
     return e * (1 - (1 - k / e) ** batch) / k
 
 
