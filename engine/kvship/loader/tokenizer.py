@@ -39,6 +39,31 @@ _TEKKEN = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p
 _DEEPSEEK_V3 = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
                 r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"""
                 r""" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""]
+# DeepSeek-LLM and DeepSeek-V2 ("deepseek-llm"), as their tokenizer.json has it: newlines apart, words of
+# the cased scripts (Latin, Greek, Cyrillic, Armenian, Georgian, ...) with at most one space before them,
+# runs of ASCII and full-width punctuation, whitespace at the end of a piece, CJK and Hangul runs, then
+# every digit apart (its Digits step, individual_digits). llama.cpp cuts digit runs whole there (\p{N}+);
+# the tokens agree, as the vocabulary joins no digits (llama.cpp's tokenizer test data: "333" and "w048"
+# come out a digit a token), but the pieces here are the model's own. The code points are written as
+# escapes: NFC, which an editor may apply, turns the range ends U+1F7D, U+1FD3, U+1FDB into U+03CE, U+0390,
+# U+038A (reversed ranges: the regex no longer compiles) and U+212A (Kelvin sign) into K (a range K-U+212D:
+# brackets, "_", "{", ... and most of Latin-1 and General Punctuation would count as letters).
+_DEEPSEEK_LLM_LETTERS = (
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5"
+    "\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba"
+    "\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45"
+    "\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe"
+    "\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc"
+    "\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139"
+    "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3"
+    "\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06"
+    "\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3"
+    "\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df"
+    "\U0001e900-\U0001e943")
+_DEEPSEEK_LLM = ["[\r\n]", r"\s?[" + _DEEPSEEK_LLM_LETTERS + "]+",
+                 "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$",
+                 "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"]
 _SMOLLM = [r"\p{N}", _GPT2]  # digits one by one, then GPT-2's
 # name -> (splits, whether a piece that is a whole token skips the merges: llama.cpp's ignore_merges)
 _PRE_TOKENIZERS: dict[str, tuple[list[str] | None, bool]] = {
@@ -46,6 +71,7 @@ _PRE_TOKENIZERS: dict[str, tuple[list[str] | None, bool]] = {
     **dict.fromkeys(("dbrx", "smaug-bpe"), ([_LLAMA3], False)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan"), ([_QWEN2], False)),
     "deepseek-v3": (_DEEPSEEK_V3, False),
+    "deepseek-llm": (_DEEPSEEK_LLM, False),
     "tekken": ([_TEKKEN], True),
     **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
                     (_SMOLLM, False)),
