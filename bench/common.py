@@ -117,17 +117,23 @@ def param_count(shape: str) -> int:
     """Parameters one token computes with: with routed experts (in every layer, as in the shapes
     here), the k it picks and the router, not the others."""
     c = SHAPES[shape]
-    if c.get("kv_lora_rank"):  # its attention and dense-then-sparse layers are not counted here
-        raise ValueError(f"{shape}: no parameter count from the config; the benchmarks that count the built "
-                         "model's bytes (latency.py --quantization none) take it")
     h, i, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    embed = v * h * (1 if c["tie_word_embeddings"] else 2)
+    if c.get("kv_lora_rank"):  # DeepSeek: latent attention, dense MLPs first, then routed and shared experts
+        assert c.get("q_lora_rank") is None, "the shapes here project the query in one matrix"
+        heads, nope, rope, vd, r = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
+                                    c["v_head_dim"], c["kv_lora_rank"])
+        attn = h * heads * (nope + rope) + h * (r + rope) + r + r * heads * (nope + vd) + heads * vd * h
+        dense = c["first_k_dense_replace"]
+        experts = c["num_experts_per_tok"] + c["n_shared_experts"]
+        moe = 3 * h * c["moe_intermediate_size"] * experts + c["n_routed_experts"] * h
+        return layers * (attn + 2 * h) + dense * 3 * h * i + (layers - dense) * moe + embed + h
     router = 0
     if c.get("num_experts"):
         i, router = c["num_experts_per_tok"] * c["moe_intermediate_size"], c["num_experts"] * h
     d = c.get("head_dim", h // c["num_attention_heads"])
     attn = h * d * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2)
     per_layer = attn + 3 * h * i + router + 2 * h
-    embed = v * h * (1 if c["tie_word_embeddings"] else 2)
     return layers * per_layer + embed + h
 
 

@@ -60,15 +60,8 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
 def limit_seconds(shape: str, prompts, outs, max_num_seqs: int, bw: float, mm: float,
                   kv_cache_dtype: str = "auto", weight_bytes: int | None = None, expert_bytes: int = 0) -> float:
     """expert_bytes: the routed experts' share of weight_bytes (k of E); a full step of
-    max_num_seqs tokens reads experts_read times as many. A shape whose parameters param_count
-    does not count (DeepSeek's latent attention) takes its prefill FLOPs from the built model's
-    16-bit bytes a token (weight_bytes / 2: --quantization none)."""
-    try:
-        params = param_count(shape)
-    except ValueError:
-        if not weight_bytes:
-            raise
-        params = weight_bytes // 2
+    max_num_seqs tokens reads experts_read times as many."""
+    params = param_count(shape)
     weight_bytes = weight_bytes or params * 2
     weight_bytes += expert_bytes * (experts_read(shape, max_num_seqs) - 1)
     steps = -(-sum(outs) // max_num_seqs)
