@@ -28,6 +28,7 @@
 #   the rotary + latent store in one kernel (kernel tests, graphs), DeepSeek's projections in the one-row GEMV
 #   (sweep, then batch 1 without and with its settings): mla-quick gemv-deepseek
 #   DeepSeek-V3's routing in one kernel (its GPU tests, Moonlight's batch 1): noaux-route
+#   the decode graphs' inputs in one launch against a base tree (build/base): graph-inputs
 #   the attention loops' hoisted page offsets (a32a309; bench/sass_attention.py counts their instructions on any
 #   machine): attention GPU tests, the kernels' table, KV-bound decode by KV dtype, batch 1: attn-offsets
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
@@ -137,6 +138,12 @@ bench attn-offsets 560 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=sh
   tests/test_kv_quant.py tests/test_attention_window.py -k 'decode or prefill or paged or window' && \
   python3 bench/kernels_gpu.py && python3 bench/kv_decode.py && \
   python3 bench/latency.py --quantization none fp8 --no-hf --output 128"
+# the decode graphs' inputs staged in one launch (this tree) against the tree in build/base (made on the dev
+# machine: git archive BASE engine bench | tar -x -C build/base; carried), batch 1 both, in one call
+bench graph-inputs 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_graph_inputs.py \
+  tests/test_gpu_engine.py && python3 bench/latency.py --quantization none fp8 --no-hf --output 128 && \
+  cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH python3 bench/latency.py --quantization none fp8 --no-hf \
+  --output 128"
 bench profile-mla 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape deepseek-v2-lite --top 14
 bench latency-mla 300 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"

@@ -211,7 +211,8 @@ def test_repetition_penalty_matches_transformers(llm, prompts, smollm2_hf):
 
 def test_decode_inputs_come_from_the_device_and_are_aligned(llm, prompts):
     """After a prefill step the sampled tokens are not known on the host (the sequences hold
-    only their prompts); the next step's inputs are filled from the device-side sample, and
+    only their prompts); the next step's inputs are filled from the device-side sample (by
+    the in-flight inputs prepare names), and
     every packed input view starts on a 16-byte boundary (Triton specializes kernels on pointer
     alignment)."""
     eng = llm.engine
@@ -221,7 +222,9 @@ def test_decode_inputs_come_from_the_device_and_are_aligned(llm, prompts):
     step = eng.in_flight
     batch = eng.scheduler.schedule(step.rows)
     assert [s.token_ids for s in batch.seqs] == prompts[:3]  # the sampled tokens are still in flight
-    ids, pos, meta = eng.runner.prepare(batch, step)
+    ids, pos, meta, in_flight = eng.runner.prepare(batch, step)
+    assert ids.tolist() == [0, 0, 0]  # left for the device: a decode graph's staging or fill() writes them
+    ids = in_flight.fill(ids)
     sampled = step.result().token_ids
     assert ids.tolist() == [sampled[step.rows[s]] for s in batch.seqs]
     assert pos.tolist() == [len(p) for p in prompts[:3]]
@@ -247,7 +250,7 @@ def test_mixed_step_lists_its_decodes_first(llm, prompts):
     assert [s.request_id for s in batch.seqs] == ["mixed-0", "mixed-2", "mixed-1"]
     assert batch.num_new_tokens[:2] == [1, 1] and batch.num_new_tokens[2] > 1 and batch.num_decodes == 2  # (less than
     # the prompt where an earlier test's blocks are cached)
-    _, _, meta = eng.runner.prepare(batch, step)
+    _, _, meta, _ = eng.runner.prepare(batch, step)
     assert meta.num_decodes == 2 and meta.cu_seqlens_q.tolist()[:3] == [0, 1, 2]
     for i in range(3):
         eng.abort(f"mixed-{i}")

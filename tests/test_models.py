@@ -43,7 +43,7 @@ def our_logits(folder, prompts: list[list[int]], block_size: int = 4, chunk: int
             if n:
                 assert kv.allocate(s, n)
                 batch.add(s, n)
-        ids, pos, meta = runner.prepare(batch)
+        ids, pos, meta, _ = runner.prepare(batch)
         with torch.inference_mode():
             logits = runner.model.compute_logits(runner.model(ids, pos, meta))
         starts = meta.cu_seqlens_q.tolist()

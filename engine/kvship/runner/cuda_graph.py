@@ -1,12 +1,16 @@
 """CUDA graphs for decode steps: one graph per bucketed batch size, captured once after the KV
-cache exists, replayed with the batch copied into static input buffers. Removes the per-kernel
-launch cost that dominates small-batch decode."""
+cache exists, replayed with the batch written into static input buffers (kernels/graph_inputs.py,
+one launch). Removes the per-kernel launch cost that dominates small-batch decode. The graphs
+write their logits as float32, the sampler's dtype, into one buffer they share (the next
+replay overwrites it: the sampler's kernels are queued before it), so that no launch of its
+own converts them and no graph keeps logits of its own."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
+from kvship.kernels.graph_inputs import InFlightInputs, StaticInputs, StepInputs, stage_inputs
 from kvship.layers.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -23,23 +27,28 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(self.max_bs, dtype=i64, device=device)
-        self.positions = torch.zeros(self.max_bs, dtype=i64, device=device)
-        self.slot_mapping = torch.full((self.max_bs,), -1, dtype=i64, device=device)
-        self.block_tables = torch.zeros(self.max_bs, max_blocks_per_seq, dtype=i32, device=device)
-        self.seq_lens = torch.ones(self.max_bs, dtype=i32, device=device)
+        self.inputs = StaticInputs(
+            input_ids=torch.zeros(self.max_bs, dtype=i64, device=device),
+            positions=torch.zeros(self.max_bs, dtype=i64, device=device),
+            slot_mapping=torch.full((self.max_bs,), -1, dtype=i64, device=device),
+            seq_lens=torch.ones(self.max_bs, dtype=i32, device=device),
+            block_tables=torch.zeros(self.max_bs, max_blocks_per_seq, dtype=i32, device=device))
         self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=i32, device=device)
         self.rows = torch.arange(self.max_bs, dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: torch.Tensor | None = None  # [max_bs, vocab] float32, made at capture
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.seq_lens[:bs],
+        s = self.inputs
+        return AttentionMetadata(s.slot_mapping[:bs], s.block_tables[:bs], s.seq_lens[:bs],
                                  self.cu_seqlens_q[: bs + 1], 1, self.rows[:bs])
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
-        return self.model.compute_logits(hidden)
+    def _forward(self, bs: int) -> None:
+        hidden = self.model(self.inputs.input_ids[:bs], self.inputs.positions[:bs], self._meta(bs))
+        logits = self.model.compute_logits(hidden)
+        if self.logits is None:
+            self.logits = torch.empty(self.max_bs, logits.shape[1], dtype=torch.float32, device=logits.device)
+        self.logits[:bs].copy_(logits)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -49,26 +58,22 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):  # NCCL watchdog thread
-                self.logits[bs] = self._forward(bs)
+                self._forward(bs)
             pool = g.pool()
             self.graphs[bs] = g
         torch.cuda.synchronize()
         log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def can_run(self, num_seqs: int, max_seqlen_q: int, num_blocks: int) -> bool:
-        return max_seqlen_q == 1 and num_seqs <= self.max_bs and num_blocks <= self.block_tables.shape[1]
+        return max_seqlen_q == 1 and num_seqs <= self.max_bs and num_blocks <= self.inputs.block_tables.shape[1]
 
     @torch.inference_mode()
-    def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids, positions, meta: AttentionMetadata, in_flight: InFlightInputs | None = None
+            ) -> torch.Tensor:
+        """Float32 logits [n, vocab]. ``in_flight``: the inputs the previous step is still sampling."""
         n = input_ids.shape[0]
         bs = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:bs].fill_(1)
+        stage_inputs(self.inputs, StepInputs(input_ids, positions, meta.slot_mapping, meta.seq_lens,
+                                             meta.block_tables, in_flight), bs)
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return self.logits[:n]

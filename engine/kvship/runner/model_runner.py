@@ -13,6 +13,7 @@ from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 from kvship.config import EngineConfig
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import HAS_TRITON
+from kvship.kernels.graph_inputs import InFlightInputs
 from kvship.layers.attention import AttentionMetadata
 from kvship.loader import ModelSource, Pooling, resolve_model
 from kvship.models.config import ModelConfig
@@ -334,10 +335,11 @@ class ModelRunner:
         return step
 
     def prepare(self, batch: Batch, previous: InFlightStep | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, InFlightInputs | None]:
         """The batch as flat device tensors, sent in two copies (one int64, one int32 buffer).
-        A decode input the host does not know yet (sampled by ``previous``) is taken from
-        previous's tokens on the device."""
+        A decode input the host does not know yet (sampled by ``previous``) is left 0 in the ids
+        and named in the InFlightInputs returned beside them (None where there is none): a
+        decode graph writes it in as it copies its inputs, every other path with ``fill``."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -388,32 +390,33 @@ class ModelRunner:
         ints = _packed([seq_lens, cu, tables.reshape(-1)], np.int32, pin, dev)
         ids, pos_t, slot_t, logit_t, fix_at_t, fix_rows_t = longs
         lens_t, cu_t, tables_t = ints
-        if fix_at:
-            ids = ids.index_put((fix_at_t,), previous.tokens.index_select(0, fix_rows_t))
+        in_flight = InFlightInputs(fix_at_t, fix_rows_t, previous.tokens) if fix_at else None
         meta = AttentionMetadata(slot_mapping=slot_t, block_tables=tables_t.view(num_seqs, width), seq_lens=lens_t,
                                  cu_seqlens_q=cu_t, max_seqlen_q=max(batch.num_new_tokens), logits_indices=logit_t,
                                  num_decodes=batch.num_decodes)
-        return ids, pos_t, meta
+        return ids, pos_t, meta, in_flight
 
     @torch.inference_mode()
     def run(self, batch: Batch, previous: InFlightStep | None = None) -> torch.Tensor:
         """Float32 logits [num_sampled, vocab] for the sequences whose prompt is complete (and,
         for sequences that asked, prompt logprobs appended to seq.prompt_logprobs)."""
-        input_ids, positions, meta = self.prepare(batch, previous)
+        input_ids, positions, meta, in_flight = self.prepare(batch, previous)
         wanted = self._prompt_logprob_rows(batch)
+        if wanted or self.tp.runtime is not None:
+            input_ids = in_flight.fill(input_ids) if in_flight is not None else input_ids
         if wanted:
             return self._forward_with_prompt_logprobs(input_ids, positions, meta, wanted)
         if self.tp.runtime is not None:  # the other ranks run the same forward on what rank 0 sends
             with self.tp.runtime.guard():
                 self.tp.runtime.send_step(input_ids, positions, meta)
                 return self.forward(input_ids, positions, meta)
-        return self.forward(input_ids, positions, meta)
+        return self.forward(input_ids, positions, meta, in_flight)
 
     @torch.inference_mode()
     def embed(self, batch: Batch, pooling: Pooling) -> torch.Tensor:
         """Float32 embeddings [len(batch), hidden] of sequences whose whole prompt is in this
         batch (nothing computed before: mean pooling needs every token's hidden state)."""
-        input_ids, positions, meta = self.prepare(batch)
+        input_ids, positions, meta, _ = self.prepare(batch)  # nothing in flight without a previous step
         hidden = self.model(input_ids, positions, meta).float()
         lens = torch.tensor(batch.num_new_tokens, device=hidden.device)
         ends = lens.cumsum(0)
@@ -461,11 +464,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[meta.logits_indices]).float()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                in_flight: InFlightInputs | None = None) -> torch.Tensor:
         # FP8 scales to measure: eagerly, as the layers measure in their Python forward
         if self.graphs is not None and not self.measuring_kv_scales and self.graphs.can_run(
                 meta.seq_lens.shape[0], meta.max_seqlen_q, meta.block_tables.shape[1]):
-            return self.graphs.run(input_ids, positions, meta).float()
+            return self.graphs.run(input_ids, positions, meta, in_flight)
+        if in_flight is not None:
+            input_ids = in_flight.fill(input_ids)
         hidden = self.model(input_ids, positions, meta)
         self.measuring_kv_scales = False
         return self.model.compute_logits(hidden[meta.logits_indices]).float()

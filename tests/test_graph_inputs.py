@@ -1,0 +1,87 @@
+"""The decode graphs' input staging kernel (kernels/graph_inputs.py) against its torch reference:
+rows as sent, in-flight inputs taken from the previous step's tokens, padding rows, a table
+narrower than the graph's (its other columns untouched), and the eager ``fill`` the other paths
+use. In the interpreter on CPU, on the device with a GPU; and compiled for sm_90."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvship.kernels import graph_inputs as gi
+from kvship.kernels._triton import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _static(max_bs: int, max_blocks: int, g: torch.Generator) -> gi.StaticInputs:
+    """Buffers holding an earlier step's values (junk the staging must overwrite or leave alone)."""
+    def junk(*shape, dtype):
+        return torch.randint(-5, 1000, shape, generator=g, dtype=dtype).to(DEV)
+    return gi.StaticInputs(junk(max_bs, dtype=torch.int64), junk(max_bs, dtype=torch.int64),
+                           junk(max_bs, dtype=torch.int64), junk(max_bs, dtype=torch.int32),
+                           junk(max_bs, max_blocks, dtype=torch.int32))
+
+
+def _step(n: int, width: int, fix: list[tuple[int, int]], g: torch.Generator) -> gi.StepInputs:
+    ids = torch.randint(0, 50_000, (n,), generator=g)
+    for at, _ in fix:
+        ids[at] = 0  # what prepare leaves where the input is in flight
+    tokens = torch.randint(0, 50_000, (max([r for _, r in fix], default=0) + 3,), generator=g)
+    in_flight = gi.InFlightInputs(torch.tensor([a for a, _ in fix], dtype=torch.int64).to(DEV),
+                                  torch.tensor([r for _, r in fix], dtype=torch.int64).to(DEV),
+                                  tokens.to(DEV)) if fix else None
+    return gi.StepInputs(ids.to(DEV), torch.randint(0, 8000, (n,), generator=g).to(DEV),
+                         torch.randint(0, 10**6, (n,), generator=g).to(DEV),
+                         torch.randint(1, 8000, (n,), generator=g, dtype=torch.int32).to(DEV),
+                         torch.randint(0, 4000, (n, width), generator=g, dtype=torch.int32).to(DEV), in_flight)
+
+
+@pytest.mark.parametrize("n,bs,width,fix", [
+    (1, 1, 3, [(0, 0)]),  # batch 1 in steady state: its input is the in-flight step's token
+    (1, 1, 1, []),  # the first decode after a prefill read on the host
+    (5, 8, 7, [(0, 2), (3, 0), (4, 4)]),  # padding rows, rows out of order in the previous step
+    (16, 16, 300, [(i, 15 - i) for i in range(16)]),  # a table wider than one BLOCK_W chunk
+    (3, 16, 2, []),
+])
+def test_stage_matches_reference(n, bs, width, fix):
+    g = torch.Generator().manual_seed(n * 1000 + bs + width)
+    dst_ref = _static(32, 320, g)
+    dst = gi.StaticInputs(*(t.clone() for t in (dst_ref.input_ids, dst_ref.positions, dst_ref.slot_mapping,
+                                                  dst_ref.seq_lens, dst_ref.block_tables)))
+    before = dst.block_tables.clone()
+    src = _step(n, width, fix, g)
+    gi.stage_inputs_torch(dst_ref, src, bs)
+    gi.stage_inputs_triton(dst, src, bs)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"):
+        assert torch.equal(getattr(dst, name), getattr(dst_ref, name)), name
+    # what the reference itself must have done
+    want_ids = src.input_ids.clone()
+    for at, row in fix:
+        want_ids[at] = src.in_flight.tokens[row]
+    assert torch.equal(dst.input_ids[:n], want_ids)
+    assert (dst.slot_mapping[n:bs] == -1).all() and (dst.seq_lens[n:bs] == 1).all()
+    assert torch.equal(dst.block_tables[:n, :width], src.block_tables)
+    assert torch.equal(dst.block_tables[:, width:], before[:, width:])  # columns past the batch's width
+    assert torch.equal(dst.input_ids[bs:], dst_ref.input_ids[bs:])  # rows past the graph untouched
+
+
+def test_fill_writes_in_flight_rows():
+    g = torch.Generator().manual_seed(7)
+    src = _step(4, 2, [(1, 2), (3, 0)], g)
+    ids = src.input_ids.clone()
+    out = src.in_flight.fill(ids)
+    assert out.data_ptr() == ids.data_ptr()  # in place: the ids are the step's own fresh buffer
+    t = src.in_flight.tokens
+    assert out.tolist() == [src.input_ids[0].item(), t[2].item(), src.input_ids[2].item(), t[0].item()]
+
+
+def test_stage_kernel_compiles_for_sm90():
+    from sm90_compile import compile_in_child, ints
+    types = {**{k: "*i64" for k in ("ids_ptr", "pos_ptr", "slot_ptr", "at_ptr", "rows_ptr", "tok_ptr",
+                                    "s_ids_ptr", "s_pos_ptr", "s_slot_ptr")},
+             **{k: "*i32" for k in ("lens_ptr", "bt_ptr", "s_lens_ptr", "s_bt_ptr")},
+             **ints("n", "width", "num_fix", "stride_bt", "stride_sbt")}
+    compile_in_child([{"kernel": "kvship.kernels.graph_inputs:_stage_kernel", "types": types,
+                       "constexprs": {"BLOCK_FIX": 512, "BLOCK_W": 256}, "options": {"num_warps": 1}}])
