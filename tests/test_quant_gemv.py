@@ -98,6 +98,33 @@ def test_pairs_gemv_matches_reference(bits, group, block_w, kind, symmetric):
     _matches_reference(qgemv_pairs_triton, w, bits, block_w, seed=block_w + 1, cpu_bound=2e-3)
 
 
+@pytest.mark.parametrize("bits,group,kind,symmetric,act", [
+    (4, 128, "int", True, "silu"), (4, 32, "int", False, "silu"), (8, 16, "int", True, "gelu_tanh"),
+    (8, 1 << 20, "fp8", True, "silu"), (8, 128, "fp8", True, "gelu_tanh")])
+@pytest.mark.parametrize("rows", ["whole", "ragged"])
+def test_pairs_gemv_gated_epilogue(bits, group, kind, symmetric, act, rows):
+    """A gate/up projection's one-row product with the activation in the pairs kernel's epilogue
+    (GATED): act(gate) * up, the gate rows first in W, against the product then act_and_mul's
+    reference; "ragged": N / 2 not a whole number of a program's outputs (masked, not EVEN)."""
+    from kvship.kernels.activation import act_and_mul_torch
+    from kvship.kernels.quant_linear import quant_linear_gated
+    half = (14336 if rows == "whole" else 14344) if GPU else (16 if rows == "whole" else 10)
+    k = 4096 if GPU else 512
+    fp8 = kind == "fp8"
+    w = _weights(2 * half, k, bits, min(group, k), symmetric, seed=bits + group + len(rows), fp8=fp8)
+    dtype = torch.bfloat16 if GPU else torch.float32
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
+    got = qgemv_pairs_triton(x, w.qweight, w.scales, w.biases, None, bits, w.group_size, k,
+                             {"block_n": 8, "block_w": 16, "num_warps": 4, "num_stages": 2}, act).float()
+    want = act_and_mul_torch(quant_linear_torch(x.float(), w), act)
+    assert got.shape == (1, half)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < (1e-2 if GPU else 2e-3), f"relative error {rel:.2e}"
+    # the layer's entry point takes the same path for one row (and the two-kernel one on the CPU)
+    rel = ((quant_linear_gated(x, w, act).float() - want).norm() / want.norm()).item()
+    assert rel < (1e-2 if GPU else 2e-3), f"relative error {rel:.2e}"
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_pairs_gemv_range(bits):
     """x up to 60000 in magnitude (and tiny x beside it) gives finite sums within tolerance: the

@@ -54,6 +54,17 @@ def _specs():
                "types": {**words, "s_ptr": "*fp32", "b_ptr": "*fp32"},
                "constexprs": {"BITS": 8, "FP8": True, "SYMM": True, "HAS_BIAS": bias, "G": g, "ASM": True,
                               "EVEN": bias, "CODE_SHIFT": CODE_SHIFT[8, True], "BLOCK_N": 8, "BLOCK_W": 512}}
+    # gate/up projections with the activation in the epilogue (GATED 1 SiLU, 2 GELU-tanh), the
+    # engine's settings for the 8B's gate/up: int4 (8 rows, 2 warps), Q4_K's layout, FP8 (32 rows)
+    for bits, fp8, symm, g, gated, block_n, block_w, warps in (
+            (4, False, True, 128, 1, 8, 256, 2), (4, False, False, 32, 2, 8, 256, 2),
+            (8, True, True, 1 << 30, 1, 32, 64, 4), (8, False, True, 16, 1, 8, 512, 4)):
+        scales = "*fp32" if fp8 else "*fp16"
+        yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_pairs_kernel",
+               "types": {**words, "s_ptr": scales, "b_ptr": scales},
+               "constexprs": {"BITS": bits, "FP8": fp8, "SYMM": symm, "HAS_BIAS": False, "G": g, "ASM": True,
+                              "EVEN": True, "CODE_SHIFT": CODE_SHIFT[bits, fp8], "BLOCK_N": block_n,
+                              "BLOCK_W": block_w, "GATED": gated}, "options": {"num_warps": warps}}
     fp8 = "kvship.kernels.fp8_matmul"
     for dtype in ("bf16", "fp16"):  # rows read once (8B's hidden 4096) and twice (its down_proj's 14336)
         for block, one_pass in ((4096, True), (8192, False)):

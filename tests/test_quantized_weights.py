@@ -296,6 +296,35 @@ def test_checkpoint_format_matches_transformers_on_dequantized_weights(tmp_path,
         assert torch.equal(got.argmax(-1), want.argmax(-1)), "greedy tokens differ"
 
 
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "ct-fp8-channel"])
+def test_gated_epilogue_in_the_engine_equals_two_launches(tmp_path, monkeypatch, fmt):
+    """Batch-1 decode in bf16 with CUDA graphs, the gate/up GEMV writing act(gate) * up from its
+    epilogue (kernels/quant_gemv.py's GATED) against the product activated by a kernel of its
+    own: the same greedy tokens, logprobs within bf16 rounding (the epilogue does not round
+    gate and up to bf16 before the activation)."""
+    from kvship.kernels import quant_linear
+    from kvship.llm import LLM
+    from kvship.sampling_params import SamplingParams
+
+    folder = tmp_path / fmt
+    _quantized_folder(folder, fmt)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = [[3, 5, 7, 11], [13, 4, 9, 20, 21, 22, 30]]
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(quant_linear, "GATED_GEMV_ENABLED", fused)  # read as the graphs are captured
+        llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
+        assert llm.engine.runner.graphs is not None
+        assert llm.engine.runner.model.model.layers[0].mlp.gate_up_proj.qweight is not None
+        out[fused] = [llm.generate([p], params)[0].outputs[0] for p in prompts]  # one at a time: batch 1
+        del llm
+    for a, b in zip(out[True], out[False]):
+        assert a.token_ids == b.token_ids
+        lp = lambda o: [chosen.logprob for chosen, _ in o.logprobs]
+        torch.testing.assert_close(torch.tensor(lp(a)), torch.tensor(lp(b)), atol=5e-2, rtol=0)
+
+
 def test_quantized_checkpoint_sharded_over_two_ranks_equals_one(tmp_path):
     """GPTQ with act-order over TP=2 (gloo): row-parallel shards keep every group's scale and
     their inputs' group table, column-parallel ones their rows; the logits equal one rank's."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from kvship.kernels._triton import INTERPRET, pdl_launch, pdl_wait, tl, triton
+from kvship.kernels.activation import ACTIVATIONS, gelu_tanh_mul, silu_mul
 from kvship.kernels.numerics import small_int_to_float
 from kvship.quant.tensor import code_centre
 
@@ -390,17 +391,28 @@ def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.
 def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride_w, stride_s, ngroups,
                         BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
                         G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = 0):
     """A program's tile is [BLOCK_N rows, BLOCK_W words] = [rows, chains, 4 words]. Each chain's
     fp32 sum takes its (row, group)'s scale (and offset; a chain lies in one group) into an fp32
     accumulator, reduced once at the end. The next tile's words are loaded before this one's
     arithmetic (a tile ahead in registers); the first is loaded before x exists (with PDL: while
     the kernel before finishes). EVEN: N and the row's words are whole tiles (no masks but the
-    look-ahead's)."""
+    look-ahead's).
+    GATED (1 SiLU, 2 GELU-tanh): W is a gate/up projection, its N rows the gate's N/2 then the
+    up's. A program's rows alternate between the two, gate row i then up row i, so that its
+    epilogue writes act(gate_i) * up_i for BLOCK_N / 2 outputs (y [N / 2]): no kernel of its own
+    for the activation, and the products never leave the registers."""
     CODES: tl.constexpr = 32 // BITS
     NCH: tl.constexpr = BLOCK_W // 4
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
+    if GATED:
+        HALF: tl.constexpr = BLOCK_N // 2
+        j = tl.arange(0, BLOCK_N)
+        out_n = tl.program_id(0) * HALF + j // 2
+        offs_n = out_n + (j % 2) * (N // 2)
+        nmask = out_n < N // 2
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + tl.arange(0, BLOCK_W)[None, :]
     srows = (offs_n.to(tl.int64) * stride_s)[:, None]
     chain = 4 * tl.arange(0, NCH)  # first words of the tile's chains
@@ -437,7 +449,19 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stri
     y = tl.sum(acc, 1) * (1 << CODE_SHIFT)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
+    if GATED:
+        gate, up = tl.split(tl.reshape(y, [HALF, 2]))
+        if GATED == 1:
+            act = silu_mul(gate, up)
+        else:
+            act = gelu_tanh_mul(gate, up)
+        offs_o = tl.program_id(0) * HALF + tl.arange(0, HALF)
+        tl.store(y_ptr + offs_o, act.to(y_ptr.dtype.element_ty), mask=offs_o < N // 2)
+    else:
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+GATED_ACTS = {act: i + 1 for i, act in enumerate(ACTIVATIONS)}  # the pairs kernel's GATED: 1 SiLU, 2 GELU-tanh
 
 
 def pairs_fit(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool) -> bool:
@@ -451,19 +475,22 @@ def pairs_fit(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool)
 
 def qgemv_pairs_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor | None,
                        bias: torch.Tensor | None, bits: int, group_size: int, k: int,
-                       config: dict[str, int]) -> torch.Tensor:
-    """As ``qgemv_words_triton`` for 16-bit x (``pairs_fit`` must hold)."""
+                       config: dict[str, int], act: str | None = None) -> torch.Tensor:
+    """As ``qgemv_words_triton`` for 16-bit x (``pairs_fit`` must hold). ``act`` ("silu",
+    "gelu_tanh"): W is a gate/up projection (gate rows first) and y [1, N / 2] = act(gate) * up."""
     n = qweight.shape[0]
     words = qweight.view(torch.uint8).view(torch.int32)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    rows = n // 2 if act else n  # outputs
+    per_program = config["block_n"] // 2 if act else config["block_n"]
+    y = torch.empty(1, rows, dtype=x.dtype, device=x.device)
     fp8 = qweight.dtype == torch.float8_e4m3fn
     symm = biases is None  # FP8: symmetric about 0
-    _qgemv_pairs_kernel[(triton.cdiv(n, config["block_n"]),)](
+    _qgemv_pairs_kernel[(triton.cdiv(rows, per_program),)](
         x, words, scales, biases if biases is not None else scales, bias if bias is not None else scales, y,
         n, k * bits // 32, words.stride(0), scales.stride(0), scales.shape[1],
         BITS=bits, FP8=fp8, SYMM=symm, HAS_BIAS=bias is not None,
         G=group_size if scales.shape[1] > 1 else 1 << 30, CODE_SHIFT=CODE_SHIFT[bits, fp8], ASM=not INTERPRET,
-        EVEN=n % config["block_n"] == 0 and (k * bits // 32) % config["block_w"] == 0,
-        BLOCK_N=config["block_n"], BLOCK_W=config["block_w"], num_warps=config["num_warps"],
-        num_stages=config["num_stages"], **pdl_launch(x))
+        EVEN=rows % per_program == 0 and (k * bits // 32) % config["block_w"] == 0,
+        BLOCK_N=config["block_n"], BLOCK_W=config["block_w"], GATED=GATED_ACTS[act] if act else 0,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_launch(x))
     return y

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
+from kvship.kernels.activation import act_and_mul
 from kvship.kernels.fp8_matmul import (
     GROUP_GEMM_ROWS,
     fp8_group_matmul_triton,
@@ -33,7 +34,14 @@ from kvship.kernels.fp8_matmul import (
     quantize_fp8_rows,
 )
 from kvship.kernels.numerics import small_int_to_float
-from kvship.kernels.quant_gemv import fits, pairs_fit, qgemv_pairs_triton, qgemv_words_triton, tiles_keep_groups
+from kvship.kernels.quant_gemv import (
+    GATED_ACTS,
+    fits,
+    pairs_fit,
+    qgemv_pairs_triton,
+    qgemv_words_triton,
+    tiles_keep_groups,
+)
 from kvship.kernels.quant_gemv_mma import MAX_TOKENS, mma_fit, qgemv_mma_triton
 from kvship.quant.tensor import QuantizedTensor, code_centre
 
@@ -285,6 +293,10 @@ MMA_GEMV_CONFIG = {"mma": 1, "rows": 16, "num_warps": 4}
 MMA_GEMV_SHAPES = {(4, 128, 28672, 4096): {"mma": 1, "rows": 32, "num_warps": 2},
                    (4, 128, 4096, 14336): {"mma": 1, "rows": 16, "num_warps": 8}}
 MMA_GEMV_ENABLED = os.environ.get("KVSHIP_MMA_GEMV", "1") != "0"
+# A gate/up projection's one-row pairs GEMV writes act(gate) * up from its epilogue (quant_gemv.py's
+# GATED) instead of the product, which a kernel of its own activated; KVSHIP_GATED_GEMV=0 keeps the
+# two launches (A/B runs, and the test that compares the two in the engine).
+GATED_GEMV_ENABLED = os.environ.get("KVSHIP_GATED_GEMV", "1") != "0"
 # From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
 # GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
 DENSE_ROWS = 16
@@ -479,3 +491,16 @@ def quant_linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) 
     if use_triton(x):
         return quant_linear_triton(x, w, bias)
     return quant_linear_torch(x, w, bias)
+
+
+def quant_linear_gated(x: torch.Tensor, w: QWeight, act: str) -> torch.Tensor:
+    """act(gate) * up [.., N / 2] of x @ W^T for a gate/up projection W (its gate rows first): for
+    one 16-bit row in the epilogue of the pairs GEMV (kernels/quant_gemv.py, GATED), which then
+    writes the activations alone; otherwise the product, then act_and_mul."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if GATED_GEMV_ENABLED and use_triton(x) and x2.shape[0] == 1 and act in GATED_ACTS and w.n % 2 == 0:
+        cfg = _one_row_config(w, x.dtype)
+        if "pairs" in cfg and cfg["block_n"] % 2 == 0:
+            return qgemv_pairs_triton(x2.contiguous(), w.qweight, w.scales, w.biases, None, w.bits, w.group_size,
+                                      w.k, cfg, act).view(*x.shape[:-1], w.n // 2)
+    return act_and_mul(quant_linear(x, w), act)

@@ -18,7 +18,7 @@ from torch import nn
 
 from kvship.kernels.activation import act_and_mul
 from kvship.kernels.gemv import act_mul_linear, linear
-from kvship.kernels.quant_linear import QWeight, pack, quant_linear
+from kvship.kernels.quant_linear import QWeight, pack, quant_linear, quant_linear_gated
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor, quantize
 from kvship.quant.tensor import concat_rows
@@ -112,6 +112,15 @@ class ColumnParallelLinear(_Linear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stacked (gate and up projections)."""
 
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """x @ W^T; with ``act``, for a gate/up pair, act(gate) * up wherever it costs no launch of its
+        own: a quantized one-row GEMV applies it in its epilogue ([.., out / 2]). Elsewhere the
+        product comes back whole ([.., out]): the down projection (RowParallelLinear's
+        ``gated_input``) applies the activation as it reads it, the 16-bit GEMV inside its kernel."""
+        if act is not None and self.qweight is not None:
+            return quant_linear_gated(x, self.qweight, act)
+        return super().forward(x)
+
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPContext, quant=None):
         self.out_sizes = [tp.shard(n, "output features") for n in out_sizes]
         super().__init__(in_features, sum(out_sizes), bias, tp, quant)
@@ -154,7 +163,8 @@ class RowParallelLinear(_Linear):
     """Input features split across ranks; partial sums all-reduced. The bias is added once.
     With ``gated_input`` the layer takes a gate/up projection's output [T, 2 * in] and applies
     ``act``-and-mul first: SiLU inside the GEMV kernel for one-row inputs in CUDA graphs, GELU-tanh
-    (Gemma) as a kernel of its own. With
+    (Gemma) as a kernel of its own; an input of ``in`` features is already activated (the
+    gate/up layer did it, MergedColumnParallelLinear's ``act``). With
     ``reduce=False`` it returns this rank's partial sums: the caller reduces them (an RMSNorm
     built with ``reduce_tp`` does, fused with the residual add)."""
 
@@ -177,9 +187,10 @@ class RowParallelLinear(_Linear):
         self._store(param, 0, ref.load((slice(None), slice(start, start + size))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gated = self.gated_input and x.shape[-1] != self.in_features
         if self.qweight is not None:
-            y = quant_linear(act_and_mul(x, self.act) if self.gated_input else x, self.qweight)
-        elif self.gated_input:
+            y = quant_linear(act_and_mul(x, self.act) if gated else x, self.qweight)
+        elif gated:
             y = act_mul_linear(x, self.weight, self.act)
         else:
             y = linear(x, self.weight)

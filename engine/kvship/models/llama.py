@@ -71,7 +71,8 @@ class LlamaMLP(nn.Module):
                                           quant=cfg.quantization, act=cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))  # the activation-and-mul happens in down_proj
+        # the activation-and-mul: in the gate/up GEMV's epilogue (quantized, one row), else in down_proj
+        return self.down_proj(self.gate_up_proj(x, self.down_proj.act))
 
 
 class SparseMoeBlock(nn.Module):
