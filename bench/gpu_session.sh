@@ -159,6 +159,10 @@ bench rope-gemv 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short
   tests/test_quantized_weights.py tests/test_gpu_engine.py -k 'rope or epilogue or gpu' && \
   KVSHIP_ROPE_GEMV=1 python3 bench/latency.py --quantization fp8 int4 --no-hf --output 128 && \
   KVSHIP_ROPE_GEMV=0 python3 bench/latency.py --quantization fp8 int4 --no-hf --output 128"
+# the rope epilogue's A/B twice over (one call's single runs spread by about 1%), then Q4_K_M without and with it
+bench rope-ab 560 bash -c "for r in 1 0 1 0; do KVSHIP_ROPE_GEMV=\$r python3 bench/latency.py --quantization fp8 int4 \
+  --no-hf --output 128 | grep -E '^\| (fp8|int4) ' | sed \"s/^/rope=\$r /\"; done && \
+  for r in 0 1; do KVSHIP_ROPE_GEMV=\$r python3 bench/latency.py --quantization q4_k_m --no-hf --output 128; done"
 bench profile-mla 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape deepseek-v2-lite --top 14
 bench latency-mla 300 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"

@@ -493,16 +493,19 @@ def _qgemv_pairs_rope_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, q_ptr, N, KW,
     pair = tl.program_id(0) * HALF_N + j // 2
     offs_n = (pair // HALF_D) * HEAD_DIM + pair % HALF_D + (j % 2) * HALF_D
     nmask = pair < N // 2
-    y = _pairs_rows(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, offs_n, nmask, KW, stride_w, stride_s, ngroups,
-                    BITS, FP8, SYMM, HAS_BIAS, G, CODE_SHIFT, ASM, EVEN, BLOCK_N, BLOCK_W, PDL)
-    x1, x2 = tl.split(tl.reshape(y, [HALF_N, 2]))
     p = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
     pmask = p < N // 2
     head = p // HALF_D
     i = p % HALF_D
+    # the position and slot come from the host before the step's first kernel, the cos/sin table is
+    # constant: read before the loop (and its PDL wait), they stay off the epilogue's path
     pos = tl.load(pos_ptr).to(tl.int64)
     cos = tl.load(cs_ptr + pos * stride_cs + i).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF_D + i).to(tl.float32)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    y = _pairs_rows(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, offs_n, nmask, KW, stride_w, stride_s, ngroups,
+                    BITS, FP8, SYMM, HAS_BIAS, G, CODE_SHIFT, ASM, EVEN, BLOCK_N, BLOCK_W, PDL)
+    x1, x2 = tl.split(tl.reshape(y, [HALF_N, 2]))
     rot = head < HQ + HKV  # values are not rotated
     o1 = tl.where(rot, x1 * cos - x2 * sin, x1)
     o2 = tl.where(rot, x2 * cos + x1 * sin, x2)
@@ -510,7 +513,6 @@ def _qgemv_pairs_rope_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, q_ptr, N, KW,
     qo = q_ptr + head * HEAD_DIM + i
     tl.store(qo, o1.to(q_ptr.dtype.element_ty), mask=qm)
     tl.store(qo + HALF_D, o2.to(q_ptr.dtype.element_ty), mask=qm)
-    slot = tl.load(slot_ptr).to(tl.int64)
     if slot >= 0:
         page = slot // BLOCK_SIZE
         row = slot % BLOCK_SIZE
