@@ -30,7 +30,6 @@
 #   DeepSeek-V3's routing in one kernel (its GPU tests, Moonlight's batch 1): noaux-route
 #   the decode graphs' inputs in one launch against a base tree (build/base): graph-inputs
 #   the gate/up GEMV's activation in its epilogue (tests, batch 1 with and without, the A3B shape): gated-gemv
-#   the q/k/v GEMV's rotary and KV store in its epilogue (tests, batch 1 with and without): rope-gemv
 #   the attention loops' hoisted page offsets (a32a309; bench/sass_attention.py counts their instructions on any
 #   machine): attention GPU tests, the kernels' table, KV-bound decode by KV dtype, batch 1: attn-offsets
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
@@ -153,16 +152,6 @@ bench gated-gemv 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=shor
   KVSHIP_GATED_GEMV=1 python3 bench/latency.py --quantization fp8 int4 --no-hf --output 128 && \
   KVSHIP_GATED_GEMV=0 python3 bench/latency.py --quantization fp8 int4 --no-hf --output 128 && \
   python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf --output 128"
-# the q/k/v GEMV rotating q and k and storing k and v from its epilogue (quantized weights, batch 1): GPU
-# tests, batch 1 with it and without (KVSHIP_ROPE_GEMV)
-bench rope-gemv 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_quant_gemv.py \
-  tests/test_quantized_weights.py tests/test_gpu_engine.py -k 'rope or epilogue or gpu' && \
-  KVSHIP_ROPE_GEMV=1 python3 bench/latency.py --quantization fp8 int4 --no-hf --output 128 && \
-  KVSHIP_ROPE_GEMV=0 python3 bench/latency.py --quantization fp8 int4 --no-hf --output 128"
-# the rope epilogue's A/B twice over (one call's single runs spread by about 1%), then Q4_K_M without and with it
-bench rope-ab 560 bash -c "for r in 1 0 1 0; do KVSHIP_ROPE_GEMV=\$r python3 bench/latency.py --quantization fp8 int4 \
-  --no-hf --output 128 | grep -E '^\| (fp8|int4) ' | sed \"s/^/rope=\$r /\"; done && \
-  for r in 0 1; do KVSHIP_ROPE_GEMV=\$r python3 bench/latency.py --quantization q4_k_m --no-hf --output 128; done"
 bench profile-mla 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape deepseek-v2-lite --top 14
 bench latency-mla 300 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"

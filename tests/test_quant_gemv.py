@@ -125,49 +125,6 @@ def test_pairs_gemv_gated_epilogue(bits, group, kind, symmetric, act, rows):
     assert rel < (1e-2 if GPU else 2e-3), f"relative error {rel:.2e}"
 
 
-@pytest.mark.parametrize("bits,group,kind,symmetric", [(4, 128, "int", True), (4, 32, "int", False),
-                                                      (8, 16, "int", True), (8, 1 << 20, "fp8", True)])
-@pytest.mark.parametrize("slot", [37, -1])
-def test_pairs_gemv_rope_store(bits, group, kind, symmetric, slot):
-    """One token's q/k/v projection with rotary and the KV store in the pairs kernel's epilogue,
-    against the product (with a bias) then rotary_store_kv's reference: the rotated q, and the
-    rotated key and the value in the token's slot (slot -1: padding, the caches untouched)."""
-    from kvship.kernels.quant_gemv import qgemv_pairs_rope_triton
-    from kvship.kernels.rotary import build_cos_sin_cache, rotary_store_kv_torch
-    hq, hkv, d = (32, 8, 128) if GPU else (4, 2, 32)
-    k = 4096 if GPU else 256
-    n = (hq + 2 * hkv) * d
-    w = _weights(n, k, bits, min(group, k), symmetric, seed=bits + group + 11, fp8=kind == "fp8")
-    dtype = torch.bfloat16 if GPU else torch.float32
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(1, k, generator=g).to(DEV, dtype)
-    bias = (torch.randn(n, generator=g) * 0.1).to(DEV, dtype)
-    cs = build_cos_sin_cache(64, d, device=DEV)
-    positions = torch.tensor([45], device=DEV)
-    slots = torch.tensor([slot], device=DEV)
-    caches = [torch.randn(6, 16, hkv, d, generator=g).to(DEV, dtype) for _ in range(4)]  # ours k, v; reference k, v
-    caches[2].copy_(caches[0])
-    caches[3].copy_(caches[1])
-    q = qgemv_pairs_rope_triton(x, w.qweight, w.scales, w.biases, bias, bits, w.group_size, k,
-                                {"block_n": 8, "block_w": 16, "num_warps": 4, "num_stages": 2}, positions, cs,
-                                caches[0], caches[1], slots, hq, hkv)
-    qkv = quant_linear_torch(x.float(), w, bias.float())
-    rq, rk, rv = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    want_q = rotary_store_kv_torch(positions, rq.view(1, hq, d), rk.view(1, hkv, d), rv.view(1, hkv, d), cs,
-                                   caches[2], caches[3], slots)
-    bound = 1e-2 if GPU else 2e-3
-    got, want = [q.float().view(1, hq, d)], [want_q]
-    if slot >= 0:  # the slot's rows; every other row of the caches as it was
-        got += [caches[0][slot // 16, slot % 16].clone(), caches[1][slot // 16, slot % 16].clone()]
-        want += [caches[2][slot // 16, slot % 16].clone(), caches[3][slot // 16, slot % 16].clone()]
-        for c in caches:
-            c[slot // 16, slot % 16] = 0
-    for a, b in zip(got, want):
-        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
-        assert rel < bound, f"relative error {rel:.2e}"
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_pairs_gemv_range(bits):
     """x up to 60000 in magnitude (and tiny x beside it) gives finite sums within tolerance: the

@@ -65,22 +65,6 @@ def _specs():
                "constexprs": {"BITS": bits, "FP8": fp8, "SYMM": symm, "HAS_BIAS": False, "G": g, "ASM": True,
                               "EVEN": True, "CODE_SHIFT": CODE_SHIFT[bits, fp8], "BLOCK_N": block_n,
                               "BLOCK_W": block_w, "GATED": gated}, "options": {"num_warps": warps}}
-    # q/k/v projections with rotary and the KV store in the epilogue, at the engine's q/k/v settings
-    rope = {**words, "q_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "stride_cs": "i32", "slot_ptr": "*i64",
-            "kc_ptr": "*bf16", "vc_ptr": "*bf16", "stride_kcb": "i32", "stride_kcs": "i32", "stride_kch": "i32",
-            "stride_vcb": "i32", "stride_vcs": "i32", "stride_vch": "i32"}
-    del rope["y_ptr"]
-    for bits, fp8, symm, g, bias, block_n, block_w in ((4, False, True, 128, False, 16, 256),
-                                                        (4, False, False, 32, True, 16, 256),
-                                                        (8, True, True, 1 << 30, False, 8, 256),
-                                                        (8, False, True, 16, False, 8, 512)):
-        scales = "*fp32" if fp8 else "*fp16"
-        yield {"kernel": "kvship.kernels.quant_gemv:_qgemv_pairs_rope_kernel",
-               "types": {**rope, "s_ptr": scales, "b_ptr": scales},
-               "constexprs": {"BITS": bits, "FP8": fp8, "SYMM": symm, "HAS_BIAS": bias, "G": g, "ASM": True,
-                              "EVEN": True, "CODE_SHIFT": CODE_SHIFT[bits, fp8], "BLOCK_N": block_n,
-                              "BLOCK_W": block_w, "HQ": 32, "HKV": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16},
-               "options": {"num_warps": 4}}
     fp8 = "kvship.kernels.fp8_matmul"
     for dtype in ("bf16", "fp16"):  # rows read once (8B's hidden 4096) and twice (its down_proj's 14336)
         for block, one_pass in ((4096, True), (8192, False)):

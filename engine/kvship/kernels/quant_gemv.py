@@ -388,19 +388,31 @@ def _chains(q, x_ptr, first, KW, BITS: tl.constexpr, FP8: tl.constexpr, ASM: tl.
 
 
 @triton.jit
-def _pairs_rows(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, offs_n, nmask, KW, stride_w, stride_s, ngroups,
-                BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
-    """The fp32 products [BLOCK_N] of W's rows ``offs_n`` (``nmask``: those that exist) with x.
-    The tile is [BLOCK_N rows, BLOCK_W words] = [rows, chains, 4 words]. Each chain's
+def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride_w, stride_s, ngroups,
+                        BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = 0):
+    """A program's tile is [BLOCK_N rows, BLOCK_W words] = [rows, chains, 4 words]. Each chain's
     fp32 sum takes its (row, group)'s scale (and offset; a chain lies in one group) into an fp32
     accumulator, reduced once at the end. The next tile's words are loaded before this one's
     arithmetic (a tile ahead in registers); the first is loaded before x exists (with PDL: while
-    the kernel before finishes). EVEN: the rows all exist and the row's words are whole tiles (no
-    masks but the look-ahead's)."""
+    the kernel before finishes). EVEN: N and the row's words are whole tiles (no masks but the
+    look-ahead's).
+    GATED (1 SiLU, 2 GELU-tanh): W is a gate/up projection, its N rows the gate's N/2 then the
+    up's. A program's rows alternate between the two, gate row i then up row i, so that its
+    epilogue writes act(gate_i) * up_i for BLOCK_N / 2 outputs (y [N / 2]): no kernel of its own
+    for the activation, and the products never leave the registers."""
     CODES: tl.constexpr = 32 // BITS
     NCH: tl.constexpr = BLOCK_W // 4
+    if GATED:
+        HALF: tl.constexpr = BLOCK_N // 2
+        j = tl.arange(0, BLOCK_N)
+        out_n = tl.program_id(0) * HALF + j // 2
+        offs_n = out_n + (j % 2) * (N // 2)
+        nmask = out_n < N // 2
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w + tl.arange(0, BLOCK_W)[None, :]
     srows = (offs_n.to(tl.int64) * stride_s)[:, None]
     chain = 4 * tl.arange(0, NCH)  # first words of the tile's chains
@@ -437,30 +449,6 @@ def _pairs_rows(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, offs_n, nmask, KW, stride_
     y = tl.sum(acc, 1) * (1 << CODE_SHIFT)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-    return y
-
-
-@triton.jit
-def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stride_w, stride_s, ngroups,
-                        BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = 0):
-    """y = x @ W^T for BLOCK_N rows a program (``_pairs_rows``).
-    GATED (1 SiLU, 2 GELU-tanh): W is a gate/up projection, its N rows the gate's N/2 then the
-    up's. A program's rows alternate between the two, gate row i then up row i, so that its
-    epilogue writes act(gate_i) * up_i for BLOCK_N / 2 outputs (y [N / 2]): no kernel of its own
-    for the activation, and the products never leave the registers."""
-    if GATED:
-        HALF: tl.constexpr = BLOCK_N // 2
-        j = tl.arange(0, BLOCK_N)
-        out_n = tl.program_id(0) * HALF + j // 2
-        offs_n = out_n + (j % 2) * (N // 2)
-        nmask = out_n < N // 2
-    else:
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < N
-    y = _pairs_rows(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, offs_n, nmask, KW, stride_w, stride_s, ngroups,
-                    BITS, FP8, SYMM, HAS_BIAS, G, CODE_SHIFT, ASM, EVEN, BLOCK_N, BLOCK_W, PDL)
     if GATED:
         gate, up = tl.split(tl.reshape(y, [HALF, 2]))
         if GATED == 1:
@@ -473,89 +461,7 @@ def _qgemv_pairs_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, y_ptr, N, KW, stri
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
-@triton.jit
-def _qgemv_pairs_rope_kernel(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, q_ptr, N, KW, stride_w, stride_s, ngroups,
-                             pos_ptr, cs_ptr, stride_cs, slot_ptr, kc_ptr, vc_ptr,
-                             stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-                             BITS: tl.constexpr, FP8: tl.constexpr, SYMM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             G: tl.constexpr, CODE_SHIFT: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr,
-                             HQ: tl.constexpr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """One token's q/k/v projection (W: HQ query heads, then HKV key heads, then HKV value heads,
-    HEAD_DIM rows each) with rotary (NeoX halves) and the KV-cache store in its epilogue: a
-    program's rows alternate between channel i of a head and channel i + HEAD_DIM / 2, so each
-    pair rotates in registers (by the token's cos and sin); the rotated q goes to q [HQ * HEAD_DIM],
-    the rotated key and the value into the token's slot of the caches (16-bit, the model's
-    dtype; a slot of -1 stores nothing). Replaces the rotary + store kernel that would follow."""
-    HALF_N: tl.constexpr = BLOCK_N // 2
-    HALF_D: tl.constexpr = HEAD_DIM // 2
-    j = tl.arange(0, BLOCK_N)
-    pair = tl.program_id(0) * HALF_N + j // 2
-    offs_n = (pair // HALF_D) * HEAD_DIM + pair % HALF_D + (j % 2) * HALF_D
-    nmask = pair < N // 2
-    p = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
-    pmask = p < N // 2
-    head = p // HALF_D
-    i = p % HALF_D
-    # the position and slot come from the host before the step's first kernel, the cos/sin table is
-    # constant: read before the loop (and its PDL wait), they stay off the epilogue's path
-    pos = tl.load(pos_ptr).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * stride_cs + i).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF_D + i).to(tl.float32)
-    slot = tl.load(slot_ptr).to(tl.int64)
-    y = _pairs_rows(x_ptr, w_ptr, s_ptr, b_ptr, bias_ptr, offs_n, nmask, KW, stride_w, stride_s, ngroups,
-                    BITS, FP8, SYMM, HAS_BIAS, G, CODE_SHIFT, ASM, EVEN, BLOCK_N, BLOCK_W, PDL)
-    x1, x2 = tl.split(tl.reshape(y, [HALF_N, 2]))
-    rot = head < HQ + HKV  # values are not rotated
-    o1 = tl.where(rot, x1 * cos - x2 * sin, x1)
-    o2 = tl.where(rot, x2 * cos + x1 * sin, x2)
-    qm = pmask & (head < HQ)
-    qo = q_ptr + head * HEAD_DIM + i
-    tl.store(qo, o1.to(q_ptr.dtype.element_ty), mask=qm)
-    tl.store(qo + HALF_D, o2.to(q_ptr.dtype.element_ty), mask=qm)
-    if slot >= 0:
-        page = slot // BLOCK_SIZE
-        row = slot % BLOCK_SIZE
-        km = pmask & (head >= HQ) & (head < HQ + HKV)
-        ko = kc_ptr + page * stride_kcb + row * stride_kcs + (head - HQ) * stride_kch + i
-        tl.store(ko, o1.to(kc_ptr.dtype.element_ty), mask=km)
-        tl.store(ko + HALF_D, o2.to(kc_ptr.dtype.element_ty), mask=km)
-        vm = pmask & (head >= HQ + HKV)
-        vo = vc_ptr + page * stride_vcb + row * stride_vcs + (head - HQ - HKV) * stride_vch + i
-        tl.store(vo, o1.to(vc_ptr.dtype.element_ty), mask=vm)
-        tl.store(vo + HALF_D, o2.to(vc_ptr.dtype.element_ty), mask=vm)
-
-
 GATED_ACTS = {act: i + 1 for i, act in enumerate(ACTIVATIONS)}  # the pairs kernel's GATED: 1 SiLU, 2 GELU-tanh
-
-
-def qgemv_pairs_rope_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                            biases: torch.Tensor | None, bias: torch.Tensor | None, bits: int, group_size: int, k: int,
-                            config: dict[str, int], positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                            num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """One token's q [1, num_heads * head_dim], rotated, from its q/k/v projection, whose rotated
-    key and value go into their slot of the (16-bit) caches: ``_qgemv_pairs_rope_kernel``."""
-    n = qweight.shape[0]
-    head_dim = k_cache.shape[-1]
-    words = qweight.view(torch.uint8).view(torch.int32)
-    q = torch.empty(1, num_heads * head_dim, dtype=x.dtype, device=x.device)
-    fp8 = qweight.dtype == torch.float8_e4m3fn
-    symm = biases is None
-    per_program = config["block_n"] // 2
-    _qgemv_pairs_rope_kernel[(triton.cdiv(n // 2, per_program),)](
-        x, words, scales, biases if biases is not None else scales, bias if bias is not None else scales, q,
-        n, k * bits // 32, words.stride(0), scales.stride(0), scales.shape[1],
-        positions, cos_sin_cache, cos_sin_cache.stride(0), slot_mapping, k_cache, v_cache,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2),
-        BITS=bits, FP8=fp8, SYMM=symm, HAS_BIAS=bias is not None,
-        G=group_size if scales.shape[1] > 1 else 1 << 30, CODE_SHIFT=CODE_SHIFT[bits, fp8], ASM=not INTERPRET,
-        EVEN=(n // 2) % per_program == 0 and (k * bits // 32) % config["block_w"] == 0,
-        BLOCK_N=config["block_n"], BLOCK_W=config["block_w"], HQ=num_heads, HKV=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], num_warps=config["num_warps"], num_stages=config["num_stages"],
-        **pdl_launch(x))
-    return q
 
 
 def pairs_fit(bits: int, k: int, group_size: int, ngroups: int, has_g_idx: bool) -> bool:

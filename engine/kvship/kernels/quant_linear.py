@@ -38,7 +38,6 @@ from kvship.kernels.quant_gemv import (
     GATED_ACTS,
     fits,
     pairs_fit,
-    qgemv_pairs_rope_triton,
     qgemv_pairs_triton,
     qgemv_words_triton,
     tiles_keep_groups,
@@ -298,9 +297,6 @@ MMA_GEMV_ENABLED = os.environ.get("KVSHIP_MMA_GEMV", "1") != "0"
 # GATED) instead of the product, which a kernel of its own activated; KVSHIP_GATED_GEMV=0 keeps the
 # two launches (A/B runs, and the test that compares the two in the engine).
 GATED_GEMV_ENABLED = os.environ.get("KVSHIP_GATED_GEMV", "1") != "0"
-# Likewise a q/k/v projection's one-row pairs GEMV rotates q and k and stores k and v into a 16-bit
-# cache from its epilogue (quant_gemv.py's rope kernel): no rotary + store launch. KVSHIP_ROPE_GEMV=0: off.
-ROPE_GEMV_ENABLED = os.environ.get("KVSHIP_ROPE_GEMV", "1") != "0"
 # From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
 # GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
 DENSE_ROWS = 16
@@ -495,22 +491,6 @@ def quant_linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) 
     if use_triton(x):
         return quant_linear_triton(x, w, bias)
     return quant_linear_torch(x, w, bias)
-
-
-def quant_linear_rope_store(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None, positions: torch.Tensor,
-                            cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor | None:
-    """For one 16-bit token: q [1, num_heads * head_dim], rotated, from the q/k/v projection W whose
-    one-row pairs GEMV rotates q and k and stores k and v into the caches in its epilogue. None
-    where that kernel does not run (the caller then projects, rotates and stores as usual)."""
-    if not (ROPE_GEMV_ENABLED and use_triton(x) and x.numel() == x.shape[-1]):
-        return None
-    cfg = _one_row_config(w, x.dtype)
-    if "pairs" not in cfg or cfg["block_n"] % 2:
-        return None
-    return qgemv_pairs_rope_triton(x.reshape(1, -1).contiguous(), w.qweight, w.scales, w.biases, bias, w.bits,
-                                   w.group_size, w.k, cfg, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                   num_heads, num_kv_heads)
 
 
 def quant_linear_gated(x: torch.Tensor, w: QWeight, act: str) -> torch.Tensor:

@@ -10,7 +10,6 @@ from kvship.kernels import kv_quant as kvq
 from kvship.kernels import mla_attention as mla
 from kvship.kernels import paged_attention as pa
 from kvship.kernels.norm import rms_norm_torch
-from kvship.kernels.quant_linear import QWeight, quant_linear_rope_store
 from kvship.kernels.rotary import QKNorm, rotary_store_kv, rotary_store_kv_torch, rotary_torch
 from kvship.layers.rotary import RotaryEmbedding
 
@@ -103,37 +102,15 @@ class PagedAttention(nn.Module):
         output [T, Hq, D]."""
         if self.measure_kv_scales:
             self._measure_kv_scales(positions, k, v, qk_norm)
-        store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale,
-                 self.k_transform, qk_norm)
-        if self.force_torch:
-            q = rotary_store_kv_torch(positions, q, k, v, *store)
-        else:
-            q = rotary_store_kv(positions, q, k, v, *store)  # transformed by k_transform too
-        return self.attend(q, meta)
-
-    def project_and_store(self, x: torch.Tensor, qkv: QWeight, bias: torch.Tensor | None, positions: torch.Tensor,
-                          meta: AttentionMetadata) -> torch.Tensor | None:
-        """For a one-token step (batch-1 decode), the rotated q [1, Hq, D] from the quantized q/k/v
-        projection ``qkv`` (its rows q, k, v heads) of x, with its key and value already stored:
-        the projection's GEMV rotates and stores in its epilogue (kernels/quant_linear.py's
-        quant_linear_rope_store), so no rotary + store kernel runs. Only for what that epilogue
-        does: a 16-bit cache in x's dtype, rotary over the whole head, no per-head norm (the
-        caller's), no scales to measure; None otherwise, and the caller takes ``forward``."""
-        if self.force_torch or self.measure_kv_scales or self.k_cache.dtype != x.dtype \
-                or self.rotary.cos_sin_cache.shape[-1] != self.head_dim:
-            return None
-        q = quant_linear_rope_store(x, qkv, bias, positions, self.rotary.cos_sin_cache, self.k_cache, self.v_cache,
-                                    meta.slot_mapping, self.num_heads, self.num_kv_heads)
-        return None if q is None else q.view(1, self.num_heads, self.head_dim)
-
-    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of the step's rotated queries q [T, Hq, D] over the cache, this step's keys and
-        values already stored -> [T, Hq, D]."""
         scales = (self.k_scale, self.v_scale)
+        store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, *scales, self.k_transform,
+                 qk_norm)
         args = (self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
         options = dict(window=self.window, softcap=self.softcap)
         if self.force_torch:
+            q = rotary_store_kv_torch(positions, q, k, v, *store)
             return pa.paged_attention_torch(q, *args, *scales, **options)
+        q = rotary_store_kv(positions, q, k, v, *store)  # transformed by k_transform too
         return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1],
                                   num_decodes=meta.num_decodes, **options)
 

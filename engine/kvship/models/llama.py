@@ -47,10 +47,6 @@ class LlamaAttention(nn.Module):
                                    cfg.attention_scale, window, cfg.attn_logit_softcapping)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.qkv_proj.qweight is not None and not self.qk_norm:  # one token: rotary and the store in the GEMV
-            q = self.attn.project_and_store(x, self.qkv_proj.qweight, self.qkv_proj.bias, positions, meta)
-            if q is not None:
-                return self.o_proj(self.attn.attend(q, meta).flatten(1))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
