@@ -4,70 +4,30 @@ machine code on any machine (no GPU): each kernel is compiled as the engine laun
 loop's SASS is counted. "per KV byte" divides a loop's thread-instructions by the key and value
 bytes one iteration reads, in the cache's layout.
 
-Why it matters: an SM issues at most 128 thread-instructions a clock (4 schedulers of 32 lanes).
-At copy bandwidth (about 4.3-4.8 TB/s over 132 SMs at 1.98 GHz: 16-18 bytes a clock an SM), a
-decode loop that needs more than about 7 instructions a KV byte cannot keep up with memory,
-whatever its settings. Registers and spills come from ptxas.
+Why it matters: a decode loop that needs more than about 7 instructions a KV byte cannot keep
+up with memory on an H200 (bench/sass.py says why). Registers and spills come from ptxas.
 
     python bench/sass_attention.py
 """
 from __future__ import annotations
 
-import collections
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compiling for a target, not interpreting
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 from common import header, table  # noqa: E402
 from kvship.kernels import paged_attention as pa  # noqa: E402
+from sass import loops, registers  # noqa: E402
 from sm90_compile import attention_types, compile_sm90, decode_types  # noqa: E402
 
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 LAYOUTS = {"bf16": ("*bf16", "*bf16", 0, 2.0), "fp8": ("*fp8e4nv", "*fp32", 1, 1.0), "int4": ("*u8", "*fp16", 2, 0.5)}
 DIVISIBLE = ["q_ptr", "kc_ptr", "vc_ptr", "out_ptr", "mid_o_ptr", "mid_lse_ptr", "stride_qt", "stride_qh",
              "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_ot", "stride_oh"]
-_ADDR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/")
-_BRANCH = re.compile(r"BRA\s+0x([0-9a-f]+)")
-_OPCODE = re.compile(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
-
-
-def _tool(name: str, *args: str) -> str:
-    out = subprocess.run([str(BIN / name), *args], capture_output=True, text=True)
-    return out.stdout + out.stderr
-
-
-def loops(cubin: bytes) -> list[collections.Counter]:
-    """Opcode counts of each loop (a backward branch and what lies between), largest first."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    code = [(int(m.group(1), 16), line) for line in _tool("cuobjdump", "-sass", f.name).splitlines()
-            if (m := _ADDR.match(line))]
-    os.unlink(f.name)
-    found = []
-    for at, line in code:
-        if (m := _BRANCH.search(line)) and int(m.group(1), 16) < at:
-            body = [text for a, text in code if int(m.group(1), 16) <= a <= at]
-            found.append(collections.Counter(m.group(1) for text in body if (m := _OPCODE.search(text))))
-    return sorted(found, key=lambda c: -sum(c.values()))
-
-
-def registers(ptx: str) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    info = _tool("ptxas", "-arch=sm_90a", "-v", f.name, "-o", os.devnull)
-    os.unlink(f.name)
-    regs = re.search(r"Used (\d+) registers", info)
-    spills = re.search(r"(\d+) bytes spill stores", info)
-    return f"{regs.group(1) if regs else '?'} / {spills.group(1) if spills else '?'}"
 
 
 def main() -> None:
