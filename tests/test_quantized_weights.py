@@ -302,7 +302,7 @@ def test_gated_epilogue_in_the_engine_equals_two_launches(tmp_path, monkeypatch,
     """Batch-1 decode in bf16 with CUDA graphs, the gate/up GEMV writing act(gate) * up from its
     epilogue (kernels/quant_gemv.py's GATED) against the product activated by a kernel of its
     own: the same greedy tokens, logprobs within bf16 rounding (the epilogue does not round
-    gate and up to bf16 before the activation)."""
+    gate and up to bf16 before the activation); and the epilogue ran where it was on."""
     from kvship.kernels import quant_linear
     from kvship.llm import LLM
     from kvship.sampling_params import SamplingParams
@@ -311,11 +311,16 @@ def test_gated_epilogue_in_the_engine_equals_two_launches(tmp_path, monkeypatch,
     _quantized_folder(folder, fmt)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     prompts = [[3, 5, 7, 11], [13, 4, 9, 20, 21, 22, 30]]
+    gated = []  # a pairs launch given an activation (its last argument) is the epilogue's
+    inner = quant_linear.qgemv_pairs_triton
+    monkeypatch.setattr(quant_linear, "qgemv_pairs_triton",
+                        lambda *a, **k: gated.append(isinstance(a[-1], str)) or inner(*a, **k))
     out = {}
     for fused in (True, False):
         monkeypatch.setattr(quant_linear, "GATED_GEMV_ENABLED", fused)  # read as the graphs are captured
+        gated.clear()
         llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
-        assert llm.engine.runner.graphs is not None
+        assert llm.engine.runner.graphs is not None and any(gated) == fused
         assert llm.engine.runner.model.model.layers[0].mlp.gate_up_proj.qweight is not None
         out[fused] = [llm.generate([p], params)[0].outputs[0] for p in prompts]  # one at a time: batch 1
         del llm

@@ -3,10 +3,9 @@
 The step arrives as views of the two tensors the runner sends (model_runner._packed): token ids,
 positions, slots (int64); context lengths and the block table (int32). A decode whose input
 token was sampled by the step still in flight takes it from that step's tokens on the device
-(``InFlightInputs``). The graph of ``bs`` rows
-then reads rows [0, n) as given and rows [n, bs) as padding (slot -1, which stores nothing, and
-length 1). Column c of a table row past the batch's width keeps whatever it held: the kernels
-read a sequence's table only up to its length.
+(``InFlightInputs``). The graph of ``bs`` rows then reads rows [0, n) as given and rows [n, bs)
+as padding (slot -1, which stores nothing, and length 1). The columns of a table row past the
+batch's width keep whatever they held: the kernels read a sequence's table only up to its length.
 
 Done with torch ops, that is some ten small launches between two replays (an index_select and
 an index_put for the sampled inputs, a copy or fill per buffer), each a few microseconds of the

@@ -112,18 +112,18 @@ class ColumnParallelLinear(_Linear):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stacked (gate and up projections)."""
 
-    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
-        """x @ W^T; with ``act``, for a gate/up pair, act(gate) * up wherever it costs no launch of its
-        own: a quantized one-row GEMV applies it in its epilogue ([.., out / 2]). Elsewhere the
-        product comes back whole ([.., out]): the down projection (RowParallelLinear's
-        ``gated_input``) applies the activation as it reads it, the 16-bit GEMV inside its kernel."""
-        if act is not None and self.qweight is not None:
-            return quant_linear_gated(x, self.qweight, act)
-        return super().forward(x)
-
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPContext, quant=None):
         self.out_sizes = [tp.shard(n, "output features") for n in out_sizes]
         super().__init__(in_features, sum(out_sizes), bias, tp, quant)
+
+    def forward(self, x: torch.Tensor, act: str | None = None) -> torch.Tensor:
+        """x @ W^T; with ``act``, for a gate/up pair held quantized, act(gate) * up ([.., out / 2]):
+        in the one-row GEMV's epilogue, else the product and then act_and_mul. A 16-bit layer
+        returns the product whole ([.., out]): the down projection (RowParallelLinear's
+        ``gated_input``) applies the activation as its GEMV reads it."""
+        if act is not None and self.qweight is not None:
+            return quant_linear_gated(x, self.qweight, act)
+        return super().forward(x)
 
     def weight_loader(self, param: nn.Parameter, ref, shard_id: int) -> None:
         size = self.out_sizes[shard_id]

@@ -402,8 +402,8 @@ class ModelRunner:
         for sequences that asked, prompt logprobs appended to seq.prompt_logprobs)."""
         input_ids, positions, meta, in_flight = self.prepare(batch, previous)
         wanted = self._prompt_logprob_rows(batch)
-        if wanted or self.tp.runtime is not None:
-            input_ids = in_flight.fill(input_ids) if in_flight is not None else input_ids
+        if in_flight is not None and (wanted or self.tp.runtime is not None):  # these run on the ids as sent
+            input_ids, in_flight = in_flight.fill(input_ids), None
         if wanted:
             return self._forward_with_prompt_logprobs(input_ids, positions, meta, wanted)
         if self.tp.runtime is not None:  # the other ranks run the same forward on what rank 0 sends
