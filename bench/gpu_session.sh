@@ -32,8 +32,6 @@
 #   the gate/up GEMV's activation in its epilogue (tests, batch 1 with and without, the A3B shape): gated-gemv
 #   the attention loops' hoisted page offsets (a32a309; bench/sass_attention.py counts their instructions on any
 #   machine): attention GPU tests, the kernels' table, KV-bound decode by KV dtype, batch 1: attn-offsets
-#   the split decode's merge in the decode launch against its own kernel (GPU tests, batch 1 of the 8B by
-#   format and of the A3B both ways, then KV-bound decode both ways): split-merge split-merge-kv
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 #   throughput by KV and weight dtype (two passes each: one tree's single runs spread by 7%), then where
@@ -154,18 +152,6 @@ bench gated-gemv 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=shor
   KVSHIP_GATED_GEMV=1 python3 bench/latency.py --quantization fp8 int4 --no-hf --output 128 && \
   KVSHIP_GATED_GEMV=0 python3 bench/latency.py --quantization fp8 int4 --no-hf --output 128 && \
   python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf --output 128"
-# the split decode merged by its last program in the decode launch (KVSHIP_SPLIT_MERGE 1) against the
-# merge kernel (0): the attention GPU tests, batch 1 of the 8B (bf16, FP8, int4) and A3B shapes both ways
-bench split-merge 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py \
-  tests/test_kv_quant.py tests/test_attention_window.py tests/test_gpu_engine.py \
-  -k 'decode or mixed or graph or pdl or engine' && \
-  KVSHIP_SPLIT_MERGE=1 python3 bench/latency.py --quantization none fp8 int4 --no-hf --output 128 && \
-  KVSHIP_SPLIT_MERGE=0 python3 bench/latency.py --quantization none fp8 int4 --no-hf --output 128"
-# the same for the A3B shape at batch 1 and for KV-bound decode (batch 32 at 8k) by KV dtype
-bench split-merge-kv 590 bash -c "KVSHIP_SPLIT_MERGE=1 python3 bench/latency.py --shape qwen3-30b-a3b \
-  --quantization none --no-hf --output 128 && \
-  KVSHIP_SPLIT_MERGE=0 python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf --output 128 && \
-  KVSHIP_SPLIT_MERGE=1 python3 bench/kv_decode.py && KVSHIP_SPLIT_MERGE=0 python3 bench/kv_decode.py"
 bench profile-mla 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape deepseek-v2-lite --top 14
 bench latency-mla 300 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"

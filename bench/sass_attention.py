@@ -37,8 +37,7 @@ def main() -> None:
         decode = compile_sm90(pa._decode_kernel, decode_types(cache, scales),
                               dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, NUM_SPLITS=8,
                                    KV_MODE=mode, BLOCK_N=cfg["block_n"],
-                                   PACKED=pa.packed_read(cfg, mode, torch.bfloat16, 128),
-                                   **pa.merge_options(4, 8, True)),
+                                   PACKED=pa.packed_read(cfg, mode, torch.bfloat16, 128)),
                               DIVISIBLE, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         pre = pa.PREFILL_CONFIG[128]
         prefill = compile_sm90(pa._prefill_kernel, attention_types(cache, scales),

@@ -56,10 +56,9 @@ def attention_types(cache: str = "*bf16", scales: str = "*bf16") -> dict[str, st
 
 
 def decode_types(cache: str = "*bf16", scales: str = "*bf16") -> dict[str, str]:
-    """``attention_types`` and the decode kernel's fp32 partial outputs of a split sequence, and
-    the int32 counters of the merging launch."""
-    return {**attention_types(cache, scales), "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "count_ptr": "*i32",
-            **ints("stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh", "stride_count")}
+    """``attention_types`` and the decode kernel's fp32 partial outputs of a split sequence."""
+    return {**attention_types(cache, scales), "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32",
+            **ints("stride_mob", "stride_moh", "stride_mos", "stride_mlb", "stride_mlh")}
 
 
 def compile_in_child(specs: list[dict]) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvship.kernels import paged_attention as pa
 from kvship.kernels._triton import HAS_TRITON
 from sm90_compile import attention_types, compile_in_child, decode_types
 
@@ -21,7 +20,7 @@ def _specs():
     options = dict(WINDOW=4096, SOFTCAP=50.0 * 1.4426950408889634)
     yield {"kernel": f"{MODULE}:_decode_kernel", "types": decode_types(),
            "constexprs": dict(GROUP=2, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_N=64,
-                              NUM_SPLITS=8, KV_MODE=0, **options, **pa.merge_options(2, 8, True))}
+                              NUM_SPLITS=8, KV_MODE=0, **options)}
     yield {"kernel": f"{MODULE}:_prefill_kernel", "types": attention_types(),
            "constexprs": dict(GROUP=2, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64, KV_MODE=0,
                               **options)}

@@ -105,38 +105,6 @@ def test_decode_default_splits_active():
     assert pa.decode_num_splits(1, 8, 16, 132, 64) == 1  # never more splits than tiles
 
 
-@pytest.mark.parametrize("hq,hkv,d", HEADS)
-def test_decode_merges_its_splits_in_one_launch(hq, hkv, d, monkeypatch):
-    """The split decode's last program per (sequence, KV head) merges: no decode_reduce launch,
-    the shared counters back to zero after every launch (so the next layer, or graph replay,
-    starts from zero), a sequence without a new token (a graph's padding row) left alone, and
-    the result equal to the reference and to the two-launch merge (KVSHIP_SPLIT_MERGE=0)."""
-    dtype = DTYPES[0]
-    ctx = [100, 40, 17, 64] if not GPU else [5000, 40, 1000, 64]
-    q_lens = [1, 0, 1, 1]  # sequence 1: no token
-    q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, hq, hkv, d, 16, dtype, seed=5 * hq + d)
-    scale = d**-0.5
-    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, scale)
-    counts = pa.split_counts_buffer(6, hkv + 1, DEV)  # larger than the launch needs, as the runner's is
-    reduce_calls = []
-    monkeypatch.setattr(pa, "decode_reduce", lambda *a: reduce_calls.append(1) or pa_decode_reduce(*a))
-    for ns in (2, 3, 8):
-        for layer in range(2):  # one buffer serves launch after launch
-            out = pa.paged_attention_triton(q, kc, vc, bt, sl, cu, scale, 1, num_splits=ns, split_counts=counts)
-            close(out, ref, dtype, f"merged in the decode launch, splits={ns}, launch {layer}")
-            assert int(counts.abs().sum()) == 0, counts
-        assert not reduce_calls
-        monkeypatch.setattr(pa, "SPLIT_MERGE_ENABLED", False)
-        two = pa.paged_attention_triton(q, kc, vc, bt, sl, cu, scale, 1, num_splits=ns, split_counts=counts)
-        monkeypatch.setattr(pa, "SPLIT_MERGE_ENABLED", True)
-        assert reduce_calls == [1]
-        reduce_calls.clear()
-        torch.testing.assert_close(out, two, rtol=tol(dtype), atol=tol(dtype))
-
-
-pa_decode_reduce = pa.decode_reduce
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("hq,hkv,d", HEADS)

@@ -504,8 +504,7 @@ def _sm90_specs():
             yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel", "types": decode_types(cache, scales),
                    "constexprs": dict(GROUP=2, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256, BLOCK_SIZE=16, NUM_SPLITS=8,
                                       KV_MODE=mode, BLOCK_N=fp8["block_n"],
-                                      PACKED=pa.packed_read(fp8, mode, torch.bfloat16, 256),
-                                      **pa.merge_options(2, 8, True)),
+                                      PACKED=pa.packed_read(fp8, mode, torch.bfloat16, 256)),
                    "options": {"num_warps": fp8["num_warps"], "num_stages": fp8["num_stages"]}}
         default = pa.DECODE_CONFIGS[mode]
         launched = dict(BLOCK_N=default["block_n"], PACKED=pa.packed_read(default, mode, torch.bfloat16, 128))
@@ -513,7 +512,7 @@ def _sm90_specs():
             yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel",
                    "types": decode_types(cache, scales),
                    "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, NUM_SPLITS=splits,
-                                      KV_MODE=mode, **launched, **pa.merge_options(4, splits, True))}
+                                      KV_MODE=mode, **launched)}
         if mode > 0:  # the default config beside a float32 query (--dtype float32): pages read as stored
             yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel",
                    "types": {**decode_types(cache, scales), "q_ptr": "*fp32", "out_ptr": "*fp32"},
@@ -531,8 +530,7 @@ def _sm90_specs():
                 yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel",
                        "types": decode_types(cache, scales),
                        "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=head_dim, BLOCK_D=128, BLOCK_SIZE=16,
-                                          BLOCK_N=block_n, NUM_SPLITS=8, KV_MODE=mode, PACKED=packed,
-                                          **pa.merge_options(4, 8, True))}
+                                          BLOCK_N=block_n, NUM_SPLITS=8, KV_MODE=mode, PACKED=packed)}
         yield {"kernel": "kvship.kernels.paged_attention:_prefill_kernel", "types": attention_types(cache, scales),
                "constexprs": dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
                                   KV_MODE=mode)}

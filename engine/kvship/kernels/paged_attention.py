@@ -30,11 +30,7 @@ kernels/rotary.py: ``rotary_store_kv``; ``store_kv_torch`` here is its reference
   program holds all query heads of one KV head (the group padded to a power of two >= 16 rows
   for ``tl.dot``), so each K/V tile is read once per KV head — split over the context
   (flash-decoding: each split covers an equal, BLOCK_N-aligned share of the sequence's actual
-  length, computed in the kernel). The last program of a (sequence, KV head) to finish merges its
-  splits by their log-sum-exp (``merge_splits``), counted by an atomic in a small int32 buffer
-  that it zeroes again, so a decode is one launch; ``decode_reduce``, a second kernel, merges
-  instead when KVSHIP_SPLIT_MERGE=0 (the benchmarks' comparison) and for the latent-attention
-  kernels.
+  length, computed in the kernel; a second kernel merges the splits by their log-sum-exp).
   Otherwise a varlen prefill kernel: one program per (query head, BLOCK_M new tokens,
   sequence), causal over the cached prefix plus the new tokens, with unmasked tiles below the
   diagonal and masked ones on it.
@@ -53,8 +49,6 @@ kernels/rotary.py: ``rotary_store_kv``; ``store_kv_torch`` here is its reference
   keys every row of the block sees unmasked.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -158,12 +152,11 @@ def paged_attention_torch(
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q: int, out=None,
                     k_scale=None, v_scale=None, window: int | None = None, softcap: float | None = None,
-                    num_decodes: int = 0, split_counts: torch.Tensor | None = None):
+                    num_decodes: int = 0):
     if use_triton(q):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q, out=out,
             k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap, num_decodes=num_decodes,
-            split_counts=split_counts,
         )
     o = paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale, v_scale,
                               window=window, softcap=softcap)
@@ -522,64 +515,17 @@ def store_split_lse(ptr, m_i, l_i, mask):
     tl.store(ptr, lse, mask=mask)
 
 
-@triton.jit
-def merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, first_head, stride_moh, stride_mos, stride_mlh, stride_oh,
-                 GROUP: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                 CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One sequence's split decode: the partial outputs of its heads first_head .. + GROUP
-    (mid_o_ptr, mid_lse_ptr, out_ptr: the sequence's head 0) weighted by their splits'
-    log-sum-exp into out. CHUNK splits of every head are read at once (BLOCK_H * CHUNK rows of
-    BLOCK_D), so all the loads of a short context are in flight together. The loads skip L1
-    (.cg): other programs of the same launch wrote these rows."""
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HEAD_DIM
-    lse = tl.load(mid_lse_ptr + (first_head + offs_h)[:, None] * stride_mlh + offs_s[None, :],
-                  mask=(offs_h < GROUP)[:, None] & (offs_s < NUM_SPLITS)[None, :], other=float("-inf"),
-                  cache_modifier=".cg")
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # a head whose splits saw no key: its output is 0
-    denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
-    denom = tl.where(denom > 0.0, denom, 1.0)
-    r = tl.arange(0, BLOCK_H * CHUNK)  # row r: head r // CHUNK, split s0 + r % CHUNK
-    rh = r // CHUNK
-    m_r = tl.reshape(tl.broadcast_to(m[:, None], (BLOCK_H, CHUNK)), (BLOCK_H * CHUNK,))
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s0 in tl.static_range(0, NUM_SPLITS, CHUNK):
-        split = s0 + r % CHUNK
-        rmask = (rh < GROUP) & (split < NUM_SPLITS)
-        lse_r = tl.load(mid_lse_ptr + (first_head + rh) * stride_mlh + split, mask=rmask, other=float("-inf"),
-                        cache_modifier=".cg")
-        o = tl.load(mid_o_ptr + (first_head + rh)[:, None] * stride_moh + split[:, None] * stride_mos
-                    + offs_d[None, :], mask=rmask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
-        o = o * tl.exp2(lse_r - m_r)[:, None]
-        acc += tl.sum(tl.reshape(o, (BLOCK_H, CHUNK, BLOCK_D)), 1)
-    tl.store(out_ptr + (first_head + offs_h)[:, None] * stride_oh + offs_d[None, :],
-             (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=(offs_h < GROUP)[:, None] & dmask[None, :])
-
-
-def merge_options(group: int, num_splits: int, merge: bool) -> dict:
-    """The decode kernel's merge constexprs for a GQA group and split count. merge_splits reads
-    CHUNK splits at once: at most 64 rows of a head's width in flight (64 float32 registers a
-    thread at 4 warps and 128 channels, as decode_reduce has always held)."""
-    block_h, block_s = next_pow2(group), next_pow2(num_splits)
-    return dict(MERGE=merge and num_splits > 1, BLOCK_H=block_h, BLOCK_S=block_s,
-                CHUNK=max(1, min(block_s, 64 // block_h)))
-
-
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, count_ptr,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh,
     stride_ksb, stride_ksh, stride_bt, stride_ot, stride_oh,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_count,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    MERGE: tl.constexpr = False, BLOCK_H: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1, CHUNK: tl.constexpr = 1,
     INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # The step's metadata (query bounds, lengths) comes from the host, copied in before the
@@ -650,16 +596,6 @@ def _decode_kernel(
         _store_rows(o_ptr, acc / l_safe[:, None], offs_d, gmask, vs_ptr, HEAD_DIM, KV_MODE)
     if NUM_SPLITS > 1:
         store_split_lse(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i, l_i, gmask)
-        if MERGE:  # the last of this (sequence, KV head)'s splits to finish merges them
-            # Every thread's stores precede the count, which releases them (acq_rel, at GPU scope)
-            # and, for the last program, acquires the other programs' stores.
-            tl.debug_barrier()
-            count = count_ptr + b * stride_count + kvh
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                tl.store(count, 0)  # every split has counted: zero for the next launch
-                merge_splits(mid_o_ptr + b.to(tl.int64) * stride_mob, mid_lse_ptr + b.to(tl.int64) * stride_mlb,
-                             out_ptr + q_row * stride_ot, kvh * GROUP, stride_moh, stride_mos, stride_mlh,
-                             stride_oh, GROUP, BLOCK_H, NUM_SPLITS, BLOCK_S, CHUNK, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -706,9 +642,23 @@ def _decode_reduce_kernel(
     if tl.load(cuq_ptr + b + 1) <= q_row:
         return
     pdl_wait(PDL)
-    merge_splits(mid_o_ptr + b.to(tl.int64) * stride_mob, mid_lse_ptr + b.to(tl.int64) * stride_mlb,
-                 out_ptr + q_row.to(tl.int64) * stride_ot, h, stride_moh, stride_mos, stride_mlh, stride_oh,
-                 1, 1, NUM_SPLITS, BLOCK_S, BLOCK_S, HEAD_DIM, BLOCK_D)
+    q_row = q_row.to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NUM_SPLITS
+    dmask = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + b.to(tl.int64) * stride_mlb + h * stride_mlh + offs_s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(
+        mid_o_ptr + b.to(tl.int64) * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        mask=smask[:, None] & dmask[None, :], other=0.0,
+    )
+    denom = tl.sum(w, 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    res = tl.sum(o * w[:, None], 0) / denom
+    tl.store(out_ptr + q_row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
@@ -774,8 +724,7 @@ def _prefill_kernel(
 def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, cu_seqlens_q: torch.Tensor, out: torch.Tensor) -> None:
     """A split decode's partial outputs (mid_o [B, H, splits, D] fp32, mid_lse [B, H, splits],
     log2 domain) merged by their log-sum-exp into out's row of each sequence (its cu_seqlens_q
-    start): the second kernel of a split-context decode where the decode kernel does not merge
-    (KVSHIP_SPLIT_MERGE=0 here, always in kernels/mla_attention.py)."""
+    start): the second kernel of every split-context decode (this file's, kernels/mla_attention.py's)."""
     batch, num_heads, num_splits, head_dim = mid_o.shape
     _decode_reduce_kernel[(batch, num_heads)](
         mid_o, mid_lse, cu_seqlens_q, out,
@@ -784,19 +733,6 @@ def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, cu_seqlens_q: torc
         NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         num_warps=4, **pdl_launch(out),
     )
-
-
-# The last split program of each (sequence, KV head) merges the splits (_decode_kernel's MERGE);
-# KVSHIP_SPLIT_MERGE=0 merges them in decode_reduce's launch instead, as before (the benchmarks'
-# comparison).
-SPLIT_MERGE_ENABLED = os.environ.get("KVSHIP_SPLIT_MERGE", "1") != "0"
-
-
-def split_counts_buffer(max_seqs: int, num_kv_heads: int, device) -> torch.Tensor:
-    """The counters the merging decode kernel takes (``split_counts`` of paged_attention): one
-    per (sequence, KV head), zero between launches (the last program of each zeroes its own
-    again), so one buffer serves every layer and every CUDA graph of a stream."""
-    return torch.zeros(max_seqs, num_kv_heads, dtype=torch.int32, device=device)
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sms: int, block_n: int,
@@ -834,7 +770,6 @@ def paged_attention_triton(
     softcap: float | None = None,
     decode_config: dict | None = None,
     num_decodes: int = 0,
-    split_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``paged_attention_torch`` (same layouts and semantics).
 
@@ -846,9 +781,7 @@ def paged_attention_triton(
     of its group (and FP8 pages converted as stored).
     ``num_splits`` overrides the decode split count (tests use it; the default depends on
     shapes only), ``decode_config`` the decode launch settings (the benchmark's sweep; default
-    DECODE_CONFIGS for the cache's layout). ``split_counts``: the merging decode's counters
-    (``split_counts_buffer()``, at least [batch, num_kv_heads]); without them a split decode zeroes
-    counters of its own. q, k_cache, v_cache need a contiguous last dim.
+    DECODE_CONFIGS for the cache's layout). q, k_cache, v_cache need a contiguous last dim.
     """
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
@@ -856,7 +789,7 @@ def paged_attention_triton(
     if max_seqlen_q > 1 and 0 < num_decodes < seq_lens.shape[0]:
         # Both kernels find their query rows through cu_seqlens_q, so q and out stay whole.
         options = dict(out=out, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, window=window,
-                       softcap=softcap, decode_config=decode_config, split_counts=split_counts)
+                       softcap=softcap, decode_config=decode_config)
         d = num_decodes
         paged_attention_triton(q, k_cache, v_cache, block_tables[:d], seq_lens[:d], cu_seqlens_q[:d + 1], scale, 1,
                                **options)
@@ -893,30 +826,24 @@ def paged_attention_triton(
                 context = min(context, window + block_n)
             num_splits = decode_num_splits(batch, num_kv_heads, context, device_sms(q), block_n, cfg)
         packed = packed_read(cfg, kv_mode, q.dtype, head_dim)
-        merge = num_splits > 1 and SPLIT_MERGE_ENABLED
-        counts = seq_lens  # unused
         if num_splits > 1:
             mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
             mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-            if merge:
-                fits = split_counts is not None and split_counts.shape[0] >= batch \
-                    and split_counts.shape[1] >= num_kv_heads
-                counts = split_counts if fits else split_counts_buffer(batch, num_kv_heads, q.device)
         else:
             mid_o = mid_lse = out  # unused
         mid_strides = (
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2) if num_splits > 1 else 0,
-            mid_lse.stride(0), mid_lse.stride(1), counts.stride(0),
+            mid_lse.stride(0), mid_lse.stride(1),
         )
         _decode_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse, counts,
+            q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
             qk_scale, *common, *mid_strides,
             GROUP=group, BLOCK_G=query_rows(group, packed), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode, **options,
-            PACKED=packed, **merge_options(group, num_splits, merge), INTERPRET=INTERPRET,
+            PACKED=packed, INTERPRET=INTERPRET,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q),
         )
-        if num_splits > 1 and not merge:
+        if num_splits > 1:
             decode_reduce(mid_o, mid_lse, cu_seqlens_q, out)
         return out
 

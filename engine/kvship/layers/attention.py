@@ -61,9 +61,6 @@ class PagedAttention(nn.Module):
         self.fp8_v_scale = torch.ones(1, dtype=torch.float32)
         self.kv_scales_from_checkpoint = False
         self.measure_kv_scales = False  # set by the runner: the next forward measures the FP8 scales
-        # the split decode's counters (paged_attention.split_counts_buffer), set by the runner; one
-        # buffer for every layer, zero between launches, so that CUDA graphs may capture it
-        self.split_counts: torch.Tensor | None = None
 
     def load_kv_scale(self, kind: str, scale: torch.Tensor) -> None:
         """A checkpoint's ``k_scale`` / ``v_scale`` (dequantized = stored * scale). A per-head
@@ -115,7 +112,7 @@ class PagedAttention(nn.Module):
             return pa.paged_attention_torch(q, *args, *scales, **options)
         q = rotary_store_kv(positions, q, k, v, *store)  # transformed by k_transform too
         return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1],
-                                  num_decodes=meta.num_decodes, split_counts=self.split_counts, **options)
+                                  num_decodes=meta.num_decodes, **options)
 
 
 class LatentAttention(PagedAttention):

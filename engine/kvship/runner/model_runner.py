@@ -14,7 +14,6 @@ from kvship.config import EngineConfig
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import HAS_TRITON
 from kvship.kernels.graph_inputs import InFlightInputs
-from kvship.kernels.paged_attention import split_counts_buffer
 from kvship.layers.attention import AttentionMetadata
 from kvship.loader import ModelSource, Pooling, resolve_model
 from kvship.models.config import ModelConfig
@@ -257,10 +256,6 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> int:
         n = self.tp.min_int(self._num_blocks_to_allocate())  # every rank holds the same block count
         self._bind_kv_cache(n)
-        layers = self.model.attention_layers()
-        counts = split_counts_buffer(self.config.max_num_seqs, max(attn.num_kv_heads for attn in layers), self.device)
-        for attn in layers:  # one stream runs the layers one after the other: they share the counters
-            attn.split_counts = counts
         log.info("KV cache (%s): %d blocks of %d tokens = %d tokens (%.2f GiB)", self.config.kv_cache_dtype, n,
                  self.block_size, n * self.block_size, n * self.kv_bytes_per_block() / 2**30)
         return n
