@@ -4,7 +4,10 @@ timed from a CUDA graph that cycles through enough weight copies to overflow L2 
 step, where each layer's weights come from HBM). Prints a table and the GEMV_SHAPES entries
 (engine/kvship/kernels/gemv.py) for the shapes where the best setting beats cuBLAS.
 
-    python bench/gemv_sweep.py [--quick] [--more | --deepseek] [--best-json PATH]
+    python bench/gemv_sweep.py [--quick] [--more | --deepseek | --absorbed] [--best-json PATH]
+
+--deepseek also times the absorbed attention's per-head products (kernels/gemv.py head_matmul),
+--absorbed only those.
 """
 from __future__ import annotations
 
@@ -64,6 +67,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a small grid of settings")
     ap.add_argument("--more", action="store_true", help="the other bench shapes' projections instead of Llama-3-8B's")
     ap.add_argument("--deepseek", action="store_true", help="DeepSeek-V2-Lite's and Moonlight's instead")
+    ap.add_argument("--absorbed", action="store_true", help="only DeepSeek's absorbed per-head products")
     ap.add_argument("--best-json", help="write the GEMV_SHAPES entries found here, as [[N, K], setting] pairs "
                     "(bench/latency.py --settings tries them)")
     args = ap.parse_args()
@@ -75,7 +79,8 @@ def main() -> None:
     rows, best_table = [], {}
     if args.deepseek:
         grid = list(itertools.product([4, 8, 16], [512, 1024, 2048], [2, 4, 8], [1, 3]))
-    for name, n, k in (DEEPSEEK_SHAPES if args.deepseek else MORE_SHAPES if args.more else SHAPES):
+    shapes = [] if args.absorbed else DEEPSEEK_SHAPES if args.deepseek else MORE_SHAPES if args.more else SHAPES
+    for name, n, k in shapes:
         copies = max(4, -(-300_000_000 // (n * k * 2)))  # > 2x the 50 MB L2 every replay
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device=dev, dtype=dt)
@@ -104,6 +109,8 @@ def main() -> None:
             best_table[(n, k)] = best[1]
         ws = None
         torch.cuda.empty_cache()
+    if args.deepseek or args.absorbed:
+        rows += absorbed_rows(copy_bw)
     print(header("One-row GEMV (batch-1 decode projections): cuBLAS vs Triton, weights streamed from HBM"))
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (as the roofline in latency.py); % = weight bytes ÷ time ÷ that\n")
     print(table(rows, ["weight", "N x K", "cuBLAS µs", "cuBLAS % BW", "Triton µs", "Triton % BW", "best setting", "rel err"]))
@@ -113,6 +120,41 @@ def main() -> None:
     print("}")
     if args.best_json:
         Path(args.best_json).write_text(json.dumps([[list(key), cfg] for key, cfg in best_table.items()]))
+
+
+def absorbed_rows(copy_bw: float) -> list[list[str]]:
+    """DeepSeek's absorbed products at one token (16 heads, nope = v = 128, rank 512, the blocks
+    sliced out of kv_b_proj as models/deepseek_v2.py does): torch.bmm as the model ran them
+    before, the result laid out for o_proj (its copy counted), against kernels/gemv.py's
+    head_gemv_triton over a small grid of settings."""
+    heads, nope, v, rank, dev, dt = 16, 128, 128, 512, "cuda", torch.bfloat16
+    copies = max(4, -(-300_000_000 // (heads * (nope + v) * rank * 2)))
+    ws = [torch.randn(heads, nope + v, rank, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+    q = torch.randn(1, heads, nope + 64, device=dev, dtype=dt)[:, :, :nope]
+    o = torch.randn(1, heads, rank, device=dev, dtype=dt)
+    rows = []
+    for name, x, part, transposed in (("ds W_UK (q_nope -> latent)", q, slice(None, nope), True),
+                                      ("ds W_UV (latent -> v)", o, slice(nope, None), False)):
+        n_bytes = heads * 128 * rank * 2
+        bmm_us = time_per_call(lambda i: gemv.head_matmul_torch(x, ws[i][:, part], transposed).reshape(1, -1)
+                               .contiguous(), copies)
+        ref = gemv.head_matmul_torch(x, ws[0][:, part], transposed).float()
+        best = None
+        for bn, bk, nw in itertools.product([8, 16, 32, 64], [128, 256, 512], [2, 4, 8]):
+            cfg = dict(block_n=bn, block_k=bk, num_warps=nw)
+            err = ((gemv.head_gemv_triton(x, ws[0][:, part], transposed, cfg).float() - ref).norm() / ref.norm()).item()
+            if err > 1e-2:
+                print(f"  {name} {cfg}: rel err {err:.1e}, skipped", file=sys.stderr)
+                continue
+            us = time_per_call(lambda i: gemv.head_gemv_triton(x, ws[i][:, part], transposed, cfg), copies)
+            if best is None or us < best[0]:
+                best = (us, cfg, err)
+        pct = lambda us: f"{100 * n_bytes / (us * 1e-6) / copy_bw:.0f}%"
+        cfg = gemv.HEAD_GEMV_CONFIG[transposed]
+        engine_us = time_per_call(lambda i: gemv.head_gemv_triton(x, ws[i][:, part], transposed), copies)
+        rows.append([name, f"{heads}x128x{rank}", f"{bmm_us:.1f} (bmm + copy)", pct(bmm_us), f"{best[0]:.1f}",
+                     pct(best[0]), f"{best[1]}; engine's {cfg}: {engine_us:.1f}", f"{best[2]:.0e}"])
+    return rows
 
 
 if __name__ == "__main__":

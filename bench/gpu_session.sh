@@ -32,6 +32,8 @@
 #   the gate/up GEMV's activation in its epilogue (tests, batch 1 with and without, the A3B shape): gated-gemv
 #   the attention loops' hoisted page offsets (a32a309; bench/sass_attention.py counts their instructions on any
 #   machine): attention GPU tests, the kernels' table, KV-bound decode by KV dtype, batch 1: attn-offsets
+#   DeepSeek's absorbed per-head products in one launch each against bmm (tests, the products, batch 1 of
+#   V2-Lite and Moonlight in this tree and build/base): absorbed
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 #   throughput by KV and weight dtype (two passes each: one tree's single runs spread by 7%), then where
@@ -152,6 +154,17 @@ bench gated-gemv 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=shor
   KVSHIP_GATED_GEMV=1 python3 bench/latency.py --quantization fp8 int4 --no-hf --output 128 && \
   KVSHIP_GATED_GEMV=0 python3 bench/latency.py --quantization fp8 int4 --no-hf --output 128 && \
   python3 bench/latency.py --shape qwen3-30b-a3b --quantization none --no-hf --output 128"
+# DeepSeek's absorbed per-head products in one launch each (kernels/gemv.py head_matmul): kernel and model GPU
+# tests, the products against bmm, then batch 1 of V2-Lite and Moonlight in this tree and in build/base
+bench absorbed 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py \
+  tests/test_mla_attention.py tests/test_models_deepseek.py -k 'head or (mla and not compile) or \
+  (gpu_decode_in_cuda_graphs and (lite or v3) and not halves)' && python3 bench/gemv_sweep.py --absorbed && \
+  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
+  python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf && \
+  cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
+  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
+  KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
+  python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
 bench profile-mla 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape deepseek-v2-lite --top 14
 bench latency-mla 300 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"

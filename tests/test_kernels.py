@@ -319,6 +319,50 @@ def test_gemv(n, k, bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,nope,v,rank", [(3, 24, 20, 40), (2, 16, 16, 130)] if not GPU
+                         else [(16, 128, 128, 512), (128, 128, 128, 512), (5, 64, 96, 320)])
+def test_head_gemv_on_deepseeks_absorbed_blocks(heads, nope, v, rank, dtype):
+    """Per-head one-token products = torch.bmm, both orientations, on the views DeepSeek's attention
+    takes: W_UK [h, nope, rank] (rows of outputs) and W_UV [h, v, rank] (rows of inputs) sliced
+    out of one [h, nope + v, rank] matrix, the query a slice of wider per-head rows; sizes that
+    do not fill the last tile, and several K tiles."""
+    g = torch.Generator().manual_seed(heads * rank)
+    w = (torch.randn(heads, nope + v, rank, generator=g) / rank**0.5).to(dtype).to(DEV)
+    q = torch.randn(1, heads, nope + 8, generator=g).to(dtype).to(DEV)[:, :, :nope]  # q_nope beside q_pe
+    o = torch.randn(1, heads, rank, generator=g).to(dtype).to(DEV)
+    small = {"block_n": 16, "block_k": 32, "num_warps": 4}
+    for cfg in (None, small):
+        got = gemv.head_gemv_triton(q, w[:, :nope], True, cfg)
+        assert got.shape == (1, heads, rank) and got.is_contiguous()
+        close(got, gemv.head_matmul_torch(q, w[:, :nope], True), dtype, f"W_UK {cfg}")
+        got = gemv.head_gemv_triton(o, w[:, nope:], False, cfg)
+        assert got.shape == (1, heads, v)
+        close(got, gemv.head_matmul_torch(o, w[:, nope:], False), dtype, f"W_UV {cfg}")
+    want = torch.einsum("thk,hkn->thn", q.double(), w[:, :nope].double())  # the definition
+    close(gemv.head_matmul_torch(q, w[:, :nope], True).double(), want, dtype, "reference")
+
+
+def test_head_matmul_dispatch_only_for_one_token_in_graphs(monkeypatch):
+    """head_matmul runs the kernel for one token while a CUDA graph is captured, bmm otherwise."""
+    calls = []
+    capturing = [False]
+    monkeypatch.setattr(gemv, "head_gemv_triton",
+                        lambda x, w, t: calls.append(t) or gemv.head_matmul_torch(x, w, t).contiguous())
+    monkeypatch.setattr(gemv, "use_triton", lambda t: True)
+    monkeypatch.setattr(gemv.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    w = torch.randn(2, 8, 6)
+    x1, x3 = torch.randn(1, 2, 8), torch.randn(3, 2, 8)
+    torch.testing.assert_close(gemv.head_matmul(x1, w, True), torch.einsum("thk,hkn->thn", x1, w))
+    assert calls == []  # eager: bmm
+    capturing[0] = True
+    torch.testing.assert_close(gemv.head_matmul(x1, w, True), torch.einsum("thk,hkn->thn", x1, w))
+    assert gemv.head_matmul(torch.randn(1, 2, 6), w, False).shape == (1, 2, 8)
+    assert calls == [True, False]
+    torch.testing.assert_close(gemv.head_matmul(x3, w, True), torch.einsum("thk,hkn->thn", x3, w))
+    assert len(calls) == 2  # several tokens: bmm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,v", [(1, 9000), (3, 4096), (2, 100)] if not GPU else [(1, 128256), (256, 151936), (5, 49152)])
 def test_argmax(b, v, dtype):
     """Parallel argmax = torch's, ties included: they go to the lowest index."""

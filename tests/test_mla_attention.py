@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvship.kernels import gemv, rotary
 from kvship.kernels import mla_attention as mla
-from kvship.kernels import rotary
 from kvship.kernels._triton import HAS_TRITON
 from sm90_compile import compile_in_child, ints
 from test_kernels import DEV
@@ -184,4 +184,12 @@ def test_mla_kernels_compile_for_sm90():
                                            "stride_lt", "stride_kt", "stride_qt", "stride_qh", "stride_c")},
                           "constexprs": {"NUM_HEADS": 16, "RANK": 512, "HALF": 32, "BLOCK_R": 512, "BLOCK_HALF": 32,
                                          "BLOCK_H": 16, "FP8": fp8}})
+        for transposed, cfg in gemv.HEAD_GEMV_CONFIG.items():  # the absorbed products (models/deepseek_v2.py)
+            specs.append({"kernel": "kvship.kernels.gemv:_head_gemv_kernel",
+                          "types": {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "y_ptr": f"*{dtype}",
+                                    **ints("N", "K", "stride_xh", "stride_wh", "stride_wr", "stride_yh")},
+                          "constexprs": {"TRANS": transposed, "BLOCK_N": cfg["block_n"], "BLOCK_K": cfg["block_k"],
+                                         "PDL": True},
+                          "divisible": ["x_ptr", "w_ptr", "y_ptr", "stride_xh", "stride_wh", "stride_wr", "stride_yh"],
+                          "options": {"num_warps": cfg["num_warps"]}})
     compile_in_child(specs)

@@ -16,6 +16,14 @@ projection then needs no activation kernel of its own.
 
 ``gemv_torch`` (F.linear, after the gated activation when ``act`` is set) is the reference;
 ``gemv_triton`` the kernel; ``linear`` and ``act_mul_linear`` pick one.
+
+``head_matmul`` is the per-head form, one matrix per head (DeepSeek's absorbed attention,
+models/deepseek_v2.py: each head's query times its W_UK block, each head's latent output times
+its W_UV block): torch.bmm in general, and one launch of ``_head_gemv_kernel`` for one token in a
+captured graph, where two cuBLAS batched products and the copies that lay their operands and
+results out took the place of kernels of a few microseconds. Its weight blocks are views into one
+matrix, either orientation: rows of K inputs (W [H, N, K]), or rows of N outputs (W [H, K, N],
+``transposed``), each read along its unit stride.
 """
 from __future__ import annotations
 
@@ -147,3 +155,73 @@ def act_mul_linear(h: torch.Tensor, weight: torch.Tensor, act: str, bias: torch.
     if config is not None:
         return gemv_triton(h, weight, bias, config, act=act)
     return F.linear(act_and_mul(h, act), weight, bias)
+
+
+# head_gemv_triton's settings by orientation, from bench/gemv_sweep.py --deepseek on the H200 at
+# DeepSeek-V2-Lite's and Moonlight's sizes (16 heads; W_UK 128 x 512 transposed, W_UV 128 x 512)
+HEAD_GEMV_CONFIG = {False: {"block_n": 16, "block_k": 512, "num_warps": 4},
+                    True: {"block_n": 64, "block_k": 128, "num_warps": 4}}
+
+
+def head_matmul_torch(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """x [T, H, K], w [H, N, K] (or [H, K, N] when ``transposed``) -> [T, H, N]: x[:, h] @ W_h^T."""
+    return torch.bmm(x.transpose(0, 1), w if transposed else w.transpose(1, 2)).transpose(0, 1)
+
+
+@triton.jit
+def _head_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xh, stride_wh, stride_wr, stride_yh,
+                      TRANS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """y[h, n] = sum_k x[h, k] W_h[n, k] for the program's head h (axis 1) and BLOCK_N outputs.
+    W_h's element (n, k) lies at h * stride_wh + n * stride_wr + k, or with TRANS at
+    h * stride_wh + k * stride_wr + n: the tile is loaded along the unit stride either way, and
+    summed over K once at the end."""
+    pdl_wait(PDL)
+    h = tl.program_id(1).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    x_row = x_ptr + h * stride_xh
+    w_h = w_ptr + h * stride_wh
+    if TRANS:
+        acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < K
+        x = tl.load(x_row + kk, mask=kmask, other=0.0).to(tl.float32)
+        if TRANS:
+            w = tl.load(w_h + kk[:, None] * stride_wr + offs_n[None, :], mask=kmask[:, None] & nmask[None, :],
+                        other=0.0, eviction_policy="evict_first")
+            acc += w.to(tl.float32) * x[:, None]
+        else:
+            w = tl.load(w_h + offs_n[:, None] * stride_wr + kk[None, :], mask=nmask[:, None] & kmask[None, :],
+                        other=0.0, eviction_policy="evict_first")
+            acc += w.to(tl.float32) * x[None, :]
+    if TRANS:
+        y = tl.sum(acc, 0)
+    else:
+        y = tl.sum(acc, 1)
+    tl.store(y_ptr + h * stride_yh + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+def head_gemv_triton(x: torch.Tensor, w: torch.Tensor, transposed: bool,
+                     config: dict[str, int] | None = None) -> torch.Tensor:
+    """Triton twin of ``head_matmul_torch`` for one token: x [1, H, K] -> [1, H, N], contiguous.
+    x and w may be strided views; their last stride must be 1."""
+    heads = w.shape[0]
+    k, n = (w.shape[1], w.shape[2]) if transposed else (w.shape[2], w.shape[1])
+    assert x.shape == (1, heads, k) and x.stride(-1) == 1 and w.stride(-1) == 1
+    cfg = config or HEAD_GEMV_CONFIG[transposed]
+    y = torch.empty(1, heads, n, dtype=x.dtype, device=x.device)
+    _head_gemv_kernel[(triton.cdiv(n, cfg["block_n"]), heads)](
+        x, w, y, n, k, x.stride(1), w.stride(0), w.stride(1), y.stride(1), TRANS=transposed,
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], **pdl_launch(x))
+    return y
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``head_matmul_torch``, except that one token's product while a CUDA graph is captured is
+    one launch of the kernel (eagerly its launch would cost the host more than it saves)."""
+    if x.shape[0] == 1 and use_triton(x) and torch.cuda.is_current_stream_capturing():
+        return head_gemv_triton(x, w, transposed)
+    return head_matmul_torch(x, w, transposed)

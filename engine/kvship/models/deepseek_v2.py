@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvship.kernels.fused_moe import noaux_route
+from kvship.kernels.gemv import head_matmul
 from kvship.layers.attention import AttentionMetadata, LatentAttention
 from kvship.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvship.layers.moe import route
@@ -102,10 +103,10 @@ class DeepseekV2Attention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)  # per head: W_UK rows, then W_UV rows
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :self.nope]).transpose(0, 1)  # [T, h, rank]
+        q_lat = head_matmul(q_nope, w[:, :self.nope], transposed=True)  # [T, h, rank]
         o_lat = self.attn(positions, q_lat, q_pe, latent, k_pe, meta)
-        out = torch.bmm(o_lat.transpose(0, 1), w[:, self.nope:].transpose(1, 2))  # [h, T, v]
-        return self.o_proj(out.transpose(0, 1).reshape(-1, h * self.v_dim))
+        out = head_matmul(o_lat, w[:, self.nope:], transposed=False)  # [T, h, v]
+        return self.o_proj(out.reshape(-1, h * self.v_dim))
 
 
 def group_limited_route(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int
