@@ -34,6 +34,8 @@
 #   machine): attention GPU tests, the kernels' table, KV-bound decode by KV dtype, batch 1: attn-offsets
 #   DeepSeek's absorbed per-head products in one launch each against bmm (tests, the products, batch 1 of
 #   V2-Lite and Moonlight in this tree and build/base): absorbed
+#   DeepSeek's MoE glue (router GEMV, scaling in the routing kernel, shared experts added in the down
+#   kernel) against build/base: deepseek-glue
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 #   throughput by KV and weight dtype (two passes each: one tree's single runs spread by 7%), then where
@@ -165,7 +167,21 @@ bench absorbed 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short 
   python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
+# DeepSeek's MoE glue at one token: the router's float32 GEMV in one launch, the routed scaling in the
+# routing kernel, the shared experts' output added in the down kernel (tests, then batch 1 of V2-Lite and
+# Moonlight in this tree and in build/base)
+bench deepseek-glue 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py \
+  tests/test_fused_moe.py tests/test_models_deepseek.py -k 'float_linear or head or matches_reference or noaux \
+  or fused_moe_in_cuda_graph or moe_model_in_cuda_graphs or (gpu_decode_in_cuda_graphs and v3)' && \
+  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
+  python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf && \
+  cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
+  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
+  KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
+  python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
 bench profile-mla 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape deepseek-v2-lite --top 14
+bench profile-moonlight 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape moonlight-16b-a3b \
+  --top 24
 bench latency-mla 300 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
 bench fp8-gemv 240 python3 bench/quant_gemv_sweep.py --formats fp8 --quick

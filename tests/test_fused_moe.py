@@ -89,6 +89,11 @@ def test_noaux_route_kernel(n_group, topk_group, num_experts, top_k, renormalize
     want_w, want_ids = fm.noaux_route_torch(logits, bias, top_k, n_group, topk_group, renormalize)
     assert ids.dtype == want_ids.dtype and torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_w, atol=1e-6, rtol=1e-5)
+    scaled, scaled_ids = fm.noaux_route_triton(logits, bias, top_k, n_group, topk_group, renormalize, 2.446)
+    assert torch.equal(scaled_ids, want_ids)  # routed_scaling_factor scales the weights, chooses nothing
+    torch.testing.assert_close(scaled, want_w * 2.446, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fm.noaux_route_torch(logits, bias, top_k, n_group, topk_group, renormalize, 2.446)[0],
+                               want_w * 2.446)
     if n_group > 1:  # the group limit changed some choice against a plain top-k of score plus bias
         plain = (torch.sigmoid(logits) + bias).topk(top_k, dim=-1).indices
         assert not torch.equal(plain, want_ids)
@@ -128,6 +133,14 @@ def test_fused_moe_matches_reference(tokens, top_k):
     torch.testing.assert_close(grouped, want, atol=1e-4, rtol=1e-4)
     # the few-token kernels at any token count (the dispatch sends them only a few)
     torch.testing.assert_close(fm.fused_moe_gemv(x, w13, w2, weights, ids), want, atol=1e-4, rtol=1e-4)
+    # a shared expert's output added in the down kernel, on every path
+    shared = torch.randn(x.shape, generator=torch.Generator().manual_seed(tokens)).to(x.device)
+    for got in (fm.fused_moe_gemv(x, w13, w2, weights, ids, add=shared),
+                fm.fused_moe_triton(x, w13, w2, weights, ids, config=fm.moe_config(tokens, top_k, num_experts),
+                                    add=shared),
+                fm.fused_moe_triton(x, w13, w2, weights, ids, add=shared),
+                fm.fused_moe_torch(x, w13, w2, weights, ids, add=shared)):
+        torch.testing.assert_close(got, want + shared, atol=1e-4, rtol=1e-4)
 
 
 def test_few_tokens_take_the_gemv_kernels(monkeypatch):

@@ -50,7 +50,7 @@ def _route_and_align_specs():
     for groups, experts, kept, top_k in ((8, 256, 4, 8), (1, 64, 1, 6)):
         yield {"kernel": "_noaux_route_kernel", "aligned": [],
                "types": {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
-                         "stride_l": "i32"},
+                         "stride_l": "i32", "scaling": "fp32"},
                "constexprs": {"N_GROUP": groups, "PER_GROUP": experts // groups, "TOPK_GROUP": kept, "TOP_K": top_k,
                               "K_POW2": 1 << (top_k - 1).bit_length(), "RENORMALIZE": True},
                "options": {"num_warps": 1}}
@@ -110,15 +110,17 @@ def _specs():
                 ("_gemv_gate_up_kernel", GEMV_GATE_UP, {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "b_ptr": s,
                                                          "ids_ptr": "*i64", "h_ptr": "*bf16"}, ("stride_x", "stride_h")),
                 ("_gemv_down_kernel", GEMV_DOWN, {"h_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "b_ptr": s,
-                                                  "ids_ptr": "*i64", "rw_ptr": "*fp32", "out_ptr": "*bf16"},
-                 ("stride_h", "stride_out"))):
+                                                  "ids_ptr": "*i64", "rw_ptr": "*fp32", "add_ptr": "*bf16",
+                                                  "out_ptr": "*bf16"},
+                 ("stride_h", "stride_add", "stride_out"))):
             types = ptrs | dict.fromkeys(("N", "K", "ngroups", "stride_we", "stride_wn", "stride_se", "stride_sn",
                                           *strides), "i32")
             yield {"kernel": kernel, "types": types,
                    "aligned": [n for n in types if n not in ("ngroups", "stride_sn", "ids_ptr", "rw_ptr")],
                    "constexprs": {"TOP_K": 8, **flags, "BLOCK_N": launch["block_n"],
                                   "BLOCK_K": max(launch["block_k"], st["GROUP"]),
-                                  **({"BLOCK_J": 8} if kernel == "_gemv_down_kernel" else {})},
+                                  # DeepSeek's down kernel adds its shared experts' output
+                                  **({"BLOCK_J": 8, "ADD": True} if kernel == "_gemv_down_kernel" else {})},
                    "options": {"num_warps": launch["num_warps"], "num_stages": launch["num_stages"]}}
 
 

@@ -342,6 +342,30 @@ def test_head_gemv_on_deepseeks_absorbed_blocks(heads, nope, v, rank, dtype):
     close(gemv.head_matmul_torch(q, w[:, :nope], True).double(), want, dtype, "reference")
 
 
+def test_float_linear_reads_16_bit_rows_beside_float32_weights(monkeypatch):
+    """DeepSeek's router: float32 logits of a 16-bit row times float32 weights, the GEMV's (one
+    launch, in a captured graph) equal to F.linear on the converted row; eagerly F.linear."""
+    g = torch.Generator().manual_seed(64)
+    w = torch.randn(64, 2048 if GPU else 96, generator=g).to(DEV)
+    x = torch.randn(1, w.shape[1], generator=g).to(DTYPES[-1]).to(DEV)
+    want = torch.nn.functional.linear(x.float(), w)
+    for cfg in (gemv.FLOAT_GEMV_CONFIG, {"block_n": 8, "block_k": 32, "num_warps": 4, "num_stages": 1}):
+        got = gemv.gemv_triton(x, w, config=cfg, out_dtype=torch.float32)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    calls = []
+    monkeypatch.setattr(gemv, "gemv_triton", lambda *a, **kw: calls.append(kw["config"]) or want)
+    monkeypatch.setattr(gemv, "use_triton", lambda t: True)
+    capturing = [False]
+    monkeypatch.setattr(gemv.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    torch.testing.assert_close(gemv.float_linear(x, w), want)
+    assert calls == []
+    capturing[0] = True
+    gemv.float_linear(x, w)
+    gemv.float_linear(torch.cat([x, x]), w)  # two rows: F.linear
+    assert calls == [gemv.FLOAT_GEMV_CONFIG]
+
+
 def test_head_matmul_dispatch_only_for_one_token_in_graphs(monkeypatch):
     """head_matmul runs the kernel for one token while a CUDA graph is captured, bmm otherwise."""
     calls = []

@@ -102,7 +102,8 @@ def expert_weight(w: torch.Tensor, scales: ExpertScales, name: str, e: int, k: i
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, scales: ExpertScales = NO_SCALES) -> torch.Tensor:
+                    ids: torch.Tensor, scales: ExpertScales = NO_SCALES, add: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     hidden, inter = x.shape[1], w13.shape[1] // 2  # (w2's last dimension may hold packed codes)
     out = torch.zeros_like(x)
     flat = ids.flatten()
@@ -120,7 +121,7 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         y = F.linear(h, expert_weight(w2, scales, "w2", e, inter, x.dtype)) * weight_of[start:start + n, None].to(x.dtype)
         out.index_add_(0, rows, y)
         start += n
-    return out
+    return out if add is None else out + add
 
 
 def route_torch(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,11 +179,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def noaux_route_torch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                      renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      renormalize: bool, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's noaux_tc: sigmoid scores; the experts are chosen by score plus
     e_score_correction_bias (a load-balancing term that the weights leave out), a group rated by
     the sum of its best two, the top k over the best topk_group groups' experts; the weights are
-    the chosen experts' scores, summing to 1 when ``renormalize`` (norm_topk_prob)."""
+    the chosen experts' scores, summing to 1 when ``renormalize`` (norm_topk_prob), then times
+    ``scaling`` (routed_scaling_factor)."""
     scores = torch.sigmoid(logits.float())
     choice = scores + bias
     per_group = scores.shape[-1] // n_group
@@ -193,11 +195,11 @@ def noaux_route_torch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gr
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights, ids
+    return weights * scaling, ids
 
 
 @triton.jit
-def _noaux_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, N_GROUP: tl.constexpr,
+def _noaux_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling, N_GROUP: tl.constexpr,
                         PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
                         RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     """One token, its experts as [N_GROUP, PER_GROUP]: the groups rated by their best two
@@ -231,19 +233,19 @@ def _noaux_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, N_
         choice = tl.where(offs == idx, float("-inf"), choice)
     if RENORMALIZE:
         top_w = top_w / (tl.sum(top_w, 0) + 1e-20)
-    tl.store(weights_ptr + t * TOP_K + slots, top_w, mask=slots < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + slots, top_w * scaling, mask=slots < TOP_K)
     tl.store(ids_ptr + t * TOP_K + slots, top_i.to(tl.int64), mask=slots < TOP_K)
 
 
 def noaux_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                       renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       renormalize: bool, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of ``noaux_route_torch``: one launch where the reference takes a dozen; groups and
     their experts in powers of two (DeepSeek-V3: 8 x 32, Moonlight: 1 x 64)."""
     tokens, num_experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     if tokens > 0:
-        _noaux_route_kernel[(tokens,)](logits, bias, weights, ids, logits.stride(0), N_GROUP=n_group,
+        _noaux_route_kernel[(tokens,)](logits, bias, weights, ids, logits.stride(0), float(scaling), N_GROUP=n_group,
                                        PER_GROUP=num_experts // n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
                                        K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
                                        num_warps=1 if num_experts <= 256 else 4, **pdl_launch(logits))
@@ -251,14 +253,15 @@ def noaux_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
 
 
 def noaux_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                renormalize: bool, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k] int64) by DeepSeek-V3's rule (noaux_route_torch):
-    the kernel on the GPU where the groups and their experts are powers of two, else the reference."""
+    the kernel on the GPU where the groups and their experts are powers of two, else the reference.
+    ``scaling`` multiplies the weights in the same launch (V3 and Moonlight route with 2.5, 2.446)."""
     per_group = logits.shape[-1] // n_group
     pow2 = triton.next_power_of_2(n_group) == n_group and triton.next_power_of_2(per_group) == per_group
     if use_triton(logits) and logits.stride(-1) == 1 and pow2:
-        return noaux_route_triton(logits, bias, top_k, n_group, topk_group, renormalize)
-    return noaux_route_torch(logits, bias, top_k, n_group, topk_group, renormalize)
+        return noaux_route_triton(logits, bias, top_k, n_group, topk_group, renormalize, scaling)
+    return noaux_route_torch(logits, bias, top_k, n_group, topk_group, renormalize, scaling)
 
 
 def _num_blocks(pairs: int, num_experts: int, block_m: int) -> int:
@@ -629,12 +632,14 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr, N, K, ngrou
 
 
 @triton.jit
-def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr, N, K, ngroups, stride_h, stride_we,
-                      stride_wn, stride_se, stride_sn, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr,
-                      INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
-                      GROUP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """out[t, n] = sum over the token's k pairs of weight * (h[pair] . W[e, n]); N is the hidden
-    size, K the intermediate one. The sum stays in fp32 and is rounded once. Storage as above.
+def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, add_ptr, out_ptr, N, K, ngroups, stride_h,
+                      stride_we, stride_wn, stride_se, stride_sn, stride_add, stride_out, TOP_K: tl.constexpr,
+                      FP8: tl.constexpr, INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr,
+                      CENTRE: tl.constexpr, GROUP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr, ADD: tl.constexpr = False):
+    """out[t, n] = sum over the token's k pairs of weight * (h[pair] . W[e, n]) (+ add[t, n] with
+    ADD: a shared expert's output); N is the hidden size, K the intermediate one. The sum stays in
+    fp32 and is rounded once. Storage as above.
 
     The program's tile holds the BLOCK_N rows of all k experts at once (row r: choice
     r // BLOCK_N, output row r % BLOCK_N; BLOCK_J the k choices rounded up to a power of two),
@@ -663,6 +668,8 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr, N, K
     y = rw * tl.sum(acc, 1) * _row_scale(s_ptr, s_rows, nmask, 1, FP8, GROUP, BLOCK_J * BLOCK_N)
     y = tl.sum(tl.reshape(y, [BLOCK_J, BLOCK_N]), 0)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ADD:
+        y += tl.load(add_ptr + t.to(tl.int64) * stride_add + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
@@ -678,8 +685,10 @@ GEMV_DOWN = {"block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 3}
 
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                    ids: torch.Tensor, gate_up: dict[str, int] | None = None,
-                   down: dict[str, int] | None = None, scales: ExpertScales = NO_SCALES) -> torch.Tensor:
-    """fused_moe_triton's result in two kernels, for one token (see the module's docstring)."""
+                   down: dict[str, int] | None = None, scales: ExpertScales = NO_SCALES,
+                   add: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_moe_triton's result in two kernels, for one token (see the module's docstring); the
+    down kernel adds ``add`` (same shape as x) before it rounds its sums."""
     tokens, top_k = ids.shape
     inter, hidden = w13.shape[1] // 2, x.shape[1]
     x = x.contiguous()
@@ -693,24 +702,27 @@ def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
         BLOCK_K=max(gu["block_k"], op13.flags["GROUP"]), num_warps=gu["num_warps"], num_stages=gu["num_stages"],
         **op13.flags, **pdl_launch(x))  # whole FP8 blocks
     out = torch.empty_like(x)
+    assert add is None or (add.shape == x.shape and add.stride(-1) == 1)
     _gemv_down_kernel[(triton.cdiv(hidden, dn["block_n"]), tokens)](
-        h, op2.w, op2.s, op2.b, ids, weights.float().contiguous(), out, hidden, inter, op2.ngroups, h.stride(0),
-        op2.w.stride(0), op2.w.stride(1), op2.stride_se, op2.stride_sn, out.stride(0), TOP_K=top_k,
+        h, op2.w, op2.s, op2.b, ids, weights.float().contiguous(), out if add is None else add, out, hidden, inter,
+        op2.ngroups, h.stride(0), op2.w.stride(0), op2.w.stride(1), op2.stride_se, op2.stride_sn,
+        out.stride(0) if add is None else add.stride(0), out.stride(0), TOP_K=top_k,
         BLOCK_J=triton.next_power_of_2(top_k), BLOCK_N=dn["block_n"], BLOCK_K=max(dn["block_k"], op2.flags["GROUP"]),
-        num_warps=dn["num_warps"], num_stages=dn["num_stages"], **op2.flags, **pdl_launch(x))
+        num_warps=dn["num_warps"], num_stages=dn["num_stages"], **op2.flags, ADD=add is not None, **pdl_launch(x))
     return out
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                      ids: torch.Tensor, config: MoEConfig | None = None,
-                     scales: ExpertScales = NO_SCALES) -> torch.Tensor:
-    """The grouped GEMMs, or for one token (and no tiles asked for) ``fused_moe_gemv``."""
+                     scales: ExpertScales = NO_SCALES, add: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped GEMMs, or for one token (and no tiles asked for) ``fused_moe_gemv``; plus
+    ``add`` (same shape as x) when given."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, x.shape[1]
     if tokens == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add is None else add.clone()
     if config is None and tokens == 1:  # see GEMV_GATE_UP
-        return fused_moe_gemv(x, w13, w2, weights, ids, scales=scales)
+        return fused_moe_gemv(x, w13, w2, weights, ids, scales=scales, add=add)
     cfg = config or moe_config(tokens, top_k, num_experts)
     x = x.contiguous()
     aligned = align_by_expert(ids, num_experts, cfg.block_m)
@@ -719,12 +731,14 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weigh
     _moe_gemm(x, w13, h, weights, aligned, pairs, top_k, True, cfg, scales, "w13")
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _moe_gemm(h, w2, y, weights.flatten().float().contiguous(), aligned, pairs, 1, False, cfg, scales, "w2")
-    return y.view(tokens, top_k, hidden).sum(dim=1)
+    out = y.view(tokens, top_k, hidden).sum(dim=1)
+    return out if add is None else out + add
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, scales: ExpertScales = NO_SCALES) -> torch.Tensor:
-    """``scales``: given when w13 and w2 hold quantized codes."""
+              ids: torch.Tensor, scales: ExpertScales = NO_SCALES, add: torch.Tensor | None = None) -> torch.Tensor:
+    """``scales``: given when w13 and w2 hold quantized codes; ``add``: a tensor like x added to
+    the result (a shared expert's output: for one token, inside the down kernel)."""
     if use_triton(x):
-        return fused_moe_triton(x, w13, w2, weights, ids, scales=scales)
-    return fused_moe_torch(x, w13, w2, weights, ids, scales)
+        return fused_moe_triton(x, w13, w2, weights, ids, scales=scales, add=add)
+    return fused_moe_torch(x, w13, w2, weights, ids, scales, add)

@@ -113,13 +113,14 @@ def _gemv_kernel(
 
 def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict[str, int] | None = None,
-    act: str | None = None,
+    act: str | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Triton twin of ``gemv_torch`` for x with one row ([1, K], or [1, 2K] with ``act``); W [N, K]."""
+    """Triton twin of ``gemv_torch`` for x with one row ([1, K], or [1, 2K] with ``act``); W [N, K].
+    The sums are float32 whatever the dtypes; the output is x's dtype, or ``out_dtype``."""
     n, k = weight.shape
     assert x.numel() == x.shape[-1] == (2 * k if act else k) and weight.stride(-1) == 1
     x = x.contiguous()
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    y = torch.empty(*x.shape[:-1], n, dtype=out_dtype or x.dtype, device=x.device)
     cfg = config or DEFAULT_CONFIG
     _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
@@ -149,6 +150,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+# float_linear's setting (DeepSeek's routers, 64 float32 rows of 2048): 32 programs of 16 KB, each
+# row read in one pass
+FLOAT_GEMV_CONFIG = {"block_n": 2, "block_k": 2048, "num_warps": 4, "num_stages": 1}
+
+
+def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ W^T in float32 for a float32 W (DeepSeek's router, which routes in float32): for one
+    row in a captured graph the GEMV, which reads the 16-bit x as it is; else F.linear on x
+    converted (two cuBLAS kernels and the conversion's, where this is one launch)."""
+    if x.numel() == x.shape[-1] and use_triton(x) and torch.cuda.is_current_stream_capturing():
+        return gemv_triton(x, weight, config=FLOAT_GEMV_CONFIG, out_dtype=torch.float32)
+    return F.linear(x.float(), weight)
+
+
 def act_mul_linear(h: torch.Tensor, weight: torch.Tensor, act: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(act_and_mul(h, act)): one kernel where ``linear`` would take the GEMV, two otherwise."""
     config = _graph_config(h, weight)
@@ -157,10 +172,11 @@ def act_mul_linear(h: torch.Tensor, weight: torch.Tensor, act: str, bias: torch.
     return F.linear(act_and_mul(h, act), weight, bias)
 
 
-# head_gemv_triton's settings by orientation, from bench/gemv_sweep.py --deepseek on the H200 at
-# DeepSeek-V2-Lite's and Moonlight's sizes (16 heads; W_UK 128 x 512 transposed, W_UV 128 x 512)
-HEAD_GEMV_CONFIG = {False: {"block_n": 16, "block_k": 512, "num_warps": 4},
-                    True: {"block_n": 64, "block_k": 128, "num_warps": 4}}
+# head_gemv_triton's settings by orientation, the best of bench/gemv_sweep.py --absorbed on the H200
+# at DeepSeek-V2-Lite's and Moonlight's sizes (16 heads; W_UK 128 x 512 transposed: 2.2 us, W_UV
+# 128 x 512: 2.4 us, against 3.4 and 3.7 for bmm and the output's copy; 2026-12-04, ce4708c)
+HEAD_GEMV_CONFIG = {False: {"block_n": 8, "block_k": 512, "num_warps": 8},
+                    True: {"block_n": 32, "block_k": 128, "num_warps": 2}}
 
 
 def head_matmul_torch(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:

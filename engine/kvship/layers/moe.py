@@ -156,9 +156,11 @@ class MoEExperts(nn.Module):
         return ExpertScales(self.w13_scale, self.w2_scale, self.groups["w13"], self.groups["w2"], self.w13_bias,
                             self.w2_bias, self.bits["w13"], self.bits["w2"])
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], routing (weights, ids) [T, k] -> this rank's partial sums [T, H]."""
-        return fused_moe(x, self.w13, self.w2, weights, ids, self.scales())
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """x [T, H], routing (weights, ids) [T, k] -> this rank's partial sums [T, H], plus ``add``
+        (this rank's partial sums of a shared expert) when given."""
+        return fused_moe(x, self.w13, self.w2, weights, ids, self.scales(), add)
 
 
 def _group(qt: QuantizedTensor) -> int:

@@ -45,11 +45,10 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvship.kernels.fused_moe import noaux_route
-from kvship.kernels.gemv import head_matmul
+from kvship.kernels.gemv import float_linear, head_matmul
 from kvship.layers.attention import AttentionMetadata, LatentAttention
 from kvship.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvship.layers.moe import route
@@ -101,7 +100,7 @@ class DeepseekV2Attention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
         q_nope, q_pe = q.view(-1, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
+        latent = self.kv_a_layernorm(latent)  # a view with the rope key beside each row: the norm reads it so
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.rank)  # per head: W_UK rows, then W_UV rows
         q_lat = head_matmul(q_nope, w[:, :self.nope], transposed=True)  # [T, h, rank]
         o_lat = self.attn(positions, q_lat, q_pe, latent, k_pe, meta)
@@ -137,16 +136,20 @@ class DeepseekV2MoE(SparseMoeBlock):
             self.shared_experts = LlamaMLP(cfg, tp, cfg.shared_experts_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x.float(), self.gate.weight)
-        if self.scoring == "sigmoid":
+        logits = float_linear(x, self.gate.weight)
+        if self.scoring == "sigmoid":  # the routing kernel scales the weights too
             weights, ids = noaux_route(logits, self.gate.e_score_correction_bias, self.top_k, *self.groups,
-                                       self.renormalize)
-        elif self.groups is None:
-            weights, ids = route(logits, self.top_k, False)
+                                       self.renormalize, self.scaling)
         else:
-            weights, ids = group_limited_route(logits, self.top_k, *self.groups)
-        out = self.experts(x, weights * self.scaling if self.scaling != 1.0 else weights, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+            if self.groups is None:
+                weights, ids = route(logits, self.top_k, False)
+            else:
+                weights, ids = group_limited_route(logits, self.top_k, *self.groups)
+            if self.scaling != 1.0:
+                weights = weights * self.scaling
+        # the shared experts first: the routed experts' kernel adds their output into its own
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        return self.experts(x, weights, ids, add=shared)
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):

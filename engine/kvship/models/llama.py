@@ -92,10 +92,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, weights, ids)
+        shared = None  # the shared expert first: the experts' kernel adds it into their own output
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, weights, ids, add=shared)
 
 
 class LlamaDecoderLayer(nn.Module):
