@@ -179,6 +179,10 @@ bench deepseek-glue 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=s
   python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
+# V2-Lite's TTFT (prompt 512) in this tree and in build/base, alternated twice
+bench ttft-ab 330 bash -c "for i in 1 2; do python3 bench/latency.py --shape deepseek-v2-lite --quantization none \
+  --no-hf --output 16 && (cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
+  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf --output 16); done"
 bench profile-mla 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape deepseek-v2-lite --top 14
 bench profile-moonlight 200 env KVSHIP_PDL=0 python3 bench/profile_step.py --graphs --batch 1 --shape moonlight-16b-a3b \
   --top 24
