@@ -62,6 +62,17 @@ bench() {  # name, time limit (s), command...
   echo "== $name exit $?" | tee -a "$OUT/log"
   cat "$OUT/$name.md"
 }
+deepseek_ab() {  # batch 1 of V2-Lite and Moonlight in this tree, then in build/base (a tree and its BASE file)
+  local shape
+  for shape in deepseek-v2-lite moonlight-16b-a3b; do
+    python3 bench/latency.py --shape $shape --quantization none --no-hf || return
+  done
+  (cd build/base && export KVSHIP_COMMIT=$(cat BASE) PYTHONPATH=$PWD/engine:$PYTHONPATH &&
+    for shape in deepseek-v2-lite moonlight-16b-a3b; do
+      python3 bench/latency.py --shape $shape --quantization none --no-hf || exit
+    done)
+}
+export -f deepseek_ab
 bench tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_models.py \
   tests/test_kernels.py tests/test_sampler.py
 bench latency 150 python3 bench/latency.py
@@ -161,24 +172,13 @@ bench gated-gemv 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=shor
 bench absorbed 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py \
   tests/test_mla_attention.py tests/test_models_deepseek.py -k 'head or (mla and not compile) or \
   (gpu_decode_in_cuda_graphs and (lite or v3) and not halves)' && python3 bench/gemv_sweep.py --absorbed && \
-  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
-  python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf && \
-  cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
-  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
-  KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
-  python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
+  deepseek_ab"
 # DeepSeek's MoE glue at one token: the router's float32 GEMV in one launch, the routed scaling in the
 # routing kernel, the shared experts' output added in the down kernel (tests, then batch 1 of V2-Lite and
 # Moonlight in this tree and in build/base)
 bench deepseek-glue 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py \
   tests/test_fused_moe.py tests/test_models_deepseek.py -k 'float_linear or head or matches_reference or noaux \
-  or fused_moe_in_cuda_graph or moe_model_in_cuda_graphs or (gpu_decode_in_cuda_graphs and v3)' && \
-  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
-  python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf && \
-  cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
-  python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
-  KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
-  python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
+  or fused_moe_in_cuda_graph or moe_model_in_cuda_graphs or (gpu_decode_in_cuda_graphs and v3)' && deepseek_ab"
 # V2-Lite's TTFT (prompt 512) in this tree and in build/base, alternated twice
 bench ttft-ab 330 bash -c "for i in 1 2; do python3 bench/latency.py --shape deepseek-v2-lite --quantization none \
   --no-hf --output 16 && (cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
