@@ -179,6 +179,13 @@ bench absorbed 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short 
 bench deepseek-glue 590 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py \
   tests/test_fused_moe.py tests/test_models_deepseek.py -k 'float_linear or head or matches_reference or noaux \
   or fused_moe_in_cuda_graph or moe_model_in_cuda_graphs or (gpu_decode_in_cuda_graphs and v3)' && deepseek_ab"
+# the latent-attention kernels with programmatic dependent launch: their GPU tests, then batch 1 of V2-Lite and
+# Moonlight (128 tokens) in this tree and in build/base
+bench mla-pdl 250 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_mla_attention.py \
+  -k 'not compile' && for shape in deepseek-v2-lite moonlight-16b-a3b; do \
+  python3 bench/latency.py --shape \$shape --quantization none --no-hf --output 128 && \
+  (cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
+  python3 bench/latency.py --shape \$shape --quantization none --no-hf --output 128) || exit; done"
 # V2-Lite's TTFT (prompt 512) in this tree and in build/base, alternated twice
 bench ttft-ab 330 bash -c "for i in 1 2; do python3 bench/latency.py --shape deepseek-v2-lite --quantization none \
   --no-hf --output 16 && (cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \

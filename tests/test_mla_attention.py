@@ -161,7 +161,7 @@ def test_mla_kernels_compile_for_sm90():
                           "types": types | {"c_ptr": f"*{cache}", "scale_ptr": "*fp32"},
                           "constexprs": {"NUM_HEADS": 16, "RANK": 512, "ROPE": 64, "BLOCK_R": 512, "BLOCK_P": 64,
                                          "BLOCK_H": cfg["block_h"], "BLOCK_SIZE": 16, "BLOCK_N": cfg["block_n"],
-                                         "NUM_SPLITS": splits, "FP8": fp8},
+                                         "NUM_SPLITS": splits, "FP8": fp8, "PDL": True},
                           "divisible": ["q_ptr", "c_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_cb",
                                         "stride_cs"],
                           "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}})
@@ -183,7 +183,7 @@ def test_mla_kernels_compile_for_sm90():
                                     **ints("stride_cs", "stride_qlt", "stride_qlh", "stride_qpt", "stride_qph",
                                            "stride_lt", "stride_kt", "stride_qt", "stride_qh", "stride_c")},
                           "constexprs": {"NUM_HEADS": 16, "RANK": 512, "HALF": 32, "BLOCK_R": 512, "BLOCK_HALF": 32,
-                                         "BLOCK_H": 16, "FP8": fp8}})
+                                         "BLOCK_H": 16, "FP8": fp8, "PDL": True}})
         for transposed, cfg in gemv.HEAD_GEMV_CONFIG.items():  # the absorbed products (models/deepseek_v2.py)
             specs.append({"kernel": "kvship.kernels.gemv:_head_gemv_kernel",
                           "types": {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "y_ptr": f"*{dtype}",

@@ -28,7 +28,7 @@ import torch
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels import paged_attention as pa
 from kvship.kernels import rotary
-from kvship.kernels._triton import device_sms, next_pow2, tl, triton, use_triton
+from kvship.kernels._triton import device_sms, next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.numerics import fp8_round
 
 # Launch settings, not yet measured on a GPU: the tile of 32 rows keeps the latent tile (32 KB
@@ -95,10 +95,12 @@ def _rope_store_latent_kernel(
     pos_ptr, cs_ptr, qlat_ptr, qpe_ptr, lat_ptr, kpe_ptr, q_ptr, cache_ptr, slots_ptr, scale_ptr,
     stride_cs, stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_lt, stride_kt, stride_qt, stride_qh, stride_c,
     NUM_HEADS: tl.constexpr, RANK: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One (token, block of BLOCK_H heads) per program: the heads' query rows (latent part copied,
-    rope part rotated); the first head block also stores the token's cache row (slot -1: none)."""
+    rope part rotated); the first head block also stores the token's cache row (slot -1: none).
+    The token's position, its cos/sin and its slot (the step's metadata and a constant table) are
+    read before the PDL wait, as kernels/rotary.py's kernel reads them."""
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -108,6 +110,8 @@ def _rope_store_latent_kernel(
     offs_h = tl.arange(0, BLOCK_HALF)
     half_mask = (offs_h < HALF)[None, :]
     cos, sin = rotary.cos_sin(pos_ptr, cs_ptr, t, stride_cs, offs_h, offs_h < HALF, HALF)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    pdl_wait(PDL)  # the projections' outputs: the kernels before write them
     q_rows = q_ptr + t64 * stride_qt + heads[:, None] * stride_qh
     lat = tl.load(qlat_ptr + t64 * stride_qlt + heads[:, None] * stride_qlh + offs_r[None, :], mask=hmask & rmask)
     tl.store(q_rows + offs_r[None, :], lat, mask=hmask & rmask)
@@ -117,7 +121,6 @@ def _rope_store_latent_kernel(
     ty = qpe_ptr.dtype.element_ty
     tl.store(q_rows + RANK + offs_h[None, :], r1.to(ty), mask=hmask & half_mask)
     tl.store(q_rows + RANK + HALF + offs_h[None, :], r2.to(ty), mask=hmask & half_mask)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
     if tl.program_id(1) > 0 or slot < 0:
         return
     dst = cache_ptr + slot * stride_c
@@ -152,7 +155,7 @@ def rope_store_latent_triton(positions: torch.Tensor, q_lat: torch.Tensor, q_pe:
             cos_sin_cache.stride(0), q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
             latent.stride(0), k_pe.stride(0), q.stride(0), q.stride(1), width,
             NUM_HEADS=num_heads, RANK=rank, HALF=rope // 2, BLOCK_R=next_pow2(rank), BLOCK_HALF=next_pow2(rope // 2),
-            BLOCK_H=block_h, FP8=fp8,
+            BLOCK_H=block_h, FP8=fp8, **pdl_launch(q_lat),
         )
     return q
 
@@ -210,11 +213,12 @@ def _mla_decode_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     NUM_HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr = 0,
+    NUM_SPLITS: tl.constexpr, FP8: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """One (sequence, block of BLOCK_H heads, split of the context) per program: the heads are
     the tile's rows. FP8 pages are converted to the query's dtype as loaded; their scale
-    multiplies the scores and the output."""
+    multiplies the scores and the output. The sequence's bounds (the step's metadata) are read
+    before the PDL wait, as paged_attention's decode kernel reads them."""
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -223,9 +227,10 @@ def _mla_decode_kernel(
         return
     offs_r = tl.arange(0, BLOCK_R)
     hmask = heads < NUM_HEADS
+    start, end = pa.split_range(seq_len, 0, split, BLOCK_N, NUM_SPLITS)
+    pdl_wait(PDL)  # the query and the new token's cache row: the rotary + latent store writes them
     q_lat, q_pe = _mla_query(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh, offs_r, tl.arange(0, BLOCK_P),
                              hmask, RANK, ROPE)
-    start, end = pa.split_range(seq_len, 0, split, BLOCK_N, NUM_SPLITS)
     kv_scale = 1.0
     if FP8:
         kv_scale = tl.load(scale_ptr)
@@ -307,7 +312,7 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
         out.stride(1), *mid_strides,
         NUM_HEADS=num_heads, RANK=rank, ROPE=rope, BLOCK_R=next_pow2(rank), BLOCK_P=max(16, next_pow2(rope)),
         BLOCK_H=block_h, BLOCK_SIZE=block_size, BLOCK_N=cfg["block_n"], NUM_SPLITS=num_splits, FP8=fp8,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q),
     )
     if num_splits > 1:
         pa.decode_reduce(mid_o, mid_lse, cu_seqlens_q, out)
