@@ -36,6 +36,7 @@
 #   V2-Lite and Moonlight in this tree and build/base): absorbed
 #   DeepSeek's MoE glue (router GEMV, scaling in the routing kernel, shared experts added in the down
 #   kernel) against build/base: deepseek-glue
+#   the latent-attention decode's launch settings, never tuned on a GPU: mla-sweep
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 #   throughput by KV and weight dtype (two passes each: one tree's single runs spread by 7%), then where
@@ -186,6 +187,8 @@ bench mla-pdl 250 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short t
   python3 bench/latency.py --shape \$shape --quantization none --no-hf --output 128 && \
   (cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
   python3 bench/latency.py --shape \$shape --quantization none --no-hf --output 128) || exit; done"
+# the latent-attention decode's launch settings (bench/mla_sweep.py; --quick: 12 settings)
+bench mla-sweep 500 python3 bench/mla_sweep.py
 # V2-Lite's TTFT (prompt 512) in this tree and in build/base, alternated twice
 bench ttft-ab 330 bash -c "for i in 1 2; do python3 bench/latency.py --shape deepseek-v2-lite --quantization none \
   --no-hf --output 16 && (cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
