@@ -131,12 +131,18 @@ def gemv_triton(
     return y
 
 
+def _in_graph(x: torch.Tensor, tokens: int) -> bool:
+    """The rule for every kernel here: it takes one token's product while a CUDA graph is captured.
+    Replayed from a graph a launch costs the host nothing; run eagerly, a Triton launch costs more
+    host time than the kernel saves on the GPU (batch-1 eager 8B decode fell from 76.5 to 41.4
+    tok/s when the GEMV ran eagerly)."""
+    return tokens == 1 and use_triton(x) and torch.cuda.is_current_stream_capturing()
+
+
 def _graph_config(x: torch.Tensor, weight: torch.Tensor) -> dict[str, int] | None:
-    """The kernel's launch settings when it should take x @ W^T, else None: one row, a listed
-    weight shape, and a CUDA graph being captured. Replayed from a graph a launch costs the
-    host nothing; run eagerly, a Triton launch costs more host time than the kernel saves on the
-    GPU (batch-1 eager 8B decode fell from 76.5 to 41.4 tok/s when the kernel ran eagerly)."""
-    if x.numel() != x.shape[-1] or not use_triton(x) or not torch.cuda.is_current_stream_capturing():
+    """The GEMV's launch settings when it should take x @ W^T (``_in_graph``, one row of x, and a
+    weight shape listed in GEMV_SHAPES), else None."""
+    if not _in_graph(x, x.numel() // x.shape[-1]):
         return None
     return GEMV_SHAPES.get(tuple(weight.shape))
 
@@ -159,7 +165,7 @@ def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ W^T in float32 for a float32 W (DeepSeek's router, which routes in float32): for one
     row in a captured graph the GEMV, which reads the 16-bit x as it is; else F.linear on x
     converted (two cuBLAS kernels and the conversion's, where this is one launch)."""
-    if x.numel() == x.shape[-1] and use_triton(x) and torch.cuda.is_current_stream_capturing():
+    if _in_graph(x, x.numel() // x.shape[-1]):
         return gemv_triton(x, weight, config=FLOAT_GEMV_CONFIG, out_dtype=torch.float32)
     return F.linear(x.float(), weight)
 
@@ -236,8 +242,8 @@ def head_gemv_triton(x: torch.Tensor, w: torch.Tensor, transposed: bool,
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """``head_matmul_torch``, except that one token's product while a CUDA graph is captured is
-    one launch of the kernel (eagerly its launch would cost the host more than it saves)."""
-    if x.shape[0] == 1 and use_triton(x) and torch.cuda.is_current_stream_capturing():
+    """``head_matmul_torch``, except that one token's product in a captured graph (``_in_graph``)
+    is one launch of the kernel."""
+    if _in_graph(x, x.shape[0]):
         return head_gemv_triton(x, w, transposed)
     return head_matmul_torch(x, w, transposed)
