@@ -36,7 +36,9 @@
 #   V2-Lite and Moonlight in this tree and build/base): absorbed
 #   DeepSeek's MoE glue (router GEMV, scaling in the routing kernel, shared experts added in the down
 #   kernel) against build/base: deepseek-glue
-#   the latent-attention decode's launch settings, never tuned on a GPU: mla-sweep
+#   the latent-attention decode's launch settings, never tuned on a GPU: mla-sweep (mla-sweep-quick: 12)
+#   the one-row GEMV with its weight tiles through shared memory on the tensor cores (bf16, FP8): tc-gemv
+#   per-row FP8 W8A8 in Triton against torch._scaled_mm (tests, tile sweep): fp8-rowwise
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 #   throughput by KV and weight dtype (two passes each: one tree's single runs spread by 7%), then where
@@ -189,6 +191,18 @@ bench mla-pdl 250 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short t
   python3 bench/latency.py --shape \$shape --quantization none --no-hf --output 128) || exit; done"
 # the latent-attention decode's launch settings (bench/mla_sweep.py; --quick: 12 settings)
 bench mla-sweep 500 python3 bench/mla_sweep.py
+bench mla-sweep-quick 150 python3 bench/mla_sweep.py --quick
+# the one-row GEMV on the tensor cores, its weight tiles streamed through shared memory (a probe)
+bench tc-gemv 330 python3 bench/tc_gemv_sweep.py
+# offline throughput, 1000 prompts: bf16 and FP8 (W8A8) weights in this tree, FP8 in build/base, then FP8 + fp8 KV here
+bench fp8-rowwise-ab 590 bash -c "python3 bench/throughput.py --hf-prompts 0 && \
+  python3 bench/throughput.py --hf-prompts 0 --quantization fp8 && \
+  (cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
+  python3 bench/throughput.py --hf-prompts 0 --quantization fp8) && \
+  python3 bench/throughput.py --hf-prompts 0 --quantization fp8 --kv-cache-dtype fp8"
+# per-row FP8 W8A8: the group GEMM's PER_ROW form (GPU tests), then against torch._scaled_mm over a grid of tiles
+bench fp8-rowwise 520 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_fp8_matmul.py && \
+  python3 bench/fp8_gemm.py --rowwise --rows 16 64 128 256 512"
 # V2-Lite's TTFT (prompt 512) in this tree and in build/base, alternated twice
 bench ttft-ab 330 bash -c "for i in 1 2; do python3 bench/latency.py --shape deepseek-v2-lite --quantization none \
   --no-hf --output 16 && (cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \

@@ -29,9 +29,11 @@ from kvship.kernels.activation import act_and_mul
 from kvship.kernels.fp8_matmul import (
     GROUP_GEMM_ROWS,
     fp8_group_matmul_triton,
+    fp8_rowwise_matmul_triton,
     group_matmul_fits,
     quantize_fp8_groups,
     quantize_fp8_rows,
+    rowwise_gemm_config,
 )
 from kvship.kernels.numerics import small_int_to_float
 from kvship.kernels.quant_gemv import (
@@ -472,13 +474,17 @@ def _w8a8(x2: torch.Tensor, w: QWeight) -> bool:
 
 def _dense_matmul(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """Many rows: tensor cores at full rate. FP8 weights multiply FP8 activations quantized
-    dynamically (W8A8, as vLLM's): per token beside per-row weights, per token and group beside
-    block-wise ones up to GROUP_GEMM_ROWS rows; other formats, and block-wise FP8 beyond those
-    rows, are expanded into a transient 16-bit matrix for cuBLAS (compute-bound at these sizes:
-    the expansion costs less than the dequantizing GEMM lost)."""
+    dynamically (W8A8, as vLLM's): per token beside per-row weights (torch._scaled_mm, or
+    fp8_matmul's PER_ROW GEMM for the shapes and row counts where it measured faster), per
+    token and group beside block-wise ones up to GROUP_GEMM_ROWS rows; other formats, and
+    block-wise FP8 beyond those rows, are expanded into a transient 16-bit matrix for cuBLAS
+    (compute-bound at these sizes: the expansion costs less than the dequantizing GEMM lost)."""
     if _w8a8(x2, w):
         if w.scales.shape[1] == 1:
             xq, scale_a = quantize_fp8_rows(x2)
+            cfg = rowwise_gemm_config(x2.shape[0], w.n, w.k)
+            if cfg is not None:
+                return fp8_rowwise_matmul_triton(xq, scale_a, w.qweight, w.scales, bias, x2.dtype, cfg)
             return torch._scaled_mm(xq, w.qweight.t(), scale_a=scale_a, scale_b=w.scales.view(1, -1),
                                     bias=bias, out_dtype=x2.dtype)
         if x2.shape[0] <= GROUP_GEMM_ROWS:  # block-wise: activations per token and group
