@@ -14,7 +14,7 @@ PER_ROW form (kernels/fp8_matmul.py fp8_rowwise_matmul_triton) over a grid of ti
 the activations' quantization, beside cuBLAS bf16, and the best tile per weight and row count.
 
     python bench/fp8_gemm.py [--rows 2 16 64 256 1024 4096] [--sweep]
-    python bench/fp8_gemm.py --rowwise [--rows 16 64 128 256 512]
+    python bench/fp8_gemm.py --rowwise [--rows 2 8 16 64 128 256 512]
 """
 from __future__ import annotations
 
@@ -138,9 +138,12 @@ def rowwise(row_counts: list[int], bw: float, mm8: float) -> None:
             t_engine = time_per_call(lambda i: _dense_matmul(x, per_row[i], None), copies)
             t_16 = time_per_call(lambda i: F.linear(x, w16[i]), copies)
             best = None
-            grid = itertools.product([16, 32, 64, 128], [64, 128, 256], [128, 256], [4, 8], [3, 4])
+            # narrow column tiles only beside 16-row ones: a few rows read each weight tile once, and
+            # 16 or 32 columns give a 4096-row matrix 256 or 128 programs
+            grid = itertools.product([16, 32, 64, 128], [16, 32, 64, 128, 256], [128, 256], [4, 8], [3, 4])
             for bm, bn, bk, nw, ns in grid:
-                if bm > max(16, triton_next_pow2(m)) or (bm == 16 and nw == 8) or (bm + bn) * bk * ns > 200_000:
+                if bm > max(16, triton_next_pow2(m)) or (bm == 16 and nw == 8) or (bm + bn) * bk * ns > 200_000 \
+                        or (bn < 64 and bm > 16):
                     continue
                 cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
 

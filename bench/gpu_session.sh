@@ -202,7 +202,7 @@ bench fp8-rowwise-ab 590 bash -c "python3 bench/throughput.py --hf-prompts 0 && 
   python3 bench/throughput.py --hf-prompts 0 --quantization fp8 --kv-cache-dtype fp8"
 # per-row FP8 W8A8: the group GEMM's PER_ROW form (GPU tests), then against torch._scaled_mm over a grid of tiles
 bench fp8-rowwise 520 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_fp8_matmul.py && \
-  python3 bench/fp8_gemm.py --rowwise --rows 16 64 128 256 512"
+  python3 bench/fp8_gemm.py --rowwise --rows 2 8 16 64 128 256 512"
 # V2-Lite's TTFT (prompt 512) in this tree and in build/base, alternated twice
 bench ttft-ab 330 bash -c "for i in 1 2; do python3 bench/latency.py --shape deepseek-v2-lite --quantization none \
   --no-hf --output 16 && (cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \

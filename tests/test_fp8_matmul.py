@@ -19,6 +19,7 @@ from kvship.kernels.fp8_matmul import (
     quantize_fp8_rows_torch,
 )
 from kvship.kernels.quant_linear import dense_rows, pack, quant_linear_torch, quant_linear_triton
+from kvship.quant import quantize
 from kvship.quant.insitu import FP8_MAX, quantize_fp8_blocks
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -128,3 +129,34 @@ def test_block_fp8_linear_runs_the_group_gemm(monkeypatch, m):
     # the activations' FP8 rounding (3 mantissa bits, a scale per 128 inputs) is the difference:
     # 2.6-3.0e-2 on the 8B projections (bench/fp8_gemm.py)
     assert (got - ref).norm() / ref.norm() < 4e-2
+
+
+def test_rowwise_config_takes_the_smallest_bucket_holding_the_rows(monkeypatch):
+    a, a2, b = dict(block_m=16, block_n=32), dict(block_m=16, block_n=64), dict(block_m=64)
+    monkeypatch.setattr(fp8_matmul, "ROWWISE_GEMM_SHAPES", {(96, 64): {8: a, 16: a2, 64: None, 256: b}})
+    got = [fp8_matmul.rowwise_gemm_config(m, 96, 64) for m in (1, 8, 9, 16, 17, 64, 65, 128, 129, 256, 257, 513)]
+    assert got == [a, a, a2, a2, None, None, None, None, b, b, None, None]
+    assert fp8_matmul.rowwise_gemm_config(16, 64, 96) is None  # a shape not tabled: _scaled_mm
+
+
+@pytest.mark.skipif(not GPU, reason="W8A8 needs FP8 tensor cores")
+@pytest.mark.parametrize("m", [2, 16, 64, 200, 256, 512])
+def test_per_row_fp8_linear_takes_the_rowwise_gemm_where_tabled(monkeypatch, m):
+    # per-row FP8 weights (in-situ --quantization fp8) at each tabled 8B shape: the PER_ROW GEMM where
+    # ROWWISE_GEMM_SHAPES has a tile for the row count, torch._scaled_mm elsewhere; both close to
+    # the dequantized weights' product
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores")
+    if not fp8_matmul.ROWWISE_GEMM_SHAPES:
+        pytest.skip("no tabled shape")
+    calls = []
+    gemm = fp8_matmul.fp8_rowwise_matmul_triton
+    monkeypatch.setattr(quant_linear, "fp8_rowwise_matmul_triton", lambda *a, **kw: calls.append(1) or gemm(*a, **kw))
+    for n, k in fp8_matmul.ROWWISE_GEMM_SHAPES:
+        w = pack(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n + m)) * 0.05, "fp8"), DEV)
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        calls.clear()
+        got = quant_linear_triton(x, w).float()
+        ref = quant_linear_torch(x.float(), w).float()
+        assert bool(calls) == (fp8_matmul.rowwise_gemm_config(m, n, k) is not None), (n, k)
+        assert (got - ref).norm() / ref.norm() < 4e-2, (n, k)

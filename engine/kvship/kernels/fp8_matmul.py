@@ -278,7 +278,7 @@ def fp8_group_matmul_triton(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.
 # smallest bucket holding it; None or a shape not listed: _scaled_mm). Filled from
 # `bench/fp8_gemm.py --rowwise`.
 ROWWISE_GEMM_SHAPES: dict[tuple[int, int], dict[int, dict[str, int] | None]] = {}
-ROWWISE_BUCKETS = (16, 64, 128, 256, 512)
+ROWWISE_BUCKETS = (8, 16, 64, 128, 256, 512)
 
 
 def rowwise_gemm_config(m: int, n: int, k: int) -> dict[str, int] | None:

@@ -31,9 +31,13 @@ from kvship.kernels import rotary
 from kvship.kernels._triton import device_sms, next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.numerics import fp8_round
 
-# Launch settings, not yet measured on a GPU: the tile of 32 rows keeps the latent tile (32 KB
-# in bf16 at rank 512) double-buffered well inside an sm_90 block's shared memory.
-MLA_DECODE_CONFIG = {"block_n": 32, "block_h": 16, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
+# Launch settings: the tile of 32 rows keeps the latent tile (32 KB in bf16 at rank 512)
+# double-buffered well inside an sm_90 block's shared memory. One wave of programs: on the H200
+# (`bench/mla_sweep.py --quick`, 2026-12-04, 16 heads, the merge included) batch 32 at 4k tokens
+# took 64.8 us with 8 splits (what one wave gives there) against 80.9 with the 32 of four waves;
+# batch 1 keeps its 64 splits either way (6.5 us at 512 tokens, 9.6 at 4k, 43.0 at 32k, where
+# 64-token tiles and 8 warps took 33.1: not applied, unmeasured at short contexts and batches).
+MLA_DECODE_CONFIG = {"block_n": 32, "block_h": 16, "num_warps": 4, "num_stages": 2, "waves": 1, "max_splits": 64}
 # Prefill: 16 tokens of one head (a dot's fewest rows) against tiles of 32 rows: a [16, 512] fp32
 # accumulator is 64 registers a thread at 4 warps, beside the query's [16, 512] 16-bit rows; 32
 # tokens would double both, near the 255-register limit where they spill. Not measured either.
