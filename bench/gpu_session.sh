@@ -38,7 +38,9 @@
 #   kernel) against build/base: deepseek-glue
 #   the latent-attention decode's launch settings, never tuned on a GPU: mla-sweep (mla-sweep-quick: 12)
 #   the one-row GEMV with its weight tiles through shared memory on the tensor cores (bf16, FP8): tc-gemv
-#   per-row FP8 W8A8 in Triton against torch._scaled_mm (tests, tile sweep): fp8-rowwise
+#   per-row FP8 W8A8 in Triton against torch._scaled_mm (tests, tile sweep): fp8-rowwise; then, with the
+#   sweep's tiles in fp8_matmul.ROWWISE_GEMM_SHAPES, offline throughput against build/base: fp8-rowwise-ab
+#   the prefill kernel's lazy softmax (tests, tiles at 2k-8k without and with it): prefill-lazy
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 #   throughput by KV and weight dtype (two passes each: one tree's single runs spread by 7%), then where
@@ -200,6 +202,9 @@ bench fp8-rowwise-ab 590 bash -c "python3 bench/throughput.py --hf-prompts 0 && 
   (cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
   python3 bench/throughput.py --hf-prompts 0 --quantization fp8) && \
   python3 bench/throughput.py --hf-prompts 0 --quantization fp8 --kv-cache-dtype fp8"
+# the causal prefill kernel's tiles without and with the lazy softmax at 2k/4k/8k (its GPU tests first)
+bench prefill-lazy 400 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py \
+  tests/test_kv_quant.py -k 'prefill or lazy' && python3 bench/kernels_gpu.py --prefill-sweep"
 # per-row FP8 W8A8: the group GEMM's PER_ROW form (GPU tests), then against torch._scaled_mm over a grid of tiles
 bench fp8-rowwise 520 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_fp8_matmul.py && \
   python3 bench/fp8_gemm.py --rowwise --rows 2 8 16 64 128 256 512"

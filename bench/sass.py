@@ -45,6 +45,24 @@ def loops(cubin: bytes) -> list[collections.Counter]:
     return sorted(found, key=lambda c: -sum(c.values()))
 
 
+def skipped(cubin: bytes) -> int:
+    """Instructions of the largest forward branch's span inside the largest loop: what an
+    iteration skips when it takes that branch (a conditional block, such as the prefill's lazy
+    softmax rescale)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    code = [(int(m.group(1), 16), line) for line in _tool("cuobjdump", "-sass", f.name).splitlines()
+            if (m := _ADDR.match(line))]
+    os.unlink(f.name)
+    spans = [(int(m.group(1), 16), at) for at, line in code if (m := _BRANCH.search(line))]
+    loop = max(((t, a) for t, a in spans if t < a), key=lambda s: sum(1 for a, _ in code if s[0] <= a <= s[1]),
+               default=None)
+    if loop is None:
+        return 0
+    inner = [(a, t) for t, a in spans if t > a and loop[0] <= a < t <= loop[1]]
+    return max((sum(1 for at, _ in code if a < at < t) for a, t in inner), default=0)
+
+
 def registers(ptx: str) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from common import header, table  # noqa: E402
 from kvship.kernels import paged_attention as pa  # noqa: E402
-from sass import loops, registers  # noqa: E402
+from sass import loops, registers, skipped  # noqa: E402
 from sm90_compile import attention_types, compile_sm90, decode_types  # noqa: E402
 
 LAYOUTS = {"bf16": ("*bf16", "*bf16", 0, 2.0), "fp8": ("*fp8e4nv", "*fp32", 1, 1.0), "int4": ("*u8", "*fp16", 2, 0.5)}
@@ -40,20 +40,29 @@ def main() -> None:
                                    PACKED=pa.packed_read(cfg, mode, torch.bfloat16, 128)),
                               DIVISIBLE, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         pre = pa.PREFILL_CONFIG[128]
-        prefill = compile_sm90(pa._prefill_kernel, attention_types(cache, scales),
-                               dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pre["block_m"],
-                                    BLOCK_N=pre["block_n"], KV_MODE=mode),
-                               [d for d in DIVISIBLE if not d.startswith("mid")],
-                               {"num_warps": pre["num_warps"], "num_stages": pre["num_stages"]})
+        prefill = {lazy: compile_sm90(pa._prefill_kernel, attention_types(cache, scales),
+                                      dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pre["block_m"],
+                                           BLOCK_N=pre["block_n"], KV_MODE=mode, LAZY=lazy),
+                                      [d for d in DIVISIBLE if not d.startswith("mid")],
+                                      {"num_warps": pre["num_warps"], "num_stages": pre["num_stages"]})
+                   for lazy in (False, True)}
         for kernel, compiled, block_n, warps in (("decode", decode, cfg["block_n"], cfg["num_warps"]),
-                                                 ("prefill", prefill, pre["block_n"], pre["num_warps"])):
+                                                 ("prefill", prefill[False], pre["block_n"], pre["num_warps"]),
+                                                 ("prefill, lazy softmax", prefill[True], pre["block_n"],
+                                                  pre["num_warps"])):
             kv_bytes = block_n * 128 * 2 * elem  # one iteration: one tile of keys and values of one KV head
             found = loops(compiled.asm["cubin"])[:2]
-            for ops in found:
-                n = sum(ops.values())
+            # the lazy softmax's rescale is a branch inside the loop, taken only when the maximum moves:
+            # the counts below leave it out (it is counted separately in the kernel's name)
+            skip = skipped(compiled.asm["cubin"]) if kernel.endswith("lazy softmax") else 0
+            if skip:
+                kernel += f" (rescale block of {skip} left out)"
+            for i, ops in enumerate(found):  # largest first
+                n = sum(ops.values()) - skip
                 top = ", ".join(f"{op} {k}" for op, k in ops.most_common(6))
-                # prefill runs the tiles below the diagonal unmasked, those on it masked (FSEL: the mask)
-                part = "" if len(found) == 1 else " (masked tiles)" if ops["FSEL"] else " (unmasked tiles)"
+                # prefill runs the tiles below the diagonal unmasked, those on it masked (the mask's
+                # compares and selects make that loop the larger)
+                part = "" if len(found) == 1 else " (masked tiles)" if i == 0 else " (unmasked tiles)"
                 rows.append([f"{kernel} {name}{part}", str(block_n), str(n),
                              f"{n * 32 * warps / kv_bytes:.2f}", registers(compiled.asm["ptx"]), top])
     print(header("Paged attention main loops in sm_90 SASS, Llama-3-8B heads, pages of 16 tokens"))

@@ -277,8 +277,12 @@ def test_int4_tiles_hold_a_whole_group():
 @needs_triton
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", HEADS)
-def test_prefill_kernel(hq, hkv, d, kv_dtype):
-    """Fresh prompt, cached prefix / later chunk, a decode token, an empty sequence."""
+@pytest.mark.parametrize("lazy", [False, True])
+def test_prefill_kernel(hq, hkv, d, kv_dtype, lazy, monkeypatch):
+    """Fresh prompt, cached prefix / later chunk, a decode token, an empty sequence; with the
+    prefill kernel's softmax as it was and lazy (paged_attention._lazy_softmax)."""
+    tiles = pa.PREFILL_CONFIG.get(d, pa.PREFILL_CONFIG[128])
+    monkeypatch.setitem(pa.PREFILL_CONFIG, d, {**tiles, "lazy": lazy})
     if GPU:
         q_lens, ctx = [700, 256, 1, 0, 2048], [700, 2000, 513, 40, 8192]
     else:
@@ -531,9 +535,10 @@ def _sm90_specs():
                        "types": decode_types(cache, scales),
                        "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=head_dim, BLOCK_D=128, BLOCK_SIZE=16,
                                           BLOCK_N=block_n, NUM_SPLITS=8, KV_MODE=mode, PACKED=packed)}
-        yield {"kernel": "kvship.kernels.paged_attention:_prefill_kernel", "types": attention_types(cache, scales),
-               "constexprs": dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
-                                  KV_MODE=mode)}
+        for lazy in (False, True):  # the prefill softmax as it was, and lazy
+            yield {"kernel": "kvship.kernels.paged_attention:_prefill_kernel", "types": attention_types(cache, scales),
+                   "constexprs": dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
+                                      KV_MODE=mode, LAZY=lazy)}
 
 
 @needs_triton

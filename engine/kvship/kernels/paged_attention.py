@@ -261,6 +261,9 @@ def head_block(head_dim: int, kv_mode: int) -> int:
     return block_d
 
 
+# A prefill config's "lazy" (default False) turns on _lazy_softmax for layers without a window or a
+# cap: 13% fewer sm_90 instructions a 64 x 64 tile below the diagonal (bench/sass_attention.py),
+# not yet timed on a GPU (`bash bench/gpu_session.sh prefill-lazy`).
 PREFILL_CONFIG = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
     # H200 sweep at 4k-token causal prefill: (64, 64, 4, 3) 429 us; (128, 64, 8, 3) 455 us;
@@ -345,10 +348,12 @@ def _attend_tile(
     acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
+    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, LAZY: tl.constexpr = False,
 ):
     """One BLOCK_N tile of keys/values, gathered through the block table, folded into the
-    running softmax state (log2 domain). ``pages``: where one sequence's KV head lives (the
+    running softmax state (log2 domain). LAZY (prefill without a window or a cap, _lazy_softmax):
+    the scores stay unscaled until the exponent's FMA, and the running maximum moves only when a
+    row's grows by more than LAZY_TAU. ``pages``: where one sequence's KV head lives (the
     tuple ``_pages`` makes). MASK: 0 none, 1 pos < kv_end, 2 that and causal (and pos >
     q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain. PACKED,
     INTERPRET, HEAD_DIM: how quantized pages are read (``_load_kv``); PACKED 1: keys and values
@@ -419,9 +424,11 @@ def _attend_tile(
         kt = _load_kv(kc_ptr, ks_ptr, k_off, kg_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE, dot_dtype,
                       PACKED == 1, INTERPRET, HEAD_DIM)
         if dot_dtype == q.dtype:
-            qk = tl.dot(q, kt.to(dot_dtype), input_precision=dot_precision(dot_dtype)) * qk_scale
+            qk = tl.dot(q, kt.to(dot_dtype), input_precision=dot_precision(dot_dtype))
         else:
-            qk = tl.dot(tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(dot_dtype), kt.to(dot_dtype)) * qk_scale
+            qk = tl.dot(tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(dot_dtype), kt.to(dot_dtype))
+        if not LAZY:
+            qk = qk * qk_scale
     if SOFTCAP > 0:  # cap * tanh(s / cap), s and cap both scaled by log2(e)
         qk = SOFTCAP * tanh(qk / SOFTCAP)
     if MASK == 1:
@@ -431,13 +438,17 @@ def _attend_tile(
         if WINDOW > 0:
             visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
         qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_ref = m_new
-    if WINDOW > 0:  # a row may see no key of a tile on its window's lower edge: zeros, not NaN
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    if LAZY:
+        tl.static_assert(WINDOW == 0 and SOFTCAP == 0.0 and PACKED == 0)
+        acc, l_i, m_new, p = _lazy_softmax(acc, l_i, m_i, qk, qk_scale)  # acc rescaled if the maximum moved
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = m_new
+        if WINDOW > 0:  # a row may see no key of a tile on its window's lower edge: zeros, not NaN
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
     if PACKED == 3:
         v_even, v_odd = kvq.int4_load_rows_split(vc_ptr, vs_ptr, v_off, g_off, nmask, HEAD_DIM, offs_n.shape[0],
                                                  offs_d.shape[0], not INTERPRET, True, True)
@@ -450,8 +461,37 @@ def _attend_tile(
     else:
         v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, dot_dtype,
                      PACKED > 0, INTERPRET, HEAD_DIM)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype), input_precision=dot_precision(dot_dtype))
+        if LAZY:  # acc goes into the dot as its accumulator
+            acc = tl.dot(p.to(dot_dtype), v.to(dot_dtype), acc, input_precision=dot_precision(dot_dtype))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype),
+                                                input_precision=dot_precision(dot_dtype))
     return acc, l_i, m_new
+
+
+# How far (log2 units) a row's running maximum may fall behind its scores before LAZY moves it:
+# its probabilities then reach at most 2**8, which float32 sums and a 16-bit p @ v dot hold.
+LAZY_TAU = tl.constexpr(8.0)
+
+
+@triton.jit
+def _lazy_softmax(acc, l_i, m_i, s, qk_scale):
+    """The online softmax's step for a tile of unscaled scores s (masked ones -inf; qk_scale > 0),
+    with the conditional rescaling of FlashAttention-4: the running maximum m_i (scaled, log2
+    domain) moves only when some row's tile maximum exceeds it by more than LAZY_TAU, and then for
+    every row, with acc and l_i rescaled once for the program; otherwise the tile's probabilities
+    are taken against the stale maximum (up to 2**LAZY_TAU each, exact after the final division by
+    l_i). The scale meets each score once, inside the exponent's FMA. Returns acc, l_i, m_i, p."""
+    m_cand = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    grow = tl.where(m_cand > m_i, m_cand - m_i, 0.0)  # +inf for a row's first keys
+    if tl.max(grow, 0) > LAZY_TAU:
+        alpha = tl.exp2(m_i - m_cand)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_cand
+    m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row with no key yet: zeros, not NaN
+    p = tl.exp2(s * qk_scale - m_ref[:, None])
+    return acc, l_i + tl.sum(p, 1), m_i, p
 
 
 @triton.jit
@@ -469,12 +509,12 @@ def _attend_range(
     acc, l_i, m_i, q, q_pos, pages, lo, hi, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
+    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, LAZY: tl.constexpr = False,
 ):
     """``_attend_tile`` over the tiles from lo up to hi (BLOCK_N apart), all with one MASK."""
     for n0 in range(lo, hi, offs_n.shape[0]):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
-                                     BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET, HEAD_DIM)
+                                     BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET, HEAD_DIM, LAZY)
     return acc, l_i, m_i
 
 
@@ -670,7 +710,7 @@ def _prefill_kernel(
     stride_ksb, stride_ksh, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, LAZY: tl.constexpr = False,
 ):
     h, mblk, b, q_start, q_len, ctx, has_rows = prefill_block(cuq_ptr, seqlens_ptr, BLOCK_M)
     if not has_rows:
@@ -711,9 +751,9 @@ def _prefill_kernel(
                                       dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP)
     # unmasked below the diagonal, then masked on it
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, full_start, full_end, ctx, qk_scale, offs_n, offs_d,
-                                  dmask, BLOCK_SIZE, 0, KV_MODE, WINDOW, SOFTCAP)
+                                  dmask, BLOCK_SIZE, 0, KV_MODE, WINDOW, SOFTCAP, LAZY=LAZY)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, full_end, hi, ctx, qk_scale, offs_n, offs_d,
-                                  dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP)
+                                  dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP, LAZY=LAZY)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_MODE == 1:
@@ -855,6 +895,7 @@ def paged_attention_triton(
         qk_scale, *common,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], KV_MODE=kv_mode, **options,
+        LAZY=cfg.get("lazy", False) and not window and not softcap,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
