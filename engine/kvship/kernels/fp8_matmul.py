@@ -258,9 +258,16 @@ def fp8_group_matmul_triton(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.
                             group: int, bias: torch.Tensor | None, out_dtype: torch.dtype,
                             config: dict[str, int] | None = None) -> torch.Tensor:
     """Triton twin of ``fp8_group_matmul_torch`` (``group_matmul_fits`` must hold)."""
+    cfg = config or group_gemm_config(xq.shape[0], wq.shape[0], xq.shape[1])
+    return _gemm(xq, x_scales, wq, w_scales, bias, out_dtype, cfg, group, per_row=False)
+
+
+def _gemm(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
+          bias: torch.Tensor | None, out_dtype: torch.dtype, cfg: dict[str, int], block_k: int,
+          per_row: bool) -> torch.Tensor:
+    """One launch of _fp8_group_gemm_kernel over the output's tiles."""
     m, k = xq.shape
     n = wq.shape[0]
-    cfg = config or group_gemm_config(m, n, k)
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return y
@@ -268,8 +275,9 @@ def fp8_group_matmul_triton(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.
     _fp8_group_gemm_kernel[grid](
         xq, x_scales, wq, w_scales, bias if bias is not None else w_scales, y, m, n, k,
         xq.stride(0), wq.stride(0), y.stride(0), x_scales.stride(0), w_scales.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=group,
-        GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(xq))
+        HAS_BIAS=bias is not None, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
+        GROUP_M=cfg.get("group_m", 8), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PER_ROW=per_row, **pdl_launch(xq))
     return y
 
 
@@ -293,16 +301,4 @@ def fp8_rowwise_matmul_triton(xq: torch.Tensor, x_scales: torch.Tensor, wq: torc
                               config: dict[str, int]) -> torch.Tensor:
     """``fp8_group_matmul_torch`` with one group (per-token activations [M, 1], per-row weights
     [N, 1] scales), the kernel's PER_ROW form; ``config`` names its tile, BLOCK_K included."""
-    m, k = xq.shape
-    n = wq.shape[0]
-    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    if m == 0:
-        return y
-    grid = (triton.cdiv(m, config["block_m"]) * triton.cdiv(n, config["block_n"]),)
-    _fp8_group_gemm_kernel[grid](
-        xq, x_scales, wq, w_scales, bias if bias is not None else w_scales, y, m, n, k,
-        xq.stride(0), wq.stride(0), y.stride(0), x_scales.stride(0), w_scales.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=config["block_m"], BLOCK_N=config["block_n"], BLOCK_K=config["block_k"],
-        GROUP_M=config.get("group_m", 8), num_warps=config["num_warps"], num_stages=config["num_stages"],
-        PER_ROW=True, **pdl_launch(xq))
-    return y
+    return _gemm(xq, x_scales, wq, w_scales, bias, out_dtype, config, config["block_k"], per_row=True)
