@@ -54,11 +54,12 @@ def main() -> None:
             found = loops(compiled.asm["cubin"])[:2]
             # the lazy softmax's rescale is a branch inside the loop, taken only when the maximum moves:
             # the counts below leave it out (it is counted separately in the kernel's name)
-            skip = skipped(compiled.asm["cubin"]) if kernel.endswith("lazy softmax") else 0
+            skip = skipped(compiled.asm["cubin"]) if kernel.endswith("lazy softmax") else None
             if skip:
-                kernel += f" (rescale block of {skip} left out)"
+                kernel += f" (rescale block of {sum(skip.values())} left out)"
             for i, ops in enumerate(found):  # largest first
-                n = sum(ops.values()) - skip
+                ops = ops - skip if skip else ops
+                n = sum(ops.values())
                 top = ", ".join(f"{op} {k}" for op, k in ops.most_common(6))
                 # prefill runs the tiles below the diagonal unmasked, those on it masked (the mask's
                 # compares and selects make that loop the larger)
