@@ -11,7 +11,9 @@ layer:
 - cold: experts, then q/k/v and o from HBM (as the engine runs now);
 - touched: the same with the side kernel of P programs reading q/k/v and o during the experts;
 - hot: the GEMVs alone on one layer's weights, replayed (their L2-resident floor), and the
-  experts alone.
+  experts alone;
+- read first: the same read on the main stream before the experts, which shows whether the lines
+  outlive the experts' 75 MB (read with evict_first) at all.
 
 A touched time near experts + hot says the idea holds on this GPU; near cold, that the lines
 were gone (or never held) by the time the GEMVs read them, as a same-kernel L2 prefetch measured
@@ -103,6 +105,11 @@ def main() -> None:
             attn(i)
         return layer
 
+    def touched_before(i):  # the read on the same stream, before the experts: do the lines outlive them?
+        touch(qkv[i], o[i], sink, 132)
+        moe(i)
+        attn(i)
+
     attn_bytes = (qkv[0].numel() + o[0].numel()) * 2
     t_moe = time_per_call(moe, copies)
     t_attn_cold = time_per_call(attn, copies)
@@ -113,6 +120,9 @@ def main() -> None:
             ["q/k/v + o alone, one layer's weights replayed (L2)", f"{t_attn_hot:.1f}", ""],
             ["experts, then q/k/v + o (the engine now)", f"{t_cold:.1f}", ""],
             ["floor: experts + q/k/v + o from L2", f"{t_moe + t_attn_hot:.1f}", ""]]
+    t = time_per_call(touched_before, copies)
+    rows.append(["q/k/v + o read first (132 programs), then experts, then q/k/v + o", f"{t:.1f}",
+                 "the GEMVs gain if the lines outlive the experts' stream"])
     for p in args.programs:
         t = time_per_call(touched(p), copies)
         rows.append([f"experts with q/k/v + o read alongside ({p} programs), then q/k/v + o", f"{t:.1f}",
