@@ -41,7 +41,8 @@
 #   per-row FP8 W8A8 in Triton against torch._scaled_mm (tests, tile sweep): fp8-rowwise; then, with the
 #   sweep's tiles in fp8_matmul.ROWWISE_GEMM_SHAPES, offline throughput against build/base: fp8-rowwise-ab
 #   the prefill kernel's lazy softmax (tests, tiles at 2k-8k without and with it): prefill-lazy
-#   the A3B's attention weights read into L2 during the experts, a probe for its batch-1 step: l2-prefetch
+#   the A3B's attention weights read into L2 during the experts, a probe for its batch-1 step: l2-prefetch;
+#   then in the engine (KVSHIP_L2_WARM), A3B batch 1 off and on alternated: l2-warm-ab
 #   kernel tests changed after 2026-12-02's last device call (q/k norm in the rotary store, int4 heads
 #   under 32 channels, MoE models in CUDA graphs): bash bench/gpu_session.sh gpu-verify
 #   throughput by KV and weight dtype (two passes each: one tree's single runs spread by 7%), then where
@@ -205,6 +206,10 @@ bench fp8-rowwise-ab 590 bash -c "python3 bench/throughput.py --hf-prompts 0 && 
   python3 bench/throughput.py --hf-prompts 0 --quantization fp8 --kv-cache-dtype fp8"
 # Qwen3-30B-A3B batch 1: the next layer's q/k/v and o weights read into L2 on a side stream while the experts stream
 bench l2-prefetch 200 python3 bench/l2_prefetch.py
+# the same in the engine (KVSHIP_L2_WARM: programs of the read, 0 off): its GPU test, then A3B batch 1 off, on, off, on
+bench l2-warm-ab 560 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_l2_warm.py && \
+  for w in 0 32 0 32; do KVSHIP_L2_WARM=\$w python3 bench/latency.py --shape qwen3-30b-a3b --quantization none \
+  --no-hf --output 128 || exit; done"
 # the causal prefill kernel's tiles without and with the lazy softmax at 2k/4k/8k (its GPU tests first)
 bench prefill-lazy 400 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py \
   tests/test_kv_quant.py -k 'prefill or lazy' && python3 bench/kernels_gpu.py --prefill-sweep"

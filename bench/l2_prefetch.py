@@ -3,8 +3,8 @@
 At batch 1 the Qwen3-30B-A3B step spends about 24 us a layer in its expert kernels at some 73% of
 copy bandwidth, and about 14 us in the q/k/v and o one-row GEMVs (38 MB at some 64%); 60% of the
 roofline needs a 2.41 ms step against 2.70. The attention weights of layer L + 1 are known before
-layer L's experts run. Here a small kernel on a second stream reads them (``evict_last``, the
-values dropped) while the experts' two kernels run, and the GEMVs follow. Timed from one CUDA
+layer L's experts run. Here a small kernel on a second stream reads them (kernels/l2_warm.py:
+``evict_last``, the values dropped) while the experts' two kernels run, and the GEMVs follow. Timed from one CUDA
 graph per case, cycling through enough layers to overflow L2 (gemv_sweep.time_per_call), in us a
 layer:
 
@@ -28,35 +28,14 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, header, measure_ceilings, table
 from gemv_sweep import time_per_call
 from kvship.kernels import fused_moe as fm
 from kvship.kernels import gemv
-
-
-@triton.jit
-def _touch_kernel(a_ptr, na, b_ptr, nb, sink_ptr, BLOCK: tl.constexpr):
-    """Reads a[0:na] and b[0:nb] (int32 words) through L2 with evict_last, grid-strided; stores
-    nothing unless the XOR of all the words is one value (so the compiler keeps the loads)."""
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
-    offs = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], tl.int32)
-    for start in range(pid * BLOCK, na, nprog * BLOCK):
-        acc ^= tl.load(a_ptr + start + offs, mask=start + offs < na, other=0, eviction_policy="evict_last")
-    for start in range(pid * BLOCK, nb, nprog * BLOCK):
-        acc ^= tl.load(b_ptr + start + offs, mask=start + offs < nb, other=0, eviction_policy="evict_last")
-    total = tl.xor_sum(acc, 0)
-    if total == 0x7FFFFFFE:
-        tl.store(sink_ptr, total)
-
-
-def touch(a: torch.Tensor, b: torch.Tensor, sink: torch.Tensor, programs: int) -> None:
-    wa, wb = a.view(torch.int32).view(-1), b.view(torch.int32).view(-1)
-    _touch_kernel[(programs,)](wa, wa.numel(), wb, wb.numel(), sink, BLOCK=2048, num_warps=8)
+from kvship.kernels.l2_warm import warm_l2
+from kvship.layers import prefetch
 
 
 def main() -> None:
@@ -91,22 +70,16 @@ def main() -> None:
         moe(i)
         attn(i)
 
-    def touched(programs):
+    def touched(programs):  # the engine's fork and join (layers/prefetch.py), at this many programs
         def layer(i):
-            fork = torch.cuda.Event()
-            fork.record()
-            side.wait_event(fork)
-            with torch.cuda.stream(side):
-                touch(qkv[i], o[i], sink, programs)
-                join = torch.cuda.Event()
-                join.record(side)
-            moe(i)
-            torch.cuda.current_stream().wait_event(join)
+            prefetch.PROGRAMS = programs
+            with prefetch.WarmDuring([qkv[i], o[i]], side, sink):
+                moe(i)
             attn(i)
         return layer
 
     def touched_before(i):  # the read on the same stream, before the experts: do the lines outlive them?
-        touch(qkv[i], o[i], sink, 132)
+        warm_l2([qkv[i], o[i]], 132, sink)
         moe(i)
         attn(i)
 
