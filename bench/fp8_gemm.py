@@ -29,6 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import _time_cuda, header, measure_ceilings, table
 from gemv_sweep import SHAPES, time_per_call
+from kvship.kernels._triton import next_pow2
 from kvship.kernels.fp8_matmul import (
     fp8_group_matmul_triton,
     fp8_rowwise_matmul_triton,
@@ -142,7 +143,7 @@ def rowwise(row_counts: list[int], bw: float, mm8: float) -> None:
             # 16 or 32 columns give a 4096-row matrix 256 or 128 programs
             grid = itertools.product([16, 32, 64, 128], [16, 32, 64, 128, 256], [128, 256], [4, 8], [3, 4])
             for bm, bn, bk, nw, ns in grid:
-                if bm > max(16, triton_next_pow2(m)) or (bm == 16 and nw == 8) or (bm + bn) * bk * ns > 200_000 \
+                if bm > max(16, next_pow2(m)) or (bm == 16 and nw == 8) or (bm + bn) * bk * ns > 200_000 \
                         or (bn < 64 and bm > 16):
                     continue
                 cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
@@ -174,10 +175,6 @@ def rowwise(row_counts: list[int], bw: float, mm8: float) -> None:
                        "cuBLAS bf16 µs",
                        "limit µs", "best tile", "rel err vs dequantized"]))
     print("\nbest tiles:", best_table)
-
-
-def triton_next_pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
 
 
 if __name__ == "__main__":

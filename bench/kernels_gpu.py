@@ -250,7 +250,7 @@ def prefill_sweep(copy_bw, mm_rate):
     """The causal prefill kernel at 2k, 4k and 8k tokens (one sequence, nothing cached; the KV
     issue asks >= 60% of the matmul rate there) over tiles, each without and with the lazy
     softmax (paged_attention._lazy_softmax: the scale inside the exponent's FMA, the running
-    maximum moved only past LAZY_TAU; sm_90 SASS: 424 instead of 488 instructions a 64 x 64
+    maximum moved only past LAZY_TAU; sm_90 SASS: 425 instead of 488 instructions a 64 x 64
     unmasked tile when it does not move)."""
     print("\n## prefill sweep (block_m, block_n, num_warps, num_stages, lazy softmax)")
     saved = dict(pa.PREFILL_CONFIG[128])

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import header, measure_ceilings, table
 from gemv_sweep import time_per_call
 from kvship.kernels import gemv
-from kvship.kernels.quant_linear import quant_linear_triton
+from kvship.kernels.quant_linear import pack, quant_linear_triton
 from kvship.quant import quantize
 
 SHAPES = [("8b qkv", 6144, 4096), ("8b o", 4096, 4096), ("8b gate_up", 28672, 4096), ("8b down", 4096, 14336),
@@ -88,8 +88,7 @@ def main() -> None:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             if fmt == "fp8":
-                qws = [quantize(w, "fp8") for w in dense]
-                qws = [__import__("kvship.kernels.quant_linear", fromlist=["pack"]).pack(q, "cuda") for q in qws]
+                qws = [pack(quantize(w, "fp8"), "cuda") for w in dense]
                 ws = [q.qweight for q in qws]
                 ss = [q.scales.reshape(-1).float().contiguous() for q in qws]
                 ref = F.linear(x.float(), ws[0].float() * ss[0][:, None]).to(torch.bfloat16)
@@ -101,8 +100,7 @@ def main() -> None:
                 engine = lambda i: gemv.gemv_triton(x, ws[i], None, cfg0)  # noqa: E731
             dense = None
             torch.cuda.empty_cache()
-            cublas = time_per_call(lambda i: F.linear(x, ws[i] if fmt == "bf16" else ws[i].to(torch.bfloat16)),
-                                   copies) if fmt == "bf16" else float("nan")
+            cublas = time_per_call(lambda i: F.linear(x, ws[i]), copies) if fmt == "bf16" else float("nan")
             eng = time_per_call(engine, copies)
             best = None
             for bn, bk, nw, ns in grid:
