@@ -19,6 +19,12 @@ from kvship.kernels.l2_warm import warm_l2
 PROGRAMS = int(os.environ.get("KVSHIP_L2_WARM", "0"))
 
 
+def side_stream() -> torch.cuda.Stream | None:
+    """The stream a model reads on while the experiment is on (made with the model: a stream is not
+    made while a graph is captured), else None."""
+    return torch.cuda.Stream() if PROGRAMS and torch.cuda.is_available() else None
+
+
 def matrices(module: nn.Module) -> list[torch.Tensor]:
     """The weight matrices a module's linear layers read: 16-bit weights, or a quantized layer's
     codes and scales (kernels/quant_linear.py's QWeight); vectors (biases, norms) left out."""

@@ -140,8 +140,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.layer(cfg, rotary, tp, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * cfg.num_hidden_layers)
         self.sparse = [cfg.is_sparse(i) for i in range(cfg.num_hidden_layers)]
-        # the L2 experiment's side stream (layers/prefetch.py), made here: not while a graph is captured
-        self.warm_stream = torch.cuda.Stream() if prefetch.PROGRAMS and torch.cuda.is_available() else None
+        self.warm_stream = prefetch.side_stream()  # None unless the L2 experiment is on (layers/prefetch.py)
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
