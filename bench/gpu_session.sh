@@ -199,8 +199,7 @@ bench mla-sweep-quick 150 python3 bench/mla_sweep.py --quick
 # the one-row GEMV on the tensor cores, its weight tiles streamed through shared memory (a probe)
 bench tc-gemv 330 python3 bench/tc_gemv_sweep.py
 # offline throughput, 1000 prompts: bf16 and FP8 (W8A8) weights in this tree, FP8 in build/base, then FP8 + fp8 KV here
-bench fp8-rowwise-ab 590 bash -c "python3 bench/throughput.py --hf-prompts 0 && \
-  python3 bench/throughput.py --hf-prompts 0 --quantization fp8 && \
+bench fp8-rowwise-ab 590 bash -c "python3 bench/throughput.py --hf-prompts 0 --quantization none fp8 && \
   (cd build/base && KVSHIP_COMMIT=\$(cat BASE) PYTHONPATH=\$PWD/engine:\$PYTHONPATH \
   python3 bench/throughput.py --hf-prompts 0 --quantization fp8) && \
   python3 bench/throughput.py --hf-prompts 0 --quantization fp8 --kv-cache-dtype fp8"

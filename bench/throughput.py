@@ -10,8 +10,11 @@ weight bytes with --quantization (the bytes the loaded layers hold; the prefill 
 bf16 matmul rate, so an FP8 W8A8 limit is conservative there).
 
     python bench/throughput.py [--shape llama3-8b] [--num-prompts 1000] [--max-num-seqs 256]
-                               [--kv-cache-dtype auto|fp8|fp8_e5m2|int4] [--quantization fp8|fp8-block|int8|int4]
+                               [--kv-cache-dtype auto fp8 ...] [--quantization none fp8 ...] [--tp 1 2]
                                [--profile TOP]
+
+Several weight formats (none: 16-bit), KV-cache dtypes and TP sizes run in turn, each configuration
+in its own engine, and share one table: each row beside its own limit, in the same run.
 
 The table's last columns count the engine's steps by kind: decodes alone (CUDA graphs), prompt
 chunks alone, and mixed (both; eager). --profile runs the kvship pass under torch.profiler and
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import sys
 import tempfile
 import time
@@ -178,9 +182,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--hf-prompts", type=int, default=64, help="subset size for the HF reference (0: skip)")
     ap.add_argument("--hf-batch", type=int, default=32)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"])
-    ap.add_argument("--quantization", default=None, choices=WEIGHT_FORMATS,
-                    help="in-situ weight format (fp8-block: a scale per 128 x 128 block, as block-wise checkpoints)")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
+                    choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"])
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", *WEIGHT_FORMATS],
+                    help="in-situ weight formats, each run in turn (none: 16-bit; fp8-block: a scale per 128 x 128 "
+                         "block, as block-wise checkpoints)")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="profile the kvship pass, print TOP kernels")
     ap.add_argument("--passes", type=int, default=1,
                     help="passes over the workload in one engine; the row shows the median pass and lists them all "
@@ -188,45 +194,45 @@ def main() -> None:
     ap.add_argument("--tp", type=int, nargs="+", default=[1],
                     help="tensor-parallel sizes, each run in turn (e.g. 1 2: TP=1 and TP=2 in the same run)")
     args = ap.parse_args()
-    wfmt = args.quantization or "bf16"
     bw, mm = measure_ceilings()
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts, outs = workload(args.num_prompts, args.lo, args.hi, vocab)
     t0 = time.monotonic()
-    rows, limits, profiles = [], {}, []
-    for tp in args.tp:
+    rows, limits, profiles, first = [], {}, [], 0.0
+    for wfmt, kv, tp in itertools.product(args.quantization, args.kv_cache_dtype, args.tp):
+        config = f"{'bf16' if wfmt == 'none' else wfmt} weights, {kv} KV" + (f", TP={tp}" if args.tp != [1] else "")
         with tempfile.TemporaryDirectory() as tmp:
             folder = write_shape_folder(args.shape, tmp)
             results, wbytes, ebytes, prof_rows = run_kvship(
-                folder, prompts, outs, args.max_num_seqs, args.kv_cache_dtype, insitu_method(args.quantization), tp,
-                args.profile,
+                folder, prompts, outs, args.max_num_seqs, kv, insitu_method(wfmt), tp, args.profile,
                 passes=args.passes, vocab=vocab)
         dt, produced, busy, kinds = sorted(results)[len(results) // 2]  # the median pass (by seconds)
         # tp GPUs side by side: each reads its shard (rank 0's bytes), 1/tp of the KV and of the FLOPs
-        limits[tp] = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw * tp, mm * tp,
-                                   args.kv_cache_dtype, wbytes * tp, ebytes * tp)
-        print(f"kvship TP={tp} done after {time.monotonic() - t0:.0f} s ({dt:.1f} s of generation)", file=sys.stderr,
-              flush=True)
-        name = f"kvship, {wfmt} weights, {args.kv_cache_dtype} KV" + (f", TP={tp}" if args.tp != [1] else "")
+        limits[config] = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw * tp, mm * tp, kv,
+                                       wbytes * tp, ebytes * tp)
+        print(f"kvship {config} done after {time.monotonic() - t0:.0f} s ({dt:.1f} s of generation)",
+              file=sys.stderr, flush=True)
+        name = f"kvship, {config}"
         if len(results) > 1:
             name += " (median of passes " + " / ".join(f"{p / d:,.0f}" for d, p, _, _ in results) + ")"
-        rows.append([name, f"{produced / dt:,.0f}", f"{dt:.1f}", f"{100 * limits[tp] / dt:.0f}%",
+        rate = produced / dt
+        first = first or rate
+        rows.append([name, f"{rate:,.0f}", f"{rate / first:.2f}×", f"{dt:.1f}", f"{100 * limits[config] / dt:.0f}%",
                      f"{100 * (1 - busy):.0f}%", *(f"{kinds[k]:,}" for k in ("decode", "mixed", "prefill"))])
         profiles.append((name, prof_rows))
     if args.hf_prompts:
         hf = run_hf(args.shape, prompts[:args.hf_prompts], outs[:args.hf_prompts], args.hf_batch)
         print(f"HF done after {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}",
-                     *"-" * 6])
-    for tp, limit in limits.items():
-        rows.append([f"workload limit, {wfmt} weights, {args.kv_cache_dtype} KV" + (f", TP={tp}" if tp > 1 else "")
-                     + " (bytes / BW + prefill FLOPs / matmul)", f"{sum(outs) / limit:,.0f}", f"{limit:.1f}", "100%",
-                     "0%", *"-" * 3])
-    print(header(f"Offline throughput, {args.shape} shape, {wfmt} weights, {args.kv_cache_dtype} KV cache, {args.num_prompts} prompts, "
+                     *"-" * 7])
+    for config, limit in limits.items():
+        rows.append([f"workload limit, {config} (bytes / BW + prefill FLOPs / matmul)", f"{sum(outs) / limit:,.0f}",
+                     "-", f"{limit:.1f}", "100%", "0%", *"-" * 3])
+    print(header(f"Offline throughput, {args.shape} shape, {args.num_prompts} prompts, "
                  f"in/out uniform [{args.lo}, {args.hi}], max_num_seqs {args.max_num_seqs}"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
           f"{sum(map(len, prompts)):,} prompt tokens, {sum(outs):,} output tokens\n")
-    print(table(rows, ["engine", "output tok/s", "seconds", "of limit", "GPU idle", "decode steps", "mixed steps",
+    print(table(rows, ["engine", "output tok/s", "of the first row", "seconds", "of limit", "GPU idle", "decode steps", "mixed steps",
                        "prefill steps"]))
     for name, prof_rows in profiles:
         if prof_rows:

@@ -19,8 +19,8 @@ from kvship.layers.moe import MoEExperts
 from kvship.loader import resolve_model
 from kvship.parallel import TPContext
 from kvship.quant import QuantScheme
+from test_loader_gguf import F16_FIELDS
 from test_models import our_logits
-from test_quantized_weights import _GGUF_TYPES
 
 # fp32 on both sides, as in test_models: only the summation order differs.
 ATOL = 2e-4
@@ -41,7 +41,8 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
           "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
-          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+          "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}  # (dense layers)
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
 
@@ -112,6 +113,8 @@ def _metadata(w, model, arch: str) -> None:
     cfg = model.config
     dense_metadata(w, cfg)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    if not (getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)):
+        return  # a dense model
     w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if arch != "llama":
@@ -122,14 +125,14 @@ def _metadata(w, model, arch: str) -> None:
 
 def _encoded(arr: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
     """``arr`` in ``qtype``'s blocks: the gguf package's quantization, or for the k-quants it cannot
-    write (Q4_K, Q5_K, Q6_K) random blocks of the same shape, valid once their fp16 scales are
-    finite (test_quantized_weights' offsets) and small (weights of a few hundredths)."""
+    write (Q3_K to Q6_K) random blocks of the same shape, valid once their fp16 scales are finite
+    and small (weights of a few hundredths)."""
     try:
         return quants.quantize(np.ascontiguousarray(arr), qtype)  # F32: the array itself
     except NotImplementedError:
         per_block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, (arr.size // per_block, nbytes), dtype=np.uint8)
-        for off in _GGUF_TYPES[qtype.name]:
+        for off in F16_FIELDS[qtype]:
             raw[:, off:off + 2] = rng.uniform(2e-5, 1e-4, raw.shape[0]).astype("<f2").view(np.uint8).reshape(-1, 2)
         return raw.reshape(*arr.shape[:-1], arr.shape[-1] // per_block * nbytes)
 

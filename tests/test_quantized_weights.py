@@ -163,10 +163,10 @@ def _pack_cols(vals: torch.Tensor, bits: int, order=None) -> torch.Tensor:
     return (word - (word >= 2**31).long() * 2**32).to(torch.int32)
 
 
-def _int_groups(w: torch.Tensor, bits: int, symmetric: bool):
-    """Per-group min/max (or absmax) codes [N, K], fp16 scales and integer zeros [N, K/G]."""
+def _int_groups(w: torch.Tensor, bits: int, symmetric: bool, group: int = G):
+    """Per-group min/max (or absmax) codes [N, K], fp16 scales and integer zeros [N, K/group]."""
     n, k = w.shape
-    wg = w.view(n, k // G, G)
+    wg = w.view(n, k // group, group)
     levels = (1 << bits) - 1
     if symmetric:
         scale = (wg.abs().amax(2) / (levels // 2)).half()
@@ -189,17 +189,18 @@ def _write_format(tensors: dict[str, torch.Tensor], fmt: str, rng: torch.Generat
             out[name] = deq[name] = w
             continue
         n, k = w.shape
-        if fmt in ("gptq", "gptq-8bit", "gptq-act-order"):
-            bits = 8 if fmt == "gptq-8bit" else 4
-            codes, scale, zero = _int_groups(w, bits, symmetric=fmt != "gptq-act-order")
-            g_idx = torch.arange(k) // G
-            if fmt == "gptq-act-order":  # inputs visited in a random order: group members scattered over K
+        if fmt.startswith("gptq"):
+            qcfg = _QUANT_CONFIGS[fmt]
+            bits, group, symmetric = qcfg["bits"], qcfg["group_size"], qcfg["sym"]
+            codes, scale, zero = _int_groups(w, bits, symmetric, group)
+            g_idx = torch.arange(k) // group
+            if qcfg["desc_act"]:  # inputs visited in a random order: group members scattered over K
                 # (one order per input: q, k and v see the same activations, so GPTQ orders them alike)
                 perm = perms.setdefault(k, torch.randperm(k, generator=rng))
                 g_idx = torch.empty(k, dtype=torch.long)
-                g_idx[perm] = torch.arange(k) // G
+                g_idx[perm] = torch.arange(k) // group
                 wg = w[:, perm].contiguous()
-                c2, scale, zero = _int_groups(wg, 4, symmetric=False)
+                c2, scale, zero = _int_groups(wg, bits, symmetric, group)
                 codes = torch.empty_like(c2)
                 codes[:, perm] = c2
             out[prefix + ".qweight"] = _pack_rows(codes.t().contiguous(), bits)
@@ -221,11 +222,25 @@ def _write_format(tensors: dict[str, torch.Tensor], fmt: str, rng: torch.Generat
             q = (w / full).to(torch.float8_e4m3fn)
             out[name], out[prefix + ".weight_scale_inv"] = q, blocks.float()
             deq[name] = q.float() * full
-        elif fmt == "ct-fp8-channel":
-            s = w.abs().amax(1, keepdim=True) / 448.0
-            q = (w / s).to(torch.float8_e4m3fn)
-            out[name], out[prefix + ".weight_scale"] = q, s.float()
-            deq[name] = q.float() * s
+        elif _QUANT_CONFIGS[fmt].get("format") in ("float-quantized", "int-quantized"):
+            # compressed-tensors' own compressor writes the 8-bit weights and its decompressor gives
+            # the values they mean; the test picks the scales (absmax per tensor, row or block)
+            from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor as ct
+            from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+            args = QuantizationArgs(**_QUANT_CONFIGS[fmt]["config_groups"]["group_0"]["weights"])
+            top = 448.0 if args.type == "float" else 127.0
+            if args.strategy == "tensor":
+                amax = w.abs().amax().reshape(1)
+            elif args.strategy == "channel":
+                amax = w.abs().amax(1, keepdim=True)
+            else:
+                bn, bk = args.block_structure
+                amax = w.view(n // bn, bn, k // bk, bk).abs().amax((1, 3))
+            scheme = QuantizationScheme(targets=["Linear"], weights=args)
+            packed = ct.compress({"weight": w, "weight_scale": amax / top}, scheme)
+            out.update({f"{prefix}.{k}": v for k, v in packed.items()})
+            deq[name] = ct.decompress(packed, scheme)["weight"].float()
         elif fmt in ("ct-w4a16", "ct-w4a16-asym"):
             # compressed-tensors' own compressor writes the tensors and its decompressor gives the
             # values they mean (zero points packed along the rows when asymmetric)
@@ -252,17 +267,31 @@ def _ct(weights: dict) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
 
 
+def _ct8(fmt: str, kind: str, **weights) -> dict:
+    """An 8-bit compressed-tensors config (W8A8 with dynamic per-token activations)."""
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": fmt,
+                                          "weights": {"num_bits": 8, "type": kind, "symmetric": True, **weights},
+                                          "input_activations": {"num_bits": 8, "type": kind, "strategy": "token",
+                                                                "dynamic": True}}}}
+
+
+def _gptq(bits: int = 4, group: int = G, act_order: bool = False, sym: bool = True) -> dict:
+    return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": sym}
+
+
 _QUANT_CONFIGS = {
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": False, "sym": True},
-    "gptq-8bit": {"quant_method": "gptq", "bits": 8, "group_size": G, "desc_act": False, "sym": True},
-    "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": True, "sym": False},
+    "gptq": _gptq(),
+    "gptq-g64": _gptq(group=64),
+    "gptq-8bit": _gptq(bits=8),
+    "gptq-act-order": _gptq(act_order=True, sym=False),
+    "gptq-act-order-sym": _gptq(group=64, act_order=True),
     "awq": {"quant_method": "awq", "bits": 4, "group_size": G, "version": "gemm", "zero_point": True},
     "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
-    "ct-fp8-channel": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-                       "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
-                                                     "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
-                                                     "input_activations": {"num_bits": 8, "type": "float",
-                                                                           "dynamic": True}}}},
+    "ct-fp8-channel": _ct8("float-quantized", "float", strategy="channel"),
+    "ct-fp8-tensor": _ct8("float-quantized", "float", strategy="tensor"),
+    "ct-fp8-block": _ct8("float-quantized", "float", strategy="block", block_structure=[32, 32]),
+    "ct-int8-channel": _ct8("int-quantized", "int", strategy="channel"),
     "ct-w4a16": _ct({"num_bits": 4, "type": "int", "strategy": "group", "group_size": G, "symmetric": True}),
     "ct-w4a16-asym": _ct({"num_bits": 4, "type": "int", "strategy": "group", "group_size": G, "symmetric": False}),
 }
@@ -402,6 +431,33 @@ def test_insitu_quantization_of_the_bundled_model(reference_text_ids, capsys):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_insitu_fp8_loading_peak_stays_near_the_quantized_size(tmp_path, caplog):
+    """--quantization fp8 quantizes each matrix as it arrives: the loading peak (the runner's log)
+    exceeds the FP8 model by a layer's 16-bit matrices and their temporaries, never by the
+    16-bit model."""
+    import re
+
+    import transformers
+
+    from conftest import write_word_tokenizer
+    from kvship.llm import LLM
+
+    layers, hidden, inter = 16, 2048, 8192
+    transformers.LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                             num_attention_heads=16, max_position_embeddings=256).save_pretrained(tmp_path)
+    write_word_tokenizer(tmp_path, 1024)
+    with caplog.at_level("INFO", logger="kvship.runner.model_runner"):
+        llm = LLM(str(tmp_path), load_format="dummy", quantization="fp8", dtype="bfloat16", enforce_eager=True,
+                  max_model_len=256, num_kv_blocks=16)
+    del llm
+    found = re.search(r"weights: ([\d.]+) GiB on the GPU, ([\d.]+) GiB at the peak of loading", caplog.text)
+    held, peak = float(found[1]), float(found[2])
+    bf16 = layers * (4 * hidden * hidden + 3 * inter * hidden) * 2 / 2**30  # the layers' matrices in 16 bits
+    assert held < 0.6 * bf16, (held, bf16)  # FP8 codes, a scale per row, 16-bit embedding and head (8 MiB)
+    assert peak - held < 0.25 * bf16, (held, peak, bf16)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("tied", [False, True], ids=["output", "tied"])
 def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path, tied):
     """A GGUF llama whose linears are Q4_0, Q8_0 (v: q/k/v widen to 8 bits), Q4_1, Q5_0 and Q5_1,
@@ -463,12 +519,10 @@ def test_quantization_flag_refuses_a_quantized_checkpoint(tmp_path):
 
 # -- GGUF blocks kept quantized -------------------------------------------------------------------
 
-# (type, byte offsets of the block's fp16 fields): random blocks are valid once those hold finite values
-_GGUF_TYPES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
-               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+KEPT_GGUF_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
 
 
-@pytest.mark.parametrize("type_name", list(_GGUF_TYPES))
+@pytest.mark.parametrize("type_name", KEPT_GGUF_TYPES)
 def test_gguf_blocks_split_as_the_gguf_library_dequantizes_them(type_name):
     """Arbitrary blocks (random bytes, finite fp16 scales) held as codes, scales and offsets
     equal the maintained ``gguf`` package's dequantization, value for value."""
@@ -476,15 +530,46 @@ def test_gguf_blocks_split_as_the_gguf_library_dequantizes_them(type_name):
     import numpy as np
 
     from kvship.loader.gguf_blocks import GGMLType, split_tensor
+    from test_loader_gguf import F16_FIELDS
 
     qtype = getattr(gguf.GGMLQuantizationType, type_name)
     per_block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rows, cols = 6, per_block * 2
     rng = np.random.default_rng(0)
     raw = rng.integers(0, 256, (rows * cols // per_block, nbytes), dtype=np.uint8)
-    for off in _GGUF_TYPES[type_name]:
+    for off in F16_FIELDS[qtype]:  # random blocks are valid once their fp16 fields hold finite values
         raw[:, off:off + 2] = rng.uniform(1e-3, 2e-2, raw.shape[0]).astype("<f2").view(np.uint8).reshape(-1, 2)
     want = gguf.quants.dequantize(raw.reshape(rows, -1), qtype).reshape(rows, cols)
     qt = split_tensor(raw.reshape(-1), getattr(GGMLType, type_name), (rows, cols))
     assert qt.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
     np.testing.assert_allclose(qt.dequantize().numpy(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_dense_k_quants_stay_quantized_and_match_transformers(tmp_path, caplog):
+    """A dense llama in a Q4_K_M-like mix (q/k/o/gate Q4_K, v and down Q6_K, up Q5_K, the output
+    matrix Q6_K) and one Q3_K matrix, a type kvship has no kernel for: the log names what stays in
+    its blocks and what was dequantized at load, and the logits and greedy tokens equal
+    transformers reading the same file (its gguf package dequantizes)."""
+    import transformers
+    from gguf import GGMLQuantizationType as QT
+
+    from kvship.loader import resolve_model
+    from test_loader_gguf_moe import PROMPTS, _check_against, _transformers_reading, write_gguf
+
+    torch.manual_seed(4)  # rows of k-quant blocks hold 256 values: hidden and intermediate sizes of 256
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   eos_token_id=319, bos_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    mix = {"attn_q": QT.Q4_K, "attn_k": QT.Q4_K, "attn_v": QT.Q6_K, "ffn_gate": QT.Q4_K, "ffn_up": QT.Q5_K,
+           "ffn_down": QT.Q6_K}
+    types = {f"blk.{layer}.{part}.weight": t for layer in range(2) for part, t in mix.items()}
+    types |= {"output.weight": QT.Q6_K, "blk.1.ffn_up.weight": QT.Q3_K}
+    path = tmp_path / "tiny-llama-Q4_K_M.gguf"
+    write_gguf(path, model, "llama", QT.Q4_K, types=types)  # attn_output: Q4_K
+    with caplog.at_level("INFO", logger="kvship.loader.gguf"):
+        resolve_model(str(path))
+    assert ("GGUF: 14 linear matrices stay quantized (Q4_K, Q5_K, Q6_K); "
+            "dequantized at load: blk.*.ffn_up.weight Q3_K") in caplog.text, caplog.text
+    # logits of about 1, the blocks' fp16 scales rounded as in the MoE k-quant test
+    _check_against(_transformers_reading(path, model), path, PROMPTS, atol=5e-3)

@@ -147,6 +147,8 @@ class ModelRunner:
                              "fp8_e4m3 or fp8_e5m2")
 
         torch.manual_seed(config.seed)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # for the loading peak logged below
         build = model_class(model_config)
         torch.set_default_dtype(self.dtype)
         try:
@@ -159,6 +161,9 @@ class ModelRunner:
         else:
             weights = tqdm(weights, desc="Loading weights", unit=" tensors", leave=False)
         self.model.load_weights(weights, need_lm_head=config.task != "embed")
+        if self.device.type == "cuda":  # in-situ quantization holds one 16-bit matrix at a time: the peak shows it
+            log.info("weights: %.2f GiB on the GPU, %.2f GiB at the peak of loading",
+                     torch.cuda.memory_allocated(self.device) / 2**30, torch.cuda.max_memory_allocated(self.device) / 2**30)
         self.model.eval()
         self.sampler = Sampler()
         self.num_blocks = self._allocate_kv_cache()
