@@ -6,6 +6,7 @@ import torch
 from conftest import TINY_ARCHS
 from kvship.config import EngineConfig
 from kvship.core.kv_cache_manager import KVCacheManager
+from kvship.layers.rotary import RotaryEmbedding
 from kvship.loader import resolve_model
 from kvship.models.config import ModelConfig, UnsupportedModelError
 from kvship.quant import QuantScheme
@@ -169,8 +170,8 @@ def test_moe_experts_match_the_definition():
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "qwen2-moe"])
-def test_moe_models_greedy_match_transformers_batched_and_chunked(tiny_models, arch):
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+def test_greedy_matches_transformers_batched_chunked_and_cached(tiny_models, arch):
     """Greedy tokens of the engine (batched with other requests, chunked prefill, a prefix hit)
     equal transformers' generate on the same weights."""
     folder, ref = tiny_models[arch]
@@ -178,6 +179,44 @@ def test_moe_models_greedy_match_transformers_batched_and_chunked(tiny_models, a
     prompts = [torch.randint(0, 319, (n,), generator=g).tolist() for n in (6, 21, 33)]
     prompts.append(prompts[2][:24] + [5, 6, 7])  # shares 24 tokens with the third: prefix-cache blocks
     assert_greedy_matches(folder, ref, prompts, 12)
+
+
+def test_longrope_table_takes_the_long_factors_past_the_original_context(tiny_models):
+    """Positions within Phi-3's original context rotate by the short factors, those past it by the
+    long ones (vLLM's rule): each row equals transformers' own longrope frequencies for a
+    sequence of that length, scaled by its attention factor. (The model tests' prompts stay within
+    the original context, where transformers agrees for every position.)"""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvship.runner.model_runner import load_model  # (the model's config as the engine parses it)
+
+    folder, ref = tiny_models["phi3-longrope"]
+    _, cfg = load_model(EngineConfig(model=str(folder), device="cpu"))
+    max_pos, original = ref.config.max_position_embeddings, ref.config.original_max_position_embeddings
+    table = RotaryEmbedding(cfg.head_dim, max_pos, cfg.rope_theta, cfg.rope_scaling).cos_sin_cache
+    positions = torch.arange(max_pos, dtype=torch.float64)
+    for rows, seq_len in ((slice(0, original), original), (slice(original, max_pos), max_pos)):
+        inv_freq, attention = ROPE_INIT_FUNCTIONS["longrope"](ref.config, seq_len=seq_len)
+        freqs = torch.outer(positions[rows], inv_freq.double())
+        want = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention
+        torch.testing.assert_close(table[rows], want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_sparse_step_picks_the_routed_layers():
+    """Qwen3-MoE and Qwen2-MoE route layer i when (i + 1) % decoder_sparse_step == 0 and i is
+    not in mlp_only_layers, as transformers builds them."""
+    import transformers
+
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, vocab_size=320,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
+                mlp_only_layers=[3])
+    for arch, cls in (("Qwen3MoeForCausalLM", "Qwen3MoeConfig"), ("Qwen2MoeForCausalLM", "Qwen2MoeConfig")):
+        ours = ModelConfig.from_hf({"architectures": [arch], **base})
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**base))
+        want = [hasattr(layer.mlp, "experts") for layer in model.model.layers]
+        assert want == [False, True, False, False, False, True]
+        assert [ours.is_sparse(i) for i in range(6)] == want, arch
 
 
 def test_phi4_mini_partial_rotary_is_refused():

@@ -9,8 +9,7 @@ import torch
 
 from conftest import make_tiny_model
 from kvship.models.config import ModelConfig, UnsupportedModelError
-from kvship.sampling_params import SamplingParams
-from test_models import DEVICES, assert_logits_match
+from test_models import DEVICES, assert_greedy_matches, assert_logits_match
 
 WINDOW = 8
 GEMMA = {
@@ -50,19 +49,10 @@ def test_logits_match_transformers(models, arch, device):
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_greedy_matches_transformers_batched_and_chunked(models, arch):
-    from kvship.llm import LLM
-
-    folder, ref = models[arch]
+def test_greedy_matches_transformers_batched_chunked_and_cached(models, arch):
     prompts = _prompts(2)
-    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=16,
-              max_model_len=256)
-    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10,
-                                                                                  ignore_eos=True))]
-    for p, got in zip(prompts, ours):
-        with torch.no_grad():
-            out = ref.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
-        assert got == out[0, len(p):].tolist(), (arch, p)
+    prompts.append(prompts[2][:36] + [5, 6, 7])  # shares 36 tokens, past the window, with the third: a prefix hit
+    assert_greedy_matches(*models[arch], prompts, 10)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
