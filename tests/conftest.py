@@ -45,6 +45,18 @@ def pytest_unconfigure(config):
     faulthandler.dump_traceback_later(EXIT_GUARD_S, exit=True)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The figures tests measure and report (``record_property``: perplexities, greedy agreement
+    counts), at the end of the run's output: print() alone shows only under -s, which CI does not
+    pass, and xdist's workers hand the properties back with each report."""
+    rows = [(r.nodeid, name, value) for outcome in ("passed", "failed") for r in terminalreporter.stats.get(outcome, [])
+            if r.when == "call" for name, value in r.user_properties]
+    if rows:
+        terminalreporter.section("measured by the tests")
+        for nodeid, name, value in sorted(rows):
+            terminalreporter.write_line(f"{nodeid} {name}: {value}")
+
+
 def _children() -> set[int]:
     """Live child processes of this one (Linux /proc)."""
     pids: set[int] = set()

@@ -100,7 +100,7 @@ def chat(browser, server):
     p.close()
 
 
-def test_streamed_answer_with_usage(chat, server):
+def test_streamed_answer_with_usage(chat, server, record_property):
     assert chat.wait_model() == "SmolLM2-135M-Instruct"
     assert chat.page.title().startswith("SmolLM2-135M-Instruct")
     chat.page.fill("#system-prompt", "You are a helpful assistant. Answer with a short Python example.")
@@ -137,7 +137,7 @@ def test_streamed_answer_with_usage(chat, server):
     # event loop's thread pool, whose threads outlive the test; under load it started a second
     # one, which the leak check rightly reported.
     shot.write_bytes(chat.page.screenshot())
-    print(f"\nanswer streamed in {elapsed:.1f}s ({len(lengths)} samples); screenshot: {shot}")
+    record_property("answer streamed", f"in {elapsed:.1f}s ({len(lengths)} samples); screenshot: {shot}")
 
     # A second turn carries the conversation.
     chat.page.fill("#max-tokens", "40")

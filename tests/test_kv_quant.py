@@ -6,6 +6,7 @@ GPU (real sizes): python -m pytest tests/test_kv_quant.py
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,25 +69,62 @@ def test_int4_roundtrip_and_packing():
     assert torch.equal(kvq.int4_dequantize(*kvq.int4_quantize(const), 8), const)
 
 
-def test_int4_word_order_constants():
-    """The split read's PTX (kv_quant.int4_bytes_to_f16, WORD_ORDER), which the interpreter does
-    not run, on every byte value: a word's low nibbles ORed into 1024.0's mantissa and its high
-    ones into 64.0's are the codes plus that power of two, bytes 0 and 2 from the word, 1 and 3
-    from it shifted by 8, element j holding byte int4_word_order(j) as the interpreter's twin
-    arranges them."""
-    x = torch.arange(256)
-    b = torch.stack([x, (7 * x + 3) % 256, (13 * x + 5) % 256, (29 * x + 11) % 256], -1)  # each a permutation
-    w = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
+def _run_ptx(text: str, regs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The few PTX instructions of kv_quant._int4_unpack_ptx, executed on uint32 arrays (one
+    element per thread): mov, shr, lop3 (0xEA: a & b | c), prmt (byte select), and sub / fma on
+    float16 pairs. Any other instruction fails the test."""
+    regs = dict(regs)
+    f16 = lambda x: x.astype(np.uint32).view(np.uint16).view(np.float16).reshape(-1, 2)  # noqa: E731
+    u32 = lambda h: h.astype(np.float16).reshape(-1).view(np.uint16).view(np.uint32)  # noqa: E731
+    val = lambda a: regs[a] if a in regs else np.uint32(int(a, 0))  # noqa: E731
+    for ins in text.strip("{} ").split(";"):
+        if not ins.strip() or ins.strip().startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        d, *a = [x.strip() for x in args.split(",")]
+        if op == "mov.b32":
+            regs[d] = np.full_like(regs["$4"], int(a[0], 0))
+        elif op == "shr.b32":
+            regs[d] = val(a[0]) >> np.uint32(int(a[1]))
+        elif op == "lop3.b32":
+            assert a[3] == "0xEA"
+            regs[d] = (val(a[0]) & val(a[1])) | val(a[2])
+        elif op == "prmt.b32":
+            both = val(a[0]).astype(np.uint64) | (np.uint64(int(a[1], 0)) << np.uint64(32))
+            sel = int(a[2], 0)
+            regs[d] = sum(((both >> np.uint64(8 * ((sel >> 4 * i) & 7))) & np.uint64(255)) << np.uint64(8 * i)
+                          for i in range(4)).astype(np.uint32)
+        elif op == "sub.f16x2":
+            regs[d] = u32(f16(val(a[0])).astype(np.float32) - f16(val(a[1])).astype(np.float32))
+        elif op == "fma.rn.f16x2":
+            x, y, z = (f16(val(r)).astype(np.float64) for r in a)
+            regs[d] = u32(x * y + z)
+        else:
+            raise AssertionError(f"unexpected PTX {op!r}")
+    return regs
 
-    def pair(x: torch.Tensor) -> torch.Tensor:  # a 32-bit word as two float16, low half first
-        return torch.stack([x & 0xFFFF, x >> 16], -1).to(torch.int16).view(torch.float16).float()
 
-    lo = torch.cat([pair((w & 0x000F000F) | 0x64006400) - 1024,
-                    pair(((w >> 8) & 0x000F000F) | 0x64006400) - 1024], -1)
-    hi = torch.cat([pair((w & 0x00F000F0) | 0x54005400) - 64,
-                    pair(((w >> 8) & 0x00F000F0) | 0x54005400) - 64], -1)
-    order = [0, 2, 1, 3]  # int4_word_order within a word
-    assert torch.equal(lo, (b[:, order] & 15).float()) and torch.equal(hi, (b[:, order] >> 4).float())
+@pytest.mark.parametrize("word_order", [True, False], ids=["word-order", "channel-order"])
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "codes"])
+def test_int4_unpack_ptx(word_order, scaled):
+    """The PTX behind int4_bytes_to_f16 / int4_bytes_to_codes (kv_quant._int4_unpack_ptx), which
+    the interpreter does not run, executed here on every byte value: each of the four bytes of a
+    word comes back as its two codes (times its group's scale, plus its minimum), low nibbles in
+    $0-$1 and high ones in $2-$3, bytes in the order (0, 2, 1, 3) for the split read
+    (int4_word_order) and (0, 1, 2, 3) otherwise."""
+    x = np.arange(256, dtype=np.uint32)
+    b = np.stack([x, (7 * x + 3) % 256, (13 * x + 5) % 256, (29 * x + 11) % 256], -1)  # each a permutation
+    word = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
+    scale, low = np.float16(0.375), np.float16(-1.25)  # one group a word; exact products in float16
+    pair = lambda v: np.full(256, np.array([v, v], np.float16).view(np.uint32)[0])  # noqa: E731
+    regs = {"$4": word, "$5": pair(scale), "$6": pair(scale), "$7": pair(low), "$8": pair(low)}
+    out = _run_ptx(kvq._int4_unpack_ptx(word_order, scaled), regs)
+    got = np.concatenate([out[r].view(np.float16).reshape(256, 2) for r in ("$0", "$1", "$2", "$3")], -1)
+    order = [0, 2, 1, 3] if word_order else [0, 1, 2, 3]
+    codes = np.concatenate([b[:, order] & 15, b[:, order] >> 4], -1).astype(np.float32)
+    want = codes * np.float32(scale) + np.float32(low) if scaled else codes
+    np.testing.assert_array_equal(got.astype(np.float32), want)
+    assert order == ([kvq.int4_word_order(j) for j in range(4)] if word_order else order)
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])

@@ -129,7 +129,7 @@ def test_cache_holds_the_latent(models):
 
 
 @pytest.mark.parametrize("kv,max_rel,min_top1", [("fp8", 0.06, 0.9), ("fp8_e5m2", 0.1, 0.8)])
-def test_fp8_latent_cache(models, kv, max_rel, min_top1, capsys):
+def test_fp8_latent_cache(models, kv, max_rel, min_top1, record_property):
     """--kv-cache-dtype fp8 on DeepSeek: the latent rows stored in FP8 with a scale per layer
     measured at start-up, 4x the blocks of the float32 cache in the same bytes. Against the
     16-bit cache (prompts prefilled in chunks of 7 over the cached prefix, whose pages are read
@@ -152,9 +152,8 @@ def test_fp8_latent_cache(models, kv, max_rel, min_top1, capsys):
     base, got = our_logits(folder, prompts, chunk=7), our_logits(folder, prompts, chunk=7, kv_cache_dtype=kv)
     rel = max(((g - b).norm() / b.norm()).item() for g, b in zip(got, base))
     top1 = sum((g.argmax(-1) == b.argmax(-1)).sum().item() for g, b in zip(got, base)) / sum(map(len, prompts))
-    with capsys.disabled():
-        print(f"\nDeepSeek-V2 tiny, {kv} latent cache against 16 bits: logits' relative error {rel:.3f}, "
-              f"top token agrees at {top1:.0%} of positions")
+    record_property(f"DeepSeek-V2 tiny, {kv} latent cache against 16 bits",
+                    f"logits' relative error {rel:.3f}, top token agrees at {top1:.0%} of positions")
     assert rel < max_rel and top1 >= min_top1
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

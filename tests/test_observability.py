@@ -231,6 +231,13 @@ def test_metrics_match_the_usage_returned(engine, no_otel_env):
     assert value(after, "kvship:num_requests_running", **m) == 0
     assert value(after, "kvship:num_requests_waiting", **m) == 0
     assert 0 <= value(after, "kvship:kv_cache_usage_perc", **m) <= 1
+    # The cache's facts: the blocks the runner allocated in --kv-cache-memory, 30 layers of 3 KV
+    # heads of 64 channels a token (the bundled SmolLM2), keys and values, in the model's dtype
+    runner = engine.engine.runner
+    per_block = 30 * 2 * 3 * 64 * engine.config.block_size * runner.dtype.itemsize
+    assert runner.num_blocks == (256 << 20) // per_block
+    assert value(after, "kvship:cache_config_info", num_gpu_blocks=str(runner.num_blocks),
+                 block_size=str(engine.config.block_size), cache_dtype="auto", **m) == 1.0
 
 
 def test_grafana_dashboard_uses_only_exported_metrics(engine, no_otel_env):

@@ -404,7 +404,7 @@ def reference_text_ids():
 
 
 @pytest.mark.timeout(900)
-def test_insitu_quantization_of_the_bundled_model(reference_text_ids, capsys):
+def test_insitu_quantization_of_the_bundled_model(reference_text_ids, record_property):
     from kvship.llm import LLM
     from kvship.sampling_params import SamplingParams
 
@@ -417,11 +417,10 @@ def test_insitu_quantization_of_the_bundled_model(reference_text_ids, capsys):
         del llm
     for q in ("int8", "int4"):
         same = sum(a == b for a, b in zip(texts[None], texts[q]))
-        rows.append(f"{q:>5}: greedy 16 tokens identical on {same}/{len(PROMPTS)} prompts, perplexity "
+        rows.append(f"{q}: greedy 16 tokens identical on {same}/{len(PROMPTS)} prompts, perplexity "
                     f"{ppl[q]:.3f} vs {ppl[None]:.3f} ({100 * (ppl[q] / ppl[None] - 1):+.2f}%)")
-    with capsys.disabled():
-        print("\nin-situ quantization of SmolLM2-135M (16-bit reference: the model's own dtype here)\n  "
-              + "\n  ".join(rows))
+    record_property("in-situ quantization of SmolLM2-135M (16-bit reference: the model's own dtype)",
+                    "; ".join(rows))
     assert sum(a == b for a, b in zip(texts[None], texts["int8"])) > len(PROMPTS) // 2
     assert ppl["int8"] < ppl[None] * 1.02
     # The bundled file already holds 4-bit codes in groups of 32; regrouping them by 128 on a 135M

@@ -58,6 +58,31 @@ def test_sharded_logits_equal_single_rank(tiny_models, reference, arch, tp):
     assert tokens == ref_tokens
 
 
+@pytest.mark.parametrize("kv", ["fp8", "int4"])
+def test_quantized_kv_cache_sharded_equals_single_rank(tiny_models, kv):
+    """A quantized cache over two ranks holds what one rank's holds. int4's groups lie within a
+    head. The FP8 scales measured at start-up are each layer's largest over every rank's heads, as
+    one rank measures them: layer 0's equal, later layers' within the few rounding flips their
+    inputs went through in the measuring prefill (ranks stored it with their own scales), and
+    the logits within such flips (with each rank's own scales they were 0.014 apart)."""
+    folder = tiny_models["llama-gqa-tied"][0]
+    scales = {}
+    for tp in (1, 2):
+        llm = LLM(str(folder), device="cpu", tensor_parallel_size=tp, max_model_len=128, num_kv_blocks=64,
+                  kv_cache_dtype=kv)
+        scales[tp] = torch.cat([torch.cat([a.fp8_k_scale, a.fp8_v_scale]) for a in llm.engine.runner.model.attention_layers()])
+        llm.engine.shutdown()
+    if kv == "fp8":  # (int4 has no layer scales: each group carries its own)
+        torch.testing.assert_close(scales[2][:2], scales[1][:2], rtol=0, atol=0)
+        torch.testing.assert_close(scales[2], scales[1], rtol=1e-3, atol=0)
+    ref_tokens, ref_steps = _run(folder, 1, kv_cache_dtype=kv)
+    tokens, steps = _run(folder, 2, kv_cache_dtype=kv)
+    assert len(steps) == len(ref_steps)
+    for a, b in zip(steps, ref_steps):
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-3 if kv == "fp8" else 1e-5)
+    assert tokens == ref_tokens
+
+
 @pytest.mark.parametrize("arch", ["qwen2-bias", "qwen2-moe"])
 def test_dummy_weights_do_not_depend_on_tp(tiny_models, arch):
     folder = tiny_models[arch][0]

@@ -26,6 +26,12 @@ class TPContext:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest over ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x

@@ -302,12 +302,18 @@ class ModelRunner:
         self.model(ids, meta.positions, meta.attention)
         for attn, *cache in caches:
             attn.bind_kv_cache(*cache)
+        # each rank saw its own heads: a layer's scales become the largest over the ranks, as one
+        # rank holding every head measures them, so that the cache means the same at any TP size
+        both = self.tp.all_max(torch.stack([s for attn in layers for s in (attn.fp8_k_scale, attn.fp8_v_scale)]))
+        for attn, (k, v) in zip(layers, both.view(-1, 2, 1)):
+            attn.fp8_k_scale.copy_(k)
+            attn.fp8_v_scale.copy_(v)
         k = [float(attn.fp8_k_scale) for attn in layers]
         v = [float(attn.fp8_v_scale) for attn in layers]
-        log.info("FP8 KV cache: no k/v scales in the checkpoint for %d layers; measured on %d random tokens "
-                 "(largest at 1/%g of the format's range): k %.3g to %.3g, v %.3g to %.3g (--calculate-kv-scales "
-                 "measures them on the first prefill instead)", len(layers), seq_len, kvq.FP8_HEADROOM,
-                 min(k), max(k), min(v), max(v))
+        log.warning("FP8 KV cache: no k/v scales in the checkpoint for %d layers; measured on %d random tokens "
+                    "(largest at 1/%g of the format's range): k %.3g to %.3g, v %.3g to %.3g (--calculate-kv-scales "
+                    "measures them on the first prefill instead)", len(layers), seq_len, kvq.FP8_HEADROOM,
+                    min(k), max(k), min(v), max(v))
 
     # -- one step ----------------------------------------------------------------------------
     def launch(self, batch: Batch, previous: InFlightStep | None = None) -> InFlightStep:
