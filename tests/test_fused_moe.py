@@ -441,16 +441,20 @@ def test_fused_moe_in_cuda_graph(tokens, storage):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "mixtral"])
 def test_moe_model_in_cuda_graphs_matches_transformers(tiny_models, arch):
-    """A MoE model on the GPU now decodes in CUDA graphs (fused experts); greedy tokens as
-    transformers' (fp32 everywhere, so no near-tie should flip; one is tolerated as elsewhere)."""
+    """A MoE model on the GPU decodes in CUDA graphs (fused experts: the decode steps replay a
+    graph); greedy tokens as transformers' (fp32 everywhere, so no near-tie should flip; one is
+    tolerated as elsewhere)."""
     from kvship.llm import LLM
     from kvship.sampling_params import SamplingParams
 
     folder, ref = tiny_models[arch]
     llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16)
-    assert llm.engine.runner.graphs is not None
+    graphs = llm.engine.runner.graphs
+    replays = []
+    replay = graphs.run
+    graphs.run = lambda *a, **kw: replays.append(1) or replay(*a, **kw)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 319, (n,), generator=g).tolist() for n in (3, 9, 21, 40, 57)]
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -461,3 +465,4 @@ def test_moe_model_in_cuda_graphs_matches_transformers(tiny_models, arch):
                                 pad_token_id=0)[0, len(p):].tolist()
         agree += out.outputs[0].token_ids == want
     assert agree >= len(prompts) - 1
+    assert len(replays) >= 11, len(replays)  # 12 tokens each: every step after the prompts' is a decode
