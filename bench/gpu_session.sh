@@ -212,6 +212,10 @@ bench l2-warm-ab 560 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=shor
 # the causal prefill kernel's tiles without and with the lazy softmax at 2k/4k/8k (its GPU tests first)
 bench prefill-lazy 400 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_kernels.py \
   tests/test_kv_quant.py -k 'prefill or lazy' && python3 bench/kernels_gpu.py --prefill-sweep"
+# GPU tests written on a CPU-only day (2026-12-05), not yet run: the fused-MoE tests with the dead
+# expert's NaN weights and graph replays counted (Mixtral too), the in-situ FP8 loading peak
+bench cpu-day-gpu-tests 400 python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_fused_moe.py \
+  tests/test_quantized_weights.py -k "gpu or cuda or graph or loading_peak"
 # per-row FP8 W8A8: the group GEMM's PER_ROW form (GPU tests), then against torch._scaled_mm over a grid of tiles
 bench fp8-rowwise 520 bash -c "python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_fp8_matmul.py && \
   python3 bench/fp8_gemm.py --rowwise --rows 2 8 16 64 128 256 512"
