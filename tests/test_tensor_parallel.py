@@ -48,7 +48,7 @@ def reference(tiny_models):
 
 @pytest.mark.parametrize("arch,tp", [("llama-gqa-tied", 2), ("qwen2-bias", 2), ("qwen3-qknorm", 2), ("phi3", 2),
                                      ("llama-gqa-tied", 4),  # 4 ranks over 2 KV heads: KV heads replicated
-                                     ("qwen3-moe", 2), ("qwen2-moe", 2)])  # experts' intermediate dims sharded
+                                     ("qwen3-moe", 2), ("qwen2-moe", 2), ("mixtral", 2)])  # experts' intermediate dims sharded
 def test_sharded_logits_equal_single_rank(tiny_models, reference, arch, tp):
     ref_tokens, ref_steps = reference(arch)
     tokens, steps = _run(tiny_models[arch][0], tp)
