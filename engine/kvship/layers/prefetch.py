@@ -58,13 +58,15 @@ class WarmDuring:
         torch.cuda.current_stream().wait_event(self.join)
 
 
-def warmers(layers: nn.ModuleList, sparse: list[bool], tokens: int,
-            stream: torch.cuda.Stream) -> list[WarmDuring | None]:
+def warmers(layers: nn.ModuleList, tokens: int, stream: torch.cuda.Stream | None) -> list[WarmDuring | None]:
     """Per layer, what to warm during its feed-forward: the next layer's attention matrices for a
-    routed layer followed by another, when a one-token CUDA graph is being captured; None
-    everywhere else. ``stream``: the side stream (made outside the capture)."""
-    if not (PROGRAMS and tokens == 1 and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    routed layer (one whose MLP holds experts) followed by another, when a one-token CUDA graph is
+    being captured; None everywhere else. ``stream``: the side stream (made outside the capture;
+    None while the experiment is off)."""
+    if not (stream is not None and PROGRAMS and tokens == 1 and torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing()):
         return [None] * len(layers)
     sink = torch.zeros(1, dtype=torch.int32, device=torch.cuda.current_device())
-    return [WarmDuring(matrices(layers[i + 1].self_attn), stream, sink) if sparse[i] and i + 1 < len(layers)
+    routed = [getattr(layer.mlp, "experts", None) is not None for layer in layers]
+    return [WarmDuring(matrices(layers[i + 1].self_attn), stream, sink) if routed[i] and i + 1 < len(layers)
             else None for i in range(len(layers))]

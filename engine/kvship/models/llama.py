@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from itertools import repeat
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -124,9 +124,7 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        if warm is None:
-            return self.mlp(x), residual
-        with warm:
+        with warm or nullcontext():
             return self.mlp(x), residual
 
 
@@ -139,13 +137,11 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(self.layer(cfg, rotary, tp, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * cfg.num_hidden_layers)
-        self.sparse = [cfg.is_sparse(i) for i in range(cfg.num_hidden_layers)]
         self.warm_stream = prefetch.side_stream()  # None unless the L2 experiment is on (layers/prefetch.py)
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
-        warm = repeat(None) if self.warm_stream is None else \
-            prefetch.warmers(self.layers, self.sparse, input_ids.shape[0], self.warm_stream)
+        warm = prefetch.warmers(self.layers, input_ids.shape[0], self.warm_stream)
         for layer, during in zip(self.layers, warm):
             x, residual = layer(positions, x, residual, meta, during)
         x, _ = self.norm(x, residual)
