@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-from kvship.layers import prefetch
 from kvship.layers.attention import AttentionMetadata, PagedAttention, QKNorm
 from kvship.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -116,16 +114,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * index + 1)
         self.mlp = self.sparse_mlp(cfg, tp) if cfg.is_sparse(index) else LlamaMLP(cfg, tp)
 
-    def forward(self, positions, x, residual, meta, warm: prefetch.WarmDuring | None = None):
-        """``warm``: what to read into L2 beside the feed-forward (layers/prefetch.py), or None."""
+    def forward(self, positions, x, residual, meta):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        with warm or nullcontext():
-            return self.mlp(x), residual
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -137,13 +133,11 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(self.layer(cfg, rotary, tp, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * cfg.num_hidden_layers)
-        self.warm_stream = prefetch.side_stream()  # None unless the L2 experiment is on (layers/prefetch.py)
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
-        warm = prefetch.warmers(self.layers, input_ids.shape[0], self.warm_stream)
-        for layer, during in zip(self.layers, warm):
-            x, residual = layer(positions, x, residual, meta, during)
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
 
