@@ -83,19 +83,12 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-# Programmatic dependent launch (Hopper on): a kernel launched with it may start while the
-# kernel before it in the stream is still finishing, runs what does not depend on that kernel
-# (the quantized GEMV's first weight tile) and then waits for it at ``pdl_wait``. At batch 1 a
-# decode step is some 400 short kernels, each paying a launch, a ramp-up and a drain; this
-# overlaps them.
-# KVSHIP_PDL=0 turns it off (the benchmarks' comparison).
-PDL_ENABLED = os.environ.get("KVSHIP_PDL", "1") != "0"
-
-
 def pdl(t: torch.Tensor) -> bool:
     """Whether kernels working on ``t`` launch with programmatic dependent launch: a GPU of
-    compute capability 9 or more (griddepcontrol is sm_90 PTX), not the interpreter."""
-    if not (PDL_ENABLED and HAS_TRITON and t.is_cuda) or INTERPRET:
+    compute capability 9 or more (griddepcontrol is sm_90 PTX), not the interpreter.
+    A kernel so launched may start while the one before it is finishing and run what does not
+    depend on it; a batch-1 decode step is hundreds of short kernels, whose ramps this overlaps."""
+    if not (HAS_TRITON and t.is_cuda) or INTERPRET:
         return False
     return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())[0] >= 9
 

@@ -168,12 +168,9 @@ def fp8_group_matmul_torch(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.T
 @triton.jit
 def _fp8_group_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, stride_a, stride_b, stride_c,
                            stride_as, stride_bs, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-                           PER_ROW: tl.constexpr = False):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """C [M, N] = sum over groups g of (A_g @ B_g^T) * as[:, g] * bs[:, g], with BLOCK_K the group:
-    each step's FP8 dot sums in float32 on its own, then takes both scales. PER_ROW: one scale per
-    row of A and of B (as [M, 1], bs [N, 1]); the dots then accumulate over the whole of K, BLOCK_K
-    is a tile, and the scales apply once, after the loop.
+    each step's FP8 dot sums in float32 on its own, then takes both scales.
     Programs walk the tiles GROUP_M row blocks at a time down each column block, so neighbouring
     programs share weight tiles in L2."""
     pid = tl.program_id(0)
@@ -192,26 +189,15 @@ def _fp8_group_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, 
     a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_a
     b_cols = b_ptr + offs_n[None, :].to(tl.int64) * stride_b
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # Hopper's FP8 tensor-core sums (wgmma, from 64-row tiles) keep about 14 bits: summed there over
-    # all of K they were off by up to 1% of the largest output on the H200 (K 14336); moved into
-    # float32 every 128 inputs or fewer, as cuBLAS's FP8 GEMM does by default and DeepSeek-V3's
-    # kernels do, they are not.
-    IMPRECISE: tl.constexpr = min(BLOCK_K, 128)
     pdl_wait(PDL)
     for g in range(0, tl.cdiv(K, BLOCK_K)):
         k = g * BLOCK_K + offs_k
         kmask = k < K
         a = tl.load(a_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_cols + k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if PER_ROW:  # sums moved into float32 every IMPRECISE inputs (below)
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE)
-        else:
-            sa = tl.load(as_ptr + offs_m * stride_as + g, mask=mmask, other=0.0)
-            sb = tl.load(bs_ptr + offs_n * stride_bs + g, mask=nmask, other=0.0)
-            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-    if PER_ROW:
-        acc *= tl.load(as_ptr + offs_m * stride_as, mask=mmask, other=0.0)[:, None] * \
-            tl.load(bs_ptr + offs_n * stride_bs, mask=nmask, other=0.0)[None, :]
+        sa = tl.load(as_ptr + offs_m * stride_as + g, mask=mmask, other=0.0)
+        sb = tl.load(bs_ptr + offs_n * stride_bs + g, mask=nmask, other=0.0)
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_c + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -259,13 +245,6 @@ def fp8_group_matmul_triton(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.
                             config: dict[str, int] | None = None) -> torch.Tensor:
     """Triton twin of ``fp8_group_matmul_torch`` (``group_matmul_fits`` must hold)."""
     cfg = config or group_gemm_config(xq.shape[0], wq.shape[0], xq.shape[1])
-    return _gemm(xq, x_scales, wq, w_scales, bias, out_dtype, cfg, group, per_row=False)
-
-
-def _gemm(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
-          bias: torch.Tensor | None, out_dtype: torch.dtype, cfg: dict[str, int], block_k: int,
-          per_row: bool) -> torch.Tensor:
-    """One launch of _fp8_group_gemm_kernel over the output's tiles."""
     m, k = xq.shape
     n = wq.shape[0]
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
@@ -275,30 +254,7 @@ def _gemm(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, w_scales: 
     _fp8_group_gemm_kernel[grid](
         xq, x_scales, wq, w_scales, bias if bias is not None else w_scales, y, m, n, k,
         xq.stride(0), wq.stride(0), y.stride(0), x_scales.stride(0), w_scales.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=group,
         GROUP_M=cfg.get("group_m", 8), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        PER_ROW=per_row, **pdl_launch(xq))
+        **pdl_launch(xq))
     return y
-
-
-# Per-row FP8 weights beside per-token activations (W8A8): the kernel's PER_ROW form where it beat
-# torch._scaled_mm on the H200, by weight shape and row count (a count takes the setting of the
-# smallest bucket holding it; None or a shape not listed: _scaled_mm). Filled from
-# `bench/fp8_gemm.py --rowwise`.
-ROWWISE_GEMM_SHAPES: dict[tuple[int, int], dict[int, dict[str, int] | None]] = {}
-ROWWISE_BUCKETS = (8, 16, 64, 128, 256, 512)
-
-
-def rowwise_gemm_config(m: int, n: int, k: int) -> dict[str, int] | None:
-    """The PER_ROW tile for m rows of an n x k matrix, or None where torch._scaled_mm runs."""
-    table = ROWWISE_GEMM_SHAPES.get((n, k))
-    bucket = next((b for b in ROWWISE_BUCKETS if m <= b), None)
-    return table.get(bucket) if table and bucket else None
-
-
-def fp8_rowwise_matmul_triton(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.Tensor, w_scales: torch.Tensor,
-                              bias: torch.Tensor | None, out_dtype: torch.dtype,
-                              config: dict[str, int]) -> torch.Tensor:
-    """``fp8_group_matmul_torch`` with one group (per-token activations [M, 1], per-row weights
-    [N, 1] scales), the kernel's PER_ROW form; ``config`` names its tile, BLOCK_K included."""
-    return _gemm(xq, x_scales, wq, w_scales, bias, out_dtype, config, config["block_k"], per_row=True)

@@ -47,7 +47,7 @@ import functools
 import torch
 
 from kvship.kernels._triton import tl, triton
-from kvship.kernels.numerics import fp8_round, small_int_to_float
+from kvship.kernels.numerics import small_int_to_float
 
 KV_PLAIN, KV_FP8, KV_INT4 = 0, 1, 2  # the kernels' KV_MODE
 
@@ -158,26 +158,6 @@ def transform_queries(q: torch.Tensor, transform: torch.Tensor | None) -> torch.
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     m = fp8_max(dtype)
     return (x.float() / scale).clamp(-m, m).to(dtype)
-
-
-def fp8_split_rows_torch(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference of the kernels' ``fp8_split_rows``: each row of x (float32 arithmetic) as
-    (hi, lo) codes of ``dtype`` with x ~= (hi + lo / lo_factor) * scale, and each row's scale
-    (float32; 1 for a row of zeros). lo_factor: 16 for e4m3, 4 for e5m2 (fp8_lo_factor)."""
-    xf = x.float()
-    amax = xf.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / fp8_max(dtype), torch.ones_like(amax))
-    xs = xf / scale[..., None]
-    hi = xs.to(dtype)
-    lo = ((xs - hi.float()) * fp8_lo_factor(dtype)).to(dtype)
-    return hi, lo, scale
-
-
-def fp8_lo_factor(dtype: torch.dtype) -> float:
-    """What ``fp8_split_rows`` multiplies a value's rounding error by before it rounds it again: a
-    power of two that keeps it within the format (e4m3 rounds to within 2**-4 of a value, e5m2 to
-    within 2**-3)."""
-    return 16.0 if dtype == torch.float8_e4m3fn else 4.0
 
 
 def _int4_code_values(x: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -451,31 +431,6 @@ def int4_per_block(codes, s, z):
 # conversion past the layout change to the dot's operand (for FP8 it did: the tile then went
 # through shared memory as single bytes) nor unpack element by element. The interpreter runs no
 # PTX: ASM=False computes the same values with Triton operations.
-
-@triton.constexpr_function
-def fp8_lo(dtype):
-    """``fp8_lo_factor`` for a Triton FP8 dtype (the kernels' side of the same rule)."""
-    return 16.0 if dtype == tl.float8e4nv else 4.0
-
-
-@triton.jit
-def fp8_split_rows(x, DTYPE: tl.constexpr):
-    """Each row of x as two tiles of the FP8 format DTYPE, hi + lo / LO, scaled so that the row's
-    largest magnitude is the format's largest value: (hi, lo, each row's scale [rows] in float32,
-    1 for a row of zeros). hi is x / scale rounded to DTYPE, lo its rounding error times LO
-    (``fp8_lo_factor``): the pair holds some 7 significant bits where one e4m3 code holds 4.
-    Rounded in float32 first (numerics.fp8_round), so the casts are exact on every backend;
-    ``fp8_split_rows_torch`` is the reference."""
-    FMAX: tl.constexpr = 448.0 if DTYPE == tl.float8e4nv else 57344.0
-    LO: tl.constexpr = fp8_lo(DTYPE)
-    xf = x.to(tl.float32)
-    amax = tl.max(tl.abs(xf), 1)
-    scale = tl.where(amax > 0.0, amax / FMAX, 1.0)
-    xs = xf / scale[:, None]
-    hi = fp8_round(xs, DTYPE == tl.float8e5)
-    lo = fp8_round((xs - hi) * LO, DTYPE == tl.float8e5)
-    return hi.to(DTYPE), lo.to(DTYPE), scale
-
 
 @triton.jit
 def fp8_to_f16(x, ASM: tl.constexpr):

@@ -37,10 +37,7 @@ kernels/rotary.py: ``rotary_store_kv``; ``store_kv_torch`` here is its reference
   Both paths read pages through the block table token by token, so any block size works.
   Quantized pages are dequantized in registers: an FP8 tile converts exactly to the query's
   dtype and its per-layer scales multiply the scores (k) and the output (v); an int4 tile is
-  unpacked and scaled per (token, head) before the dot. The decode kernel's "fp8q" read (a
-  launch option, DECODE_CONFIGS) is the exception: keys on FP8 pages stay FP8 and the query
-  becomes FP8 too, two codes a value, so that the scores are one tensor-core dot on the codes
-  as stored.
+  unpacked and scaled per (token, head) before the dot.
   The decode path is CUDA-graph capturable: no host syncs, grid and split count come from
   tensor shapes (and the SM count) only.
   A layer's window and soft cap are compile-time constants (WINDOW, SOFTCAP; 0: off), one
@@ -178,9 +175,7 @@ LOG2E = 1.4426950408889634
 # dot's layout, which reads whole words for keys); "split" (int4 pages), keys and values packed
 # and left as their even and odd channels (low and high nibbles), each dot taken as two, with
 # the query's even and odd channels and two accumulators, so the unpacked codes are never
-# interleaved back into channel order; "fp8q" (FP8 pages), the keys' dot taken on the FP8 codes as
-# stored, on the tensor cores, beside the query quantized to two FP8 codes a value (_fp8_query),
-# values packed; False, both as stored. -> the PACKED constexpr.
+# interleaved back into channel order; False, both as stored. -> the PACKED constexpr.
 # A float32 query (--dtype float32), and int4 heads under 32 channels or short of a power of
 # two, read as stored whatever the config says, and "split" beside FP8 pages is the packed read
 # (packed_read decides).
@@ -202,20 +197,12 @@ LOG2E = 1.4426950408889634
 # 294.7, batch 1 at 32k 42.8 against 35.9. The larger tile reads each key block's scales for more
 # tokens at once; the batches that fill the GPU gain, the one sequence loses 7 us a layer.
 DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
-# FP8 query (2026-12-04, second stop, `--quick --layouts bf16,fp8`): at 64 tokens, 2 stages, 4 waves
-# 183.1 us against 195.5 for packed values at their best (1.07x; bf16 262.3 us), batch 1 at 32k
-# 31.7 against 36.3, batch 128 at 2k 181.2 against 196.6; rel err 1.6e-3 against 7.6e-4 (the
-# query's two codes hold some 7 significant bits; one code alone: 181.9 us at 2.5e-2). The engine's
-# KV-bound decode (bench/kv_decode.py) ran at 2,942 tok/s with it, as fast as with packed values
-# (2,934 the day before): not the default until a profile in the engine says where the kernel's
-# gain went.
-FP8_QUERY_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64, "packed": "fp8q"}
 DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
                   kvq.KV_FP8: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 8, "max_splits": 64,
                                "packed": "values"},
                   kvq.KV_INT4: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "max_splits": 64,
                                 "packed": "split"}}
-_PACKED = {False: 0, True: 1, "values": 2, "split": 3, "fp8q": 4}
+_PACKED = {False: 0, True: 1, "values": 2, "split": 3}
 
 
 def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, head_dim: int) -> int:
@@ -231,18 +218,15 @@ def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, head_dim: int) ->
         return 0
     if kv_mode == kvq.KV_INT4 and head_dim != head_block(head_dim, kv_mode):
         return 0
-    if packed == 4 and kv_mode == kvq.KV_FP8 and head_block(head_dim, kv_mode) < 32:
-        packed = 2  # an FP8 dot on the tensor cores takes 32 channels at a time
-    if packed == 3 and kv_mode != kvq.KV_INT4 or packed == 4 and kv_mode != kvq.KV_FP8:
+    if packed == 3 and kv_mode != kvq.KV_INT4:
         packed = 1
     return packed
 
 
-def query_rows(group: int, packed: int) -> int:
+def query_rows(group: int) -> int:
     """The decode kernel's BLOCK_G: the query heads of a KV head padded to a power of two of 16
-    rows or more (a tl.dot's least), twice the group for the FP8 query (PACKED 4), whose low
-    codes take the rows past the high ones (_fp8_query)."""
-    return max(16, next_pow2(2 * group if packed == 4 else group))
+    rows or more (a tl.dot's least)."""
+    return max(16, next_pow2(group))
 
 
 def head_block(head_dim: int, kv_mode: int) -> int:
@@ -261,9 +245,6 @@ def head_block(head_dim: int, kv_mode: int) -> int:
     return block_d
 
 
-# A prefill config's "lazy" (default False) turns on _lazy_softmax for layers without a window or a
-# cap: 13% fewer sm_90 instructions a 64 x 64 tile below the diagonal (bench/sass_attention.py),
-# not yet timed on a GPU (`bash bench/gpu_session.sh prefill-lazy`).
 PREFILL_CONFIG = {
     64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
     # H200 sweep at 4k-token causal prefill: (64, 64, 4, 3) 429 us; (128, 64, 8, 3) 455 us;
@@ -348,19 +329,16 @@ def _attend_tile(
     acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, LAZY: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
 ):
     """One BLOCK_N tile of keys/values, gathered through the block table, folded into the
-    running softmax state (log2 domain). LAZY (prefill without a window or a cap, _lazy_softmax):
-    the scores stay unscaled until the exponent's FMA, and the running maximum moves only when a
-    row's grows by more than LAZY_TAU. ``pages``: where one sequence's KV head lives (the
+    running softmax state (log2 domain). ``pages``: where one sequence's KV head lives (the
     tuple ``_pages`` makes). MASK: 0 none, 1 pos < kv_end, 2 that and causal (and pos >
     q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain. PACKED,
     INTERPRET, HEAD_DIM: how quantized pages are read (``_load_kv``); PACKED 1: keys and values
     packed, 2: values alone (keys as stored), 0: neither; 3: int4 pages beside a 16-bit query
     in even and odd channels, bytes in word order (``int4_load_rows_split``): q and acc are then
-    pairs, (even, odd) channels in that order (``_split_channels``), q already float16; 4: FP8
-    pages, q the FP8 query of ``_fp8_query`` (its scale in qk_scale), values packed."""
+    pairs, (even, odd) channels in that order (``_split_channels``), q already float16."""
     (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
      stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh) = pages
     pos = n0 + offs_n
@@ -394,22 +372,7 @@ def _attend_tile(
     # fp32, int4 codes become fp16 values with integer and fp16 instructions alone
     # (kv_quant.int4_load_rows), and the pages' values, the probabilities and a query within
     # fp16's range (clamped) lose nothing there that the quantization had not.
-    if PACKED == 4:
-        # Keys times the query, the keys as the dot's rows: 16 query rows are too few for Hopper's
-        # FP8 tensor-core dot (wgmma, 64 rows or more; below, Triton converts FP8 operands to
-        # float16 first), a tile's tokens are not. The keys go from shared memory into the dot
-        # as stored; row g of the query holds head g's high code, row HALF_G + g its low one, so
-        # a head's score is column g plus column HALF_G + g over LO (kv_quant.fp8_split_rows),
-        # then copied to both columns (the second copy's row is padding, never stored). The
-        # TTGIR (sm_90) has no layout conversion for these reshapes.
-        HALF_G: tl.constexpr = q.shape[0] // 2
-        LO: tl.constexpr = kvq.fp8_lo(q.dtype)
-        k = _load_kv(kc_ptr, ks_ptr, k_off, kg_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, tl.float16)
-        st = tl.reshape(tl.dot(k, tl.trans(q)), (offs_n.shape[0], 2, HALF_G))
-        st = tl.sum(st * tl.where(tl.arange(0, 2) == 0, 1.0, 1.0 / LO)[None, :, None], 1)
-        st = tl.reshape(tl.broadcast_to(st[:, None, :], (offs_n.shape[0], 2, HALF_G)), (offs_n.shape[0], q.shape[0]))
-        qk = tl.trans(st) * qk_scale
-    elif PACKED == 3:
+    if PACKED == 3:
         even = _split_channels(offs_d.shape[0])
         s_lo, z_lo = kvq.int4_block_scales(ks_ptr, kg_off, even, even < HEAD_DIM, tl.float16)
         s_hi, z_hi = kvq.int4_block_scales(ks_ptr, kg_off, even + 1, even + 1 < HEAD_DIM, tl.float16)
@@ -427,8 +390,7 @@ def _attend_tile(
             qk = tl.dot(q, kt.to(dot_dtype), input_precision=dot_precision(dot_dtype))
         else:
             qk = tl.dot(tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(dot_dtype), kt.to(dot_dtype))
-        if not LAZY:
-            qk = qk * qk_scale
+        qk = qk * qk_scale
     if SOFTCAP > 0:  # cap * tanh(s / cap), s and cap both scaled by log2(e)
         qk = SOFTCAP * tanh(qk / SOFTCAP)
     if MASK == 1:
@@ -438,60 +400,24 @@ def _attend_tile(
         if WINDOW > 0:
             visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
         qk = tl.where(visible, qk, float("-inf"))
-    if LAZY:
-        tl.static_assert(WINDOW == 0 and SOFTCAP == 0.0 and PACKED == 0)
-        acc, l_i, m_new, p = _lazy_softmax(acc, l_i, m_i, qk, qk_scale)  # acc rescaled if the maximum moved
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_ref = m_new
-        if WINDOW > 0:  # a row may see no key of a tile on its window's lower edge: zeros, not NaN
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(qk - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = m_new
+    if WINDOW > 0:  # a row may see no key of a tile on its window's lower edge: zeros, not NaN
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
     if PACKED == 3:
         v_even, v_odd = kvq.int4_load_rows_split(vc_ptr, vs_ptr, v_off, g_off, nmask, HEAD_DIM, offs_n.shape[0],
                                                  offs_d.shape[0], not INTERPRET, True, True)
         p16 = p.to(tl.float16)
         acc = (tl.dot(p16, v_even, acc[0] * alpha[:, None]), tl.dot(p16, v_odd, acc[1] * alpha[:, None]))
-    elif PACKED == 4:  # values packed, in float16
-        v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, tl.float16,
-                     True, INTERPRET, HEAD_DIM)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
     else:
         v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, dot_dtype,
                      PACKED > 0, INTERPRET, HEAD_DIM)
-        if LAZY:  # acc goes into the dot as its accumulator
-            acc = tl.dot(p.to(dot_dtype), v.to(dot_dtype), acc, input_precision=dot_precision(dot_dtype))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype),
-                                                input_precision=dot_precision(dot_dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype),
+                                            input_precision=dot_precision(dot_dtype))
     return acc, l_i, m_new
-
-
-# How far (log2 units) a row's running maximum may fall behind its scores before LAZY moves it:
-# its probabilities then reach at most 2**8, which float32 sums and a 16-bit p @ v dot hold.
-LAZY_TAU = tl.constexpr(8.0)
-
-
-@triton.jit
-def _lazy_softmax(acc, l_i, m_i, s, qk_scale):
-    """The online softmax's step for a tile of unscaled scores s (masked ones -inf; qk_scale > 0),
-    with the conditional rescaling of FlashAttention-4: the running maximum m_i (scaled, log2
-    domain) moves only when some row's tile maximum exceeds it by more than LAZY_TAU, and then for
-    every row, with acc and l_i rescaled once for the program; otherwise the tile's probabilities
-    are taken against the stale maximum (up to 2**LAZY_TAU each, exact after the final division by
-    l_i). The scale meets each score once, inside the exponent's FMA. Returns acc, l_i, m_i, p."""
-    m_cand = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    grow = tl.where(m_cand > m_i, m_cand - m_i, 0.0)  # +inf for a row's first keys
-    if tl.max(grow, 0) > LAZY_TAU:
-        alpha = tl.exp2(m_i - m_cand)
-        acc = acc * alpha[:, None]
-        l_i = l_i * alpha
-        m_i = m_cand
-    m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)  # a row with no key yet: zeros, not NaN
-    p = tl.exp2(s * qk_scale - m_ref[:, None])
-    return acc, l_i + tl.sum(p, 1), m_i, p
 
 
 @triton.jit
@@ -509,12 +435,12 @@ def _attend_range(
     acc, l_i, m_i, q, q_pos, pages, lo, hi, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, LAZY: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
 ):
     """``_attend_tile`` over the tiles from lo up to hi (BLOCK_N apart), all with one MASK."""
     for n0 in range(lo, hi, offs_n.shape[0]):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
-                                     BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET, HEAD_DIM, LAZY)
+                                     BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET, HEAD_DIM)
     return acc, l_i, m_i
 
 
@@ -605,11 +531,6 @@ def _decode_kernel(
         q = (tl.minimum(tl.maximum(q_even, -65504.0), 65504.0).to(tl.float16),
              tl.minimum(tl.maximum(q_odd, -65504.0), 65504.0).to(tl.float16))
         acc = (tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32), tl.zeros([BLOCK_G, BLOCK_D // 2], tl.float32))
-    elif PACKED == 4:
-        q, q_scale = _fp8_query(q_ptr + q_row * stride_qt + kvh * GROUP * stride_qh, stride_qh, offs_g, offs_d, dmask,
-                                GROUP, kc_ptr.dtype.element_ty)
-        qk_scale = qk_scale * q_scale[:, None]
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     else:
         q = tl.load(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -636,21 +557,6 @@ def _decode_kernel(
         _store_rows(o_ptr, acc / l_safe[:, None], offs_d, gmask, vs_ptr, HEAD_DIM, KV_MODE)
     if NUM_SPLITS > 1:
         store_split_lse(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i, l_i, gmask)
-
-
-@triton.jit
-def _fp8_query(q_ptr, stride_qh, offs_g, offs_d, dmask, GROUP: tl.constexpr, DTYPE: tl.constexpr):
-    """A KV head's query heads (q_ptr: its first) in the FP8 format DTYPE as one [BLOCK_G, BLOCK_D]
-    tile: row g < BLOCK_G / 2 holds head g's high code, row BLOCK_G / 2 + g its low one
-    (kv_quant.fp8_split_rows; rows past the group are zeros), and each row's scale. The group pads
-    to BLOCK_G rows anyway: the low codes ride in the padding, so one dot takes both."""
-    HALF_G: tl.constexpr = offs_g.shape[0] // 2
-    tl.static_assert(GROUP <= HALF_G)
-    g = offs_g % HALF_G
-    q = tl.load(q_ptr + g[:, None] * stride_qh + offs_d[None, :], mask=(g < GROUP)[:, None] & dmask[None, :],
-                other=0.0)
-    hi, lo, scale = kvq.fp8_split_rows(q, DTYPE)
-    return tl.where((offs_g < HALF_G)[:, None], hi, lo), scale
 
 
 @triton.jit
@@ -710,7 +616,7 @@ def _prefill_kernel(
     stride_ksb, stride_ksh, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, LAZY: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     h, mblk, b, q_start, q_len, ctx, has_rows = prefill_block(cuq_ptr, seqlens_ptr, BLOCK_M)
     if not has_rows:
@@ -751,9 +657,9 @@ def _prefill_kernel(
                                       dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP)
     # unmasked below the diagonal, then masked on it
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, full_start, full_end, ctx, qk_scale, offs_n, offs_d,
-                                  dmask, BLOCK_SIZE, 0, KV_MODE, WINDOW, SOFTCAP, LAZY=LAZY)
+                                  dmask, BLOCK_SIZE, 0, KV_MODE, WINDOW, SOFTCAP)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, full_end, hi, ctx, qk_scale, offs_n, offs_d,
-                                  dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP, LAZY=LAZY)
+                                  dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_MODE == 1:
@@ -878,7 +784,7 @@ def paged_attention_triton(
         _decode_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
             qk_scale, *common, *mid_strides,
-            GROUP=group, BLOCK_G=query_rows(group, packed), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            GROUP=group, BLOCK_G=query_rows(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode, **options,
             PACKED=packed, INTERPRET=INTERPRET,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q),
@@ -895,7 +801,6 @@ def paged_attention_triton(
         qk_scale, *common,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], KV_MODE=kv_mode, **options,
-        LAZY=cfg.get("lazy", False) and not window and not softcap,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

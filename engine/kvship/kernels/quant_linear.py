@@ -18,7 +18,6 @@ cores (``_dense_matmul``, W8A8): activations quantized per token for per-row wei
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +28,9 @@ from kvship.kernels.activation import act_and_mul
 from kvship.kernels.fp8_matmul import (
     GROUP_GEMM_ROWS,
     fp8_group_matmul_triton,
-    fp8_rowwise_matmul_triton,
     group_matmul_fits,
     quantize_fp8_groups,
     quantize_fp8_rows,
-    rowwise_gemm_config,
 )
 from kvship.kernels.numerics import small_int_to_float
 from kvship.kernels.quant_gemv import (
@@ -294,11 +291,6 @@ def shape_key(w: QWeight) -> tuple:
 MMA_GEMV_CONFIG = {"mma": 1, "rows": 16, "num_warps": 4}
 MMA_GEMV_SHAPES = {(4, 128, 28672, 4096): {"mma": 1, "rows": 32, "num_warps": 2},
                    (4, 128, 4096, 14336): {"mma": 1, "rows": 16, "num_warps": 8}}
-MMA_GEMV_ENABLED = os.environ.get("KVSHIP_MMA_GEMV", "1") != "0"
-# A gate/up projection's one-row pairs GEMV writes act(gate) * up from its epilogue (quant_gemv.py's
-# GATED) instead of the product, which a kernel of its own activated; KVSHIP_GATED_GEMV=0 keeps the
-# two launches (A/B runs, and the test that compares the two in the engine).
-GATED_GEMV_ENABLED = os.environ.get("KVSHIP_GATED_GEMV", "1") != "0"
 # From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
 # GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
 DENSE_ROWS = 16
@@ -385,7 +377,7 @@ def quant_linear_triton(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None =
     m, n, kp = x2.shape[0], w.n, w.qweight.shape[1]
     if config is None and m >= dense_rows(x2, w):
         return _dense_matmul(x2, w, bias).view(*shape[:-1], n)
-    if config is None and 1 < m <= MAX_TOKENS and MMA_GEMV_ENABLED \
+    if config is None and 1 < m <= MAX_TOKENS \
             and mma_fit(w.bits, w.k, w.group_size, w.scales.shape[1], w.g_idx is not None, x.dtype):
         config = MMA_GEMV_SHAPES.get(shape_key(w), MMA_GEMV_CONFIG)
     if config is not None and "mma" in config:
@@ -474,17 +466,13 @@ def _w8a8(x2: torch.Tensor, w: QWeight) -> bool:
 
 def _dense_matmul(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """Many rows: tensor cores at full rate. FP8 weights multiply FP8 activations quantized
-    dynamically (W8A8, as vLLM's): per token beside per-row weights (torch._scaled_mm, or
-    fp8_matmul's PER_ROW GEMM for the shapes and row counts where it measured faster), per
+    dynamically (W8A8, as vLLM's): per token beside per-row weights (torch._scaled_mm), per
     token and group beside block-wise ones up to GROUP_GEMM_ROWS rows; other formats, and
     block-wise FP8 beyond those rows, are expanded into a transient 16-bit matrix for cuBLAS
     (compute-bound at these sizes: the expansion costs less than the dequantizing GEMM lost)."""
     if _w8a8(x2, w):
         if w.scales.shape[1] == 1:
             xq, scale_a = quantize_fp8_rows(x2)
-            cfg = rowwise_gemm_config(x2.shape[0], w.n, w.k)
-            if cfg is not None:
-                return fp8_rowwise_matmul_triton(xq, scale_a, w.qweight, w.scales, bias, x2.dtype, cfg)
             return torch._scaled_mm(xq, w.qweight.t(), scale_a=scale_a, scale_b=w.scales.view(1, -1),
                                     bias=bias, out_dtype=x2.dtype)
         if x2.shape[0] <= GROUP_GEMM_ROWS:  # block-wise: activations per token and group
@@ -504,7 +492,7 @@ def quant_linear_gated(x: torch.Tensor, w: QWeight, act: str) -> torch.Tensor:
     one 16-bit row in the epilogue of the pairs GEMV (kernels/quant_gemv.py, GATED), which then
     writes the activations alone; otherwise the product, then act_and_mul."""
     x2 = x.reshape(-1, x.shape[-1])
-    if GATED_GEMV_ENABLED and use_triton(x) and x2.shape[0] == 1 and act in GATED_ACTS and w.n % 2 == 0:
+    if use_triton(x) and x2.shape[0] == 1 and act in GATED_ACTS and w.n % 2 == 0:
         cfg = _one_row_config(w, x.dtype)
         if "pairs" in cfg and cfg["block_n"] % 2 == 0:
             return qgemv_pairs_triton(x2.contiguous(), w.qweight, w.scales, w.biases, None, w.bits, w.group_size,
