@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Headless Chromium for the chat-page browser test (tests/test_chat_page.py).
+# Headless Chromium for the chat-page browser test (tests/server/test_chat_page.py).
 #   bash .ci/browser.sh install   # idempotent, non-interactive
 # Debian's chromium is used as is; no test tool downloads a browser of its own. The Python
 # driver (playwright) is pinned in pyproject.toml's `test` extra and only drives this binary.

@@ -41,6 +41,25 @@ EXIT_GUARD_S = 120
 LEAK_GRACE_S = 10.0
 
 
+# Tests live in one folder per component; a few share reference checks across folders
+# (test_models' greedy and logits comparisons, test_kernels' paged-cache builders).
+for _component in ("engine", "kernels", "models", "loader", "server", "operator"):
+    sys.path.insert(0, str(Path(__file__).parent / _component))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; a device run selects them with -m gpu)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
 def pytest_unconfigure(config):
     faulthandler.dump_traceback_later(EXIT_GUARD_S, exit=True)
 

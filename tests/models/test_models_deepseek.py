@@ -373,7 +373,7 @@ def test_tensor_parallel_equals_single_rank(models):
     assert tokens == ref_tokens
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", list(DEEPSEEK))
 def test_gpu_decode_in_cuda_graphs(models, arch):
     """On the GPU decodes store and attend through the Triton MLA kernels, captured in CUDA graphs:
@@ -392,7 +392,7 @@ def test_gpu_decode_in_cuda_graphs(models, arch):
     assert_graph_step_equals_eager(llm, prompts)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_gpu_insitu_quantized_decode(models, method):
     """In-situ quantized projections and experts on the GPU's quantized kernels, in CUDA graphs
@@ -406,7 +406,7 @@ def test_gpu_insitu_quantized_decode(models, method):
     assert gpu_greedy_agreement(llm, _dequantized(ref, method), prompts, 10) >= len(prompts) - 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 def test_gpu_fp8_latent_cache_in_cuda_graphs(models, kv):
     """The FP8 latent cache through the Triton store and decode kernels: a decode step replayed

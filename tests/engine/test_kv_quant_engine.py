@@ -222,7 +222,7 @@ def test_prefix_hits_and_preemption_change_nothing(kv, engines, greedy, prompts,
     """Prompts served again (every full block from the prefix cache) give the quantized
     engine's own first outputs. Under forced preemption a sequence's generated tokens are
     recomputed in a prefill instead of one by one: the fp32 sums round differently, which a
-    float cache absorbs (tests/test_engine.py) but a quantized one may not, when a value sits on
+    float cache absorbs (tests/engine/test_engine.py) but a quantized one may not, when a value sits on
     a rounding boundary; so an FP8 output must equal its first one or leave it only where the
     two candidates were a near-tie (within NEAR_TIE in logprob), and most must equal it."""
     llm = engines[kv]
@@ -265,7 +265,7 @@ def measured_kv_scales(llm, kv: str) -> list[torch.Tensor]:
     return [torch.cat([a.fp8_k_scale, a.fp8_v_scale]).cpu() for a in llm.engine.runner.model.attention_layers()]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kv,calculate", [("fp8", False), ("fp8", True), ("fp8_e5m2", False), ("int4", False)])
 def test_gpu_kernels_and_graphs_agree_with_reference(kv, calculate, tiny_models, record_property):

@@ -484,7 +484,7 @@ def _captured(fn):
     return graph, out
 
 
-@pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
 def test_decode_cuda_graph_capture():
     """rotary + KV store and split-K decode captured in a CUDA graph, replayed on new inputs."""
     dtype, hq, hkv, d, bs = torch.bfloat16, 32, 8, 128, 16
@@ -522,7 +522,7 @@ def test_decode_cuda_graph_capture():
         close(out, ref, dtype, f"graph replay {trial}")
 
 
-@pytest.mark.skipif(not GPU, reason="programmatic dependent launch needs a GPU (sm_90)")
+@pytest.mark.gpu
 @pytest.mark.parametrize("pdl_on", [False, True])
 def test_pdl_chain_in_a_cuda_graph(pdl_on, monkeypatch):
     """A decode step's chain of PDL-aware kernels (residual norm, one-row GEMV, the fp16-pair

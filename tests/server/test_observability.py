@@ -247,7 +247,7 @@ def test_grafana_dashboard_uses_only_exported_metrics(engine, no_otel_env):
 
     from kvship.server.app import build_app
 
-    path = Path(__file__).resolve().parents[1] / "charts" / "kvship-operator" / "dashboards" / "kvship-engine.json"
+    path = Path(__file__).resolve().parents[2] / "charts" / "kvship-operator" / "dashboards" / "kvship-engine.json"
     dash = json.loads(path.read_text())
     assert dash["uid"] == "kvship-engine"
     ids = [p["id"] for p in dash["panels"]]

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                reason="needs two GPUs")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 
 
 def _rank_main(rank: int, port: int, result_dir: str) -> None:
@@ -116,7 +115,7 @@ def test_fused_allreduce_norm_two_gpus(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "engine"),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2] / "engine"),
                                                         os.environ.get("PYTHONPATH", "")]))
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(tmp_path)], env=env) for r in range(2)]
     deadline = time.monotonic() + 150  # a rank spinning on a flag that never comes must not outlive the test

@@ -127,7 +127,7 @@ def _specs():
 @pytest.mark.timeout(900)
 def test_fused_moe_compiles_for_sm90():
     specs = list(_specs())
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(Path(__file__).parent), json.dumps(specs)],
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(Path(__file__).parents[1]), json.dumps(specs)],
                           capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count("ok ") == len(specs)

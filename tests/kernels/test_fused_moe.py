@@ -359,7 +359,7 @@ def test_moe_config_tiles_grow_with_tokens():
 QWEN3_30B = dict(num_experts=128, top_k=8, hidden=2048, inter=768)  # per rank at TP=1
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 3, 64, 300, 1024, 4096])  # every moe_config tile size
 def test_fused_moe_gpu_real_sizes(tokens):
     s = QWEN3_30B
@@ -371,7 +371,7 @@ def test_fused_moe_gpu_real_sizes(tokens):
     _close(got, want, 1.6e-2)
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("tokens", [1, 4, 64, 1024])
 def test_fused_moe_fp8_gpu_real_sizes(tokens, block):
@@ -392,7 +392,7 @@ REAL_INTEGER = {"q4_k": _integer(4, 32, False), "q6_k": _integer(8, 16, True),
                 "int8": lambda m: quantize(m, "int8"), "int4": lambda m: quantize(m, "int4")}
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("storage", list(REAL_INTEGER))
 @pytest.mark.parametrize("tokens", [1, 4, 64, 1024])
 def test_fused_moe_integer_gpu_real_sizes(tokens, storage):
@@ -408,7 +408,7 @@ def test_fused_moe_integer_gpu_real_sizes(tokens, storage):
     _close(got, fm.fused_moe_torch(x.float(), *_dequantized(c13, c2, scales), weights, ids), 1.6e-2)
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("storage", [None, "q4_k", "int8"])
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_fused_moe_in_cuda_graph(tokens, storage):
@@ -440,7 +440,7 @@ def test_fused_moe_in_cuda_graph(tokens, storage):
         _close(out, fm.fused_moe_torch(x.float(), ref13, ref2, weights, ids), 1.6e-2)
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3-moe", "qwen2-moe", "mixtral"])
 def test_moe_model_in_cuda_graphs_matches_transformers(tiny_models, arch):
     """A MoE model on the GPU decodes in CUDA graphs (fused experts: the decode steps replay a

@@ -325,7 +325,7 @@ def test_checkpoint_format_matches_transformers_on_dequantized_weights(tmp_path,
         assert torch.equal(got.argmax(-1), want.argmax(-1)), "greedy tokens differ"
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "ct-fp8-channel"])
 def test_gated_epilogue_in_the_engine_equals_two_launches(tmp_path, monkeypatch, fmt):
     """Batch-1 decode in bf16 with CUDA graphs, the gate/up GEMV writing act(gate) * up from its
@@ -429,7 +429,7 @@ def test_insitu_quantization_of_the_bundled_model(reference_text_ids, record_pro
     assert ppl["int4"] < ppl[None] * 3
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_insitu_fp8_loading_peak_stays_near_the_quantized_size(tmp_path, caplog):
     """--quantization fp8 quantizes each matrix as it arrives: the loading peak (the runner's log)
     exceeds the FP8 model by a layer's 16-bit matrices and their temporaries, never by the
@@ -456,7 +456,7 @@ def test_insitu_fp8_loading_peak_stays_near_the_quantized_size(tmp_path, caplog)
     assert peak - held < 0.25 * bf16, (held, peak, bf16)
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("tied", [False, True], ids=["output", "tied"])
 def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path, tied):
     """A GGUF llama whose linears are Q4_0, Q8_0 (v: q/k/v widen to 8 bits), Q4_1, Q5_0 and Q5_1,
@@ -502,7 +502,7 @@ def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path, tied):
 
 
 def test_quantization_flag_refuses_a_quantized_checkpoint(tmp_path):
-    """(Mixture-of-experts models take every scheme: tests/test_quantized_moe.py.)"""
+    """(Mixture-of-experts models take every scheme: tests/models/test_quantized_moe.py.)"""
     from kvship.config import EngineConfig
     from kvship.runner.model_runner import load_model
 

@@ -136,7 +136,7 @@ def test_only_a_window_on_every_layer_frees_blocks():
     assert ModelConfig.from_hf(gemma).kv_window is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_on_the_gpu_kernels_read_only_held_blocks(mistral, prompts, reference):
     """The Triton kernels (decode in CUDA graphs) with blocks given back: the table entries before
     the held ones point at a held block, and the tokens stay transformers' (fp32; one near-tie

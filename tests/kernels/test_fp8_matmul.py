@@ -111,7 +111,7 @@ def test_rowwise_gemm_matches_dequantized_product(m, n, k, group, tile):
     torch.testing.assert_close(got, ref, atol=(1e-3 if GPU else 1e-4) * ref.abs().max().item(), rtol=1e-5)
 
 
-@pytest.mark.skipif(not GPU, reason="W8A8 needs FP8 tensor cores")
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 16, 256])
 def test_block_fp8_linear_runs_the_group_gemm(monkeypatch, m):
     # a block-wise FP8 matrix as quant/formats.py loads one: each 128 x 128 block's scale over its rows
@@ -139,7 +139,7 @@ def test_rowwise_config_takes_the_smallest_bucket_holding_the_rows(monkeypatch):
     assert fp8_matmul.rowwise_gemm_config(16, 64, 96) is None  # a shape not tabled: _scaled_mm
 
 
-@pytest.mark.skipif(not GPU, reason="W8A8 needs FP8 tensor cores")
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 16, 64, 200, 256, 512])
 def test_per_row_fp8_linear_takes_the_rowwise_gemm_where_tabled(monkeypatch, m):
     # per-row FP8 weights (in-situ --quantization fp8) at each tabled 8B shape: the PER_ROW GEMM where

@@ -232,7 +232,7 @@ def test_synthetic_qwen2_f16_bf16_biases_no_permutation(tmp_path):
 @pytest.mark.timeout(120)
 def test_quantized_output_matrix_comes_as_its_blocks(tmp_path):
     """A file's quantized output.weight reaches the LM head as its blocks (kept quantized on a
-    GPU, tests/test_quantized_weights.py); the CPU path holds exactly the values the gguf
+    GPU, tests/models/test_quantized_weights.py); the CPU path holds exactly the values the gguf
     library dequantizes, and the logits are those values times the final hidden state."""
     from kvship.llm import LLM
     from kvship.sampling_params import SamplingParams

@@ -1,6 +1,6 @@
 """The engine on a GPU: Triton kernels + CUDA graphs agree with eager execution and with
 transformers. Skipped without CUDA (run through the device tool:
-`python -m pytest tests/test_gpu_engine.py tests/test_models.py tests/test_kernels.py`).
+`python -m pytest tests/engine/test_gpu_engine.py tests/models/test_models.py tests/kernels/test_kernels.py`).
 Real-size bf16 paths are exercised by bench/latency.py and bench/throughput.py."""
 import pytest
 import torch
@@ -9,7 +9,7 @@ from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
 from test_models import assert_graph_step_equals_eager, gpu_greedy_agreement
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -67,7 +67,7 @@ def test_warming_kernel_compiles_for_sm90():
                        "divisible": ["w_ptr"], "options": {"num_warps": 8}}])
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_moe_model_warming_in_cuda_graphs_matches_transformers(tiny_models, monkeypatch):
     from kvship.llm import LLM
     from kvship.sampling_params import SamplingParams

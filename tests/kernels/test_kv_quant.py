@@ -2,7 +2,7 @@
 store and attention kernels against the torch reference (in the interpreter on CPU, at real
 sizes on a GPU), and the KV sizing.
 
-GPU (real sizes): python -m pytest tests/test_kv_quant.py
+GPU (real sizes): python -m pytest tests/kernels/test_kv_quant.py
 """
 from __future__ import annotations
 

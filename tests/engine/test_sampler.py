@@ -267,7 +267,7 @@ def test_empty_batch_and_shape_check():
         Sampler()(torch.zeros(2, V), [row()])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_matches_cpu_for_greedy_and_seeded_rows_are_batch_invariant():
     logits = logits_for(8, b=4)
     rows = [row(temperature=0.0, logprobs=3, repetition_penalty=1.3, prompt=[1, 2])] * 4

@@ -18,7 +18,7 @@ from kvship.sequence import Batch, Sequence
 # Triton kernels' tf32 tensor-core dots).
 ATOL = 2e-4
 ATOL_GPU = 5e-3
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 
 
 def our_logits(folder, prompts: list[list[int]], block_size: int = 4, chunk: int | None = None,
