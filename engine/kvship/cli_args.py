@@ -3,8 +3,9 @@ operator checks an LLMDeployment's `engine.args` with the very parser the engine
 from __future__ import annotations
 
 import argparse
-import os
 import re
+
+from kvship import envs
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
@@ -99,7 +100,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    g.add_argument("--api-key", default=os.environ.get("KVSHIP_API_KEY"),
+    g.add_argument("--api-key", default=envs.api_key(),
                    help="require this key as 'Authorization: Bearer KEY' on /v1/* (default: $KVSHIP_API_KEY)")
     g.add_argument("--no-chat-page", "--disable-chat-page", dest="chat_page", action="store_false",
                    help="do not serve the built-in chat page")

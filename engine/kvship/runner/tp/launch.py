@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -40,6 +39,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kvship import envs
 from kvship.layers.attention import AttentionMetadata
 from kvship.parallel import TPContext
 from kvship.runner.tp.one_shot import try_fused_norm, try_one_shot
@@ -54,13 +54,6 @@ _HEADER = 8  # cmd, tokens, seqs, block-table width, sampled rows, max_seqlen_q,
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died, hung, or a collective failed."""
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 # -- where this process belongs ---------------------------------------------------------------
@@ -90,12 +83,13 @@ def resolve_placement(tp_size: int, env: dict | None = None, hostname: str | Non
     env = os.environ if env is None else env
     addr = env.get("MASTER_ADDR", "127.0.0.1")
     port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None
-    if env.get("KVSHIP_TP_RANK"):  # a rank started by a node leader (python -m kvship.runner.tp.worker)
-        rank, local = int(env["KVSHIP_TP_RANK"]), int(env.get("KVSHIP_TP_LOCAL_RANK", "0"))
-        nproc = int(env.get("KVSHIP_TP_NPROC_PER_NODE", tp_size))
+    started = envs.started_rank(env)
+    if started is not None:  # a rank started by a node leader (python -m kvship.runner.tp.worker)
+        rank, local, nproc = started
+        nproc = nproc or tp_size
         return Placement(tp_size, tp_size // nproc, rank // nproc, nproc, addr, port, rank, local)
-    nnodes_s = env.get("KVSHIP_NNODES") or env.get("NNODES")
-    node_s = env.get("KVSHIP_NODE_RANK") or env.get("NODE_RANK") or env.get("LWS_WORKER_INDEX")
+    nnodes_s = envs.nnodes(env) or env.get("NNODES")
+    node_s = envs.node_rank(env) or env.get("NODE_RANK") or env.get("LWS_WORKER_INDEX")
     if nnodes_s is None and env.get("WORLD_SIZE") and env.get("RANK"):  # one process per rank
         nnodes_s, node_s = env["WORLD_SIZE"], env["RANK"]
     nnodes = int(nnodes_s or 1)
@@ -107,7 +101,7 @@ def resolve_placement(tp_size: int, env: dict | None = None, hostname: str | Non
         host = hostname if hostname is not None else socket.gethostname()
         ordinal = _hostname_ordinal(host)
         if ordinal is None:
-            raise ValueError(f"{nnodes} hosts but no host rank: set KVSHIP_NODE_RANK (or use hostnames ending in -N; "
+            raise ValueError(f"{nnodes} hosts but no host rank: set {envs.NODE_RANK} (or use hostnames ending in -N; "
                              f"this one is {host!r})")
         node_s = str(ordinal)
     node_rank = int(node_s)
@@ -149,7 +143,7 @@ class TPRuntime:
         self.ready = False  # set once this rank's model runner exists (it then takes step messages)
         self._threads_before: int | None = None
         self.ctx: TPContext | None = None
-        self._parent_pid = int(os.environ.get("KVSHIP_TP_PARENT_PID", "0") or 0)
+        self._parent_pid = envs.parent_pid()
 
     # -- start ---------------------------------------------------------------------------------
     @classmethod
@@ -182,7 +176,7 @@ class TPRuntime:
         self._watch_thread = threading.Thread(target=self._watch, name=f"kvship-tp-watch-{self.rank}", daemon=True)
         log.info("tensor-parallel rank %d/%d: joining %s:%d (%s)", self.rank, self.size, p.master_addr,
                  p.master_port, "nccl" if self.cuda else "gloo")
-        timeout = timedelta(seconds=_env_float("KVSHIP_TP_TIMEOUT", 600))
+        timeout = timedelta(seconds=envs.tp_timeout_s())
         self._watch_children_only = True
         self._watch_thread.start()  # children that die during start-up are reported too
         dist.init_process_group("nccl" if self.cuda else "gloo", init_method=f"tcp://{p.master_addr}:{p.master_port}",
@@ -203,19 +197,17 @@ class TPRuntime:
 
     def _spawn_local_ranks(self) -> None:
         p = self.placement
-        env = dict(os.environ)
-        env.update(MASTER_ADDR=p.master_addr, MASTER_PORT=str(p.master_port),
-                   KVSHIP_TP_CONFIG=json.dumps(dataclasses.asdict(self.config)),
-                   KVSHIP_TP_NPROC_PER_NODE=str(p.nproc_per_node), KVSHIP_TP_PARENT_PID=str(os.getpid()))
+        env = dict(os.environ, MASTER_ADDR=p.master_addr, MASTER_PORT=str(p.master_port))
         for local in range(1, p.nproc_per_node):
             rank = p.rank + local
-            env.update(KVSHIP_TP_RANK=str(rank), KVSHIP_TP_LOCAL_RANK=str(local))
+            env.update(envs.started_rank_env(dataclasses.asdict(self.config), p.nproc_per_node, os.getpid(),
+                                             rank, local))
             self.children[rank] = subprocess.Popen([sys.executable, "-m", "kvship.runner.tp.worker"], env=env)
             log.info("started tensor-parallel rank %d (pid %d)", rank, self.children[rank].pid)
 
     # -- watch ---------------------------------------------------------------------------------
     def _watch(self) -> None:
-        timeout = _env_float("KVSHIP_TP_HEARTBEAT_TIMEOUT", 30.0)
+        timeout = envs.tp_heartbeat_timeout_s()
         watched = range(1, self.size) if self.rank == 0 else [0]
         last: dict[int, tuple[int, float]] = {}
         while not self._stopping.wait(0.25 if self._watch_children_only else HEARTBEAT_INTERVAL_S / 2):

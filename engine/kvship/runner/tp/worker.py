@@ -1,14 +1,13 @@
 """A tensor-parallel rank other than 0: builds its shard of the model and runs the forward of
 every step rank 0 sends, until rank 0 says stop. No scheduler, sampler or HTTP server.
 
-    python -m kvship.runner.tp.worker      # started by a node leader; reads KVSHIP_TP_* and MASTER_*
+    python -m kvship.runner.tp.worker      # started by a node leader; reads its place from kvship.envs and MASTER_*
 
 On hosts other than host 0, `kvship serve --tensor-parallel-size N` runs serve_node() instead of
 a server (see kvship.runner.tp.launch for the environment it reads).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -16,6 +15,7 @@ import sys
 
 import torch
 
+from kvship import envs
 from kvship.config import EngineConfig
 from kvship.runner.model_runner import ModelRunner, load_model
 from kvship.runner.tp.launch import Placement, TPRuntime, resolve_placement
@@ -65,12 +65,12 @@ def serve_node(config: EngineConfig, placement: Placement | None = None) -> int:
 
 
 def main() -> int:
-    rank = os.environ.get("KVSHIP_TP_RANK", "?")
-    logging.basicConfig(level=os.environ.get("KVSHIP_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
+    rank = envs.started_rank_label()
+    logging.basicConfig(level=envs.log_level(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     # Ctrl-C in a terminal reaches the whole process group; rank 0 decides when the ranks stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = EngineConfig(**json.loads(os.environ["KVSHIP_TP_CONFIG"]))
+    config = EngineConfig(**envs.tp_config())
     return serve_node(config)
 
 
