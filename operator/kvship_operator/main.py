@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import kopf
 
+from . import settings as env
 from .handlers import registry
 from .metrics_client import PodAddress, pod_ip_address
 
@@ -26,13 +26,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(env KVSHIP_WATCH_NAMESPACES, comma-separated)",
     )
     ap.add_argument("--kubeconfig", default=None, help="kubeconfig path (default: in-cluster, then $KUBECONFIG)")
-    ap.add_argument("--log-level", default=os.environ.get("KVSHIP_LOG_LEVEL", "INFO"),
+    ap.add_argument("--log-level", default=env.log_level(),
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    ap.add_argument("--liveness", default=os.environ.get("KVSHIP_LIVENESS", "http://0.0.0.0:8080/healthz"),
+    ap.add_argument("--liveness", default=env.liveness(),
                     help="liveness endpoint URL ('' to disable)")
     args = ap.parse_args(argv)
-    if not args.namespace and os.environ.get("KVSHIP_WATCH_NAMESPACES"):
-        args.namespace = [n.strip() for n in os.environ["KVSHIP_WATCH_NAMESPACES"].split(",") if n.strip()]
+    if not args.namespace:
+        args.namespace = env.watch_namespaces()
     return args
 
 

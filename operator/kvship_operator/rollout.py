@@ -1,4 +1,5 @@
-"""Rollouts that keep serving: pure planning, no API calls.
+"""Rollouts that keep serving: the planning (``plan``) is pure; ``current_plan`` reads the
+cluster for it and ``replace_pods`` takes a step's deletions.
 
 The StatefulSet uses `updateStrategy: OnDelete`, so its controller never replaces a pod on its
 own; the operator does, one replica at a time, with one replica of surge (what KServe and
@@ -17,8 +18,14 @@ starts over.
 """
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from . import builders as b
+from . import spec as s
+from .kube import Kube
 
 REVISION_LABEL = "controller-revision-hash"
 
@@ -93,3 +100,44 @@ def plan(desired: int, revision: Optional[str], pods: list[PodView], current: Op
         return Plan(surge, [], True, f"{len(old)} of {total} pods on the previous spec; waiting for {who}")
     victim = max(old, key=lambda p: p.ordinal)
     return Plan(surge, [victim], True, f"{len(old)} of {total} pods on the previous spec; replacing {victim.name}")
+
+
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def lock(namespace: str, name: str) -> threading.Lock:
+    """One rollout step at a time per LLMDeployment: events of several pods are handled in
+    parallel, and two steps planned from the same state would replace two pods at once."""
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+def current_plan(kube: Kube, owner: b.Owner, parsed: s.LLMDeploymentSpec) -> Plan:
+    """The next step, planned from the StatefulSet and pods as they are now."""
+    sts = kube.get("apps/v1", "StatefulSet", owner.namespace, owner.name)
+    pods = kube.list_pods(owner.namespace, b.selector_string(owner))
+    current = ((sts or {}).get("spec") or {}).get("replicas")
+    return plan(parsed.replicas, update_revision(sts), [pod_view(p) for p in pods], current)
+
+
+def has_step(kube: Kube, owner: b.Owner, parsed: s.LLMDeploymentSpec) -> bool:
+    """Whether the rollout has a step to take now (the StatefulSet's replicas to change, or
+    a pod to replace)."""
+    sts = kube.get("apps/v1", "StatefulSet", owner.namespace, owner.name)
+    if sts is None:
+        return False
+    step = current_plan(kube, owner, parsed)
+    return bool(step.delete) or step.replicas != (sts.get("spec") or {}).get("replicas")
+
+
+def replace_pods(kube: Kube, owner: b.Owner, step: Plan, logger: logging.Logger) -> list[str]:
+    """Delete the pods a rollout step replaces (the StatefulSet re-creates them on the
+    current spec)."""
+    done = []
+    for pod in step.delete:
+        if kube.delete_pod(owner.namespace, pod.name, pod.uid):
+            logger.info(f"rollout: {step.message}")
+            state = "ready" if pod.ready else "not ready"
+            done.append(f"replaced pod {pod.name} ({state}) with one of the current spec")
+    return done

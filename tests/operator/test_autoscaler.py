@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
+from kvship_operator import autoscale, tracing
 from kvship_operator import autoscaler as asc
 from kvship_operator import builders as b
-from kvship_operator import handlers, tracing
 from kvship_operator import metrics_client as mc
 from kvship_operator import spec as s
 from kvship_operator.schema import parse
@@ -217,7 +217,7 @@ def test_starting_pods():
     pods = [_pod("a", ready=False, created="2025-01-01T00:09:00Z"),  # 60 s old, not ready: starting
             _pod("b", ready=False, created="2025-01-01T00:00:00Z"),  # past its startup period
             _pod("c", ready=True, created="2025-01-01T00:09:59Z")]
-    assert handlers.starting_pods(pods, 300, now) == ["a"]
+    assert autoscale.starting_pods(pods, 300, now) == ["a"]
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 
 from kvship_operator import builders as b
 from kvship_operator import spec as s
-from kvship_operator.handlers import contains
+from kvship_operator.apply import contains
 from kvship_operator.schema import parse
 from operator_fixtures import api, cluster, crd_installed, namespace, objects, run_operator  # noqa: F401 (fixtures)
 from operator_helpers import REPO, load_yaml_docs, wait_for
