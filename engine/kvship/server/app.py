@@ -22,7 +22,7 @@ from kvship.server.chat_page import mount_chat_page
 from kvship.server.completions import router as completions_router
 from kvship.server.embeddings import router as embeddings_router
 from kvship.server.engine_client import EngineClient
-from kvship.server.errors import error_body, install_error_handlers
+from kvship.server.errors import SafeJSONResponse, error_body, install_error_handlers
 from kvship.server.metrics import ServerMetrics
 from kvship.server.metrics import router as metrics_router
 from kvship.server.openapi import install_openapi
@@ -66,7 +66,7 @@ class APIKeyMiddleware:
             if not supplied
             else "Incorrect API key provided."
         )
-        response = JSONResponse(
+        response = SafeJSONResponse(
             error_body(message, "invalid_request_error", None, "invalid_api_key"),
             status_code=401,
             headers={"WWW-Authenticate": "Bearer"},
@@ -98,7 +98,8 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
         if tracing is not None:
             await tracing.shutdown()
 
-    app = FastAPI(title="kvship", version=kvship.__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app = FastAPI(title="kvship", version=kvship.__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  default_response_class=SafeJSONResponse)
     app.state.kvship = state
     app.state.kvship_metrics = ServerMetrics(state)
     install_error_handlers(app)
@@ -107,11 +108,11 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
     async def health(request: Request) -> JSONResponse:
         s: ServerState = request.app.state.kvship
         if s.ready:
-            return JSONResponse({"status": "ok"})
+            return SafeJSONResponse({"status": "ok"})
         reason = (
             "loading" if s.engine is None else "shutting_down" if s.draining else "engine_dead"
         )
-        return JSONResponse({"status": reason}, status_code=503)
+        return SafeJSONResponse({"status": reason}, status_code=503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TypeVar
+import re
+from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from kvship.server.engine_client import EngineClient
-from kvship.server.errors import APIError, bad_request, validation_error
+from kvship.server.errors import APIError, bad_request, utf8_safe, validation_error
 from kvship.server.state import ServerState
 
 # Parsing and validating a body takes about 10 ms per MB, longer for long lists of token ids:
@@ -81,8 +82,40 @@ def _decode(raw: bytes, model: type[M]) -> M:
         raise bad_request("The JSON body is nested too deeply.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):
+        _refuse_lone_surrogates(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         errors = [dict(e, loc=("body", *e.get("loc", ()))) for e in exc.errors()]
         raise validation_error(errors) from None
+
+
+# A lone UTF-16 surrogate can only come in as a JSON escape (json.loads refuses one in raw
+# UTF-8), so the parsed body is searched only when the raw bytes hold such an escape.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_lone_surrogates(data: dict[str, Any]) -> None:
+    """A 400 naming the first field (of any kind, known or not) whose text holds a lone
+    surrogate: such text is not Unicode, so it can be neither tokenised nor sent back as UTF-8."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found is not None:
+                param = path or "body"
+                raise bad_request(f"Invalid value for '{param}': the text contains a lone UTF-16 surrogate "
+                                  f"(\\u{ord(found.group()):04x}) at position {found.start()}, which is not valid "
+                                  "Unicode.", param=param, code="invalid_value")
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                name = f"{path}.{utf8_safe(key)}" if path else utf8_safe(key)
+                if _SURROGATE.search(key):
+                    stack.append((name, key))
+                else:
+                    stack.append((name, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))

@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvship.outputs import RequestOutput, TokenLogprob
 from kvship.server.body import accept
+from kvship.server.errors import SafeJSONResponse
 from kvship.server.generation import ClientDisconnected, GenerationStream, final_outputs, first_output
 from kvship.server.metrics import observe_request
 from kvship.server.params import fit_to_context, prepare_grammar, sampling_params
@@ -124,7 +125,7 @@ async def create_completion(raw_request: Request) -> Response:
                 }
             )
     envelope = Envelope(request_id, "text_completion", state.model_name)
-    return JSONResponse(envelope.body(choices, usage=usage_json(prompt_tokens, completion_tokens)))
+    return SafeJSONResponse(envelope.body(choices, usage=usage_json(prompt_tokens, completion_tokens)))
 
 
 async def _stream_chunks(

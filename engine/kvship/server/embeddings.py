@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from kvship.server.body import accept
-from kvship.server.errors import bad_request, engine_error
+from kvship.server.errors import SafeJSONResponse, bad_request, engine_error
 from kvship.server.prompts import (
     check_prompt_count,
     check_text_fits,
@@ -52,8 +52,8 @@ async def create_embeddings(raw_request: Request) -> JSONResponse:
                                                                         body.encoding_format)}
             for i, v in enumerate(vectors)]
     n = sum(map(len, prompts))
-    return JSONResponse({"object": "list", "data": data, "model": engine.model_name,
-                         "usage": {"prompt_tokens": n, "total_tokens": n}})
+    return SafeJSONResponse({"object": "list", "data": data, "model": engine.model_name,
+                             "usage": {"prompt_tokens": n, "total_tokens": n}})
 
 
 def _shorten(v: torch.Tensor, dims: int | None, normalize: bool) -> torch.Tensor:

@@ -5,6 +5,7 @@ handlers are installed on the app by `install_error_handlers`.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from http import HTTPStatus
@@ -88,6 +89,27 @@ def engine_error(exc: BaseException) -> APIError | None:
     return None
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def utf8_safe(text: str) -> str:
+    """`text` with lone UTF-16 surrogates replaced by U+FFFD. JSON's "\\ud800" escapes decode to
+    them and UTF-8 cannot encode them: an error message that quotes the request's own text
+    (a model name, an id) must still be sendable."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+
+class SafeJSONResponse(JSONResponse):
+    """The app's JSON response: whatever a body echoes back from the request, it encodes."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:
+            return utf8_safe(text).encode("utf-8")
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -97,7 +119,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+    return SafeJSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|literal\[.*\]|function-.*|[A-Z]\w*)$")
@@ -171,7 +193,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "Not found."
         else:
             message = str(exc.detail) if exc.detail else HTTPStatus(status).phrase
-        return JSONResponse(
+        return SafeJSONResponse(
             error_body(message, _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")),
             status_code=status,
             headers=getattr(exc, "headers", None),
@@ -206,4 +228,4 @@ class UnhandledErrorMiddleware:
             if started:  # half a response is out: nothing valid can follow it on this connection
                 raise
             body = error_body(f"Internal server error: {type(exc).__name__}", "server_error")
-            await JSONResponse(body, status_code=500)(scope, receive, send)
+            await SafeJSONResponse(body, status_code=500)(scope, receive, send)

@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from kvship.outputs import RequestOutput
 from kvship.server.body import accept
-from kvship.server.errors import bad_request, validation_error
+from kvship.server.errors import SafeJSONResponse, bad_request, utf8_safe, validation_error
 from kvship.server.generation import ClientDisconnected, GenerationStream, final_outputs, first_output
 from kvship.server.message import MessageShaper
 from kvship.server.metrics import observe_request
@@ -194,8 +194,8 @@ async def create_response(raw_request: Request) -> Response:
     message = shaper.message(choice.text)
     _store(state, shell, conversation, message)
     incomplete = "max_output_tokens" if choice.finish_reason == "length" else None
-    return JSONResponse(shell.json("incomplete" if incomplete else "completed", output_items(message),
-                                   usage_json(final, len(prompt_ids)), incomplete))
+    return SafeJSONResponse(shell.json("incomplete" if incomplete else "completed", output_items(message),
+                                       usage_json(final, len(prompt_ids)), incomplete))
 
 
 def _store(state: ServerState, shell: ResponseShell, conversation: list[dict[str, Any]],
@@ -218,7 +218,8 @@ def _message_of(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _event(kind: str, seq: int, **fields: Any) -> str:
-    data = json.dumps({"type": kind, "sequence_number": seq, **fields}, ensure_ascii=False, separators=(",", ":"))
+    data = utf8_safe(json.dumps({"type": kind, "sequence_number": seq, **fields}, ensure_ascii=False,
+                                separators=(",", ":")))
     return f"event: {kind}\ndata: {data}\n\n"
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from kvship.server.errors import APIError, engine_error
+from kvship.server.errors import APIError, engine_error, utf8_safe
 from kvship.server.generation import GenerationStream
 
 logger = logging.getLogger("kvship.server")
@@ -17,7 +17,8 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    # utf8_safe: a chunk may echo request text (the Responses API's shell) that UTF-8 cannot encode.
+    return f"data: {utf8_safe(json.dumps(data, ensure_ascii=False, separators=(',', ':')))}\n\n"
 
 
 def sse_response(stream: GenerationStream, request_id: str, chunks: AsyncIterator[str]) -> StreamingResponse:

@@ -6,10 +6,10 @@ import asyncio
 import json
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvship.server.body import accept
-from kvship.server.errors import bad_request
+from kvship.server.errors import SafeJSONResponse, bad_request
 from kvship.server.prompts import OFFLOAD_CHARS, chat_prompt_ids, chat_size, check_token_ids, run_tokenizer
 from kvship.server.protocol import DetokenizeRequest, TokenizeRequest
 
@@ -20,7 +20,7 @@ async def _json(data: dict, size: int) -> Response:
     """Serialising a million token ids takes most of a second: large answers are written in a
     worker thread, off the event loop."""
     if size <= OFFLOAD_CHARS:
-        return JSONResponse(data)
+        return SafeJSONResponse(data)
     content = await asyncio.to_thread(lambda: json.dumps(data, separators=(",", ":")).encode())
     return Response(content, media_type="application/json")
 
