@@ -85,18 +85,6 @@ def insitu_method(fmt: str | None) -> str | None:
     return {None: None, "none": None, "int4-g32": "int4", "fp8-block": "fp8"}.get(fmt, fmt)
 
 
-def use_fp8_read(read: str | None) -> None:
-    """Make the decode kernel read FP8 pages the named way in this process ("values": the
-    default, packed values; "fp8q": the FP8 query on the tensor cores, at its best setting,
-    paged_attention.FP8_QUERY_CONFIG), so that one device call compares them in the engine."""
-    from kvship.kernels import kv_quant as kvq
-    from kvship.kernels import paged_attention as pa
-    if read == "fp8q":
-        pa.DECODE_CONFIGS[kvq.KV_FP8] = dict(pa.FP8_QUERY_CONFIG)
-    elif read not in (None, "values"):
-        raise ValueError(f"unknown FP8 page read {read!r}")
-
-
 def write_shape_folder(shape: str, root: str | os.PathLike) -> str:
     """config.json + a word-level tokenizer over the whole vocabulary: enough for the engine
     to serve the shape with random weights and detokenize whatever it samples."""
@@ -267,7 +255,7 @@ def kernel_rows(prof, per: float, top: int, cuda: bool = True) -> list[list[str]
 
 
 def header(title: str) -> str:
-    commit = os.environ.get("KVSHIP_COMMIT", "")  # set where the tree travels without .git
+    commit = os.environ.get("BENCH_COMMIT", "")  # set where the tree travels without .git
     try:
         commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                           text=True).stdout.strip()

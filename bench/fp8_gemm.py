@@ -8,13 +8,7 @@ quantization; each is taken from a CUDA graph cycling through enough weight copi
 L2. Limits in the same run: the FP8 bytes ÷ copy bandwidth, the FLOPs ÷ the measured FP8 and bf16
 matmul rates. With --sweep, every group-GEMM setting of a small grid, and the best per row count.
 
-With --rowwise, per-row FP8 weights instead (in-situ ``--quantization fp8``, compressed-tensors'
-FP8-dynamic): the engine's W8A8 (per-token activations, torch._scaled_mm) against the group GEMM's
-PER_ROW form (kernels/fp8_matmul.py fp8_rowwise_matmul_triton) over a grid of tiles, both with
-the activations' quantization, beside cuBLAS bf16, and the best tile per weight and row count.
-
     python bench/fp8_gemm.py [--rows 2 16 64 256 1024 4096] [--sweep]
-    python bench/fp8_gemm.py --rowwise [--rows 2 8 16 64 128 256 512]
 """
 from __future__ import annotations
 
@@ -29,13 +23,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import _time_cuda, header, measure_ceilings, table
 from gemv_sweep import SHAPES, time_per_call
-from kvship.kernels._triton import next_pow2
 from kvship.kernels.fp8_matmul import (
     fp8_group_matmul_triton,
-    fp8_rowwise_matmul_triton,
     group_gemm_config,
     quantize_fp8_groups,
-    quantize_fp8_rows,
 )
 from kvship.kernels.quant_linear import _dense_matmul, _gemm_config, dequantize_triton, pack, quant_linear_triton
 from kvship.quant import quantize
@@ -56,12 +47,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[2, 16, 64, 256, 1024, 4096])
     ap.add_argument("--sweep", action="store_true", help="every group-GEMM setting of a small grid")
-    ap.add_argument("--rowwise", action="store_true", help="per-row FP8 weights: _scaled_mm against the Triton GEMM")
     args = ap.parse_args()
     bw, mm = measure_ceilings()
     mm8 = fp8_matmul_rate()
-    if args.rowwise:
-        return rowwise(args.rows, bw, mm8)
     print(header("Block-wise FP8 weights, 8B projections: bf16 expansion against the group GEMM"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
           f"FP8 matmul {mm8 / 1e12:.0f} TFLOP/s\n")
@@ -117,64 +105,6 @@ def main() -> None:
     if sweep_rows:
         print("\nGroup GEMM alone (activations already quantized), engine setting against the grid's best:\n")
         print(table(sweep_rows, ["weight", "rows", "engine µs", "best µs", "best setting"]))
-
-
-def rowwise(row_counts: list[int], bw: float, mm8: float) -> None:
-    print(header("Per-row FP8 weights, 8B projections: torch._scaled_mm against the Triton GEMM (W8A8)"))
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, FP8 matmul {mm8 / 1e12:.0f} TFLOP/s\n")
-    rows, best_table = [], {}
-    for name, n, k in SHAPES[:4]:
-        copies = max(2, -(-(200 << 20) // (n * k)))
-        per_row = [pack(quantize(torch.randn(n, k, device="cuda") * 0.05, "fp8"), "cuda") for _ in range(copies)]
-        w16 = [(w.qweight.float() * w.scales.float()).to(torch.bfloat16) for w in per_row[:2]]
-        w16 = [w16[i % 2] for i in range(copies)]  # cuBLAS from L2 at worst for two of them: a reference only
-        for m in row_counts:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = F.linear(x.float(), per_row[0].qweight.float() * per_row[0].scales.float())
-            def scaled_mm(i):  # what _dense_matmul runs where ROWWISE_GEMM_SHAPES has no tile
-                xq, xs = quantize_fp8_rows(x)
-                return torch._scaled_mm(xq, per_row[i].qweight.t(), scale_a=xs, scale_b=per_row[i].scales.view(1, -1),
-                                        out_dtype=x.dtype)
-            t_scaled = time_per_call(scaled_mm, copies)
-            t_engine = time_per_call(lambda i: _dense_matmul(x, per_row[i], None), copies)
-            t_16 = time_per_call(lambda i: F.linear(x, w16[i]), copies)
-            best = None
-            # narrow column tiles only beside 16-row ones: a few rows read each weight tile once, and
-            # 16 or 32 columns give a 4096-row matrix 256 or 128 programs
-            grid = itertools.product([16, 32, 64, 128], [16, 32, 64, 128, 256], [128, 256], [4, 8], [3, 4])
-            for bm, bn, bk, nw, ns in grid:
-                if bm > max(16, next_pow2(m)) or (bm == 16 and nw == 8) or (bm + bn) * bk * ns > 200_000 \
-                        or (bn < 64 and bm > 16):
-                    continue
-                cfg = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-
-                def call(i, cfg=cfg):
-                    return fp8_rowwise_matmul_triton(*quantize_fp8_rows(x), per_row[i].qweight, per_row[i].scales,
-                                                     None, x.dtype, cfg)
-                try:
-                    got = call(0).float()
-                    err = ((got - ref).norm() / ref.norm()).item()
-                    if err > 5e-2:
-                        print(f"  {name} {m} {cfg}: rel err {err:.1e}", file=sys.stderr, flush=True)
-                        continue
-                    t = time_per_call(call, copies)
-                except Exception as e:  # out of shared memory for this setting
-                    print(f"  {name} {m} {cfg}: {type(e).__name__}", file=sys.stderr, flush=True)
-                    continue
-                if best is None or t < best[0]:
-                    best = (t, cfg, err)
-            flops = 2 * m * n * k
-            limit = max(n * k / bw * 2, flops / mm8) * 1e6
-            rows.append([name, m, f"{t_scaled:.1f}", f"{best[0]:.1f}", f"{t_scaled / best[0]:.2f}x", f"{t_engine:.1f}",
-                         f"{t_16:.1f}",
-                         f"{limit:.1f}", str(best[1]), f"{best[2]:.1e}"])
-            best_table.setdefault((n, k), {})[m] = best[1]
-        per_row = w16 = None
-        torch.cuda.empty_cache()
-    print(table(rows, ["weight", "rows", "_scaled_mm W8A8 µs", "Triton W8A8 µs (best)", "speed-up", "engine µs",
-                       "cuBLAS bf16 µs",
-                       "limit µs", "best tile", "rel err vs dequantized"]))
-    print("\nbest tiles:", best_table)
 
 
 if __name__ == "__main__":

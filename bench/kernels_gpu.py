@@ -247,22 +247,17 @@ def sweep(copy_bw, mm_rate):
 
 
 def prefill_sweep(copy_bw, mm_rate):
-    """The causal prefill kernel at 2k, 4k and 8k tokens (one sequence, nothing cached; the KV
-    issue asks >= 60% of the matmul rate there) over tiles, each without and with the lazy
-    softmax (paged_attention._lazy_softmax: the scale inside the exponent's FMA, the running
-    maximum moved only past LAZY_TAU; sm_90 SASS: 425 instead of 488 instructions a 64 x 64
-    unmasked tile when it does not move)."""
-    print("\n## prefill sweep (block_m, block_n, num_warps, num_stages, lazy softmax)")
+    """The causal prefill kernel at 2k, 4k and 8k tokens (one sequence, nothing cached) over tiles."""
+    print("\n## prefill sweep (block_m, block_n, num_warps, num_stages)")
     saved = dict(pa.PREFILL_CONFIG[128])
     for bm, bn, nw, ns in [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3)]:
-        for lazy in (False, True):
-            pa.PREFILL_CONFIG[128].update(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, lazy=lazy)
-            for q_len in (2048, 4096, 8192):
-                label = f"prefill {q_len} bm={bm} bn={bn} w={nw} s={ns}{' lazy' if lazy else ''}"
-                try:
-                    prefill_case(1, q_len, 0, copy_bw, mm_rate, label=label, with_sdpa=False)
-                except Exception as e:  # e.g. out of shared memory
-                    print(f"| {label} | failed: {type(e).__name__} |")
+        pa.PREFILL_CONFIG[128].update(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+        for q_len in (2048, 4096, 8192):
+            label = f"prefill {q_len} bm={bm} bn={bn} w={nw} s={ns}"
+            try:
+                prefill_case(1, q_len, 0, copy_bw, mm_rate, label=label, with_sdpa=False)
+            except Exception as e:  # e.g. out of shared memory
+                print(f"| {label} | failed: {type(e).__name__} |")
     pa.PREFILL_CONFIG[128].clear()
     pa.PREFILL_CONFIG[128].update(saved)
 
@@ -270,7 +265,7 @@ def prefill_sweep(copy_bw, mm_rate):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--prefill-sweep", action="store_true", help="only the prefill kernel's tiles, lazy softmax off/on")
+    ap.add_argument("--prefill-sweep", action="store_true", help="only the prefill kernel's tiles at 2k-8k tokens")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-graph", action="store_true", help="time eager launches instead of graph replays")
     args = ap.parse_args()

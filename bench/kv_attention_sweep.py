@@ -101,7 +101,7 @@ def main() -> None:
     plain = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 3), (128, 8, 3), (64, 4, 5)]
     # (page read, grid) per layout; the H200 sweep at 1206f4e: bf16 best at (64, 4, 2), FP8 as
     # stored 227.9 us and packed 240.4 us against 190.5 us for packed values, int4 as stored 686.1 us
-    reads = {"auto": [(False, plain)], "fp8": [(False, narrow), (True, narrow), ("values", wide), ("fp8q", wide)],
+    reads = {"auto": [(False, plain)], "fp8": [(False, narrow), (True, narrow), ("values", wide)],
              "int4": [(False, narrow), (True, wide), ("split", wide)]}
     if args.quick:
         reads = {kv: [(packed, [(64, 4, 2), (128, 4, 3), (64, 4, 5)]) for packed, _ in r] for kv, r in reads.items()}
@@ -157,8 +157,7 @@ def main() -> None:
     print(table(rows, ["KV", "case", "setting", "us", "% BW", "vs default", "rel err"]))
     bf16 = next((us for name, us, *_ in sides if name == "bf16"), None)
     print("\nBest per page read, B=32 ctx=8000 (targets: fp8 >= 1.35x bf16, int4 >= 1.6x):")
-    read_names = {False: "as stored", True: "packed", "values": "packed values", "split": "packed split",
-                  "fp8q": "keys as stored, FP8 query"}
+    read_names = {False: "as stored", True: "packed", "values": "packed values", "split": "packed split"}
     print(table([[name, read_names[cfg.get("packed", False)], setting(cfg), f"{us:.1f}",
                   f"{100 * nbytes / (us * 1e-6) / bw:.0f}%", f"{bf16 / us:.2f}x" if bf16 else "-", f"{err:.1e}"]
                  for name, us, cfg, err, nbytes in sides],
@@ -168,8 +167,7 @@ def main() -> None:
 
 def setting(cfg: dict) -> str:
     return (f"bn={cfg['block_n']} w={cfg['num_warps']} s={cfg['num_stages']} waves={cfg['waves']}"
-            + {False: "", True: " packed", "values": " packed=values", "split": " packed=split",
-               "fp8q": " packed=fp8q"}[cfg.get("packed", False)])
+            + {False: "", True: " packed", "values": " packed=values", "split": " packed=split"}[cfg.get("packed", False)])
 
 
 if __name__ == "__main__":

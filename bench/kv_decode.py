@@ -8,7 +8,7 @@ process a later engine found less free memory than the first (the earlier one's 
 back), which shrank its block count (2026-12-02 runs: fp8 1.7x and int4 2.7x the bf16 sequences,
 where their bytes per block are exactly 2.0x and 3.2x smaller).
 
-    python bench/kv_decode.py [--shape llama3-8b] [--batch 32] [--context 8000] [--kv auto fp8 int4 fp8:fp8q]
+    python bench/kv_decode.py [--shape llama3-8b] [--batch 32] [--context 8000] [--kv auto fp8 int4]
 """
 from __future__ import annotations
 
@@ -30,16 +30,14 @@ from common import (
     measure_ceilings,
     param_count,
     table,
-    use_fp8_read,
     write_shape_folder,
 )
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
 
 
-def run(folder, kv: str, prompts, new_tokens: int, fp8_read: str | None = None) -> tuple[float, int]:
+def run(folder, kv: str, prompts, new_tokens: int) -> tuple[float, int]:
     """(decode tok/s, 8k sequences the cache holds)."""
-    use_fp8_read(fp8_read)
     ctx = len(prompts[0])
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=ctx + new_tokens + 16,
               max_num_seqs=len(prompts), max_num_batched_tokens=8192, kv_cache_dtype=kv)
@@ -67,8 +65,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=8000)  # + new tokens within the 8B shape's 8192 positions
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--kv", nargs="+", default=["auto", "fp8", "int4"],
-                    help="KV-cache dtypes; fp8:fp8q runs fp8 with the FP8-query read (common.use_fp8_read)")
+    ap.add_argument("--kv", nargs="+", default=["auto", "fp8", "int4"], help="KV-cache dtypes")
     args = ap.parse_args()
     bw, _ = measure_ceilings()
     g = torch.Generator().manual_seed(0)
@@ -80,10 +77,9 @@ def main() -> None:
         folder = write_shape_folder(args.shape, tmp)
         for kv in args.kv:
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-                dtype, _, read = kv.partition(":")
-                rate, fits = child.submit(run, folder, dtype, prompts, args.new_tokens, read or None).result()
+                rate, fits = child.submit(run, folder, kv, prompts, args.new_tokens).result()
             step_bytes = param_count(args.shape) * 2 + args.batch * avg_ctx * kv_bytes_per_token(
-                args.shape, kv_cache_dtype=dtype)
+                args.shape, kv_cache_dtype=kv)
             limit = args.batch * bw / step_bytes
             base = base or (rate, fits)
             rows.append([kv, f"{rate:,.0f}", f"{rate / base[0]:.2f}x", f"{limit:,.0f}", f"{100 * rate / limit:.0f}%",

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, WEIGHT_FORMATS, header, insitu_method, kernel_rows, table, use_fp8_read, write_shape_folder
+from common import SHAPES, WEIGHT_FORMATS, header, insitu_method, kernel_rows, table, write_shape_folder
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
 
@@ -36,9 +36,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--quantization", choices=WEIGHT_FORMATS, help="in-situ weight format")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"])
-    ap.add_argument("--fp8-read", choices=["values", "fp8q"], help="how decode reads FP8 pages (common.use_fp8_read)")
     args = ap.parse_args()
-    use_fp8_read(args.fp8_read)
     cuda = torch.cuda.is_available()
     method = insitu_method(args.quantization)
     with tempfile.TemporaryDirectory() as tmp:

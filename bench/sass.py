@@ -45,24 +45,6 @@ def loops(cubin: bytes) -> list[collections.Counter]:
     return sorted(found, key=lambda c: -sum(c.values()))
 
 
-def skipped(cubin: bytes) -> collections.Counter:
-    """Opcode counts of the largest forward branch's span inside the largest loop: what an
-    iteration skips when it takes that branch (a conditional block, such as the prefill's lazy
-    softmax rescale); empty when the loop has none."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    code = [(int(m.group(1), 16), line) for line in _tool("cuobjdump", "-sass", f.name).splitlines()
-            if (m := _ADDR.match(line))]
-    os.unlink(f.name)
-    spans = [(int(m.group(1), 16), at) for at, line in code if (m := _BRANCH.search(line))]
-    loop = max(((t, a) for t, a in spans if t < a), key=lambda s: sum(1 for a, _ in code if s[0] <= a <= s[1]),
-               default=None)
-    inner = [(a, t) for t, a in spans if loop and t > a and loop[0] <= a < t <= loop[1]]
-    blocks = [collections.Counter(m.group(1) for at, text in code if a < at < t and (m := _OPCODE.search(text)))
-              for a, t in inner]
-    return max(blocks, key=lambda c: sum(c.values()), default=collections.Counter())
-
-
 def registers(ptx: str) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from common import header, table  # noqa: E402
 from kvship.kernels import paged_attention as pa  # noqa: E402
-from sass import loops, registers, skipped  # noqa: E402
+from sass import loops, registers  # noqa: E402
 from sm90_compile import attention_types, compile_sm90, decode_types  # noqa: E402
 
 LAYOUTS = {"bf16": ("*bf16", "*bf16", 0, 2.0), "fp8": ("*fp8e4nv", "*fp32", 1, 1.0), "int4": ("*u8", "*fp16", 2, 0.5)}
@@ -40,25 +40,16 @@ def main() -> None:
                                    PACKED=pa.packed_read(cfg, mode, torch.bfloat16, 128)),
                               DIVISIBLE, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
         pre = pa.PREFILL_CONFIG[128]
-        prefill = {lazy: compile_sm90(pa._prefill_kernel, attention_types(cache, scales),
-                                      dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pre["block_m"],
-                                           BLOCK_N=pre["block_n"], KV_MODE=mode, LAZY=lazy),
-                                      [d for d in DIVISIBLE if not d.startswith("mid")],
-                                      {"num_warps": pre["num_warps"], "num_stages": pre["num_stages"]})
-                   for lazy in (False, True)}
+        prefill = compile_sm90(pa._prefill_kernel, attention_types(cache, scales),
+                               dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=pre["block_m"],
+                                    BLOCK_N=pre["block_n"], KV_MODE=mode),
+                               [d for d in DIVISIBLE if not d.startswith("mid")],
+                               {"num_warps": pre["num_warps"], "num_stages": pre["num_stages"]})
         for kernel, compiled, block_n, warps in (("decode", decode, cfg["block_n"], cfg["num_warps"]),
-                                                 ("prefill", prefill[False], pre["block_n"], pre["num_warps"]),
-                                                 ("prefill, lazy softmax", prefill[True], pre["block_n"],
-                                                  pre["num_warps"])):
+                                                 ("prefill", prefill, pre["block_n"], pre["num_warps"])):
             kv_bytes = block_n * 128 * 2 * elem  # one iteration: one tile of keys and values of one KV head
             found = loops(compiled.asm["cubin"])[:2]
-            # the lazy softmax's rescale is a branch inside the loop, taken only when the maximum moves:
-            # the counts below leave it out (it is counted separately in the kernel's name)
-            skip = skipped(compiled.asm["cubin"]) if kernel.endswith("lazy softmax") else None
-            if skip:
-                kernel += f" (rescale block of {sum(skip.values())} left out)"
             for i, ops in enumerate(found):  # largest first
-                ops = ops - skip if skip else ops
                 n = sum(ops.values())
                 top = ", ".join(f"{op} {k}" for op, k in ops.most_common(6))
                 # prefill runs the tiles below the diagonal unmasked, those on it masked (the mask's
