@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvship.core.async_engine import EngineDeadError, QueueFullError
@@ -223,6 +224,10 @@ class UnhandledErrorMiddleware:
 
         try:
             await self.app(scope, receive, watch)
+        except ClientDisconnect:
+            # The client went away before its body was read: nobody to answer, nothing broken.
+            logger.info("client disconnected before sending the whole request: %s %s", scope.get("method"),
+                        scope.get("path"))
         except Exception as exc:
             logger.exception("unhandled error while serving %s", scope.get("path"))
             if started:  # half a response is out: nothing valid can follow it on this connection
