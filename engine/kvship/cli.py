@@ -32,7 +32,28 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve a model over an OpenAI-compatible HTTP API.")
     add_engine_args(serve)
     add_server_args(serve)
+    add_connection_args(serve)
     return parser
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    # The defaults are kvship.server.timeouts' (not imported here: it pulls in the engine).
+    g = p.add_argument_group("connection time limits (a client that sends slowly or not at all)")
+    g.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0, metavar="SECONDS",
+                   help="close a keep-alive connection idle this long between requests (default: %(default)s)")
+    g.add_argument("--timeout-request-header", type=_positive_float, default=20.0,
+                   metavar="SECONDS", help="a request's line and headers must arrive within this time, counted from "
+                   "the connection's start or the previous response (408, then close; default: %(default)s)")
+    g.add_argument("--timeout-request-body", type=_positive_float, default=60.0,
+                   metavar="SECONDS", help="a request's body must arrive within this time of its headers (408, then "
+                   "close; default: %(default)s)")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -112,6 +133,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from kvship.core.async_engine import AsyncEngine
     from kvship.server.app import build_app
+    from kvship.server.timeouts import timed_h11_protocol
 
     logger.info("loading %s", config.model or "the bundled SmolLM2-135M-Instruct")
     try:
@@ -124,7 +146,7 @@ def serve(args: argparse.Namespace) -> int:
                     max_prompts_per_request=args.max_prompts_per_request,
                     max_body_bytes=args.max_request_body_size,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, body_timeout_s=args.timeout_request_body)
     state = app.state.kvship
     uv_config = uvicorn.Config(
         app,
@@ -135,7 +157,8 @@ def serve(args: argparse.Namespace) -> int:
         # Our own drain (kvship.server.app.drain) ends what is left after --shutdown-timeout;
         # uvicorn's timeout is only the backstop.
         timeout_graceful_shutdown=max(0.0, args.shutdown_timeout) + 5,
-        timeout_keep_alive=5,
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=timed_h11_protocol(args.timeout_request_header),
         lifespan="on",
     )
     server = _Server(uv_config, app, args.shutdown_timeout, engine.model_name)

@@ -28,6 +28,7 @@ from kvship.server.metrics import router as metrics_router
 from kvship.server.openapi import install_openapi
 from kvship.server.responses_api import router as responses_router
 from kvship.server.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, ServerState
+from kvship.server.timeouts import DEFAULT_BODY_TIMEOUT_S, BodyTimeoutMiddleware
 from kvship.server.tokenize import router as tokenize_router
 from kvship.server.tracing import ServerTracing, TracingMiddleware
 
@@ -78,10 +79,11 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
               tracer_provider: Any | None = None,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """An app serving `engine` (an AsyncEngine, or None while it loads: then everything but
     /health, /version and /metrics answers 503). Traces go to `tracer_provider` when given,
-    else to one built from the OTEL_* environment (none when those are unset)."""
+    else to one built from the OTEL_* environment (none when those are unset). A request body
+    must arrive within `body_timeout_s` of its headers (408 otherwise)."""
     if engine is not None:
         _ = engine.tokenizer.max_token_chars  # computed once, here, not inside the first request
     state = ServerState(engine, config, api_key, max_prompts_per_request=max_prompts_per_request,
@@ -148,6 +150,7 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
     app.include_router(metrics_router)
     app.include_router(tokenize_router)
 
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=body_timeout_s)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.state.kvship_tracing = tracing
