@@ -22,6 +22,7 @@ import torch
 
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.numerics import fp8_round
+from kvship.kernels.tuning.fp8_matmul import GROUP_GEMM_CONFIGS, GROUP_GEMM_SHAPES
 from kvship.quant.insitu import FP8_MAX
 from kvship.quant.tensor import QuantizedTensor
 
@@ -202,31 +203,6 @@ def _fp8_group_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, 
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(c_ptr + offs_m[:, None].to(tl.int64) * stride_c + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
-
-
-def _cfg(block_m: int, block_n: int, num_warps: int, num_stages: int) -> dict[str, int]:
-    return {"block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages, "group_m": 8}
-
-
-# Tile settings by row count (up to 16, 64, GROUP_GEMM_ROWS), the 8B projections' from the
-# H200 sweep (`bench/fp8_gemm.py --sweep`, 2026-12-04), and a default for other shapes. A program
-# takes one FP8 dot per group and scales its sums before the next, so the tensor cores wait on
-# each step: wide tiles gain less than in a plain GEMM. Down at 64 rows keeps 64-row tiles: the
-# sweep's best there (16 rows, 59.5 us) measured 131.8 us in the next call, 64 rows 80.1.
-GROUP_GEMM_CONFIGS = {16: _cfg(16, 64, 4, 4), 64: _cfg(64, 64, 4, 4), 256: _cfg(64, 128, 8, 3)}
-GROUP_GEMM_SHAPES = {
-    (6144, 4096): {16: _cfg(16, 64, 4, 4), 64: _cfg(64, 64, 4, 4), 256: _cfg(64, 64, 4, 3)},
-    (4096, 4096): {16: _cfg(16, 64, 4, 4), 64: _cfg(64, 64, 4, 4), 256: _cfg(64, 128, 8, 3)},
-    (28672, 4096): {16: _cfg(16, 128, 4, 3), 64: _cfg(64, 128, 4, 3), 256: _cfg(128, 64, 4, 3)},
-    (4096, 14336): {16: _cfg(16, 64, 4, 4), 64: _cfg(64, 64, 4, 4), 256: _cfg(64, 128, 8, 3)},
-}
-# Rows up to which block-wise FP8 weights take the group GEMM; from there the matrix is expanded
-# to bf16 for cuBLAS. H200, 58c4e57, the 8B layer's four projections with the activations'
-# quantization, against what ran before: 313 us against 364 (the expansion) at 256 rows, 131
-# against 234 (the dequantizing GEMM) at 2, q/k/v, o and gate/up 102 against 228 at 64; at
-# 512 rows the expansion was faster on three of the four, at 1,024 on all (the group GEMM
-# reached 300-480 TFLOP/s, cuBLAS bf16 about 700).
-GROUP_GEMM_ROWS = 256
 
 
 def group_gemm_config(m: int, n: int, k: int) -> dict[str, int]:

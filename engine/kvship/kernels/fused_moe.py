@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.activation import silu_mul
 from kvship.kernels.quant_linear import QWeight, _dequant, dequantize_torch
+from kvship.kernels.tuning.moe import GEMV_DOWN, GEMV_GATE_UP, MOE_TILES
 from kvship.quant.tensor import code_centre
 
 
@@ -486,17 +487,9 @@ class MoEConfig:
 
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
-    """Tiles by the pairs each expert gets on average: few (decode) -> blocks of 16 rows and
-    narrow N tiles, so that many programs stream the selected experts' weights; many (prefill)
-    -> large tiles for the tensor cores. Near vLLM's tuned H200 tables for E=128, I=768."""
+    """Tiles by the pairs each expert gets on average (tuning/moe.py's MOE_TILES)."""
     per_expert = num_tokens * top_k / num_experts
-    if per_expert <= 8:
-        return MoEConfig(16, 64, 128, 4, 3)
-    if per_expert <= 32:
-        return MoEConfig(32, 128, 64, 4, 3)
-    if per_expert <= 128:
-        return MoEConfig(64, 128, 64, 4, 3)
-    return MoEConfig(128, 256, 64, 8, 3)
+    return next(MoEConfig(*tiles) for bound, tiles in MOE_TILES if bound is None or per_expert <= bound)
 
 
 @dataclass(frozen=True)
@@ -671,16 +664,6 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, add_ptr, out_
     if ADD:
         y += tl.load(add_ptr + t.to(tl.int64) * stride_add + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < N)
-
-
-# Launch settings of the two few-token kernels, from bench/moe_sweep.py on the H200 at
-# Qwen3-30B-A3B's sizes, one token (2026-12-02, a9ffafc): 25.4 us per layer (70% of copy
-# bandwidth) against 31.1 us (57%) for the grouped GEMMs. The down kernel's tile holds all k
-# experts' rows (4 each, 32 a program) in K tiles of 256, which divide 768 (three passes, no
-# masked lanes); it took 28.7 us (62%) when it took its experts one after the other. At 4 tokens
-# the grouped GEMMs win (76.5 against 82.9 us), so the kernels take one token.
-GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 2, "num_stages": 3}
-GEMV_DOWN = {"block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 3}
 
 
 def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -32,43 +32,7 @@ import torch.nn.functional as F
 
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.activation import act_and_mul, act_and_mul_torch, gelu_tanh_mul, silu_mul
-
-DEFAULT_CONFIG = {"block_n": 16, "block_k": 512, "num_warps": 4, "num_stages": 3}
-# (N, K) weight shape -> launch settings, for the shapes where the kernel beat cuBLAS at M = 1
-# on the H200 (bench/gemv_sweep.py prints this table).
-GEMV_SHAPES: dict[tuple[int, int], dict[str, int]] = {
-    # Llama-3-8B, TP=1: q/k/v, o, down (gate/up stays on cuBLAS: 56 us, 100% of bandwidth)
-    (6144, 4096): {"block_n": 8, "block_k": 2048, "num_warps": 4, "num_stages": 3},
-    (4096, 4096): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 1},
-    (4096, 14336): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 3},
-    # Llama-3-8B, TP=2 rank slices: q/k/v, o, down
-    (3072, 4096): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 3},
-    (4096, 2048): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 1},
-    (4096, 7168): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 3},
-    # Qwen3-30B-A3B q/k/v and o (its MLPs are the experts of kernels/fused_moe.py); from
-    # bench/gemv_sweep.py --more, as the rest below
-    (5120, 2048): {"block_n": 4, "block_k": 512, "num_warps": 4, "num_stages": 1},
-    (2048, 4096): {"block_n": 8, "block_k": 2048, "num_warps": 8, "num_stages": 1},
-    # its router (models/llama.py's ReplicatedLinear): 2.4 against cuBLAS's 5.3 us
-    (128, 2048): {"block_n": 8, "block_k": 2048, "num_warps": 4, "num_stages": 3},
-    # Gemma-2-9B: o, down. q/k/v stays on cuBLAS (83 against 81%), and so does gate/up: the
-    # sweep's 50.1 against 54.3 us did not hold in the engine's profile, where cuBLAS took 49.1 us
-    (3584, 4096): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 3},
-    (3584, 14336): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 3},
-    # Phi-4: o, down (q/k/v: a tie with cuBLAS at 86%)
-    (5120, 5120): {"block_n": 4, "block_k": 512, "num_warps": 4, "num_stages": 1},
-    (5120, 17920): {"block_n": 4, "block_k": 512, "num_warps": 4, "num_stages": 1},
-    # DeepSeek-V2-Lite and Moonlight (bench/gemv_sweep.py --deepseek): q, latent (kv_a), o, the shared
-    # experts' gate/up and down, then the first layer's dense MLP (down; gate/up 92% against cuBLAS's 88-91%)
-    (3072, 2048): {"block_n": 8, "block_k": 1024, "num_warps": 8, "num_stages": 1},
-    (576, 2048): {"block_n": 8, "block_k": 2048, "num_warps": 4, "num_stages": 1},
-    (2048, 2048): {"block_n": 8, "block_k": 2048, "num_warps": 8, "num_stages": 1},
-    (5632, 2048): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 1},
-    (2048, 2816): {"block_n": 8, "block_k": 2048, "num_warps": 8, "num_stages": 3},
-    (21888, 2048): {"block_n": 8, "block_k": 1024, "num_warps": 2, "num_stages": 1},
-    (2048, 10944): {"block_n": 8, "block_k": 2048, "num_warps": 4, "num_stages": 3},
-    (2048, 11264): {"block_n": 8, "block_k": 2048, "num_warps": 4, "num_stages": 3},
-}
+from kvship.kernels.tuning.gemv import DEFAULT_CONFIG, FLOAT_GEMV_CONFIG, GEMV_SHAPES, HEAD_GEMV_CONFIG
 
 
 def gemv_torch(
@@ -156,11 +120,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-# float_linear's setting (DeepSeek's routers, 64 float32 rows of 2048): 32 programs of 16 KB, each
-# row read in one pass
-FLOAT_GEMV_CONFIG = {"block_n": 2, "block_k": 2048, "num_warps": 4, "num_stages": 1}
-
-
 def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ W^T in float32 for a float32 W (DeepSeek's router, which routes in float32): for one
     row in a captured graph the GEMV, which reads the 16-bit x as it is; else F.linear on x
@@ -176,13 +135,6 @@ def act_mul_linear(h: torch.Tensor, weight: torch.Tensor, act: str, bias: torch.
     if config is not None:
         return gemv_triton(h, weight, bias, config, act=act)
     return F.linear(act_and_mul(h, act), weight, bias)
-
-
-# head_gemv_triton's settings by orientation, the best of bench/gemv_sweep.py --absorbed on the H200
-# at DeepSeek-V2-Lite's and Moonlight's sizes (16 heads; W_UK 128 x 512 transposed: 2.2 us, W_UV
-# 128 x 512: 2.4 us, against 3.4 and 3.7 for bmm and the output's copy; 2026-12-04, ce4708c)
-HEAD_GEMV_CONFIG = {False: {"block_n": 8, "block_k": 512, "num_warps": 8},
-                    True: {"block_n": 32, "block_k": 128, "num_warps": 2}}
 
 
 def head_matmul_torch(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:

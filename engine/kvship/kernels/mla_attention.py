@@ -29,19 +29,9 @@ from kvship.kernels import kv_quant as kvq
 from kvship.kernels import paged_attention as pa
 from kvship.kernels import rotary
 from kvship.kernels._triton import device_sms, next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
+from kvship.kernels.attention_tile import decode_row, dot_precision, prefill_block, split_range, store_split_lse
 from kvship.kernels.numerics import fp8_round
-
-# Launch settings: the tile of 32 rows keeps the latent tile (32 KB in bf16 at rank 512)
-# double-buffered well inside an sm_90 block's shared memory. One wave of programs: on the H200
-# (`bench/mla_sweep.py --quick`, 2026-12-04, 16 heads, the merge included) batch 32 at 4k tokens
-# took 64.8 us with 8 splits (what one wave gives there) against 80.9 with the 32 of four waves;
-# batch 1 keeps its 64 splits either way (6.5 us at 512 tokens, 9.6 at 4k, 43.0 at 32k, where
-# 64-token tiles and 8 warps took 33.1: not applied, unmeasured at short contexts and batches).
-MLA_DECODE_CONFIG = {"block_n": 32, "block_h": 16, "num_warps": 4, "num_stages": 2, "waves": 1, "max_splits": 64}
-# Prefill: 16 tokens of one head (a dot's fewest rows) against tiles of 32 rows: a [16, 512] fp32
-# accumulator is 64 registers a thread at 4 warps, beside the query's [16, 512] 16-bit rows; 32
-# tokens would double both, near the 255-register limit where they spill. Not measured either.
-MLA_PREFILL_CONFIG = {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
+from kvship.kernels.tuning.attention import MLA_DECODE_CONFIG, MLA_PREFILL_CONFIG
 
 
 def rope_latent_torch(positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
@@ -194,8 +184,8 @@ def _mla_range(acc, l_i, m_i, q_lat, q_pe, q_pos, c_ptr, bt_row, lo, hi, qk_scal
         if FP8:
             c, pe = c.to(q_lat.dtype), pe.to(q_lat.dtype)
         # (dots with an accumulator argument come out wrong for bf16 operands in the interpreter)
-        qk = tl.dot(q_lat, tl.trans(c), input_precision=pa.dot_precision(c.dtype))
-        qk = (qk + tl.dot(q_pe, tl.trans(pe), input_precision=pa.dot_precision(c.dtype))) * qk_scale
+        qk = tl.dot(q_lat, tl.trans(c), input_precision=dot_precision(c.dtype))
+        qk = (qk + tl.dot(q_pe, tl.trans(pe), input_precision=dot_precision(c.dtype))) * qk_scale
         visible = nmask[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])
@@ -205,7 +195,7 @@ def _mla_range(acc, l_i, m_i, q_lat, q_pe, q_pos, c_ptr, bt_row, lo, hi, qk_scal
         p = tl.exp2(qk - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=pa.dot_precision(c.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=dot_precision(c.dtype))
         m_i = m_new
     return acc, l_i, m_i
 
@@ -226,12 +216,12 @@ def _mla_decode_kernel(
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
-    q_row, has_token, seq_len = pa.decode_row(cuq_ptr, seqlens_ptr, b)
+    q_row, has_token, seq_len = decode_row(cuq_ptr, seqlens_ptr, b)
     if not has_token:
         return
     offs_r = tl.arange(0, BLOCK_R)
     hmask = heads < NUM_HEADS
-    start, end = pa.split_range(seq_len, 0, split, BLOCK_N, NUM_SPLITS)
+    start, end = split_range(seq_len, 0, split, BLOCK_N, NUM_SPLITS)
     pdl_wait(PDL)  # the query and the new token's cache row: the rotary + latent store writes them
     q_lat, q_pe = _mla_query(q_ptr + q_row * stride_qt + heads[:, None] * stride_qh, offs_r, tl.arange(0, BLOCK_P),
                              hmask, RANK, ROPE)
@@ -250,7 +240,7 @@ def _mla_decode_kernel(
         o_ptr = mid_o_ptr + b.to(tl.int64) * stride_mob + heads[:, None] * stride_moh + split * stride_mos
     tl.store(o_ptr + offs_r[None, :], o.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & (offs_r < RANK)[None, :])
     if NUM_SPLITS > 1:
-        pa.store_split_lse(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i, l_i, hmask)
+        store_split_lse(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i, l_i, hmask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -262,7 +252,7 @@ def _mla_prefill_kernel(
 ):
     """One (head, BLOCK_M new tokens, sequence) per program: the tokens are the tile's rows,
     causal over the cached prefix and the new tokens (already stored)."""
-    h, mblk, b, q_start, q_len, ctx, has_rows = pa.prefill_block(cuq_ptr, seqlens_ptr, BLOCK_M)
+    h, mblk, b, q_start, q_len, ctx, has_rows = prefill_block(cuq_ptr, seqlens_ptr, BLOCK_M)
     if not has_rows:
         return
     prefix = ctx - q_len

@@ -52,7 +52,16 @@ import torch.nn.functional as F
 
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import INTERPRET, device_sms, next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
-from kvship.kernels.activation import tanh
+from kvship.kernels.attention_tile import (
+    _attend_range,
+    _pages,
+    _split_channels,
+    decode_row,
+    prefill_block,
+    split_range,
+    store_split_lse,
+)
+from kvship.kernels.tuning.attention import DECODE_CONFIG, DECODE_CONFIGS, PREFILL_CONFIG
 
 
 def store_kv_torch(
@@ -167,41 +176,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 
 LOG2E = 1.4426950408889634
 
-# Launch settings; the benchmark may override them. Keyed by head_dim where it matters, and the
-# decode kernel's by the cache's layout (kv_quant.KV_*): DECODE_CONFIG for 16-bit pages.
-# A decode config's "packed" (default False): how the kernel reads quantized pages beside a
-# 16-bit query (_load_kv): True, keys and values converted in the registers they were loaded
-# into; "values", values alone (FP8 keys keep the compiler's own read, from shared memory in the
-# dot's layout, which reads whole words for keys); "split" (int4 pages), keys and values packed
-# and left as their even and odd channels (low and high nibbles), each dot taken as two, with
-# the query's even and odd channels and two accumulators, so the unpacked codes are never
-# interleaved back into channel order; False, both as stored. -> the PACKED constexpr.
-# A float32 query (--dtype float32), and int4 heads under 32 channels or short of a power of
-# two, read as stored whatever the config says, and "split" beside FP8 pages is the packed read
-# (packed_read decides).
-# H200, 2026-12-02, commit 1206f4e, `python3 bench/kv_attention_sweep.py` (8B attention, batch 32
-# at 8k, the best setting per page read, us and % of the layout's bytes at copy bandwidth):
-#   bf16   bn=64 w=4 s=2 waves=4                  246.0 us  101%
-#   fp8    bn=128 w=4 s=3 waves=8 packed=values   190.5 us   65%  1.29x bf16 (as stored 227.9 us)
-#   int4   bn=64 w=4 s=2 waves=4 packed           271.9 us   29%  0.90x bf16 (as stored 686.1 us)
-# and at 6067e97 (`--layouts bf16,int4`): bf16 250.9 us; int4 bn=64 w=4 s=2 waves=4 packed=split
-# 213.1 us, 36%, 1.18x bf16 (packed 272.1 us).
-# num_stages: a tile's page ids come from the block table, a load the tile's loads depend on, and
-# Triton's pipeliner spreads num_stages - 2 stages over the two (Triton 3.x AssignLatencies):
-# 2, 3 and 4 stages all keep one buffer per tile, 5 and 6 two, 7 three (TTGIR at sm_90). Double
-# buffering did not pay on the H200 (2026-12-02, a9ffafc, `--quick`, batch 32 at 8k): fp8 at 64
-# tokens and 5 stages 204.8 us against 190.9 at 128 tokens and 3; int4 split 229.1 against 203.6
-# at 2 stages (1.23x bf16's 250.6 us; 213.1 before the word-order unpack of a0b92ac).
-# int4 keys per block and channel (2026-12-04, `--quick --layouts bf16,int4`, bf16 259.6 us): split
-# at 128 tokens and 3 stages 225.9 us (1.15x bf16), at 64 and 2 234.7; batch 128 at 2k 224.7 against
-# 294.7, batch 1 at 32k 42.8 against 35.9. The larger tile reads each key block's scales for more
-# tokens at once; the batches that fill the GPU gain, the one sequence loses 7 us a layer.
-DECODE_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "waves": 4, "max_splits": 64}
-DECODE_CONFIGS = {kvq.KV_PLAIN: DECODE_CONFIG,
-                  kvq.KV_FP8: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 8, "max_splits": 64,
-                               "packed": "values"},
-                  kvq.KV_INT4: {"block_n": 128, "num_warps": 4, "num_stages": 3, "waves": 4, "max_splits": 64,
-                                "packed": "split"}}
 _PACKED = {False: 0, True: 1, "values": 2, "split": 3}
 
 
@@ -243,242 +217,6 @@ def head_block(head_dim: int, kv_mode: int) -> int:
     if kv_mode == kvq.KV_INT4:
         block_d = max(block_d, kvq.INT4_GROUP)
     return block_d
-
-
-PREFILL_CONFIG = {
-    64: {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3},
-    # H200 sweep at 4k-token causal prefill: (64, 64, 4, 3) 429 us; (128, 64, 8, 3) 455 us;
-    # (128, 128, 8, 3) 432 us; (64, 128, 4, 2) 662 us. Decode: block_n 64, 4 warps, 2 stages was
-    # the best of 7 tried at B=1/32k, 32/4k and 128/4k.
-    128: {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3},
-}
-
-
-@triton.constexpr_function
-def dot_precision(dtype):
-    """float32 dots in full precision: Triton's default takes float32 operands as TF32 (10
-    mantissa bits), and a --dtype float32 model is asked for float32 (rel err 7.6e-4 against
-    the reference on the H200, where the test allows 2e-5)."""
-    return "ieee" if dtype == tl.float32 else None
-
-
-@triton.jit
-def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
-             MASKED: tl.constexpr, D_FIRST: tl.constexpr, KV_MODE: tl.constexpr, DOT: tl.constexpr,
-             PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0):
-    """A tile of cached keys or values: [BLOCK_D, BLOCK_N] when D_FIRST (keys, for q @ k),
-    else [BLOCK_N, BLOCK_D]. tok_off: each token's element (int4: byte) offset in the cache,
-    grp_off: int4 values' (token, head) group offsets in their scales, or int4 keys' [NB] block
-    offsets in theirs (a tile spans NB blocks, or lies in one: kv_quant.int4_per_block); tmask is
-    used when MASKED. Plain and FP8 tiles
-    come back as stored (FP8's scale is applied by the caller), int4 ones dequantized to DOT,
-    the dots' dtype.
-    PACKED (quantized pages, DOT float16): every tile is read token-major, as stored, and comes
-    back as float16 converted in the registers it was loaded into (kv_quant.fp8_to_f16,
-    int4_load_rows_packed; keys transposed after that), by PTX unless INTERPRET. It needs
-    HEAD_DIM (the pages' head size, which dmask holds too) as a compile-time value: int4 rows'
-    masks are then known to be constant over whole 16-byte vectors, and their loads vectorize."""
-    # one return at the end: the GPU compiler goes on past a return inside a constexpr branch
-    if PACKED:  # the host launches it only where it applies (packed_read)
-        tl.static_assert(HEAD_DIM > 0 and KV_MODE > 0 and DOT == tl.float16 and (KV_MODE == 1 or offs_d.shape[0] >= 32))
-        if KV_MODE == 2 and D_FIRST:
-            j = tl.arange(0, offs_d.shape[0] // 2)
-            s_lo, z_lo = kvq.int4_block_scales(g_ptr, grp_off, 2 * j, 2 * j < HEAD_DIM, tl.float16)
-            s_hi, z_hi = kvq.int4_block_scales(g_ptr, grp_off, 2 * j + 1, 2 * j + 1 < HEAD_DIM, tl.float16)
-            lo, hi = kvq.int4_load_key_rows_split(c_ptr, tok_off, tmask, HEAD_DIM, s_lo, z_lo, s_hi, z_hi,
-                                                  tok_off.shape[0], offs_d.shape[0], not INTERPRET)
-            tile = tl.reshape(tl.join(lo, hi), (tok_off.shape[0], offs_d.shape[0]))  # element 2j, then 2j + 1
-        elif KV_MODE == 2:
-            tile = kvq.int4_load_rows_packed(c_ptr, g_ptr, tok_off, grp_off, tmask, HEAD_DIM, tok_off.shape[0],
-                                             offs_d.shape[0], not INTERPRET)
-        else:
-            m = dmask[None, :]
-            if MASKED:
-                m = m & tmask[:, None]
-            tile = kvq.fp8_to_f16(tl.load(c_ptr + tok_off[:, None] + offs_d[None, :], mask=m, other=0.0),
-                                  not INTERPRET)
-        if D_FIRST:
-            tile = tl.trans(tile)
-    elif KV_MODE == 2 and D_FIRST:
-        codes = kvq.int4_load_codes(c_ptr, tok_off, tmask, tl.sum(dmask.to(tl.int32), 0), tok_off.shape[0],
-                                    offs_d.shape[0], DOT)
-        s, z = kvq.int4_block_scales(g_ptr, grp_off, offs_d, dmask, DOT)
-        tile = tl.trans(kvq.int4_per_block(codes, s, z))
-    elif KV_MODE == 2:
-        tile = kvq.int4_load_rows(c_ptr, g_ptr, tok_off, grp_off, tmask, tl.sum(dmask.to(tl.int32), 0),
-                                  tok_off.shape[0], offs_d.shape[0], DOT)
-    else:
-        if D_FIRST:
-            t = tok_off[None, :]
-            d = offs_d[:, None]
-            m = dmask[:, None]
-            if MASKED:
-                m = m & tmask[None, :]
-        else:
-            t = tok_off[:, None]
-            d = offs_d[None, :]
-            m = dmask[None, :]
-            if MASKED:
-                m = m & tmask[:, None]
-        tile = tl.load(c_ptr + t + d, mask=m, other=0.0)
-    return tile
-
-
-@triton.jit
-def _attend_tile(
-    acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
-    BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
-):
-    """One BLOCK_N tile of keys/values, gathered through the block table, folded into the
-    running softmax state (log2 domain). ``pages``: where one sequence's KV head lives (the
-    tuple ``_pages`` makes). MASK: 0 none, 1 pos < kv_end, 2 that and causal (and pos >
-    q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain. PACKED,
-    INTERPRET, HEAD_DIM: how quantized pages are read (``_load_kv``); PACKED 1: keys and values
-    packed, 2: values alone (keys as stored), 0: neither; 3: int4 pages beside a 16-bit query
-    in even and odd channels, bytes in word order (``int4_load_rows_split``): q and acc are then
-    pairs, (even, odd) channels in that order (``_split_channels``), q already float16."""
-    (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-     stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh) = pages
-    pos = n0 + offs_n
-    nmask = pos < kv_end
-    # n0 is a multiple of BLOCK_N. Where pages divide a tile, a token's row in its page and its
-    # page's place in the tile are the same in every tile: written from offs_n alone, they and
-    # the in-page offsets (32-bit) leave the loop, and a tile adds only its pages' 64-bit bases.
-    # (Computed from pos, in 64 bits, the offsets took some half of the loop's instructions on
-    # sm_90: 10 a KV byte for int4 pages, more than the SMs issue at copy bandwidth.)
-    if offs_n.shape[0] % BLOCK_SIZE == 0:
-        idx = n0 // BLOCK_SIZE + offs_n // BLOCK_SIZE
-        row = offs_n % BLOCK_SIZE
-    else:
-        idx = pos // BLOCK_SIZE
-        row = pos % BLOCK_SIZE
-    if MASK > 0:
-        page = tl.load(bt_row + idx, mask=nmask, other=0).to(tl.int64)
-    else:
-        page = tl.load(bt_row + idx).to(tl.int64)
-    k_off = page * stride_kb + (row * stride_ks + kvh * stride_kh)
-    v_off = page * stride_vb + (row * stride_vs + kvh * stride_vh)
-    g_off = page * stride_gb + (row * stride_gs + kvh * stride_gh)  # int4 values only (strides 0 otherwise)
-    kg_off = g_off  # int4 keys: the tile's blocks' offsets in the key scales, per block and channel
-    if KV_MODE == 2:
-        NB: tl.constexpr = (offs_n.shape[0] + BLOCK_SIZE - 1) // BLOCK_SIZE  # n0 is a multiple of BLOCK_N
-        blocks = n0 // BLOCK_SIZE + tl.arange(0, NB)
-        kb = tl.load(bt_row + blocks, mask=blocks * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
-        kg_off = kb * stride_ksb + kvh * stride_ksh
-    # The dots' dtype: the query's, except quantized pages beside a bf16 query, which run in
-    # fp16: on Hopper FP8 converts to fp16 in one instruction per pair and to bf16 only through
-    # fp32, int4 codes become fp16 values with integer and fp16 instructions alone
-    # (kv_quant.int4_load_rows), and the pages' values, the probabilities and a query within
-    # fp16's range (clamped) lose nothing there that the quantization had not.
-    if PACKED == 3:
-        even = _split_channels(offs_d.shape[0])
-        s_lo, z_lo = kvq.int4_block_scales(ks_ptr, kg_off, even, even < HEAD_DIM, tl.float16)
-        s_hi, z_hi = kvq.int4_block_scales(ks_ptr, kg_off, even + 1, even + 1 < HEAD_DIM, tl.float16)
-        k_even, k_odd = kvq.int4_load_key_rows_split(kc_ptr, k_off, nmask, HEAD_DIM, s_lo, z_lo, s_hi, z_hi,
-                                                     offs_n.shape[0], offs_d.shape[0], not INTERPRET, True)
-        qk = tl.dot(q[1], tl.trans(k_odd), tl.dot(q[0], tl.trans(k_even))) * qk_scale
-    else:
-        dot_dtype = q.dtype
-        if KV_MODE > 0:
-            if q.dtype == tl.bfloat16:
-                dot_dtype = tl.float16
-        kt = _load_kv(kc_ptr, ks_ptr, k_off, kg_off, offs_d, nmask, dmask, MASK > 0, True, KV_MODE, dot_dtype,
-                      PACKED == 1, INTERPRET, HEAD_DIM)
-        if dot_dtype == q.dtype:
-            qk = tl.dot(q, kt.to(dot_dtype), input_precision=dot_precision(dot_dtype))
-        else:
-            qk = tl.dot(tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(dot_dtype), kt.to(dot_dtype))
-        qk = qk * qk_scale
-    if SOFTCAP > 0:  # cap * tanh(s / cap), s and cap both scaled by log2(e)
-        qk = SOFTCAP * tanh(qk / SOFTCAP)
-    if MASK == 1:
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-    elif MASK == 2:
-        visible = (pos[None, :] <= q_pos[:, None]) & nmask[None, :]
-        if WINDOW > 0:
-            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
-        qk = tl.where(visible, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_ref = m_new
-    if WINDOW > 0:  # a row may see no key of a tile on its window's lower edge: zeros, not NaN
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(qk - m_ref[:, None])
-    alpha = tl.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if PACKED == 3:
-        v_even, v_odd = kvq.int4_load_rows_split(vc_ptr, vs_ptr, v_off, g_off, nmask, HEAD_DIM, offs_n.shape[0],
-                                                 offs_d.shape[0], not INTERPRET, True, True)
-        p16 = p.to(tl.float16)
-        acc = (tl.dot(p16, v_even, acc[0] * alpha[:, None]), tl.dot(p16, v_odd, acc[1] * alpha[:, None]))
-    else:
-        v = _load_kv(vc_ptr, vs_ptr, v_off, g_off, offs_d, nmask, dmask, MASK > 0, False, KV_MODE, dot_dtype,
-                     PACKED > 0, INTERPRET, HEAD_DIM)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype),
-                                            input_precision=dot_precision(dot_dtype))
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-           stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh):
-    """What ``_attend_tile`` reads one sequence's KV head through, as one value: the caches and
-    their scales, the sequence's block-table row, the caches' strides (and the int4 scales': the
-    values' per token and group, the keys' per block and channel), the KV head."""
-    return (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh)
-
-
-@triton.jit
-def _attend_range(
-    acc, l_i, m_i, q, q_pos, pages, lo, hi, kv_end, qk_scale, offs_n, offs_d, dmask,
-    BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
-):
-    """``_attend_tile`` over the tiles from lo up to hi (BLOCK_N apart), all with one MASK."""
-    for n0 in range(lo, hi, offs_n.shape[0]):
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
-                                     BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET, HEAD_DIM)
-    return acc, l_i, m_i
-
-
-@triton.jit
-def decode_row(cuq_ptr, seqlens_ptr, b):
-    """Sequence b of a decode batch: its query's row (int64), whether it has a new token (the
-    first sequences of a mixed step have, and so do a graph's padding rows), its context length."""
-    q_row = tl.load(cuq_ptr + b)
-    return q_row.to(tl.int64), tl.load(cuq_ptr + b + 1) > q_row, tl.load(seqlens_ptr + b)
-
-
-@triton.jit
-def prefill_block(cuq_ptr, seqlens_ptr, BLOCK_M: tl.constexpr):
-    """A prefill program's head, block of BLOCK_M new tokens and sequence (grid: heads, row
-    blocks, sequences; the longest, last, row blocks start first); the sequence's first query
-    row, new-token count and context length; whether the block holds any of its rows."""
-    h = tl.program_id(0)
-    mblk = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = tl.program_id(2)
-    q_start = tl.load(cuq_ptr + b)
-    q_len = tl.load(cuq_ptr + b + 1) - q_start
-    return h, mblk, b, q_start, q_len, tl.load(seqlens_ptr + b), mblk * BLOCK_M < q_len
-
-
-@triton.jit
-def split_range(seq_len, first, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """A split decode program's share [start, end) of the context from position ``first`` to
-    ``seq_len``: NUM_SPLITS equal shares of its actual length, in whole BLOCK_N tiles."""
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - first, BLOCK_N), NUM_SPLITS)
-    start = first + split * tiles_per_split * BLOCK_N
-    return start, tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
-
-
-@triton.jit
-def store_split_lse(ptr, m_i, l_i, mask):
-    """A split's log-sum-exp per row (log2 domain; -inf where it saw no key), for decode_reduce."""
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    tl.store(ptr, lse, mask=mask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
@@ -557,14 +295,6 @@ def _decode_kernel(
         _store_rows(o_ptr, acc / l_safe[:, None], offs_d, gmask, vs_ptr, HEAD_DIM, KV_MODE)
     if NUM_SPLITS > 1:
         store_split_lse(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i, l_i, gmask)
-
-
-@triton.jit
-def _split_channels(BLOCK_D: tl.constexpr):
-    """The even channel that each column of the split read's tiles (PACKED 3) holds, in the order
-    int4_load_rows_split leaves them (WORD_ORDER: kv_quant.int4_word_order); the odd one is the
-    next. The query is loaded and the output stored in this order, so the dots need no repacking."""
-    return 2 * kvq.int4_word_order(tl.arange(0, BLOCK_D // 2))
 
 
 @triton.jit

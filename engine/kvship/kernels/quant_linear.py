@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from kvship.kernels._triton import pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.activation import act_and_mul
 from kvship.kernels.fp8_matmul import (
-    GROUP_GEMM_ROWS,
     fp8_group_matmul_triton,
     group_matmul_fits,
     quantize_fp8_groups,
@@ -42,6 +41,18 @@ from kvship.kernels.quant_gemv import (
     tiles_keep_groups,
 )
 from kvship.kernels.quant_gemv_mma import MAX_TOKENS, mma_fit, qgemv_mma_triton
+from kvship.kernels.tuning.fp8_matmul import GROUP_GEMM_ROWS
+from kvship.kernels.tuning.quant_linear import (
+    DENSE_ROWS,
+    GEMM_CONFIGS,
+    GEMV_CONFIGS,
+    MMA_GEMV_CONFIG,
+    MMA_GEMV_SHAPES,
+    PAIRS_GEMV_CONFIGS,
+    PAIRS_GEMV_SHAPES,
+    W8A8_ROWS,
+    WORD_GEMV_CONFIGS,
+)
 from kvship.quant.tensor import QuantizedTensor, code_centre
 
 
@@ -228,76 +239,9 @@ def _qgemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gi_ptr, bias_ptr, y_ptr, M, N, K, 
              mask=mmask[:, None] & nmask[None, :])
 
 
-# Launch settings of the one-row kernels, from bench/quant_gemv_sweep.py on the H200 over the 8B
-# projections. FP8 beside float32 activations (or in layouts the pairs kernel leaves) stays on
-# the per-code kernel here (61/48/79% of copy bandwidth on q/k/v, o, gate/up; the word kernel of
-# kernels/quant_gemv.py won only down, 60 against 58%); integer codes beside float32
-# activations, or in layouts the pairs kernel leaves, go to the word kernel (4-bit: 27-42%
-# against 20-28%, int8: 46-76% against 43-61%), unless their layout is one it leaves too
-# (act-order, rows of partial words).
-GEMV_CONFIGS = {8: {"block_n": 16, "block_k": 512, "num_warps": 8, "num_stages": 3},
-                4: {"block_n": 8, "block_k": 256, "num_warps": 4, "num_stages": 3}}
-WORD_GEMV_CONFIGS = {8: {"block_n": 8, "block_w": 512, "num_warps": 4, "num_stages": 3},
-                     4: {"block_n": 16, "block_w": 256, "num_warps": 8, "num_stages": 3}}
-
-
-def _pairs(block_n: int, block_w: int, num_warps: int) -> dict[str, int]:
-    """A setting of the pairs kernel (the sweeps run it with 3 stages only)."""
-    return {"pairs": 1, "block_n": block_n, "block_w": block_w, "num_warps": num_warps, "num_stages": 3}
-
-
-# The fp16-pair kernel (quant_gemv.py's second, "pairs") for integer codes, from the same sweep:
-# 8-bit at 81efe34 (61-95% of copy bandwidth against 41-64% for the word kernel, one setting best
-# on all four 8B shapes); 4-bit in groups of 32 with offsets (Q4_K's layout) at 6067e97, 8 rows of
-# 256 words (38/33/57/44% on q/k/v, o, gate/up, down against 32/30/44/37%). 4-bit in groups of 128
-# takes the same tile since 6067e97 gave every group size the same [rows, chains, 4 words] layout
-# (the layout of groups of 128 before it measured 27/25/57/32% at its best settings).
-# FP8 codes (keyed "fp8") have int8's bytes and, per word, one instruction fewer in the loop on
-# sm_90 (two conversions, two scalings and two products against a shift, two lop3 and four fma),
-# and take int8's setting: 65/59/90/85% of copy bandwidth on q/k/v, o, gate/up, down (H200,
-# fe0bd55; the per-code kernel 61/48/79/59%). The grid's best per projection was within 7% of it
-# (q/k/v 69% at 256 words and 2 warps, gate/up 93% at 32 rows of 64 words); one setting a format
-# keeps the dispatch simple.
-PAIRS_GEMV_CONFIGS = {8: _pairs(8, 512, 4), 4: _pairs(8, 256, 4), "fp8": _pairs(8, 512, 4)}
-# (format, group, N, K) -> the pairs kernel's setting where one beat the format's own on that
-# shape (group: inputs a scale covers, 0 for one a row): 4-bit in groups of 128 on the 8B
-# projections, H200 at 171c1eb and again at bfb22ce (`bench/quant_gemv_sweep.py --formats "int4
-# g128" --all`), 45/46/65/59% of copy bandwidth on q/k/v, o, gate/up, down, against 36/37/54/46%
-# for the format's own (8 rows x 256 words, 4 warps); batch-1 int4 386.5 -> 423.5 tok/s, and
-# groups of 32 (Q4_K's layout) with the same settings 364.8 -> 390.0, in one call.
-_INT4_8B = {(6144, 4096): _pairs(16, 256, 4), (4096, 4096): _pairs(8, 512, 4), (28672, 4096): _pairs(8, 256, 2),
-            (4096, 14336): _pairs(8, 512, 4)}
-PAIRS_GEMV_SHAPES = {
-    **{(4, group, n, k): cfg for group in (128, 32) for (n, k), cfg in _INT4_8B.items()},
-    # FP8 per row, be6f270 (`--formats fp8 --best-json`): 82/72/97/91% against the format's own
-    # 75/64/95/77%; batch-1 fp8 379.7 -> 386.7 tok/s in one call
-    ("fp8", 0, 6144, 4096): _pairs(8, 256, 4), ("fp8", 0, 4096, 4096): _pairs(8, 256, 8),
-    ("fp8", 0, 28672, 4096): _pairs(32, 64, 4), ("fp8", 0, 4096, 14336): _pairs(16, 512, 8),
-}
-
-
 def shape_key(w: QWeight) -> tuple:
     """A quantized matrix's key in the per-shape settings tables: (format, group, N, K)."""
     return ("fp8" if w.fp8 else w.bits, w.group_size if w.scales.shape[1] > 1 else 0, w.n, w.k)
-
-
-# The tensor-core kernel (kernels/quant_gemv_mma.py) multiplies 2 to 8 rows (a small decode batch)
-# of 16-bit x by 4-bit codes in groups of 128 (or one a row), reading the weights once;
-# KVSHIP_MMA_GEMV=0 leaves them to the dequantizing GEMM (A/B runs). One row stays on the pairs
-# kernel: the H200 sweep at 171c1eb had this kernel's best 42/35/61/45% of copy bandwidth on
-# q/k/v, o, gate/up, down against the pairs kernel's 45/45/65/59%. Settings per shape from
-# `bench/quant_gemv_sweep.py --formats "int4 g128" --tokens 2 4 8` at bfb22ce: at 4 tokens
-# 11.7/10.5/28.8/22.3 us against the dequantizing GEMM's 22.0/21.7/64.1/71.0.
-MMA_GEMV_CONFIG = {"mma": 1, "rows": 16, "num_warps": 4}
-MMA_GEMV_SHAPES = {(4, 128, 28672, 4096): {"mma": 1, "rows": 32, "num_warps": 2},
-                   (4, 128, 4096, 14336): {"mma": 1, "rows": 16, "num_warps": 8}}
-# From this many rows the matrix is multiplied by cuBLAS (or FP8 tensor cores): the dequantizing
-# GEMM was 2-3x slower than cuBLAS bf16 at 16 rows and up to 30x at 256 (first H200 sweep).
-DENSE_ROWS = 16
-# FP8 weights take W8A8 from two rows: at 2-16 rows it ran 1.04-1.10x (gate/up) to 1.34-1.97x
-# (q/k/v, o, down) faster than the dequantizing GEMM (H200, 8B shapes, ef31dd7,
-# `bench/quant_gemv_sweep.py --formats fp8 --kernels pairs --quick --tokens 2 4 8 16`).
-W8A8_ROWS = 2
 
 
 def dense_rows(x2: torch.Tensor, w: QWeight) -> int:
@@ -306,11 +250,7 @@ def dense_rows(x2: torch.Tensor, w: QWeight) -> int:
 
 
 def _gemm_config(m: int) -> dict[str, int]:
-    if m <= 16:
-        return {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
-    if m <= 64:
-        return {"block_m": 64, "block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
-    return {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3}
+    return GEMM_CONFIGS[16 if m <= 16 else 64 if m <= 64 else None]
 
 
 def _within_groups(w: QWeight, cfg: dict[str, int]) -> dict[str, int]:

@@ -1,0 +1,15 @@
+"""The fused mixture-of-experts kernels (kernels/fused_moe.py)."""
+
+# Tuned on sm_90 with `python bench/moe_sweep.py` at Qwen3-30B-A3B's sizes.
+#
+# One token: the two GEMV kernels (from 4 tokens the grouped GEMMs win). The down kernel's tile
+# holds all top-k experts' rows, in K tiles of 256 that divide the 768 inputs.
+GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 2, "num_stages": 3}
+GEMV_DOWN = {"block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 3}
+
+# The grouped GEMMs' tiles (block_m, block_n, block_k, num_warps, num_stages) by the pairs each
+# expert gets on average, up to each bound (None: any more). Few pairs (decode): narrow tiles,
+# many programs streaming the chosen experts; many (prefill): large tiles for the tensor cores.
+# Near vLLM's tuned tables for 128 experts of 768.
+MOE_TILES = ((8, (16, 64, 128, 4, 3)), (32, (32, 128, 64, 4, 3)), (128, (64, 128, 64, 4, 3)),
+             (None, (128, 256, 64, 8, 3)))
