@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from . import builders as b
 from . import spec as s
+from .apply import APPLIED_ANNOTATION, applied_digest, contains
 from .kube import Kube
 
 REVISION_LABEL = "controller-revision-hash"
@@ -113,9 +114,27 @@ def lock(namespace: str, name: str) -> threading.Lock:
         return _locks.setdefault((namespace, name), threading.Lock())
 
 
+def edited_template_replicas(sts: dict[str, Any] | None, owner: b.Owner, parsed: s.LLMDeploymentSpec) -> int | None:
+    """The replicas the operator last applied, when the StatefulSet's pod template was edited
+    outside the operator since (the spec unchanged): that edit is repaired in place, and only
+    a change of the spec starts a rollout. None otherwise."""
+    if sts is None:
+        return None
+    applied = (sts["metadata"].get("annotations") or {}).get(APPLIED_ANNOTATION)
+    for replicas in (parsed.replicas, parsed.replicas + 1):
+        wanted = b.statefulset(owner, parsed, replicas)
+        if applied_digest(wanted) == applied:
+            template = (sts.get("spec") or {}).get("template")
+            return None if contains(template, wanted["spec"]["template"]) else replicas
+    return None
+
+
 def current_plan(kube: Kube, owner: b.Owner, parsed: s.LLMDeploymentSpec) -> Plan:
     """The next step, planned from the StatefulSet and pods as they are now."""
     sts = kube.get("apps/v1", "StatefulSet", owner.namespace, owner.name)
+    held = edited_template_replicas(sts, owner, parsed)
+    if held is not None:
+        return Plan(held, message="restoring the pod template edited outside the operator")
     pods = kube.list_pods(owner.namespace, b.selector_string(owner))
     current = ((sts or {}).get("spec") or {}).get("replicas")
     return plan(parsed.replicas, update_revision(sts), [pod_view(p) for p in pods], current)

@@ -116,17 +116,45 @@ def _workload(spec: s.LLMDeploymentSpec, sts: dict[str, Any] | None, pods: list[
 
 
 def _progressing(spec: s.LLMDeploymentSpec, sts: dict[str, Any] | None, revision: str | None,
-                 current: list[rollout.PodView], old: list[rollout.PodView]) -> dict[str, Any]:
+                 views: list[rollout.PodView]) -> dict[str, Any]:
+    """Complete only once nothing is left to change: the StatefulSet at the spec's replicas
+    and its controller agreeing, every pod on the current revision and ready, none
+    terminating. Anything that waits on the condition (kubectl wait, a CI step) moves on then."""
     desired = spec.replicas
-    ready = sum(p.ready for p in current)
-    if sts is not None and revision is None:
+    if sts is None:
+        return condition(PROGRESSING, "True", "Pending", "StatefulSet not created yet")
+    if revision is None:
         return condition(PROGRESSING, "True", "Pending", "the StatefulSet controller has not taken the new spec yet")
+    live = [v for v in views if not v.terminating]
+    current = [v for v in live if v.revision == revision]
+    old = [v for v in live if v.revision != revision]
+    ready = sum(v.ready for v in current)
     if old:
         return condition(PROGRESSING, "True", "RollingOut",
                          f"{len(current)} pod(s) on the current spec ({ready} ready, {desired} wanted); "
-                         f"{len(old)} on a previous spec ({sum(p.ready for p in old)} ready) serve until replaced")
-    if ready < desired or len(current) > desired:
-        return condition(PROGRESSING, "True", "Scaling", f"{ready}/{desired} replicas ready")
+                         f"{len(old)} on a previous spec ({sum(v.ready for v in old)} ready) serve until replaced")
+    waiting = []
+    terminating = sorted(v.name for v in views if v.terminating)
+    if terminating:
+        waiting.append(f"{', '.join(terminating)} terminating")
+    if ready < desired:
+        waiting.append(f"{ready}/{desired} replicas ready")
+    if len(current) > desired:
+        waiting.append(f"{len(current)} pods for {desired} replica(s)")
+    sts_replicas = (sts.get("spec") or {}).get("replicas")
+    if sts_replicas != desired:
+        waiting.append(f"the StatefulSet at {sts_replicas} replica(s)")
+    # The controller's own counts must agree too (they include terminating pods). With
+    # OnDelete it never advances currentRevision (kubernetes#73492): updatedReplicas stands in.
+    got = sts.get("status") or {}
+    counts = [got.get(k) or 0 for k in ("replicas", "updatedReplicas", "readyReplicas")]
+    in_step = got.get("currentRevision") == revision or counts[1] == desired
+    if not waiting and (counts != [desired] * 3 or not in_step):
+        waiting.append(f"the StatefulSet controller's counts ({counts[0]} pods, {counts[1]} updated, "
+                       f"{counts[2]} ready)")
+    if waiting:
+        reason = "RollingOut" if any(v.terminating and v.revision != revision for v in views) else "Scaling"
+        return condition(PROGRESSING, "True", reason, f"waiting for {'; '.join(waiting)}")
     return condition(PROGRESSING, "False", "Complete", f"all {desired} replica(s) run the current spec")
 
 
@@ -201,7 +229,7 @@ def compute(
         "servedModelName": b.served_model_name(owner, spec),
         "conditions": merge_conditions(
             (previous or {}).get("conditions") or [],
-            [ready, cached, workload, synced, _progressing(spec, sts, revision, current, old)],
+            [ready, cached, workload, synced, _progressing(spec, sts, revision, views)],
             observed_generation, now,
         ),
     }

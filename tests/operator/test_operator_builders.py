@@ -226,6 +226,49 @@ def test_status_reports_what_pods_serve_during_a_rollout():
     assert all(x["observedGeneration"] == 2 for x in c.values())
 
 
+def test_progressing_complete_only_when_nothing_is_left_to_change():
+    """Issue 58 item 1: in a one-replica update Progressing said Complete when the surge pod
+    became ready (the old pod terminating, the StatefulSet at 2), went back to Scaling, and
+    said Complete again while the surge pod drained. Each step of that update now says True;
+    only the end says Complete."""
+    one = parse(s.LLMDeploymentSpec, {"model": {"hub": "Qwen/Qwen3-0.6B"}, "replicas": 1})
+
+    def progressing(pods, replicas, counts=None, revision="r2"):
+        sts = _sts(replicas=replicas, revision=revision)
+        if counts is not None:
+            sts["status"].update(zip(("replicas", "updatedReplicas", "readyReplicas"), counts))
+        return conds(st.compute(OWNER, one, sts=sts, pods=pods, previous=None, observed_generation=2))["Progressing"]
+
+    def gone(pod):
+        pod["metadata"]["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+        return pod
+
+    steps = {
+        "surge pod ready, old pod terminating": progressing(
+            [gone(_pod("qwen-0", ready=True, revision="r1")), _pod("qwen-1", ready=True, revision="r2")], 2, (2, 1, 2)),
+        "old pod re-created on the new spec, loading": progressing(
+            [_pod("qwen-0", revision="r2"), _pod("qwen-1", ready=True, revision="r2")], 2, (2, 2, 1)),
+        "both ready, surge not yet scaled away": progressing(
+            [_pod("qwen-0", ready=True, revision="r2"), _pod("qwen-1", ready=True, revision="r2")], 2, (2, 2, 2)),
+        "surge pod draining": progressing(
+            [_pod("qwen-0", ready=True, revision="r2"), gone(_pod("qwen-1", ready=True, revision="r2"))], 1, (2, 2, 2)),
+        "surge pod gone, the controller's counts not yet": progressing(
+            [_pod("qwen-0", ready=True, revision="r2")], 1, (2, 1, 1)),
+    }
+    for step, c in steps.items():
+        assert c["status"] == "True" and c["reason"] != "Complete", (step, c)
+    assert steps["surge pod ready, old pod terminating"]["reason"] == "RollingOut"
+    assert "qwen-0 terminating" in steps["surge pod ready, old pod terminating"]["message"]
+    assert "qwen-1 terminating" in steps["surge pod draining"]["message"]
+    done = progressing([_pod("qwen-0", ready=True, revision="r2")], 1, (1, 1, 1))
+    assert done["status"] == "False" and done["reason"] == "Complete", done
+    # the controller has not seen the template yet: nothing can be said
+    sts = _sts(replicas=1, generation=3, observed=2, revision="r2")
+    c = conds(st.compute(OWNER, one, sts=sts, pods=[_pod("qwen-0", ready=True, revision="r2")], previous=None,
+                         observed_generation=2))["Progressing"]
+    assert c["status"] == "True" and c["reason"] == "Pending"
+
+
 def test_status_insufficient_gpu():
     pod = _pod(conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                             "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}])
@@ -384,3 +427,32 @@ def test_rollout_plan_surges_then_replaces_one_pod_at_a_time():
     step = r.plan(2, "new", [pod(0, "old"), pod(1, "old"), pod(2, "new")])
     assert [p.name for p in step.delete] == ["qwen-1"]
     assert r.plan(2, "new", [pod(0, "old"), pod(1, "new", ready=False), pod(2, "new")]).delete == []
+
+
+def test_edited_pod_template_is_repaired_without_a_rollout():
+    """Issue 58 item 2: an image patched into the StatefulSet by hand was taken for a new
+    revision and the surge replica was asked for. The operator knows its own template from
+    the digest it leaves on the StatefulSet: an edit under an unchanged spec keeps the
+    replicas it applied (no surge, no pod replaced); a changed spec plans as before."""
+    import copy
+
+    from kvship_operator import rollout as r
+    from kvship_operator.apply import APPLIED_ANNOTATION, applied_digest
+
+    spec = parse(s.LLMDeploymentSpec, {"model": {"hub": "Qwen/Qwen3-0.6B"}, "replicas": 2})
+
+    def live(replicas):
+        obj = b.statefulset(OWNER, spec, replicas)
+        out = copy.deepcopy(obj)
+        out["metadata"]["annotations"] = {APPLIED_ANNOTATION: applied_digest(obj)}
+        return out
+
+    for applied in (2, 3):  # steady, or holding the surge of a rollout
+        sts = live(applied)
+        assert r.edited_template_replicas(sts, OWNER, spec) is None  # as applied: nothing to hold
+        sts["spec"]["template"]["spec"]["containers"][0]["image"] = "someone/else:latest"
+        assert r.edited_template_replicas(sts, OWNER, spec) == applied
+    changed = parse(s.LLMDeploymentSpec, {"model": {"hub": "Qwen/Qwen3-0.6B"}, "replicas": 2,
+                                          "engine": {"args": ["--max-num-seqs", "4"]}})
+    assert r.edited_template_replicas(live(2), OWNER, changed) is None  # a spec change: a rollout
+    assert r.edited_template_replicas(None, OWNER, spec) is None
