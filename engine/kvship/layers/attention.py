@@ -23,6 +23,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     logits_indices: torch.Tensor  # rows of the flat batch whose next token is sampled
     num_decodes: int = 0  # the first sequences with one new token each (Batch.num_decodes)
+    state_slots: torch.Tensor | None = None  # [B] each sequence's recurrent-state slot (hybrid models)
 
 
 class PagedAttention(nn.Module):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvship.models.hybrid_config import HYBRID, LinearAttention, hybrid_fields, text_config
 from kvship.quant import QuantScheme, checkpoint_format
 
 
@@ -21,6 +22,12 @@ FAMILIES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # hybrid Gated DeltaNet + gated attention (models/qwen3_next.py); the vision tower is not served
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     # Phi-3 and Phi-4: the Llama block, stored with fused qkv_proj and gate_up_proj matrices
     "Phi3ForCausalLM": "phi3",
     # Gemma 2 and text-only Gemma 3 (models/gemma.py)
@@ -36,7 +43,8 @@ FAMILIES = {
     "Qwen2Model": "qwen2",
     "Qwen3Model": "qwen3",
 }
-_BY_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+_BY_MODEL_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe",
+                  "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
                 "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "deepseek_v2": "deepseek_v2",
                   "deepseek_v3": "deepseek_v3"}
@@ -113,6 +121,7 @@ class ModelConfig:
     moe_scoring: str = "softmax"
     rope_interleave: bool = True  # DeepSeek's rope channels rotate as adjacent pairs (V3 may say False)
     shared_experts_intermediate_size: int = 0  # DeepSeek's always-on experts, ungated, as one MLP
+    linear_attention: LinearAttention | None = None  # the hybrid families' Gated DeltaNet layers
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -135,6 +144,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = family_of(cfg)
+        cfg = text_config(cfg) if arch in HYBRID else cfg
         # transformers >= 5 writes rope settings under rope_parameters (Gemma 3: one set per layer type).
         rope_params = dict(cfg.get("rope_parameters") or {})
         local_rope = rope_params.pop("sliding_attention", None) or {}
@@ -156,7 +166,7 @@ class ModelConfig:
                     rope_scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
         heads = cfg["num_attention_heads"]
         partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):  # Phi-4-mini rotates 3/4 of each head
+        if arch not in HYBRID and partial not in (None, 1, 1.0):  # Phi-4-mini rotates 3/4 of each head
             raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported yet")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         windows = _layer_windows(arch, cfg, window)
@@ -177,7 +187,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),
             attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "qwen2_moe"))),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", *HYBRID),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_list,
@@ -186,6 +196,7 @@ class ModelConfig:
             **_moe_fields(arch, cfg),
             **_gemma_fields(arch, cfg, local_rope),
             **_deepseek_fields(arch, cfg),
+            **hybrid_fields(arch, cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
         )
 
 

@@ -8,6 +8,7 @@ from kvship.models.config import ModelConfig
 from kvship.models.deepseek_v2 import DeepseekV2ForCausalLM
 from kvship.models.gemma import GemmaForCausalLM
 from kvship.models.llama import LlamaForCausalLM
+from kvship.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES = {
     "llama": LlamaForCausalLM,
@@ -21,6 +22,9 @@ MODEL_CLASSES = {
     "gemma3": GemmaForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
     "deepseek_v3": DeepseekV2ForCausalLM,  # V2's model, V3's router (ModelConfig.moe_scoring)
+    "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5": Qwen3NextForCausalLM,
+    "qwen3_5_moe": Qwen3NextForCausalLM,
 }
 
 

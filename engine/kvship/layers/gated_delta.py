@@ -1,0 +1,102 @@
+"""The Gated DeltaNet layer (Qwen3-Next, Qwen3.5): projections, the causal conv1d with its
+state, the gated delta rule with its state, the gated RMSNorm and the output projection.
+
+Each running sequence owns one slot of recurrent state (AttentionMetadata.state_slots, given
+by the KV-cache manager with its blocks): the last K-1 conv inputs and the delta-rule matrices,
+read at the start of its step and written at its end. A sequence with nothing computed before
+the step (seq_lens equal to its new tokens: a new or recomputed one) starts from zeros, so a
+preempted sequence rebuilds its state from its tokens. Without slots (the runner's start-up
+prefills) every sequence starts from zeros and nothing is kept.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvship.kernels import gated_delta as gd
+from kvship.kernels.norm import rms_norm_torch
+from kvship.layers.attention import AttentionMetadata
+from kvship.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from kvship.parallel import TPContext
+
+
+class GatedDeltaNet(nn.Module):
+    # in_proj's parts, in its rows' order: the conv's input (q, k, v), the output gate z, beta's
+    # and the decay's logits (b, a); checkpoints name them in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+    PARTS = ("q", "k", "v", "z", "b", "a")
+
+    def __init__(self, cfg, tp: TPContext, backend: str):
+        super().__init__()
+        la = cfg.linear_attention
+        if tp.size > 1:
+            raise ValueError("Gated DeltaNet layers are not sharded over tensor-parallel ranks yet; "
+                             "serve this model with --tensor-parallel-size 1")
+        self.hk, self.hv, self.dk, self.dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
+        self.width, self.conv_dim = la.conv_kernel, la.conv_dim
+        key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
+        self.sizes = [key_dim, key_dim, value_dim, value_dim, self.hv, self.hv]
+        self.in_proj = MergedColumnParallelLinear(cfg.hidden_size, self.sizes, False, tp, quant=cfg.quantization)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.width), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.norm_weight = nn.Parameter(torch.ones(self.dv), requires_grad=False)
+        self.eps = cfg.rms_norm_eps
+        # partial sums, as LlamaAttention's o_proj: the post-attention norm reduces them
+        self.out_proj = RowParallelLinear(value_dim, cfg.hidden_size, False, tp, reduce=False, quant=cfg.quantization)
+        self.force_torch = backend == "torch"
+        self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K-1], bound by bind_state
+        self.delta_state: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] float32
+
+    def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One slot's tensors: the conv inputs in the model's dtype, the delta rule's matrices in
+        float32 (they sum a whole context's updates, as transformers' reference keeps them)."""
+        return [((self.conv_dim, self.width - 1), dtype), ((self.hv, self.dk, self.dv), torch.float32)]
+
+    def bind_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        (conv, cdt), (delta, ddt) = self.state_shapes(dtype)
+        self.conv_state = torch.zeros(num_slots, *conv, dtype=cdt, device=device)
+        self.delta_state = torch.zeros(num_slots, *delta, dtype=ddt, device=device)
+
+    def _initial(self, meta: AttentionMetadata, q_lens: torch.Tensor, dtype, device):
+        """Each sequence's starting state: its slot's, or zeros where it has no past."""
+        n = q_lens.shape[0]
+        slots = meta.state_slots
+        if slots is None:
+            return (torch.zeros(n, self.conv_dim, self.width - 1, dtype=dtype, device=device),
+                    torch.zeros(n, self.hv, self.dk, self.dv, dtype=torch.float32, device=device))
+        past = (meta.seq_lens > q_lens)[:, None, None]
+        conv, delta = self.conv_state[slots], self.delta_state[slots]
+        return torch.where(past, conv, 0).to(dtype), torch.where(past[..., None], delta, 0)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        proj = self.in_proj(x)
+        mixed, z, b, a = proj.split([self.conv_dim, *self.sizes[3:]], dim=-1)
+        cu = meta.cu_seqlens_q
+        q_lens = (cu[1:] - cu[:-1]).to(meta.seq_lens.dtype)
+        conv0, delta0 = self._initial(meta, q_lens, x.dtype, x.device)
+        decode = meta.num_decodes == q_lens.shape[0]
+        if decode:
+            mixed, conv1 = gd.conv1d_step_torch(mixed, self.conv_weight, conv0)
+        else:
+            bounds = cu.tolist()
+            mixed, conv1 = gd.causal_conv1d_torch(mixed, self.conv_weight, conv0, bounds)
+        q, k, v = mixed.split(self.sizes[:3], dim=-1)
+        r = self.hv // self.hk
+        q = (gd.l2norm(q.reshape(t, self.hk, self.dk)) * self.dk**-0.5).repeat_interleave(r, dim=1)
+        k = gd.l2norm(k.reshape(t, self.hk, self.dk)).repeat_interleave(r, dim=1)
+        v = v.reshape(t, self.hv, self.dv)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        beta = torch.sigmoid(b.float())
+        if decode:
+            o, delta1 = gd.recurrent_step_torch(q, k, v, g, beta, delta0)
+        else:
+            o, delta1 = gd.delta_rule_torch(q, k, v, g, beta, delta0, bounds)
+        if meta.state_slots is not None:
+            self.conv_state[meta.state_slots] = conv1.to(self.conv_state.dtype)
+            self.delta_state[meta.state_slots] = delta1
+        # the gated RMSNorm: normed per value head (weight times, in the model's dtype), times silu(z)
+        o = rms_norm_torch(o.to(x.dtype), self.norm_weight, self.eps)
+        o = (o.float() * F.silu(z.float().reshape(t, self.hv, self.dv))).to(x.dtype)
+        return self.out_proj(o.reshape(t, -1))

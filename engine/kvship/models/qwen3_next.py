@@ -1,0 +1,229 @@
+"""Qwen3-Next, Qwen3.5 and Qwen3.5-MoE: one family of hybrid decoders. Most layers mix tokens
+with Gated DeltaNet (layers/gated_delta.py: a recurrent state per sequence, no KV cache); every
+few (ModelConfig.linear_attention.full_attention_layers) run gated attention over the paged KV
+cache: q/k RMSNorm per head, rotary on part of each head, and the output times sigmoid(gate),
+the gate coming from q_proj beside the query. Norms multiply by (1 + w), folded at load.
+The feed-forward is the gated MLP, or routed experts with a shared expert (llama.py's blocks).
+
+Qwen3-Next stores its DeltaNet projections grouped per key head (in_proj_qkvz, in_proj_ba);
+they are reordered at load into Qwen3.5's layout (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
+A ...ForConditionalGeneration checkpoint is read for its language model: the vision tower and
+the multi-token-prediction layer are skipped (each with a log line)."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from kvship.kernels.rotary import build_cos_sin_cache
+from kvship.layers.attention import AttentionMetadata, PagedAttention, QKNorm
+from kvship.layers.embedding import VocabParallelEmbedding
+from kvship.layers.gated_delta import GatedDeltaNet
+from kvship.layers.linear import QKVParallelLinear, RowParallelLinear
+from kvship.layers.norm import RMSNorm
+from kvship.layers.rotary import rope_attention_factor, rope_inv_freq
+from kvship.loader.source import RowView, apply_slices
+from kvship.models.config import ModelConfig, UnsupportedModelError
+from kvship.models.llama import LlamaForCausalLM, LlamaMLP, SparseMoeBlock
+from kvship.parallel import TPContext
+
+log = logging.getLogger(__name__)
+
+
+class OnePlusRMSNorm(RMSNorm):
+    """RMSNorm times (1 + w): the 1 added as the weight loads, in float32 where it stays (exact,
+    as models/gemma.py's)."""
+
+    def __init__(self, dim: int, eps: float, tp: TPContext | None = None, site: int = 0):
+        super().__init__(dim, eps, tp, site)
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, ref, shard_id=None) -> None:
+        param.data.copy_(ref.load().float() + 1.0)
+
+
+class PartialRotary(nn.Module):
+    """The cos/sin table for heads whose first ``rotary_dim`` channels rotate (in pairs i,
+    i + rotary_dim / 2) and the rest pass. The paged attention's kernels rotate pairs i,
+    i + head_dim / 2 over a whole head, so q and k enter with their channels reordered
+    (``order``: the rotated halves at the two half-heads' starts) and the unrotated pairs get
+    frequency 0 (cos 1, sin 0). q.k is unchanged by the reordering; v is not reordered."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_positions: int, theta: float, scaling):
+        super().__init__()
+        if rope_attention_factor(scaling) != 1.0:
+            raise UnsupportedModelError("partial rotary with a scaled attention factor (YaRN) is not supported")
+        inv = rope_inv_freq(rotary_dim, theta, scaling)
+        inv = torch.cat([inv, torch.zeros(head_dim // 2 - rotary_dim // 2, dtype=inv.dtype)])
+        cache = build_cos_sin_cache(max_positions, head_dim, inv_freq=inv, device=torch.get_default_device())
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        h, half, rest = rotary_dim // 2, head_dim // 2, head_dim - rotary_dim
+        order = [*range(h), *range(rotary_dim, rotary_dim + rest // 2),
+                 *range(h, rotary_dim), *range(rotary_dim + rest // 2, head_dim)]
+        assert len(order) == head_dim and half == h + rest // 2
+        self.register_buffer("order", torch.tensor(order, device=torch.get_default_device()), persistent=False)
+
+
+class GatedAttention(nn.Module):
+    """q_proj yields each head's query and gate side by side ([q_h, gate_h]): held as 2 x heads
+    "heads" of the fused qkv projection."""
+
+    def __init__(self, cfg: ModelConfig, rotary: PartialRotary, tp: TPContext, backend: str):
+        super().__init__()
+        d = self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, 2 * cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.attention_bias, tp, quant=cfg.quantization)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads // 2, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, False, tp, reduce=False,
+                                        quant=cfg.quantization)
+        self.q_norm = OnePlusRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = OnePlusRMSNorm(d, cfg.rms_norm_eps)
+        self.order = rotary.order
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, rotary, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        qg, k, v = self.qkv_proj(x).split([2 * hq * d, hkv * d, hkv * d], dim=-1)
+        qg = qg.view(-1, hq, 2, d)
+        q, gate = qg[:, :, 0].index_select(-1, self.order), qg[:, :, 1]
+        k = k.view(-1, hkv, d).index_select(-1, self.order)
+        norm = QKNorm(self.q_norm.weight[self.order], self.k_norm.weight[self.order], self.q_norm.eps)
+        out = self.attn(positions, q, k, v.view(-1, hkv, d), meta, norm)
+        return self.o_proj((out * torch.sigmoid(gate)).flatten(1))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: PartialRotary, tp: TPContext, backend: str, index: int):
+        super().__init__()
+        self.linear = cfg.linear_attention.is_linear(index)
+        self.input_layernorm = OnePlusRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * index)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, tp, backend)
+        else:
+            self.self_attn = GatedAttention(cfg, rotary, tp, backend)
+        self.post_attention_layernorm = OnePlusRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * index + 1)
+        self.mlp = SparseMoeBlock(cfg, tp) if cfg.is_sparse(index) else LlamaMLP(cfg, tp)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.linear_attn(x, meta) if self.linear else self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        rotary = PartialRotary(cfg.head_dim, cfg.linear_attention.rotary_dim, max_positions, cfg.rope_theta,
+                               cfg.rope_scaling)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, rotary, tp, backend, i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = OnePlusRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * cfg.num_hidden_layers)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3NextForCausalLM(LlamaForCausalLM):
+    backbone = HybridModel
+    cuda_graphs = False  # the DeltaNet layers' torch paths sync with the host
+    packed = {
+        **LlamaForCausalLM.packed,
+        **{f"in_proj_{p}": ("in_proj", i) for i, p in enumerate(GatedDeltaNet.PARTS)},
+    }
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers if not layer.linear]
+
+    def state_layers(self) -> list[GatedDeltaNet]:
+        """The layers holding a recurrent state per sequence (a slot each, bind_state)."""
+        return [layer.linear_attn for layer in self.model.layers if layer.linear]
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        return sum(torch.Size(shape).numel() * d.itemsize
+                   for layer in self.state_layers() for shape, d in layer.state_shapes(dtype))
+
+    def bind_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        for layer in self.state_layers():
+            layer.bind_state(num_slots, dtype, device)
+
+    def load_weights(self, weights: Iterable[tuple[str, object]], need_lm_head: bool = True) -> None:
+        super().load_weights(self._renamed(weights), need_lm_head)
+
+    def _renamed(self, weights) -> Iterator[tuple[str, object]]:
+        """The checkpoint's tensors under the names (and in the layouts) LlamaForCausalLM's
+        loader places: language model prefix dropped, DeltaNet projections split into in_proj's
+        parts, fused experts split per expert, (1 + w) norms marked by their loaders."""
+        skipped: dict[str, int] = {}
+        for name, ref in weights:
+            if name.startswith(("mtp.", "model.visual.", "visual.", "model.mtp.")):
+                part = "multi-token-prediction" if "mtp." in name else "vision"
+                skipped[part] = skipped.get(part, 0) + 1
+                continue
+            name = name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
+            if name.startswith("language_model."):
+                name = name[len("language_model."):]
+            yield from self._split(name, ref)
+        for part, n in skipped.items():
+            log.info("skipped the checkpoint's %s weights (%d tensors): not served", part, n)
+
+    def _split(self, name: str, ref) -> Iterator[tuple[str, object]]:
+        la = self.cfg.linear_attention
+        if name.endswith("linear_attn.in_proj_qkv.weight"):
+            k, v = la.num_key_heads * la.key_head_dim, la.num_value_heads * la.value_head_dim
+            for part, start, size in (("q", 0, k), ("k", k, k), ("v", 2 * k, v)):
+                yield name.replace("in_proj_qkv", f"in_proj_{part}"), RowView(ref, start, size)
+        elif name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
+            yield from self._next_parts(name, ref.load())
+        elif name.endswith("linear_attn.conv1d.weight"):
+            w = ref.load()
+            yield name.replace("conv1d.weight", "conv_weight"), Loaded(w.reshape(w.shape[0], -1))
+        elif name.endswith("linear_attn.norm.weight"):
+            yield name.replace("norm.weight", "norm_weight"), ref
+        elif name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            w, prefix = ref.load(), name.rsplit(".", 1)[0]
+            for e in range(w.shape[0]):
+                if name.endswith("down_proj"):
+                    yield f"{prefix}.{e}.down_proj.weight", Loaded(w[e])
+                else:
+                    gate, up = w[e].chunk(2)
+                    yield f"{prefix}.{e}.gate_proj.weight", Loaded(gate)
+                    yield f"{prefix}.{e}.up_proj.weight", Loaded(up)
+        else:
+            yield name, ref
+
+    def _next_parts(self, name: str, w: torch.Tensor) -> Iterator[tuple[str, object]]:
+        """Qwen3-Next's projections, grouped per key head ([q_g, k_g, v_g, z_g] and [b_g, a_g]
+        for each key head g), as Qwen3.5's separate parts."""
+        la = self.cfg.linear_attention
+        r, cols = la.num_value_heads // la.num_key_heads, w.shape[-1]
+        w = w.view(la.num_key_heads, -1, cols)
+        if name.endswith("in_proj_qkvz.weight"):
+            sizes, parts = [la.key_head_dim, la.key_head_dim, r * la.value_head_dim, r * la.value_head_dim], "qkvz"
+        else:
+            sizes, parts = [r, r], "ba"
+        for part, piece in zip(parts, w.split(sizes, dim=1)):
+            base = name.rsplit(".", 2)[0]
+            yield f"{base}.in_proj_{part}.weight", Loaded(piece.reshape(-1, cols))
+
+
+class Loaded:
+    """A tensor already in memory, lazy-shaped like a checkpoint's (WeightRef)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.shape, self.dtype = t.contiguous(), tuple(t.shape), t.dtype
+
+    def load(self, slices=None) -> torch.Tensor:
+        return apply_slices(self.t, slices if slices is None or isinstance(slices, tuple) else (slices,))
