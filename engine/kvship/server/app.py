@@ -30,6 +30,7 @@ from kvship.server.responses_api import router as responses_router
 from kvship.server.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, ServerState
 from kvship.server.timeouts import DEFAULT_BODY_TIMEOUT_S, BodyTimeoutMiddleware
 from kvship.server.tokenize import router as tokenize_router
+from kvship.server.tool_prompt import tool_format
 from kvship.server.tracing import ServerTracing, TracingMiddleware
 
 logger = logging.getLogger("kvship.server")
@@ -86,6 +87,8 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
     must arrive within `body_timeout_s` of its headers (408 otherwise)."""
     if engine is not None:
         _ = engine.tokenizer.max_token_chars  # computed once, here, not inside the first request
+        if engine.task == "generate":  # the tool-call format, chosen and logged at start-up
+            tool_format(engine.tokenizer, tool_call_parser)
     state = ServerState(engine, config, api_key, max_prompts_per_request=max_prompts_per_request,
                         max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
                         reasoning_parser=reasoning_parser)
@@ -131,6 +134,8 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
         }
         if s.engine is not None:
             card["max_model_len"] = s.engine.max_model_len
+            if s.engine.task == "generate":
+                card["tool_calling"] = tool_format(s.engine.tokenizer, s.tool_call_parser).card()
         return card
 
     @app.get("/v1/models")

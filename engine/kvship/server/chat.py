@@ -16,15 +16,17 @@ from kvship.server.generation import ClientDisconnected, GenerationStream, final
 from kvship.server.message import MessageShaper
 from kvship.server.metrics import observe_request
 from kvship.server.params import fit_to_context, prepare_grammar, sampling_params, with_tool_constraint
-from kvship.server.prompts import chat_prompt_ids, chat_size, check_text_fits, run_tokenizer
+from kvship.server.prompts import chat_prompt_ids, chat_size, check_text_fits, generation_prompt, run_tokenizer
 from kvship.server.protocol import ChatCompletionRequest
 from kvship.server.responses import Envelope, TokenText, finish_reason, new_id, safe_logprob, usage_json
 from kvship.server.sse import sse, sse_response
+from kvship.server.tool_prompt import tool_format
 from kvship.server.tools import tool_plan
 
 router = APIRouter()
 
-TEMPLATE_OWN_KEYS = frozenset({"messages", "add_generation_prompt", "tools", "chat_template"})
+TEMPLATE_OWN_KEYS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tools",
+                               "chat_template"})
 
 
 def _logprobs_json(choice_logprobs: list[tuple[TokenLogprob, list[TokenLogprob]]] | None,
@@ -52,8 +54,9 @@ def _logprobs_json(choice_logprobs: list[tuple[TokenLogprob, list[TokenLogprob]]
 async def create_chat_completion(raw_request: Request) -> Response:
     arrival = time.monotonic()  # queue time and TTFT count from here, the server's own work included
     body, state, engine = await accept(raw_request, ChatCompletionRequest)
+    add_generation_prompt, continue_final = generation_prompt(body)
     params = sampling_params(body, engine)
-    plan = tool_plan(body, state.tool_call_parser)
+    plan = tool_plan(body, tool_format(engine.tokenizer, state.tool_call_parser).parser)
     params = with_tool_constraint(params, plan)
     await prepare_grammar(params, engine)
     check_text_fits(engine.tokenizer, chat_size(body.messages), engine.max_model_len, "messages")
@@ -64,9 +67,8 @@ async def create_chat_completion(raw_request: Request) -> Response:
                           param="chat_template_kwargs")
     if plan is not None:  # the model sees the tools (tool_choice "none": it is not told of them)
         template_kwargs["tools"] = plan.template_tools()
-    prompt_ids = await run_tokenizer(chat_prompt_ids, engine.tokenizer, body.messages,
-                                     body.add_generation_prompt is not False, template_kwargs,
-                                     size=chat_size(body.messages))
+    prompt_ids = await run_tokenizer(chat_prompt_ids, engine.tokenizer, body.messages, add_generation_prompt,
+                                     template_kwargs, continue_final, size=chat_size(body.messages))
     params = fit_to_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
 
     request_id = new_id("chatcmpl")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from kvship.loader.tokenizer import Tokenizer
 from kvship.server.errors import bad_request
 from kvship.server.protocol import ChatMessage
+from kvship.server.tool_prompt import template_shows_tools, with_tool_prompt
 
 T = TypeVar("T")
 
@@ -48,20 +49,64 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
             raise bad_request(f"Token id {t} is out of range [0, {vocab_size}).", param=param)
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                    template_kwargs: dict[str, object] | None = None) -> list[int]:
-    """Token ids of the chat template rendered over `messages`; `template_kwargs` (tools,
-    chat_template_kwargs such as enable_thinking) reach the template's context."""
+def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                template_kwargs: dict[str, object] | None = None) -> str | list[int]:
+    """The chat template rendered over `messages`; `template_kwargs` (tools, chat_template_kwargs
+    such as enable_thinking) reach the template's context. A template that cannot show tools
+    gets kvship's tool prompt and earlier calls and results as text instead (server/tool_prompt)."""
     plain = [m.template_dict() for m in messages]
+    kwargs = dict(template_kwargs or {})
+    if not template_shows_tools(tokenizer):
+        tools = kwargs.pop("tools", None)
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in plain):
+            plain = with_tool_prompt(plain, tools)
     try:
-        rendered = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
-                                                 **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **kwargs)
     except ValueError as exc:  # ChatTemplateError included
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                    template_kwargs: dict[str, object] | None = None, continue_final: bool = False) -> list[int]:
+    """Token ids of the chat template rendered over `messages` (render_chat)."""
+    rendered = render_chat(tokenizer, messages, add_generation_prompt, template_kwargs)
+    if continue_final and isinstance(rendered, str):
+        rendered = _continued(rendered, messages)
     if isinstance(rendered, str):
         # The template already carries the special tokens (BOS etc.).
         return list(tokenizer.encode(rendered, add_special_tokens=False))
     return list(rendered)
+
+
+class _PromptFlags(Protocol):
+    add_generation_prompt: bool | None
+    continue_final_message: bool | None
+    model_fields_set: set[str]
+
+
+def generation_prompt(body: _PromptFlags) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) of a chat or tokenize request. As in vLLM,
+    the final message is continued (no generation prompt: the model goes on writing it) when
+    continue_final_message is set; asking for a generation prompt too is a 400."""
+    if not body.continue_final_message:
+        return body.add_generation_prompt is not False, False
+    if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true: the first "
+                          "continues the final message, the second starts a new assistant message.",
+                          param="continue_final_message")
+    return False, True
+
+
+def _continued(rendered: str, messages: list[ChatMessage]) -> str:
+    """`rendered` cut right after the final message's text (what transformers does for
+    continue_final_message); the text stripped too, for templates that trim messages."""
+    final = messages[-1].text()
+    for text in (final, final.strip()):
+        at = rendered.rfind(text) if text else -1
+        if at >= 0:
+            return rendered[:at + len(text)]
+    raise bad_request("continue_final_message needs a final message with text that the chat template renders "
+                      "unchanged.", param="messages")
 
 
 def chat_size(messages: list[ChatMessage]) -> int:

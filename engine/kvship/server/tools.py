@@ -1,11 +1,15 @@
 """Tool calling for /v1/chat/completions.
 
 What the request asks (`ToolPlan`): `tool_choice` "none" (tools left out of the prompt), "auto"
-(the model decides; its own call format is parsed by the parser the server was started with,
---tool-call-parser), "required" (at least one call, any tool) or a named function. "required"
-and named calls are grammar-constrained (kvship.core.grammar): the arguments are valid JSON
-matching the function's `parameters` schema whatever the model is. A named call's output is the
-arguments object itself; "required" outputs a JSON array of {"name", "parameters"} objects.
+(the model decides; also what an omitted tool_choice means when tools are given, as in OpenAI's
+API), "required" (at least one call, any tool) or a named function. "auto" parses the model's
+own call format: the parser given with --tool-call-parser, else the one chosen from the chat
+template (server/tool_prompt.py). "required" and named calls are grammar-constrained
+(kvship.core.grammar): the arguments are valid JSON matching the function's `parameters` schema
+whatever the model is. With the hermes format they are generated as the model writes calls
+itself (`<tool_call>` blocks, parsed as "auto" output is); without a model format a named call's
+output is the arguments object itself and "required" outputs a JSON array of {"name",
+"parameters"} objects.
 
 `ToolStream` turns the generated text, delta by delta, into content and tool calls, streamed as
 OpenAI streams them: a call's id and name first, then its arguments piece by piece. A named
@@ -21,7 +25,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from kvship.core.grammar import canonical_json
+from kvship.core.grammar import canonical_json, check_schema
 from kvship.core.stop import held_back
 from kvship.sampling_params import StructuredOutput
 from kvship.server.errors import bad_request
@@ -39,7 +43,12 @@ class ToolPlan:
     mode: str  # "auto" | "required" | "named"
     name: str | None = None  # the function a named choice forces
     parallel: bool = True
-    parser: str | None = None  # the model's own call format ("auto")
+    parser: str | None = None  # the model's own call format; None: none known (calls constrained as bare JSON)
+
+    @property
+    def native(self) -> bool:
+        """Whether required and named calls are generated in the model's own format (hermes)."""
+        return self.parser == "hermes"
 
     def template_tools(self) -> list[dict[str, object]]:
         """The tools as chat templates read them (transformers passes the same shape)."""
@@ -47,23 +56,42 @@ class ToolPlan:
 
     def constraint(self) -> StructuredOutput | None:
         """The grammar a required or named call is generated under (None for "auto")."""
+        if self.mode == "auto":
+            return None
+        tools = [t for t in self.tools if self.mode == "required" or t.function.name == self.name]
+        if self.native:
+            return self._hermes_constraint(tools)
         if self.mode == "named":
-            fn = next(t.function for t in self.tools if t.function.name == self.name)
-            return StructuredOutput("json", canonical_json(fn.parameters or NO_ARGUMENTS), param="tools")
-        if self.mode == "required":
-            items = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                       "parameters": t.function.parameters or NO_ARGUMENTS},
-                      "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
-            schema: dict[str, object] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-            if not self.parallel:
-                schema["maxItems"] = 1
-            return StructuredOutput("json", canonical_json(schema), param="tools")
-        return None
+            return StructuredOutput("json", canonical_json(tools[0].function.parameters or NO_ARGUMENTS), param="tools")
+        items = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                   "parameters": t.function.parameters or NO_ARGUMENTS},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+        schema: dict[str, object] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return StructuredOutput("json", canonical_json(schema), param="tools")
+
+    def _hermes_constraint(self, tools: list[Tool]) -> StructuredOutput:
+        """`<tool_call>` blocks, one per line, each `{"name": <a tool>, "arguments": <its schema>}`:
+        at least one, exactly one for a named choice or without parallel calls."""
+        tags = []
+        for t in tools:
+            schema = t.function.parameters or NO_ARGUMENTS
+            check_schema(schema, "tools")  # the structural tag is not checked as a "json" spec is
+            # one whitespace at most between JSON tokens: arguments as models write them, and a
+            # weak model cannot run on in blanks
+            tags.append({"type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(t.function.name)}, "arguments": ',
+                         "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
+                         "end": "}\n</tool_call>"})
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+               "stop_after_first": self.mode == "named" or not self.parallel}
+        return StructuredOutput("structural_tag", canonical_json({"type": "structural_tag", "format": fmt}),
+                                param="tools")
 
 
 def tool_plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan | None:
-    """What the request's tool fields ask for (None: no tools in play). `parser`: the server's
-    --tool-call-parser, None unless --enable-auto-tool-choice."""
+    """What the request's tool fields ask for (None: no tools in play). `parser`: the model's
+    call format (server/tool_prompt.tool_format); None: none known, "auto" reads hermes calls."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none", "auto"):
@@ -72,19 +100,15 @@ def tool_plan(body: ChatCompletionRequest, parser: str | None) -> ToolPlan | Non
     parallel = body.parallel_tool_calls is not False
     if choice == "none":
         return None
-    if choice is None or choice == "auto":
-        if parser is None:
-            raise bad_request('"auto" tool choice needs the server started with --enable-auto-tool-choice and '
-                              '--tool-call-parser; or ask for "required" or a named function, which are '
-                              "grammar-constrained and need neither.", param="tool_choice")
-        return ToolPlan(body.tools, "auto", parallel=parallel, parser=parser)
+    if choice is None or choice == "auto":  # omitted with tools given: "auto", as in OpenAI's API
+        return ToolPlan(body.tools, "auto", parallel=parallel, parser=parser or "hermes")
     if choice == "required":
-        return ToolPlan(body.tools, "required", parallel=parallel)
+        return ToolPlan(body.tools, "required", parallel=parallel, parser=parser)
     names = [t.function.name for t in body.tools]
     if choice.function.name not in names:
         raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not among the tools "
                           f"({', '.join(names)}).", param="tool_choice")
-    return ToolPlan(body.tools, "named", name=choice.function.name, parallel=parallel)
+    return ToolPlan(body.tools, "named", name=choice.function.name, parallel=parallel, parser=parser)
 
 
 def new_call_id() -> str:
@@ -239,15 +263,19 @@ class ToolStream:
         self.calls: list[Call] = []
         self._buf = ""
         self._tool_mode: bool | None = None  # llama3_json / mistral: decided from the first characters
-        if plan.mode == "named":
+        # "named" / "required": the bare JSON a constraint without a model format writes;
+        # "parsed": the model's own format (auto, and constrained calls in the hermes format)
+        self._form = "parsed" if plan.mode == "auto" or plan.native else plan.mode
+        if self._form == "named":
             self.calls.append(Call(plan.name, ""))
         self._named_started = False
         self._scanner: _CallScanner | None = None  # the calls of the current region (a hermes tag, the output)
         self._region_first_call = 0
+        self._after_call, self._blanks = False, ""  # hermes: blanks after a call, held back
 
     # -- streaming
     def feed(self, text: str) -> tuple[str, list[dict[str, object]]]:
-        mode = self.plan.mode
+        mode = self._form
         if mode == "named":
             return "", self._named(text)
         self._buf += text
@@ -258,7 +286,7 @@ class ToolStream:
         return self._prefixed(final=False)
 
     def end(self) -> tuple[str, list[dict[str, object]]]:
-        mode = self.plan.mode
+        mode = self._form
         if mode == "named":
             return "", self._named("") if not self._named_started else []
         if mode == "required":
@@ -308,6 +336,17 @@ class ToolStream:
         self._scanner = None
         return len(self.calls) > self._region_first_call
 
+    def _text(self, piece: str) -> str:
+        """Content text of the hermes format: blanks after a call (the line breaks between
+        calls) are held back, and dropped unless more text follows them."""
+        if not self._after_call:
+            return piece
+        self._blanks += piece
+        if not self._blanks.strip():
+            return ""
+        out, self._blanks, self._after_call = self._blanks, "", False
+        return out
+
     def _hermes(self, final: bool) -> tuple[str, list[dict[str, object]]]:
         content, deltas = "", []
         while True:
@@ -315,10 +354,10 @@ class ToolStream:
             if start < 0:
                 # keep back what could be the start of a tag
                 keep = 0 if final else held_back(self._buf, [self.HERMES_START])
-                content += self._buf[:len(self._buf) - keep]
+                content += self._text(self._buf[:len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep:]
                 return content, deltas
-            content += self._buf[:start]
+            content += self._text(self._buf[:start])
             self._buf = self._buf[start:]  # from here on the region's text only grows
             end = self._buf.find(self.HERMES_END)
             body = self._buf[len(self.HERMES_START):end if end >= 0 else None]
@@ -327,8 +366,9 @@ class ToolStream:
             region = self._scan(body)
             if self._region_had_calls():
                 deltas += region
+                self._after_call = True
             else:  # not a call after all: the text stays text
-                content += self._buf[:end + len(self.HERMES_END) if end >= 0 else None]
+                content += self._text(self._buf[:end + len(self.HERMES_END) if end >= 0 else None])
             self._buf = self._buf[end + len(self.HERMES_END):] if end >= 0 else ""
             if end < 0:
                 return content, deltas
