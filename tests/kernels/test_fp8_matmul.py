@@ -13,13 +13,11 @@ from kvship.kernels._triton import HAS_TRITON
 from kvship.kernels.fp8_matmul import (
     fp8_group_matmul_torch,
     fp8_group_matmul_triton,
-    fp8_rowwise_matmul_triton,
     quantize_fp8_groups_torch,
     quantize_fp8_groups_triton,
     quantize_fp8_rows_torch,
 )
 from kvship.kernels.quant_linear import dense_rows, pack, quant_linear_torch, quant_linear_triton
-from kvship.quant import quantize
 from kvship.quant.insitu import FP8_MAX, quantize_fp8_blocks
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
@@ -93,24 +91,6 @@ def test_group_gemm_matches_dequantized_product(m, n, k, group, bias):
     torch.testing.assert_close(got, ref, atol=(1e-3 if GPU else 1e-4) * ref.abs().max().item(), rtol=1e-5)
 
 
-ROW_TILES = [dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
-             dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)]
-
-
-@pytest.mark.parametrize("m,n,k,group", CASES)
-@pytest.mark.parametrize("tile", range(len(ROW_TILES)))
-def test_rowwise_gemm_matches_dequantized_product(m, n, k, group, tile):
-    # per-token activations and per-row weights: one group of K, the kernel's PER_ROW form, whose
-    # K tile need not divide K (K 320, 160, 4160)
-    xq, xs, wq, ws, b = _operands(m, n, k, k, seed=m + n + k)
-    ref = fp8_group_matmul_torch(xq, xs, wq, ws, k, b, torch.float32)
-    got = fp8_rowwise_matmul_triton(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), b.to(DEV), torch.float32,
-                                    ROW_TILES[tile]).cpu()
-    # one accumulator over all of K, moved into float32 every 128 inputs or fewer (summed in the
-    # tensor cores alone, 64-row tiles were off by 1% of the largest output on the H200, K 14336)
-    torch.testing.assert_close(got, ref, atol=(1e-3 if GPU else 1e-4) * ref.abs().max().item(), rtol=1e-5)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 16, 256])
 def test_block_fp8_linear_runs_the_group_gemm(monkeypatch, m):
@@ -129,34 +109,3 @@ def test_block_fp8_linear_runs_the_group_gemm(monkeypatch, m):
     # the activations' FP8 rounding (3 mantissa bits, a scale per 128 inputs) is the difference:
     # 2.6-3.0e-2 on the 8B projections (bench/fp8_gemm.py)
     assert (got - ref).norm() / ref.norm() < 4e-2
-
-
-def test_rowwise_config_takes_the_smallest_bucket_holding_the_rows(monkeypatch):
-    a, a2, b = dict(block_m=16, block_n=32), dict(block_m=16, block_n=64), dict(block_m=64)
-    monkeypatch.setattr(fp8_matmul, "ROWWISE_GEMM_SHAPES", {(96, 64): {8: a, 16: a2, 64: None, 256: b}})
-    got = [fp8_matmul.rowwise_gemm_config(m, 96, 64) for m in (1, 8, 9, 16, 17, 64, 65, 128, 129, 256, 257, 513)]
-    assert got == [a, a, a2, a2, None, None, None, None, b, b, None, None]
-    assert fp8_matmul.rowwise_gemm_config(16, 64, 96) is None  # a shape not tabled: _scaled_mm
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 16, 64, 200, 256, 512])
-def test_per_row_fp8_linear_takes_the_rowwise_gemm_where_tabled(monkeypatch, m):
-    # per-row FP8 weights (in-situ --quantization fp8) at each tabled 8B shape: the PER_ROW GEMM where
-    # ROWWISE_GEMM_SHAPES has a tile for the row count, torch._scaled_mm elsewhere; both close to
-    # the dequantized weights' product
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("no FP8 tensor cores")
-    if not fp8_matmul.ROWWISE_GEMM_SHAPES:
-        pytest.skip("no tabled shape")
-    calls = []
-    gemm = fp8_matmul.fp8_rowwise_matmul_triton
-    monkeypatch.setattr(quant_linear, "fp8_rowwise_matmul_triton", lambda *a, **kw: calls.append(1) or gemm(*a, **kw))
-    for n, k in fp8_matmul.ROWWISE_GEMM_SHAPES:
-        w = pack(quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n + m)) * 0.05, "fp8"), DEV)
-        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        calls.clear()
-        got = quant_linear_triton(x, w).float()
-        ref = quant_linear_torch(x.float(), w).float()
-        assert bool(calls) == (fp8_matmul.rowwise_gemm_config(m, n, k) is not None), (n, k)
-        assert (got - ref).norm() / ref.norm() < 4e-2, (n, k)

@@ -13,7 +13,7 @@ import torch
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels import paged_attention as pa
 from kvship.kernels import rotary
-from kvship.kernels._triton import HAS_TRITON, tl, triton
+from kvship.kernels._triton import HAS_TRITON
 from kvship.kernels.norm import rms_norm_torch
 from sm90_compile import attention_types, compile_in_child, decode_types, ints
 from test_kernels import DEV, GPU, check_mixed_step, close, make_paged, mixed_step_lens, qk_norm_weights, store_inputs
@@ -259,49 +259,13 @@ def test_decode_kernel_packed(hq, hkv, d, kv_dtype):
         q, kq, vq, ks, vs, bt, sl, cu = quant_paged([1, 1, 1], [1, 40, 97], hq, hkv, d, 16, kv_dtype, seed=seed,
                                                     dtype=dtype)
         ref = pa.paged_attention_torch(q, kq, vq, bt, sl, cu, d**-0.5, ks, vs)
-        for packed in (True, "values", "split", "fp8q"):  # "split" beside FP8 pages, "fp8q" beside int4: True
+        for packed in (True, "values", "split"):  # "split" beside FP8 pages: True
             cfg = {**pa.DECODE_CONFIGS[kvq.kv_mode(kq)], "packed": packed}
             out = pa.paged_attention_triton(q, kq, vq, bt, sl, cu, d**-0.5, 1, k_scale=ks, v_scale=vs,
                                             decode_config=cfg)
             # a float32 query's dots take TF32 on a GPU (10 mantissa bits, as fp16's)
             bound = torch.float16 if GPU and dtype == torch.float32 else dtype
             close(out, ref, bound, f"packed={packed} decode {kv_dtype} {dtype}")
-
-
-@triton.jit
-def _fp8_split_16x64(x_ptr, hi_ptr, lo_ptr, s_ptr, DTYPE: tl.constexpr):
-    """kv_quant.fp8_split_rows on a [16, 64] tile."""
-    r = tl.arange(0, 16)
-    c = tl.arange(0, 64)
-    hi, lo, scale = kvq.fp8_split_rows(tl.load(x_ptr + r[:, None] * 64 + c[None, :]), DTYPE)
-    tl.store(hi_ptr + r[:, None] * 64 + c[None, :], hi)
-    tl.store(lo_ptr + r[:, None] * 64 + c[None, :], lo)
-    tl.store(s_ptr + r, scale)
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_query_split_matches_its_reference(dtype):
-    """The FP8 query's two codes a value (kv_quant.fp8_split_rows, the decode kernel's "fp8q"
-    read) are the reference's, value for value, hold the query far better than one code, and a row
-    of zeros stays zeros with scale 1."""
-    g = torch.Generator().manual_seed(7)
-    x = (torch.randn(16, 64, generator=g) * torch.logspace(-3, 3, 16)[:, None]).to(torch.bfloat16)
-    x[3] = 0
-    x = x.to(DEV)
-    hi, lo = torch.empty(16, 64, dtype=dtype, device=DEV), torch.empty(16, 64, dtype=dtype, device=DEV)
-    scale = torch.empty(16, device=DEV)
-    _fp8_split_16x64[(1,)](x, hi, lo, scale, DTYPE=tl.float8e4nv if dtype == torch.float8_e4m3fn else tl.float8e5)
-    hi_ref, lo_ref, scale_ref = kvq.fp8_split_rows_torch(x, dtype)
-    # the same values (fp8_round's rounding turns a negative value that rounds to zero into +0)
-    assert torch.equal(hi.float(), hi_ref.float())
-    assert torch.equal(lo.float(), lo_ref.float())
-    assert torch.equal(scale, scale_ref)
-    assert scale[3] == 1 and not hi[3].float().any() and not lo[3].float().any()
-    one = hi.float() * scale[:, None]
-    two = (hi.float() + lo.float() / kvq.fp8_lo_factor(dtype)) * scale[:, None]
-    err = lambda y: ((y - x.float()).norm() / x.float().norm()).item()  # noqa: E731
-    assert err(two) < err(one) / (16 if dtype == torch.float8_e4m3fn else 8), (err(one), err(two))  # 38x, 21x
 
 
 def test_int4_tiles_hold_a_whole_group():
@@ -315,12 +279,8 @@ def test_int4_tiles_hold_a_whole_group():
 @needs_triton
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", HEADS)
-@pytest.mark.parametrize("lazy", [False, True])
-def test_prefill_kernel(hq, hkv, d, kv_dtype, lazy, monkeypatch):
-    """Fresh prompt, cached prefix / later chunk, a decode token, an empty sequence; with the
-    prefill kernel's softmax as it was and lazy (paged_attention._lazy_softmax)."""
-    tiles = pa.PREFILL_CONFIG.get(d, pa.PREFILL_CONFIG[128])
-    monkeypatch.setitem(pa.PREFILL_CONFIG, d, {**tiles, "lazy": lazy})
+def test_prefill_kernel(hq, hkv, d, kv_dtype):
+    """Fresh prompt, cached prefix / later chunk, a decode token, an empty sequence."""
     if GPU:
         q_lens, ctx = [700, 256, 1, 0, 2048], [700, 2000, 513, 40, 8192]
     else:
@@ -561,22 +521,18 @@ def _sm90_specs():
                    "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, NUM_SPLITS=8,
                                       KV_MODE=mode, BLOCK_N=default["block_n"],
                                       PACKED=pa.packed_read(default, mode, torch.float32, 128))}
-        if mode > 0:  # the packed page reads (PACKED 1: keys and values, 2: values, 3: int4 split, 4: FP8
-            # query), with their PTX
+        if mode > 0:  # the packed page reads (PACKED 1: keys and values, 2: values, 3: int4 split), with their PTX
             variants = ((128, 128, 1), (64, 80, 1), (128, 128, 2))
             if mode == 2:  # and the split read (PACKED 3)
                 variants += ((64, 128, 3), (128, 128, 3), (64, 80, 3))
-            if mode == 1:  # and the FP8 query (PACKED 4)
-                variants += ((128, 128, 4), (64, 80, 4))
             for block_n, head_dim, packed in variants:
                 yield {"kernel": "kvship.kernels.paged_attention:_decode_kernel",
                        "types": decode_types(cache, scales),
                        "constexprs": dict(GROUP=4, BLOCK_G=16, HEAD_DIM=head_dim, BLOCK_D=128, BLOCK_SIZE=16,
                                           BLOCK_N=block_n, NUM_SPLITS=8, KV_MODE=mode, PACKED=packed)}
-        for lazy in (False, True):  # the prefill softmax as it was, and lazy
-            yield {"kernel": "kvship.kernels.paged_attention:_prefill_kernel", "types": attention_types(cache, scales),
-                   "constexprs": dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
-                                      KV_MODE=mode, LAZY=lazy)}
+        yield {"kernel": "kvship.kernels.paged_attention:_prefill_kernel", "types": attention_types(cache, scales),
+               "constexprs": dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
+                                  KV_MODE=mode)}
 
 
 @needs_triton

@@ -97,7 +97,7 @@ def test_mma_gemv_reads_nothing_past_x(tokens):
 
 def test_engine_takes_it_for_2_to_8_rows(monkeypatch):
     """quant_linear_triton's dispatch: 2 to 8 rows of bf16 x beside 4-bit groups of 128 go to this
-    kernel, one row and 9 or more rows do not, nor rows when KVSHIP_MMA_GEMV=0 turned it off."""
+    kernel, one row and 9 or more rows do not."""
     import kvship.kernels.quant_linear as ql
 
     calls = []
@@ -112,10 +112,6 @@ def test_engine_takes_it_for_2_to_8_rows(monkeypatch):
     monkeypatch.setattr(ql, "_qgemm_kernel", None)  # 9 rows go to the GEMM: this one fails if reached
     with pytest.raises(TypeError):
         ql.quant_linear_triton(torch.randn(9, 256).to(DEV, torch.bfloat16), w)
-    assert calls == [2, 8]
-    monkeypatch.setattr(ql, "MMA_GEMV_ENABLED", False)
-    with pytest.raises(TypeError):
-        ql.quant_linear_triton(torch.randn(4, 256).to(DEV, torch.bfloat16), w)
     assert calls == [2, 8]
 
 

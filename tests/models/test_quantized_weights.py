@@ -346,7 +346,8 @@ def test_gated_epilogue_in_the_engine_equals_two_launches(tmp_path, monkeypatch,
                         lambda *a, **k: gated.append(isinstance(a[-1], str)) or inner(*a, **k))
     out = {}
     for fused in (True, False):
-        monkeypatch.setattr(quant_linear, "GATED_GEMV_ENABLED", fused)  # read as the graphs are captured
+        # no activation the epilogue takes: the product, then act_and_mul (read as the graphs are captured)
+        monkeypatch.setattr(quant_linear, "GATED_ACTS", quant_linear.GATED_ACTS if fused else {})
         gated.clear()
         llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=128, num_kv_blocks=64)
         assert llm.engine.runner.graphs is not None and any(gated) == fused
