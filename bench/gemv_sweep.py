@@ -2,7 +2,7 @@
 slices: cuBLAS (F.linear) against the Triton GEMV kernel over a grid of launch settings, each
 timed from a CUDA graph that cycles through enough weight copies to overflow L2 (as in a real
 step, where each layer's weights come from HBM). Prints a table and the GEMV_SHAPES entries
-(engine/kvship/kernels/gemv.py) for the shapes where the best setting beats cuBLAS.
+(engine/kvship/kernels/tuning/gemv.py) for the shapes where the best setting beats cuBLAS.
 
     python bench/gemv_sweep.py [--quick] [--more | --deepseek | --absorbed] [--best-json PATH]
 

@@ -6,7 +6,7 @@ against the torch reference on two sequences, then timed from a CUDA graph (CUDA
 warm-up, random pages). % BW = the layout's bytes (codes and scales of every key and value
 read, the queries and outputs) ÷ time ÷ copy bandwidth measured in the same run.
 
-Quantized layouts run each page read (paged_attention.DECODE_CONFIGS' "packed") over a grid of
+Quantized layouts run each page read (kernels/tuning/attention.py DECODE_CONFIGS' "packed") over a grid of
 settings: as stored (False), "packed" (FP8 converted to fp16 in the registers it was loaded into,
 int4 codes and group words loaded whole and unpacked two codes an instruction:
 paged_attention._load_kv), FP8 "values" (values packed, keys as stored) and int4 "split" (packed,
@@ -95,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
     bw, _ = measure_ceilings()
-    # stages: 2 to 4 keep one buffer per tile, 5 two, 7 three (paged_attention.DECODE_CONFIGS)
+    # stages: 2 to 4 keep one buffer per tile, 5 two, 7 three (kernels/tuning/attention.py DECODE_CONFIGS)
     wide = list(itertools.product([64, 128], [4, 8], [2, 3, 5])) + [(64, 4, 7), (32, 4, 5)]
     narrow = [(64, 4, 2), (128, 4, 3), (128, 4, 2), (64, 4, 5)]
     plain = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 3), (128, 8, 3), (64, 4, 5)]

@@ -1,7 +1,7 @@
 """Perplexity of the bundled SmolLM2-135M with each KV-cache dtype as the engine runs it, on any
 device: on a GPU that is the Triton path (the fused rotary + quantizing store, the prefill
 kernel reading the quantized pages) in the model's dtype, which the CPU tests
-(tests/test_kv_quant_engine.py, float32, torch reference) do not exercise. Same six windows of
+(tests/engine/test_kv_quant_engine.py, float32, torch reference) do not exercise. Same six windows of
 license text as that test (transformers' Apache-2.0 text, two windows of 1,024 tokens; numpy's
 LICENSE.txt, four).
 

@@ -1,5 +1,5 @@
 """Where a quantized KV cache's perplexity cost comes from, and what other layouts would cost:
-the bundled SmolLM2-135M on the CPU, float32, the six windows of tests/test_kv_quant_engine.py
+the bundled SmolLM2-135M on the CPU, float32, the six windows of tests/engine/test_kv_quant_engine.py
 (transformers' Apache-2.0 text, two windows of 1,024 tokens; numpy's LICENSE.txt, four).
 
 Each variant quantizes and dequantizes the keys and the values (each its own way) on their way

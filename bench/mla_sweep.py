@@ -1,7 +1,7 @@
 """The latent-attention decode (kernels/mla_attention.py: the decode kernel and, split, its merge)
 alone over a grid of launch settings, at DeepSeek-V2-Lite's and Moonlight's attention (16 heads,
 latent rank 512 + rope key 64 in one cache row, block size 16): batch 1 at 512 / 4k / 32k tokens
-and batch 32 at 4k. MLA_DECODE_CONFIG was written before any GPU ran it; the batch-1 profile of
+and batch 32 at 4k. MLA_DECODE_CONFIG (kernels/tuning/attention.py) was written before any GPU ran it; the batch-1 profile of
 Moonlight (2026-12-04) put the decode at about 8 us a layer and its merge at 1.9 us for a
 512-token context, whose latent rows are 0.6 MB: the split count (64 there) makes every program
 write, and the merge read, a [16, 512] float32 partial output, mostly of splits that hold no key.

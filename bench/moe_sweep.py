@@ -6,7 +6,7 @@ same run. Routing is computed outside the timed region (same for both paths).
 
     python bench/moe_sweep.py [--tokens 1 4] [--quick]
 
-The one-token settings in fused_moe.py (GEMV_GATE_UP, GEMV_DOWN) come from the best line here.
+The one-token settings (kernels/tuning/moe.py: GEMV_GATE_UP, GEMV_DOWN) come from the best line here.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What the quantized one-row GEMV (kernels/quant_gemv.py's pairs kernel) asks of an H100/H200's
 SMs, read from its sm_90 machine code on any machine (no GPU): compiled for each format at the
-engine's settings for each Llama-3-8B projection (kernels/quant_linear.py's tables), its main
+engine's settings for each Llama-3-8B projection (kernels/tuning/quant_linear.py), its main
 loop's SASS counted. "per weight byte" divides the loop's thread-instructions by the code bytes
 one iteration reads. Below about 7 (bench/sass.py says why) the loop's instructions are not
 what holds the kernel under copy bandwidth.
