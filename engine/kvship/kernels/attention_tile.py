@@ -11,9 +11,8 @@ from kvship.kernels.activation import tanh
 
 @triton.constexpr_function
 def dot_precision(dtype):
-    """float32 dots in full precision: Triton's default takes float32 operands as TF32 (10
-    mantissa bits), and a --dtype float32 model is asked for float32 (rel err 7.6e-4 against
-    the reference on the H200, where the test allows 2e-5)."""
+    """float32 dots in full precision: Triton's default takes float32 operands as TF32, and a
+    --dtype float32 model asks for float32."""
     return "ieee" if dtype == tl.float32 else None
 
 
@@ -98,11 +97,8 @@ def _attend_tile(
      stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh) = pages
     pos = n0 + offs_n
     nmask = pos < kv_end
-    # n0 is a multiple of BLOCK_N. Where pages divide a tile, a token's row in its page and its
-    # page's place in the tile are the same in every tile: written from offs_n alone, they and
-    # the in-page offsets (32-bit) leave the loop, and a tile adds only its pages' 64-bit bases.
-    # (Computed from pos, in 64 bits, the offsets took some half of the loop's instructions on
-    # sm_90: 10 a KV byte for int4 pages, more than the SMs issue at copy bandwidth.)
+    # Where pages divide a tile (n0 is a multiple of BLOCK_N), the in-page offsets are the same in
+    # every tile: computed from offs_n they leave the loop, which adds only 64-bit page bases.
     if offs_n.shape[0] % BLOCK_SIZE == 0:
         idx = n0 // BLOCK_SIZE + offs_n // BLOCK_SIZE
         row = offs_n % BLOCK_SIZE
@@ -122,11 +118,8 @@ def _attend_tile(
         blocks = n0 // BLOCK_SIZE + tl.arange(0, NB)
         kb = tl.load(bt_row + blocks, mask=blocks * BLOCK_SIZE < kv_end, other=0).to(tl.int64)
         kg_off = kb * stride_ksb + kvh * stride_ksh
-    # The dots' dtype: the query's, except quantized pages beside a bf16 query, which run in
-    # fp16: on Hopper FP8 converts to fp16 in one instruction per pair and to bf16 only through
-    # fp32, int4 codes become fp16 values with integer and fp16 instructions alone
-    # (kv_quant.int4_load_rows), and the pages' values, the probabilities and a query within
-    # fp16's range (clamped) lose nothing there that the quantization had not.
+    # Quantized pages beside a bf16 query take fp16 dots: FP8 and int4 convert to fp16 cheaply
+    # (to bf16 only through fp32), and fp16 loses nothing the quantization had not.
     if PACKED == 3:
         even = _split_channels(offs_d.shape[0])
         s_lo, z_lo = kvq.int4_block_scales(ks_ptr, kg_off, even, even < HEAD_DIM, tl.float16)

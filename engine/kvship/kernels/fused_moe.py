@@ -11,9 +11,8 @@ so CUDA graphs capture it:
 1. ``align_by_expert`` groups the T * k (token, choice) pairs by expert on the device, each
    expert's list padded to a multiple of BLOCK_M, so that a block of BLOCK_M rows belongs to one
    expert. Buffers are sized for the worst case (every pair's expert padded); the blocks past
-   the real end are skipped by the kernel. Decode-sized batches take one single-program kernel,
-   larger ones about twenty torch ops (inside a CUDA graph each op is a node that costs
-   microseconds: at batch 1, 48 layers of them would take longer than reading the weights).
+   the real end are skipped by the kernel. Decode-sized batches take one single-program kernel
+   (in a graph, each of the torch ops' nodes costs microseconds), larger ones torch ops.
 2. One grouped GEMM over those blocks for w13, SiLU-and-mul in its epilogue -> h [T * k, I].
 3. One grouped GEMM for w2 that scales each row by its router weight -> [T * k, H].
 4. The k rows of each token summed (torch).
@@ -21,13 +20,10 @@ so CUDA graphs capture it:
 A block reads its one expert's weights, so batch-1 decode reads only the k selected experts.
 The design follows vLLM's fused_moe (moe_align_block_size, one expert per M-block).
 
-One token (batch-1 decode) takes a shorter road, ``fused_moe_gemv``:
-no alignment, no padding to 16-row tensor-core blocks (15 of 16 rows were empty at batch 1, and
-the layer read its experts at 44% of copy bandwidth on the H200), and no summing kernel. One
-program per (pair, block of gate/up rows) streams those rows once with FMAs, as kernels/gemv.py
-does for dense layers, and stores silu(gate) * up; one program per (token, block of output
-rows) then reads those rows of all the token's k experts together and adds them up with the
-router weights.
+One token (batch-1 decode) takes ``fused_moe_gemv``: no alignment, no 16-row blocks that would
+be nearly empty, no summing kernel. One program per (pair, block of gate/up rows) streams those
+rows once with FMAs and stores silu(gate) * up; one program per (token, block of output rows)
+reads those rows of all k experts together and sums them with the router weights.
 
 Quantized experts (``ExpertScales``) keep their codes on the device and are dequantized in
 registers, one byte (or half of one) per weight read:
@@ -560,11 +556,8 @@ def _gemv_fma(acc, x, x_hi, w_rows, s_ptr, b_ptr, rows, nmask, k0, K, stride_sn,
               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BLOCK_N, BLOCK_K // PACK] + the weight tile W[rows, k0 : k0 + BLOCK_K] times the
     activations (from _gemv_x: one row for all, or one per weight row), elementwise in fp32;
-    one reduction at the end. w_rows: the
-    rows' first bytes [BLOCK_N, 1], computed once before the K loop: computed per tile, their
-    64-bit multiplies were the one difference in the 16-bit kernels' code when batch-1 bf16
-    decode of the Qwen3-30B-A3B shape fell 7% (266.9 -> 248.6 tok/s on the H200, 8d98e88).
-    FP8 codes arrive as their bytes; with GROUP (block scales, GROUP dividing BLOCK_K) each
+    one reduction at the end. w_rows: the rows' first bytes [BLOCK_N, 1], computed once before
+    the K loop (per tile, their 64-bit multiplies cost measurably). FP8 codes arrive as their bytes; with GROUP (block scales, GROUP dividing BLOCK_K) each
     block's scale is loaded once and broadcast over its inputs, as kernels/quant_linear.py does,
     and integer codes are dequantized by its _dequant."""
     WC: tl.constexpr = BLOCK_K // PACK
@@ -636,10 +629,8 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, add_ptr, out_
 
     The program's tile holds the BLOCK_N rows of all k experts at once (row r: choice
     r // BLOCK_N, output row r % BLOCK_N; BLOCK_J the k choices rounded up to a power of two),
-    so every expert's rows are in flight together. Taken one expert after the other (read its id,
-    then its rows, 768 inputs each at Qwen3-30B-A3B's size), a program made 16 dependent round
-    trips to memory for 3 KB of weights, and the kernel read at 45% of copy bandwidth on the H200.
-    Scales and offsets are addressed by each row's offset from the stack's start (stride 1)."""
+    so every expert's rows are in flight together (one expert after the other, a program waits
+    on many dependent round trips to memory for a few KB). Scales and offsets are addressed by each row's offset from the stack's start (stride 1)."""
     pdl_wait(PDL)
     t = tl.program_id(1)
     r = tl.arange(0, BLOCK_J * BLOCK_N)

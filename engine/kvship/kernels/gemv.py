@@ -1,29 +1,13 @@
 """Matrix-vector product for one-token decode: y [1, N] = x [1, K] @ W[N, K]^T (+ bias).
 
-At batch 1 a decode step is a stream of weight reads. The H200 profile of the 8B shape showed
-cuBLAS reading the narrower projections (q/k/v: N 6144, o: K 4096) at ~75% of bandwidth and
-following the split-K ones with a separate reduction kernel. This kernel gives each program
-BLOCK_N whole weight rows: it streams them once, multiplies by x (tiny, served from L1/L2) and
-keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. No split-K, no second
-kernel, no atomics. It is used only in captured CUDA graphs, on the weight shapes listed in
-``GEMV_SHAPES``, each with the launch settings that beat cuBLAS there in bench/gemv_sweep.py on
-the H200; elsewhere, eagerly, and for more than one row, cuBLAS stays.
+Each program streams BLOCK_N whole weight rows once and reduces its fp32 partial sums at the
+end: no split-K, no second kernel, no atomics. Used only inside captured CUDA graphs and only
+on the shapes in tuning/gemv.py where it beat cuBLAS; elsewhere cuBLAS runs. With ``act`` the
+input is the gate/up output [1, 2K] and the kernel applies act(gate) * up on the fly, so the
+MLP's down projection needs no activation kernel.
 
-With ``act`` set ("silu" or "gelu_tanh", kernels/activation.py's ACTIVATIONS) the input is the
-gate/up projection's output [1, 2K] and the kernel applies the gated activation on the fly
-(act(gate) * up, rounded to the input dtype as the separate kernel does): the MLP's down
-projection then needs no activation kernel of its own.
-
-``gemv_torch`` (F.linear, after the gated activation when ``act`` is set) is the reference;
-``gemv_triton`` the kernel; ``linear`` and ``act_mul_linear`` pick one.
-
-``head_matmul`` is the per-head form, one matrix per head (DeepSeek's absorbed attention,
-models/deepseek_v2.py: each head's query times its W_UK block, each head's latent output times
-its W_UV block): torch.bmm in general, and one launch of ``_head_gemv_kernel`` for one token in a
-captured graph, where two cuBLAS batched products and the copies that lay their operands and
-results out took the place of kernels of a few microseconds. Its weight blocks are views into one
-matrix, either orientation: rows of K inputs (W [H, N, K]), or rows of N outputs (W [H, K, N],
-``transposed``), each read along its unit stride.
+``head_matmul``: the per-head form (DeepSeek's absorbed attention, one matrix per head, either
+orientation), one launch for one token in a graph instead of batched cuBLAS and copies.
 """
 from __future__ import annotations
 
@@ -47,8 +31,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    # With PDL the wait comes first: reading the first weight tile before it, with the loop
-    # peeled to use it, slowed the H200's bf16 8B step from 218 to 147 tok/s (78bf07a).
+    # the PDL wait comes first: prefetching the first weight tile before it was much slower
     pdl_wait(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
@@ -97,9 +80,7 @@ def gemv_triton(
 
 def _in_graph(x: torch.Tensor, tokens: int) -> bool:
     """The rule for every kernel here: it takes one token's product while a CUDA graph is captured.
-    Replayed from a graph a launch costs the host nothing; run eagerly, a Triton launch costs more
-    host time than the kernel saves on the GPU (batch-1 eager 8B decode fell from 76.5 to 41.4
-    tok/s when the GEMV ran eagerly)."""
+    Eagerly, a Triton launch costs the host more than the kernel saves on the GPU."""
     return tokens == 1 and use_triton(x) and torch.cuda.is_current_stream_capturing()
 
 

@@ -14,27 +14,17 @@ int4             [blocks, block_size, Hkv, ceil(D/2)] uint8     keys: [blocks, H
                                                                 head); x ~ code * scale + minimum
 
 FP8 values are clamped to the format's largest finite value first (a cast would give NaN or
-inf). FP8 keys are stored turned by a fixed orthogonal matrix R (``key_rotation``: a Hadamard
-matrix for power-of-two head sizes): a few channels of the keys carry most of their magnitude,
-and FP8's relative error on those dominates q.k; turned, every channel carries a similar share.
-Queries are turned by the same R before attention ((qR).(kR) = q.k), values are not. Measured on
-SmolLM2-135M (first on 1,024 tokens: e4m3 perplexity +3.9% without R, 0.0% with it, at scale
-1.0; over six windows the engine's fp8 costs +1.1 to +1.4% at scale 1.0 and +0.25% at scales
-measured per layer (FP8_HEADROOM): docs/kv-cache.md, bench/kv_quality.py).
+inf). FP8 keys are stored turned by a fixed orthogonal matrix R (``key_rotation``): a few key
+channels carry most of the magnitude, and turned, every channel carries a similar share of
+FP8's error. Queries are turned by the same R ((qR).(kR) = q.k); values are not.
 
-int4 keys are quantized per channel over each block (KIVI's layout): a key's channels carry
-offsets that differ from channel to channel and drift slowly with position, so a group of one
-token's channels spends its 16 levels on the spread between them (+10.9% perplexity over six
-windows in groups of 32 channels, +5.45% with the channels smoothed at start-up), where one
-channel's 16 tokens follow its offset (+1.5% in bench/kv_quality.py, docs/kv-cache.md). A block
-fills over several steps: tokens that arrive in a block already holding some take its range,
-widened where they lie outside it, and the codes already stored in a widened channel are
-re-quantized to the new range (``int4_block_ranges``); a block quantized whole never is. Values
-are grouped per token, 32 channels a group: a token's groups are complete when it is stored, and
-the values' cost is small (+0.8% alone). The scales and minimums are rounded to float16 before
-the codes are computed, so the codes fit the stored values. A block of 16 tokens then takes
-D/2 + 4 D/16 bytes a token for a key head and D/2 + 4 D/32 for a value head: 2.9x the tokens of
-bf16 at D = 128.
+int4 keys are quantized per channel over each block (KIVI's layout): a key channel's offset
+differs from its neighbours' and drifts slowly with position, so one channel's tokens share a
+range far better than one token's channels do. Tokens arriving in a partly filled block widen
+its range where needed, and the codes already stored in a widened channel are re-quantized
+(``int4_block_ranges``). Values are grouped per token, 32 channels a group. Scales and minimums
+are rounded to float16 before the codes are computed, so the codes fit the stored values.
+Quality figures: docs/kv-cache.md.
 
 Rounding is spelt out the same way on both sides (floor(x + 0.5) for int4 codes, round half to
 even for FP8), so the kernels and the reference store the same bytes up to fp32 division's
@@ -57,9 +47,7 @@ INT4_GROUP = 32  # channels per scale and minimum (the kernels assume 32)
 SCALE_DTYPE = torch.float16  # int4 scale and minimum
 MIN_FP8_SCALE = 1e-12  # clamp for a measured FP8 scale (an all-zero first prefill)
 # A measured FP8 scale maps the largest magnitude seen to the format's largest / FP8_HEADROOM:
-# later, larger values (another prompt, a start-up measurement on random tokens) fit up to 16x,
-# and the small ones stay clear of the subnormals (e4m3 has 2^14.8 of normal range). On
-# SmolLM2-135M values measured at 1x, 4x, 16x and 64x cost the same (bench/kv_quality.py).
+# later, larger values still fit, and small ones stay clear of the subnormals.
 FP8_HEADROOM = 16.0
 
 
@@ -385,8 +373,7 @@ def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.c
     unit; or float32): token n's codes as int4_load_codes reads them, group g's scale and minimum
     at grp_off[n] + 2 * g and + 1 (a group: 32 elements, the last one short when the head is;
     BLOCK_D >= 32, paged_attention.head_block). Each row is one load of bytes and one of each group
-    value: loading byte, scale and minimum per element made the decode kernel 14x slower than a
-    16-bit cache."""
+    value, never a load per element."""
     codes = int4_load_codes(ptr, byte_off, tmask, head_dim, BLOCK_N, BLOCK_D, OUT)
     tl.static_assert(BLOCK_D >= 32)  # paged_attention.head_block says why
     NG: tl.constexpr = BLOCK_D // 32
@@ -403,8 +390,8 @@ def int4_block_scales(g_ptr, block_off, channels, cmask, OUT: tl.constexpr):
     """Key blocks' scales and minimums [NB, C] in OUT: block_off [NB] are the blocks' (even)
     offsets in the key scales ([blocks, Hkv, D, 2] float16: a head's channels, each its scale and
     minimum in one 32-bit word), channels [C] the channels wanted (cmask: those inside the head).
-    One word a channel: 4-byte loads, which Triton's pipeliner copies ahead asynchronously (2-byte
-    ones it left in the loop, each tile then waiting for them: 295 against 204 us on the H200)."""
+    One word a channel: 4-byte loads, which Triton's pipeliner copies ahead asynchronously (it
+    leaves 2-byte ones in the loop)."""
     words = (g_ptr + block_off).to(tl.pointer_type(tl.int32), bitcast=True)
     w = tl.load(words[:, None] + channels[None, :], mask=cmask[None, :], other=0)
     s = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
@@ -425,12 +412,9 @@ def int4_per_block(codes, s, z):
     return tl.reshape(x, (N, C))
 
 
-# Packed page reads (the decode kernel's "packed" option, paged_attention.DECODE_CONFIGS): the
-# pages become float16 in the registers their load left them in, by PTX that converts a 32-bit
-# word (four FP8 values, or eight int4 codes) per instance, so the compiler can neither move the
-# conversion past the layout change to the dot's operand (for FP8 it did: the tile then went
-# through shared memory as single bytes) nor unpack element by element. The interpreter runs no
-# PTX: ASM=False computes the same values with Triton operations.
+# Packed page reads (the decode configs' "packed"): PTX converts a 32-bit word at a time in the
+# registers the load left it in, so the compiler cannot move the conversion past the layout
+# change to the dot's operand. ASM=False: the same values in Triton operations (interpreter).
 
 @triton.jit
 def fp8_to_f16(x, ASM: tl.constexpr):
@@ -488,16 +472,11 @@ def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr, PINNED: tl.constexpr = False, 
     code * s + z in float16. ASM: one LOP3 per pair of codes ORs them into the mantissa of a
     power of two, a packed subtract leaves the codes exact and a packed FMA scales them, two
     values per instruction. PINNED: the PTX is marked impure, which keeps it in the layout b was
-    loaded in: the compiler otherwise carries a dot operand's layout back through it to the
-    bytes (for values, whose dot runs over tokens, that read shared memory a byte at a time: 32
-    ld.shared.b8 and 56 prmt per 64-token tile at sm_90).
+    loaded in (else the compiler carries the dot operand's layout back to the bytes, which then
+    come from shared memory one at a time).
     WORD_ORDER (the split read): the four bytes of a word come back in the order (0, 2, 1, 3)
-    (``int4_word_order``), the order in which one word holds them without moving bytes: the
-    nibbles of bytes 0 and 2 sit 16 bits apart, as a pair of float16 does, so one LOP3 makes a
-    pair (low nibbles under 1024.0's exponent, high ones, already 4 bits up, under 64.0's) and
-    one shift serves bytes 1 and 3: 13 instructions per 8 codes, against 16 with the two byte
-    permutes and shifts that channel order takes. Bytes 0 and 2 then share a scale: the four
-    bytes of a word must be in one group (a group is 16 bytes)."""
+    (``int4_word_order``), which needs no byte permutes: the nibbles of bytes 0 and 2 sit 16 bits
+    apart, as a float16 pair does. The four bytes of a word must then be in one group."""
     if ASM:
         if WORD_ORDER:
             lo, hi = tl.inline_asm_elementwise(

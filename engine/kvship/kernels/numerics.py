@@ -8,9 +8,8 @@ from kvship.kernels._triton import tl, triton
 def small_int_to_float(c, OUT: tl.constexpr = tl.float32):
     """Non-negative integers -> their exact values in OUT, without the conversion unit: OR-ing
     each into the mantissa of 2**23 (float32, values below 2**23) or of 1024 (float16, below
-    1024) and subtracting it. Int-to-float conversions run at 1/8 of the FMA rate on the GPU;
-    with two 4-bit codes per byte they, not the memory, set a kernel's speed (the first H200
-    sweep of the quantized GEMV: 22-36% of copy bandwidth; the int4 KV decode kernel too)."""
+    1024) and subtracting it. Int-to-float conversions run at a fraction of the FMA rate; with
+    two 4-bit codes per byte they, not the memory, would set a kernel's speed."""
     # one return at the end: the GPU compiler goes on past a return inside a constexpr branch
     if OUT == tl.float16:
         x = (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0

@@ -22,28 +22,14 @@ Two options a layer may set (both default off):
 - ``softcap`` (Gemma 2): scores s = q.k * scale become tanh(s / softcap) * softcap before the
   softmax (and before masking).
 
-This file holds the plain-torch reference (CPU path, and the oracle for the Triton kernels),
-then the Triton kernels (storing new keys/values on the GPU is fused with rotary, in
-kernels/rotary.py: ``rotary_store_kv``; ``store_kv_torch`` here is its reference half):
-
-- ``paged_attention_triton``: when ``max_seqlen_q == 1`` (decode), a GQA-aware kernel — one
-  program holds all query heads of one KV head (the group padded to a power of two >= 16 rows
-  for ``tl.dot``), so each K/V tile is read once per KV head — split over the context
-  (flash-decoding: each split covers an equal, BLOCK_N-aligned share of the sequence's actual
-  length, computed in the kernel; a second kernel merges the splits by their log-sum-exp).
-  Otherwise a varlen prefill kernel: one program per (query head, BLOCK_M new tokens,
-  sequence), causal over the cached prefix plus the new tokens, with unmasked tiles below the
-  diagonal and masked ones on it.
-  Both paths read pages through the block table token by token, so any block size works.
-  Quantized pages are dequantized in registers: an FP8 tile converts exactly to the query's
-  dtype and its per-layer scales multiply the scores (k) and the output (v); an int4 tile is
-  unpacked and scaled per (token, head) before the dot.
-  The decode path is CUDA-graph capturable: no host syncs, grid and split count come from
-  tensor shapes (and the SM count) only.
-  A layer's window and soft cap are compile-time constants (WINDOW, SOFTCAP; 0: off), one
-  value per model: with a window, decode splits only the last WINDOW tokens and prefill skips
-  the tiles below each row block's window, masks the tiles on its lower edge and leaves the
-  keys every row of the block sees unmasked.
+The plain-torch reference (CPU path, the kernels' oracle) comes first, then the Triton kernels
+(storing new keys/values is fused with rotary: kernels/rotary.py). Decode: one program holds
+all query heads of a KV head, so each K/V tile is read once per KV head, split over the context
+(flash-decoding; a second kernel merges the splits by log-sum-exp); graph-capturable, its grid
+from shapes only. Prefill: one program per (query head, BLOCK_M new tokens, sequence), unmasked
+tiles below the diagonal, masked ones on it. Both read pages through the block table (any block
+size) and dequantize quantized pages in registers; the tile step is kernels/attention_tile.py.
+A layer's window and soft cap are compile-time constants (WINDOW, SOFTCAP; 0: off).
 """
 from __future__ import annotations
 
@@ -182,11 +168,11 @@ _PACKED = {False: 0, True: 1, "values": 2, "split": 3}
 def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, head_dim: int) -> int:
     """The PACKED constexpr a decode config launches, the one place that says where packed reads
     apply: quantized pages beside a 16-bit query (the dots then run in float16), int4 ones whose
-    heads fill their tile (head_block: a power of two of 32 channels or more); "split" only for
-    int4 pages, else the packed read (True). int4 heads of 80 channels read packed gave wrong
-    outputs on the H200 at long contexts (tests/test_kv_quant.py::test_decode_kernel, 2026-12-02)
-    while 64 and 128 matched, so heads that leave part of their tile empty read as stored, as
-    they did when that test last passed."""
+    heads fill their tile (head_block); "split" only for int4 pages, else the packed read (True).
+    int4 heads that leave part of their tile empty read as stored: read packed, they gave wrong
+    outputs at long contexts on a GPU.
+    Config "packed": True, keys and values converted in the registers they were loaded into;
+    "values", values alone; "split", int4 even and odd channels kept apart, each dot taken as two."""
     packed = _PACKED[cfg.get("packed", False)]
     if kv_mode == kvq.KV_PLAIN or q_dtype == torch.float32:
         return 0
@@ -205,14 +191,9 @@ def query_rows(group: int) -> int:
 
 def head_block(head_dim: int, kv_mode: int) -> int:
     """The kernels' BLOCK_D, channels a tile holds per head (the q @ k dot's K): the head size
-    rounded up to a power of two, and for int4 pages at least one group (32 channels). Below
-    that the sm_90 compiler mis-lays the q @ k dot: its operand from the int4 bytes is an 8-bit
-    load widened through a join, for which Triton (3.6) picks kWidth 8, eight consecutive
-    channels per thread; four threads then span 32 channels, and a 16-channel K is held twice
-    over (the dot's operands, in the TTGIR, carry kWidth = 8 for a 16x16 query tile), which gave
-    wrong outputs for 16-channel heads on the H200 (test_decode_kernel_packed[4-2-16-int4], rel
-    err 0.32) while the interpreter matched. 32 channels fill those four threads exactly, as
-    64 and 128 do; the channels past the head are masked on load and store."""
+    rounded up to a power of two, and for int4 pages at least one group (32 channels): below
+    that the sm_90 compiler lays the q @ k operand from int4 bytes out wrongly (kWidth 8 spans
+    32 channels). Channels past the head are masked on load and store."""
     block_d = next_pow2(head_dim)
     if kv_mode == kvq.KV_INT4:
         block_d = max(block_d, kvq.INT4_GROUP)
@@ -232,10 +213,8 @@ def _decode_kernel(
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
     INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    # The step's metadata (query bounds, lengths) comes from the host, copied in before the
-    # step's first kernel, and no kernel writes it: read before the PDL wait, its loads overlap
-    # the kernel before (rotary + KV store), and a split's share of the context is known when
-    # the wait ends.
+    # The step's metadata comes from the host and no kernel writes it: read before the PDL wait,
+    # overlapping the kernel before.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -450,14 +429,10 @@ def paged_attention_triton(
     """Triton twin of ``paged_attention_torch`` (same layouts and semantics).
 
     ``max_seqlen_q`` (a host int) picks the path: 1 means every sequence has one new token
-    (decode: split-K kernel, graph-capturable); otherwise the varlen prefill kernel, except for
-    the first ``num_decodes`` sequences, which have one new token each: a step that mixes prompt
-    chunks with decodes runs those through the decode kernel. The prefill kernel gives each
-    query head its own program, so there a decode's KV head would be read once per query head
-    of its group (and FP8 pages converted as stored).
-    ``num_splits`` overrides the decode split count (tests use it; the default depends on
-    shapes only), ``decode_config`` the decode launch settings (the benchmark's sweep; default
-    DECODE_CONFIGS for the cache's layout). q, k_cache, v_cache need a contiguous last dim.
+    (decode); otherwise the varlen prefill kernel, except for the first ``num_decodes``
+    sequences (one new token each), which go through the decode kernel, as it reads a KV head
+    once for its whole group. ``num_splits`` and ``decode_config`` override the decode split
+    count and settings (tests, benchmarks). q, k_cache, v_cache need a contiguous last dim.
     """
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
@@ -493,8 +468,7 @@ def paged_attention_triton(
     if max_seqlen_q == 1:
         cfg = decode_config or DECODE_CONFIGS[kv_mode]
         block_n = cfg["block_n"]
-        # int4 values read as stored beside 16-token tiles gave wrong outputs on the H200 (rel err
-        # 1.6, 2026-12-04): the p @ v dot's K of 16 from unpacked bytes, as for 16-channel heads (head_block)
+        # a p @ v dot's K of 16 from unpacked int4 bytes is mis-laid as in head_block
         assert kv_mode != kvq.KV_INT4 or block_n >= 32, "int4 pages are read in tiles of 32 tokens or more"
         if num_splits is None:
             context = block_tables.shape[1] * block_size

@@ -4,8 +4,7 @@ kernel below ("packed pairs"), which the engine prefers where it takes the layou
 
 kernels/quant_linear.py's one-row kernel turns every code into a scaled weight before its FMA:
 split the byte, widen it, convert, re-centre, multiply by the group's scale, then the FMA. For
-4-bit codes those instructions, not the memory, set its speed (22-32% of copy bandwidth on the
-H200). Here a program loads [BLOCK_N, BLOCK_W] words (8 codes of 4 bits or 4 of 8 each) and, for
+4-bit codes those instructions, not the memory, set its speed. Here a program loads [BLOCK_N, BLOCK_W] words (8 codes of 4 bits or 4 of 8 each) and, for
 each position j in the word, takes code j of every word with one shift-and, converts it exactly
 by OR-ing it into the mantissa of 2**23 and subtracting 2**23, and accumulates code * x with one
 FMA. The centre, scales and offsets act once per group after the tile's reduction:
@@ -124,19 +123,16 @@ def qgemv_words_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 
 # ---- packed pairs: two codes per instruction ----------------------------------------------------
-# The word kernel above spends about 5.9 PTX instructions per 4-bit code in its loop on sm_90 (a
-# bit-field extract, the OR and the subtraction of the exact conversion, the FMA, all in fp32;
-# then x and the per-tile reductions): the issue rate, not the memory, holds it at 27-42% of copy
-# bandwidth. Here a word's codes become fp16 pairs (two to a 32-bit register) with one
-# instruction for two: for 4 bits, w & 0x000F000F holds codes 0 and 4 in its two halves, and
+# The word kernel above is bound by its instruction issue (several fp32 instructions a code).
+# Here a word's codes become fp16 pairs (two to a 32-bit register) with one instruction for two:
+# for 4 bits, w & 0x000F000F holds codes 0 and 4 in its two halves, and
 # OR-ing 0x64006400 makes them the fp16 pair (1024 + c0, 1024 + c4); w & 0x00F000F0 | 0x64006400 is
 # (1024 + 16 c1, 1024 + 16 c5); w >> 8 gives codes 2, 6 and 3, 7 the same way (8 bits:
 # w & 0x00FF00FF and (w >> 8) & 0x00FF00FF). One fma.rn.f16x2 with constant pairs turns either
 # form into (c - centre) / 2**CODE_SHIFT, exactly, and one more multiplies it by x's pair (x_j,
 # x_j+CODES/2 in fp16) and adds. Four consecutive words of a row (one group's: groups are whole
 # multiples of 4 words) chain their pairs in one fp16 sum, which then leaves for fp32 and takes
-# its group's scale: about 1.75 instructions a 4-bit code. (The first version, one word a sum and
-# x scaled instead of the codes, measured 37-49% of copy bandwidth on the H200's 8B projections.)
+# its group's scale: under two instructions a 4-bit code.
 #
 # Range: scaled codes are at most 1/16 (8 bits: 1/8) in magnitude and a lane sums 16 (8) products,
 # so no sum exceeds max |x|: any x fp16 holds (|x| < 65504) is safe, and x below 6e-5 loses only
@@ -146,12 +142,8 @@ def qgemv_words_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 # word's bytes 0, 1 (and 2, 3) into an fp16 pair, exactly (E4M3 values are fp16 values), so x's
 # pairs are (x_j, x_j+1) for them; one mul.rn.f16x2 by 2**-12 then scales both (exactly: the
 # smallest code, 2**-9, becomes 2**-21, above fp16's least subnormal 2**-24). 448 / 2**12 is under
-# 1/8, so the 8-bit bound above holds for them too. On sm_90 a word costs 6 instructions in the
-# loop (two conversions, which read the word's halves in place, two scalings, two products)
-# against int8's 7 (a shift, two lop3, four fma). (Bits alone give the pair scaled by 2**-8,
-# sign << 15 | (byte & 0x7F) << 7, but take three or four shifts and masks a pair where the
-# conversion takes one, and 448 / 2**8 would bound x at 4096.) The NaN codes (0x7F, 0xFF) are not
-# handled: quantized weights never hold them.
+# 1/8, so the 8-bit bound above holds for them too. The NaN codes (0x7F, 0xFF) are not handled:
+# quantized weights never hold them.
 CODE_SHIFT = {(4, False): 7, (8, False): 10, (8, True): 12}  # (bits, FP8) -> shift
 CHAIN = 4  # words a fp16 sum takes
 

@@ -3,8 +3,8 @@ a row) beside 16-bit x, on the tensor cores: y [M, N] = x [M, K] W^T for M <= 8,
 weights once for all M rows, where the dequantizing GEMM of kernels/quant_linear.py pads M to a
 16-row tile and the one-row kernels would read the weights M times. The codes become 16-bit
 values by bit operations alone and mma.sync multiplies them by x: a word of 8 codes costs 7
-integer instructions and one mma. (For one row, kernels/quant_gemv.py's pairs kernel measured
-faster on the H200: that kernel's speed is set by its memory accesses, not its instructions.)
+integer instructions and one mma. (One row stays on kernels/quant_gemv.py's pairs kernel, which
+is faster there.)
 
 Codes as 16-bit values: ``(w >> 4p) & 0x000F000F`` holds codes p and p + 4 of word w in its two
 halves, and OR-ing MAGIC's bits into both halves makes them the pair (MAGIC + c_p, MAGIC + c_p+4)

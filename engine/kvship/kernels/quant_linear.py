@@ -255,9 +255,8 @@ def _gemm_config(m: int) -> dict[str, int]:
 
 def _within_groups(w: QWeight, cfg: dict[str, int]) -> dict[str, int]:
     """``cfg`` with tiles no wider than a group (same bytes per tile: more rows, fewer columns),
-    so that each tile takes one scale per row. The 16-bit expansion gained 3x from it (int4
-    TTFT at 512 tokens 115 -> 38 ms on the H200); the one-row GEMV lost 2-10x (narrow rows of
-    64 or 16 bytes), so it keeps tiles of several groups."""
+    so that each tile takes one scale per row: much faster for the 16-bit expansion, much slower
+    for the one-row GEMV (narrow rows), which keeps tiles of several groups."""
     per_group = w.group_size // (2 if w.bits == 4 else 1)  # stored columns per group
     if w.g_idx is not None or w.scales.shape[1] == 1 or per_group >= cfg["block_k"] or per_group < 16 \
             or per_group & (per_group - 1):

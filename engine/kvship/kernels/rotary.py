@@ -156,9 +156,8 @@ def _turn(r1, r2, r_ptr, offs_d, dmask, ty: tl.constexpr, HALF: tl.constexpr, HE
     fp32 [BLOCK_H, BLOCK_D]: the halves against R's top and bottom rows. R_ENTRY > 0 (a
     power-of-two head, R = H / sqrt(D), R_ENTRY its entries' float32 magnitude): the +-1 signs are
     made in registers from the indices and are exact in 16 bits, so for a 16-bit ``ty`` the dots
-    run on tensor cores with fp32 sums, nothing is read, and the sums are scaled once. (In IEEE
-    fp32 on the CUDA cores, the same turn of the queries took a throughput run from 11,711 to
-    6,163 tok/s on the H200.) Else R's fp32 rows are loaded and the dots run in fp32.
+    run on tensor cores with fp32 sums, nothing is read, and the sums are scaled once (in fp32 on
+    the CUDA cores the turn was far slower). Else R's fp32 rows are loaded and the dots run in fp32.
     BLOCK_H >= 16 for tl.dot."""
     cols = tl.arange(0, BLOCK_D)
     rm = dmask[:, None] & (cols < HEAD_DIM)[None, :]
@@ -362,8 +361,7 @@ def _rotary_store_kv_kernel(
                                    BLOCK_HALF)
             # A sequence's new tokens sit in consecutive slots: the first of them in each block
             # stores that block's keys (the others of the block leave them alone), one KV head a
-            # program: with one program looping over the heads the int4 engine's KV-bound decode
-            # (bench/kv_decode.py, H200) ran at 0.96x bf16's, with a program a head at 1.05x.
+            # program (one program looping over the heads was slower).
             if (row == 0) | (prev != slot - 1):
                 _store_int4_key_block(k_ptr + kh * stride_kh, stride_kt, t, row, slot, slot_ptr, pos_ptr, cs_ptr,
                                       stride_cs, kc_ptr + page * stride_kcb + kh * stride_kch, stride_kcs,

@@ -6,8 +6,8 @@ rank copies its input into a buffer that all ranks have mapped, waits for the ot
 all peers' copies itself: one kernel, no multicast (kept off: it can take a shared host's GPUs
 out of service). Larger tensors, other dtypes or any set-up failure fall back to NCCL.
 
-Opt-in (--tp-all-reduce one-shot): on 2 x H200 it measured no faster than NCCL inside the
-decode graphs (docs/tensor-parallel.md); it stays as the base for fusing the reduction with the
+Opt-in (--tp-all-reduce one-shot): it measured no faster than NCCL inside the decode graphs
+(docs/tensor-parallel.md); it stays as the base for fusing the reduction with the
 residual add and RMSNorm that follow it (FusedAllReduceNorm below, at TP=2).
 """
 from __future__ import annotations
