@@ -450,3 +450,160 @@ def test_openapi_documents_request_bodies_and_errors(server):
     assert set(schemas["ErrorDetail"]["properties"]) == {"message", "type", "param", "code"}
     assert doc["paths"]["/v1/models/{model_id}"]["get"]["responses"]["404"]
     assert "HTTPValidationError" not in schemas
+
+
+# ------------------------------------------------------------------ 9: whatever a request holds, its answer encodes
+
+# Written as JSON text: json.dumps would escape the backslash. Lone surrogates of both halves.
+SURROGATES = ["\\udfff", "\\udbff", "ab\\udc80cd"]
+
+
+@pytest.mark.parametrize("escape", SURROGATES)
+@pytest.mark.parametrize(
+    "path,raw,param",
+    [
+        # Strings that only reach an error message, or the response itself.
+        ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+        ("/v1/completions", '{"model": "%s", "prompt": "hi"}', "model"),
+        ("/v1/responses", '{"model": "%s", "input": "hi"}', "model"),
+        ("/v1/embeddings", '{"model": "%s", "input": "hi"}', "model"),
+        ("/tokenize", '{"model": "%s", "prompt": "hi"}', "model"),
+        ("/detokenize", '{"model": "%s", "tokens": [1]}', "model"),
+        ("/v1/responses", '{"input": "hi", "previous_response_id": "resp_%s"}', "previous_response_id"),
+        ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "metadata": {"k": "%s"}}', "metadata.k"),
+        ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "user": "%s"}', "user"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi", "name": "%s"}]}',
+         "messages[0].name"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stop": ["x", "%s"]}', "stop[1]"),
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "vendor_field": {"a": ["%s"]}}', "vendor_field.a[0]"),
+    ],
+)
+def test_lone_surrogate_in_any_field_is_400_naming_it(server, path, raw, param, escape):
+    for stream in (False, True):
+        body = raw % escape
+        if stream and path.startswith("/v1/") and path != "/v1/embeddings":
+            body = body[:-1] + ', "stream": true}'
+        err = assert_error(post_raw(server.url, path, body), 400, param)
+        assert "surrogate" in err["message"]
+
+
+def test_paired_surrogates_are_text(server):
+    """An astral character written as a JSON surrogate pair is ordinary text, not refused."""
+    raw = '{"prompt": "smile \\ud83d\\ude00", "max_tokens": 2, "user": "\\ud83d\\ude00"}'
+    r = post_raw(server.url, "/v1/completions", raw)
+    assert r.status_code == 200, r.text
+    t = post_raw(server.url, "/tokenize", '{"prompt": "\\ud83d\\ude00"}').json()["tokens"]
+    assert httpx.post(server.url + "/detokenize", json={"tokens": t}, timeout=60).json()["prompt"] == "\U0001F600"
+
+
+def test_undecodable_model_id_in_the_path_is_404(server):
+    """A path whose percent-escapes are not UTF-8 ends up in the error message: it must encode."""
+    for raw in ("%ED%A0%80", "%ff%fe", "a%C0%AFb"):
+        err = assert_error(httpx.get(server.url + "/v1/models/" + raw, timeout=30), 404, "model")
+        assert err["code"] == "model_not_found"
+
+
+# ------------------------------------------------------------------ 10: small refusals OpenAI makes
+
+
+@pytest.mark.parametrize("value", [2.000001, 3, 1e308])
+def test_temperature_above_2_is_400(server, value):
+    for path, body in (("/v1/chat/completions", {"messages": QUESTION}), ("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/responses", {"input": "hi"})):
+        err = assert_error(httpx.post(server.url + path, json={**body, "temperature": value, "max_tokens": 2}
+                                      if path != "/v1/responses" else {**body, "temperature": value},
+                                      timeout=60), 400, "temperature")
+        assert "2" in err["message"]
+
+
+def test_temperature_2_is_accepted(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": QUESTION, "temperature": 2, "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
+@pytest.mark.parametrize("how", ["null", "absent"])
+def test_message_without_content_is_400(server, role, how):
+    message = {"role": role, **({"content": None} if how == "null" else {})}
+    if role == "tool":
+        message["tool_call_id"] = "call_1"
+    messages = [{"role": "user", "content": "hi"}, message] if role != "user" else [message]
+    index = len(messages) - 1
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 2}), ("/tokenize", {})):
+        err = assert_error(httpx.post(server.url + path, json={"messages": messages, **extra}, timeout=60), 400,
+                           f"messages[{index}].content")
+        assert "content" in err["message"]
+
+
+def test_assistant_message_may_carry_only_tool_calls(server):
+    messages = [*QUESTION, {"role": "assistant", "content": None,
+                            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "Paris"}]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("empty", ["", []])
+def test_empty_responses_input_names_input(server, empty):
+    for extra in ({}, {"instructions": "Be brief."}):
+        err = assert_error(httpx.post(server.url + "/v1/responses", json={"input": empty, **extra}, timeout=60), 400,
+                           "input")
+        assert "messages" not in err["message"]
+
+
+# ------------------------------------------------------------------ 11: continue_final_message
+
+OPEN_ANSWER = [{"role": "user", "content": "Which city is the capital of France?"},
+               {"role": "assistant", "content": "The capital city of France is"}]
+
+
+def tokens(server, **body) -> list[int]:
+    r = httpx.post(server.url + "/tokenize", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_continue_final_message_leaves_the_final_message_open(server):
+    closed = tokens(server, messages=OPEN_ANSWER, add_generation_prompt=False)
+    opened = tokens(server, messages=OPEN_ANSWER, continue_final_message=True)
+    assert tokens(server, messages=OPEN_ANSWER, continue_final_message=True, add_generation_prompt=False) == opened
+    answer = tokens(server, prompt=OPEN_ANSWER[1]["content"], add_special_tokens=False)
+    # The prompt ends with the assistant's words: no end-of-turn after them, no new turn.
+    assert opened[-len(answer):] == answer
+    assert closed[:len(opened)] == opened and len(closed) > len(opened)
+
+
+def test_continue_final_message_continues_the_answer(server):
+    body = {"messages": OPEN_ANSWER, "continue_final_message": True, "add_generation_prompt": False,
+            "max_tokens": 4, "temperature": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    assert "Paris" in text and not text.lstrip().startswith("The"), text
+    # The same prompt as a raw completion gives the same words (greedy).
+    opened = tokens(server, messages=OPEN_ANSWER, continue_final_message=True)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": opened, "max_tokens": 4, "temperature": 0}, timeout=60)
+    assert r.json()["choices"][0]["text"] == text
+
+
+def test_continue_final_message_with_add_generation_prompt_is_400(server):
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 2}), ("/tokenize", {})):
+        body = {"messages": OPEN_ANSWER, "continue_final_message": True, "add_generation_prompt": True, **extra}
+        assert_error(httpx.post(server.url + path, json=body, timeout=60), 400, "continue_final_message")
+
+
+def test_continue_final_message_needs_text_to_continue(server):
+    messages = [OPEN_ANSWER[0], {"role": "assistant", "content": ""}]
+    body = {"messages": messages, "continue_final_message": True, "max_tokens": 2}
+    assert_error(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60), 400, "messages")
+
+
+def test_continue_final_message_through_the_openai_client(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+    out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=OPEN_ANSWER, max_tokens=4,
+                                         temperature=0, extra_body={"continue_final_message": True,
+                                                                    "add_generation_prompt": False})
+    assert "Paris" in out.choices[0].message.content

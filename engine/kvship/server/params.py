@@ -20,6 +20,7 @@ from kvship.server.structured import structured_output
 from kvship.server.tools import ToolPlan
 
 MAX_N = 128  # upper bound on `n` (also bounded by the engine's max_num_seqs)
+MAX_TEMPERATURE = 2.0  # OpenAI's bound; past it sampling is noise, and 1e308 was accepted
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 
 
@@ -67,6 +68,9 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, engine: Eng
         max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         prompt_logprobs = body.logprobs if body.echo else None  # echo scores the prompt's tokens too
 
+    if body.temperature is not None and not 0 <= body.temperature <= MAX_TEMPERATURE:
+        raise bad_request(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {body.temperature}.",
+                          param="temperature", code="invalid_value")
     defaults = engine.sampling_defaults or {}
     n = _opt(body.n, 1)
     max_n = min(MAX_N, engine.config.max_num_seqs)

@@ -10,7 +10,7 @@ import json
 import re
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -68,11 +68,21 @@ class ToolCall(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextContentPart] | None = None
+    content: Text | list[TextContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     reasoning_content: Text | None = None  # an assistant's earlier thinking (kept out of templates that drop it)
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, content: object, info: ValidationInfo) -> object:
+        # As in OpenAI's API, only an assistant's message may go without content (tool_calls
+        # instead); a user turn of null was rendered as an empty one.
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(f"a {role} message must have content")
+        return content
 
     def template_dict(self) -> dict[str, object]:
         """The message as chat templates read it: tool-call arguments as objects (what HF
@@ -106,6 +116,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool | None = False  # as on /v1/chat/completions
 
 
 class DetokenizeRequest(_Request):
@@ -200,6 +211,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: StrictBool | None = True
+    # vLLM's: the final message is left open for the model to continue (no generation prompt).
+    continue_final_message: StrictBool | None = False
     # Tool calling (server/tools.py)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

@@ -10,7 +10,14 @@ from fastapi.responses import Response
 
 from kvship.server.body import accept
 from kvship.server.errors import SafeJSONResponse, bad_request
-from kvship.server.prompts import OFFLOAD_CHARS, chat_prompt_ids, chat_size, check_token_ids, run_tokenizer
+from kvship.server.prompts import (
+    OFFLOAD_CHARS,
+    chat_prompt_ids,
+    chat_size,
+    check_token_ids,
+    generation_prompt,
+    run_tokenizer,
+)
 from kvship.server.protocol import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
@@ -31,8 +38,9 @@ async def tokenize(raw_request: Request) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Give exactly one of prompt and messages.", param="prompt")
     if body.messages is not None:
-        ids = await run_tokenizer(chat_prompt_ids, engine.tokenizer, body.messages, body.add_generation_prompt,
-                                  size=chat_size(body.messages))
+        add_generation_prompt, continue_final = generation_prompt(body)
+        ids = await run_tokenizer(chat_prompt_ids, engine.tokenizer, body.messages, add_generation_prompt, None,
+                                  continue_final, size=chat_size(body.messages))
     else:
         ids = await run_tokenizer(engine.tokenizer.encode, body.prompt, body.add_special_tokens, size=len(body.prompt))
     return await _json({"tokens": list(ids), "count": len(ids), "max_model_len": engine.max_model_len}, len(ids))
