@@ -14,7 +14,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import apply, drift, metrics_client, rollout, tracing
+from . import apply, drift, metrics_client, rollout, tracing, webhook
 from . import autoscale as autoscaling
 from . import autoscaler as asc
 from . import builders as b
@@ -182,6 +182,12 @@ def reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger, reason: Any = 
         ok = ensure_children(memo.kube, cr, memo.pdb_api_version, logger, retry=retry)
         if sp is not None:
             sp.set_attribute("kvship.reconcile.valid_spec", ok)
+
+
+@kopf.on.validate(*RESOURCE, id=webhook.HANDLER_ID, operations=["CREATE", "UPDATE"], registry=registry)
+def admit(body: Any, old: Any, operation: str | None = None, **_: Any) -> None:
+    """The admission webhook: the reconciler's checks, before the object is stored."""
+    webhook.review(dict(body), dict(old) if old is not None else None, operation)
 
 
 def _live(cr: dict | None) -> bool:

@@ -53,10 +53,12 @@ class OperatorThread:
     for the threads it started), and fails otherwise."""
 
     def __init__(self, kubeconfig: Path | str, *, namespaces: list[str] | None = None,
-                 pod_address: Callable[[dict], str | None] | None = None):
+                 pod_address: Callable[[dict], str | None] | None = None, webhook: Any = None):
         self.kubeconfig = str(kubeconfig)
         self.namespaces = namespaces or []
-        self.extra = {"pod_address": pod_address} if pod_address else {}
+        self.extra: dict[str, Any] = {"pod_address": pod_address} if pod_address else {}
+        if webhook is not None:
+            self.extra["webhook"] = webhook
         self.stop_flag = threading.Event()
         self.ready_flag = threading.Event()
         self.error: BaseException | None = None

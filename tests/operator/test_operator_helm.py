@@ -67,6 +67,19 @@ def test_template_validates(values, k8s_version):
         assert kinds.count("ClusterRole") == 1  # only the read-only discovery role
     else:
         assert "Role" not in kinds and kinds.count("ClusterRole") == 2
+    # the admission webhook (issue 58 item 3): a certificate, a Service to the operator's
+    # webhook port, and the configuration that sends LLMDeployment writes there
+    (hook,) = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")["webhooks"]
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    assert hook["failurePolicy"] == "Fail" and hook["rules"][0]["operations"] == ["CREATE", "UPDATE"]
+    assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+    assert hook["clientConfig"]["service"]["path"] == "/validate-llmdeployment"
+    assert "--webhook-port=9443" in c["args"] and "--webhook-cert-dir=/etc/kvship/webhook" in c["args"]
+    assert (hook.get("namespaceSelector") is not None) == bool(values)  # helm renders for a server >= 1.21 here
+    old = helm("template", "kvship", str(CHART), "--kube-version", "1.20.0", *values).stdout
+    assert "kubernetes.io/metadata.name" not in old  # 1.20 has no such label: every namespace is checked
+    out = helm("template", "kvship", str(CHART), "--set", "webhook.enabled=false")
+    assert "ValidatingWebhookConfiguration" not in out.stdout and "--webhook-port" not in out.stdout
 
 
 def _access(api: ApiClient, verb: str, resource: str, group: str = "", namespace: str | None = None,
@@ -85,7 +98,8 @@ def test_helm_install_operator_runs_as_its_service_account(cluster, api, crd_ins
     release_ns = "kvship-system"
     kubeconfig = str(cluster.kubeconfig)
     # the session's CRD is already installed (crd_installed): the release does not take it over
-    extra = ["--set", "crds.install=false"]
+    # no operator pod runs here to answer the chart's webhook (test_admission_webhook covers it)
+    extra = ["--set", "crds.install=false", "--set", "webhook.enabled=false"]
     extra += ["--set", f"watchNamespaces={{{objects.ns}}}"] if mode == "watched-namespace" else []
     out = helm("install", "kvship", str(CHART), "-n", release_ns, "--create-namespace", "--kubeconfig", kubeconfig,
                *extra, check=False)

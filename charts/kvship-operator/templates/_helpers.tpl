@@ -70,3 +70,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   resources: ["scaledobjects"]
   verbs: ["get", "create", "patch", "delete"]
 {{- end -}}
+
+{{- define "kvship-operator.webhookService" -}}
+{{- printf "%s-webhook" (include "kvship-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvship-operator.webhookSecret" -}}
+{{- printf "%s-webhook-tls" (include "kvship-operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
