@@ -8,7 +8,7 @@ q and k arrive L2-normalised, q already scaled by Dk^-1/2 (as transformers' refe
 
 Prefill chunks run the chunked (WY / UT-transform) form, decode steps the recurrence; both are
 exact rewritings of the same sum, so a step may start anywhere inside a chunk of the form.
-kernels/gated_delta_triton.py holds the GPU kernels; ``conv1d`` and ``delta_rule`` dispatch.
+kernels/gated_delta_triton.py holds the GPU kernels (layers/gated_delta.py picks the path).
 """
 from __future__ import annotations
 

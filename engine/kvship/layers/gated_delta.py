@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvship.kernels import gated_delta as gd
+from kvship.kernels import gated_delta_triton as gdt
+from kvship.kernels._triton import use_triton
 from kvship.kernels.norm import rms_norm_torch
 from kvship.layers.attention import AttentionMetadata
 from kvship.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -71,16 +73,40 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        proj = self.in_proj(x)
-        mixed, z, b, a = proj.split([self.conv_dim, *self.sizes[3:]], dim=-1)
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, *self.sizes[3:]], dim=-1)
         cu = meta.cu_seqlens_q
         q_lens = (cu[1:] - cu[:-1]).to(meta.seq_lens.dtype)
-        conv0, delta0 = self._initial(meta, q_lens, x.dtype, x.device)
         decode = meta.num_decodes == q_lens.shape[0]
+        if use_triton(x) and not self.force_torch:
+            o = self._triton(mixed, a, b, meta, q_lens, decode)
+        else:
+            o = self._torch(mixed, a, b, meta, q_lens, decode)
+        # the gated RMSNorm: normed per value head (weight times, in the model's dtype), times silu(z)
+        o = rms_norm_torch(o.to(x.dtype), self.norm_weight, self.eps)
+        o = (o.float() * F.silu(z.float().reshape(t, self.hv, self.dv))).to(x.dtype)
+        return self.out_proj(o.reshape(t, -1))
+
+    def _triton(self, mixed, a, b, meta: AttentionMetadata, q_lens, decode: bool) -> torch.Tensor:
+        slots, conv, delta = meta.state_slots, self.conv_state, self.delta_state
+        past = (meta.seq_lens > q_lens).to(torch.int32)
+        if slots is None:  # a throw-away state for each sequence, started from zeros
+            n = q_lens.shape[0]
+            slots = torch.arange(n, device=mixed.device)
+            (cs, cdt), (ds, ddt) = self.state_shapes(mixed.dtype)
+            conv = torch.empty(n, *cs, dtype=cdt, device=mixed.device)
+            delta = torch.empty(n, *ds, dtype=ddt, device=mixed.device)
+            past = torch.zeros_like(past)
+        mixed = gdt.conv1d_triton(mixed, self.conv_weight, conv, slots, past, meta.cu_seqlens_q, meta.max_seqlen_q)
+        return gdt.delta_rule_triton(mixed, a, b, self.A_log, self.dt_bias, delta, slots, past, meta.cu_seqlens_q,
+                                     self.hk, decode)
+
+    def _torch(self, mixed, a, b, meta: AttentionMetadata, q_lens, decode: bool) -> torch.Tensor:
+        t = mixed.shape[0]
+        conv0, delta0 = self._initial(meta, q_lens, mixed.dtype, mixed.device)
         if decode:
             mixed, conv1 = gd.conv1d_step_torch(mixed, self.conv_weight, conv0)
         else:
-            bounds = cu.tolist()
+            bounds = meta.cu_seqlens_q.tolist()
             mixed, conv1 = gd.causal_conv1d_torch(mixed, self.conv_weight, conv0, bounds)
         q, k, v = mixed.split(self.sizes[:3], dim=-1)
         r = self.hv // self.hk
@@ -96,7 +122,4 @@ class GatedDeltaNet(nn.Module):
         if meta.state_slots is not None:
             self.conv_state[meta.state_slots] = conv1.to(self.conv_state.dtype)
             self.delta_state[meta.state_slots] = delta1
-        # the gated RMSNorm: normed per value head (weight times, in the model's dtype), times silu(z)
-        o = rms_norm_torch(o.to(x.dtype), self.norm_weight, self.eps)
-        o = (o.float() * F.silu(z.float().reshape(t, self.hv, self.dv))).to(x.dtype)
-        return self.out_proj(o.reshape(t, -1))
+        return o

@@ -1,0 +1,91 @@
+"""Gated DeltaNet: the chunked form against the token-by-token definition, and the Triton
+kernels (the conv1d with its state, the chunked and recurrent delta rule) against the torch
+references, in the interpreter on the CPU (fp32: the interpreter's tl.dot on bf16 is wrong)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvship.kernels import gated_delta as gd
+from kvship.kernels._triton import HAS_TRITON
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+HK, HV, DK, DV, K = 2, 4, 16, 16, 4
+C = 2 * HK * DK + HV * DV
+
+
+def test_chunked_form_equals_the_recurrence():
+    g = torch.Generator().manual_seed(0)
+    length, h, dk, dv = 150, 3, 8, 6
+    q = gd.l2norm(torch.randn(length, h, dk, generator=g)) * dk**-0.5
+    k = gd.l2norm(torch.randn(length, h, dk, generator=g))
+    v, s0 = torch.randn(length, h, dv, generator=g), torch.randn(h, dk, dv, generator=g)
+    decay, beta = -torch.rand(length, h, generator=g), torch.rand(length, h, generator=g)
+    want, want_s = gd.recurrent_torch(q, k, v, decay, beta, s0)
+    for chunk in (16, 64):  # 150 tokens: a partial last chunk either way
+        got, got_s = gd.chunked_torch(q, k, v, decay, beta, s0, chunk)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got_s, want_s, atol=1e-5, rtol=0)
+
+
+def _step(lens, past, slots, seed=0):
+    """A step's projections and states, and the references' outputs and new states."""
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    t = sum(lens)
+    proj = torch.randn(t, C + 2 * HV, generator=g)
+    mixed, a, b = proj.split([C, HV, HV], -1)
+    weight, a_log, dt = torch.randn(C, K, generator=g) * 0.5, torch.rand(HV, generator=g).log(), torch.rand(HV, generator=g)
+    conv, delta = torch.randn(8, C, K - 1, generator=g), torch.randn(8, HV, DK, DV, generator=g) * 0.1
+    keep = past.bool()
+    c0 = torch.where(keep[:, None, None], conv[slots], 0)
+    d0 = torch.where(keep[:, None, None, None], delta[slots], 0)
+    y, c1 = gd.causal_conv1d_torch(mixed, weight, c0, cu.tolist())
+    q, k, v = y.split([HK * DK, HK * DK, HV * DV], -1)
+    q = (gd.l2norm(q.reshape(t, HK, DK)) * DK**-0.5).repeat_interleave(HV // HK, 1)
+    k = gd.l2norm(k.reshape(t, HK, DK)).repeat_interleave(HV // HK, 1)
+    o, d1 = gd.delta_rule_torch(q, k, v.reshape(t, HV, DV), -a_log.exp() * F.softplus(a + dt), torch.sigmoid(b), d0,
+                                cu.tolist())
+    inputs = [x.to(DEV) for x in (mixed, a, b, weight, a_log, dt, conv, delta, slots, past, cu)]
+    return inputs, (y, c1, o, d1)
+
+
+def test_decode_step_references_agree_with_the_chunked_ones():
+    past, slots = torch.tensor([1, 0, 1], dtype=torch.int32), torch.tensor([4, 1, 7])
+    (mixed, a, b, weight, a_log, dt, conv, delta, *_), (y, c1, o, d1) = _step([1, 1, 1], past, slots)
+    keep = past.bool()
+    got_y, got_c = gd.conv1d_step_torch(mixed, weight, torch.where(keep[:, None, None], conv[slots], 0))
+    torch.testing.assert_close(got_y, y, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_c, c1, atol=0, rtol=0)
+    q, k, v = got_y.split([HK * DK, HK * DK, HV * DV], -1)
+    q = (gd.l2norm(q.reshape(3, HK, DK)) * DK**-0.5).repeat_interleave(HV // HK, 1)
+    k = gd.l2norm(k.reshape(3, HK, DK)).repeat_interleave(HV // HK, 1)
+    got_o, got_d = gd.recurrent_step_torch(q, k, v.reshape(3, HV, DV), -a_log.exp() * F.softplus(a + dt),
+                                           torch.sigmoid(b), torch.where(keep[:, None, None, None], delta[slots], 0))
+    torch.testing.assert_close(got_o, o, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_d, d1, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lens,decode", [([1, 37, 5, 2], False), ([1, 1, 1], True)])
+def test_triton_kernels_match_the_references(lens, decode):
+    """Sequences of different lengths (one shorter than the conv's window, one over two
+    chunks of 16), some with a past state and some without, in slots out of order; the
+    kernels write each sequence's slot in place and leave the others as they were."""
+    from kvship.kernels.gated_delta_triton import conv1d_triton, delta_rule_triton
+
+    past = torch.tensor([1, 1, 0, 1][:len(lens)], dtype=torch.int32)
+    slots = torch.tensor([3, 0, 2, 5][:len(lens)])
+    (mixed, a, b, weight, a_log, dt, conv, delta, sl, pa, cu), (y, c1, o, d1) = _step(lens, past, slots)
+    before_conv, before_delta = conv.clone(), delta.clone()
+    got_y = conv1d_triton(mixed, weight, conv, sl, pa, cu, max(lens))
+    got_o = delta_rule_triton(got_y, a, b, a_log, dt, delta, sl, pa, cu, HK, decode)
+    torch.testing.assert_close(got_y.cpu(), y, atol=2e-5, rtol=0)
+    torch.testing.assert_close(got_o.cpu(), o, atol=2e-5, rtol=0)
+    torch.testing.assert_close(conv[sl].cpu(), c1, atol=0, rtol=0)
+    torch.testing.assert_close(delta[sl].cpu(), d1, atol=2e-5, rtol=0)
+    others = [i for i in range(8) if i not in slots.tolist()]
+    assert torch.equal(conv[others], before_conv[others]) and torch.equal(delta[others], before_delta[others])
