@@ -2,51 +2,17 @@
 expert weights w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] -> sum over the k
 choices of weight * w2[e] @ (silu(gate) * up) [T, H].
 
-``fused_moe_torch`` is the reference and the CPU path: one matmul pair per expert that has tokens
-(it reads only those experts' weights, but its shapes follow the routing and it syncs with the
-host once per call). ``fused_moe_triton`` keeps every shape fixed by (T, k, E) and never syncs,
-so CUDA graphs capture it:
+``fused_moe_torch`` is the reference and CPU path (one matmul pair per expert with tokens; it
+syncs with the host). ``fused_moe_triton`` keeps every shape fixed by (T, k, E) and never syncs,
+so CUDA graphs capture it, following vLLM's fused_moe: ``align_by_expert`` groups the (token,
+choice) pairs by expert on the device, each expert's list padded to BLOCK_M rows; one grouped
+GEMM for w13 with SiLU-and-mul in its epilogue; one for w2 scaled by the router weights; the k
+rows of each token summed. A block reads only its expert's weights.
+One token takes ``fused_moe_gemv``: two FMA kernels with no alignment, padding or summing.
 
-0. ``route``: softmax over the experts, the top k, renormalized or not (one program per token).
-1. ``align_by_expert`` groups the T * k (token, choice) pairs by expert on the device, each
-   expert's list padded to a multiple of BLOCK_M, so that a block of BLOCK_M rows belongs to one
-   expert. Buffers are sized for the worst case (every pair's expert padded); the blocks past
-   the real end are skipped by the kernel. Decode-sized batches take one single-program kernel
-   (in a graph, each of the torch ops' nodes costs microseconds), larger ones torch ops.
-2. One grouped GEMM over those blocks for w13, SiLU-and-mul in its epilogue -> h [T * k, I].
-3. One grouped GEMM for w2 that scales each row by its router weight -> [T * k, H].
-4. The k rows of each token summed (torch).
-
-A block reads its one expert's weights, so batch-1 decode reads only the k selected experts.
-The design follows vLLM's fused_moe (moe_align_block_size, one expert per M-block).
-
-One token (batch-1 decode) takes ``fused_moe_gemv``: no alignment, no 16-row blocks that would
-be nearly empty, no summing kernel. One program per (pair, block of gate/up rows) streams those
-rows once with FMAs and stores silu(gate) * up; one program per (token, block of output rows)
-reads those rows of all k experts together and sums them with the router weights.
-
-Quantized experts (``ExpertScales``) keep their codes on the device and are dequantized in
-registers, one byte (or half of one) per weight read:
-
-- FP8: w13 and w2 hold float8_e4m3fn codes, and float32 scales per output row and per ``group``
-  inputs multiply them (block-wise checkpoints: their 128 x 128 block's scale repeated over its
-  rows), or one per row (``group`` 0: per-channel checkpoints and in-situ fp8). The grouped GEMM
-  converts a tile to the activations' dtype (exact: E4M3 values are bf16, fp16 and fp32 values)
-  for the tensor cores and scales the dot's output, per K tile for block scales (the tile lies in
-  one block) or once at the end for row scales; the one-token kernels multiply each weight by its
-  block's scale in fp32, or each row's reduced sum by the row's scale.
-- Integer codes (GGUF k-quants and Q8_0, in-situ int8 / int4, GPTQ / AWQ without act-order):
-  kernels/quant_linear.py's layout per expert. w13 [E, 2I, ceil(H / p)] and w2 [E, H, ceil(I / p)]
-  are uint8, p = 1 code per byte for 8 bits, p = 2 for 4 bits (byte j of a row: input 2j in the
-  low nibble, 2j + 1 in the high one); float16 scales [E, rows, G] and, for asymmetric codes,
-  float16 offsets beside them: W = code * scale + offset (GGUF k-quants: offset = -min; GPTQ /
-  AWQ: -zero * scale), or W = (code - 2**(bits - 1)) * scale for symmetric codes (Q8_0, Q6_K,
-  int8). Every path turns a tile of codes into weights with quant_linear's ``_dequant`` (codes to
-  fp32 without the conversion unit, each group's scale loaded once for the tile) before its dot
-  or FMAs, as the dense layers do.
-
-The reference dequantizes each selected expert (quant_linear's ``dequantize_torch``).
-"""
+Quantized experts (``ExpertScales``) are dequantized in registers: FP8 codes with float32 scales
+per row or per block, or integer codes in kernels/quant_linear.py's layout (dequantized by its
+``_dequant``). The reference dequantizes each chosen expert."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,12 +29,9 @@ from kvship.quant.tensor import code_centre
 
 @dataclass(frozen=True)
 class ExpertScales:
-    """How quantized experts are stored (see the module's docstring): w13 [E, 2I, G13] and w2
-    [E, H, G2] their scales, float32 for FP8 codes, float16 for integer ones; W[e, n, k] takes
-    scale[e, n, k // group], and a group of 0 means one scale per row (G = 1). Groups are
-    powers of two from 16. ``*_bias``: the offsets of asymmetric integer codes, shaped as the
-    scales (None: FP8, or symmetric codes centred on 2**(bits - 1)); ``*_bits``: 8, or 4 for
-    two codes a byte. A stack whose scales are None holds 16-bit weights."""
+    """How quantized experts are stored: scales of w13 [E, 2I, G13] and w2 [E, H, G2] (float32 for
+    FP8, float16 for integer codes), W[e, n, k] taking scale[e, n, k // group] (group 0: one a row);
+    ``*_bias`` the offsets of asymmetric codes; ``*_bits`` 8 or 4. None scales: 16-bit weights."""
 
     w13: torch.Tensor | None
     w2: torch.Tensor | None
@@ -90,8 +53,7 @@ NO_SCALES = ExpertScales(None, None)  # 16-bit experts
 
 def expert_weight(w: torch.Tensor, scales: ExpertScales, name: str, e: int, k: int, dtype: torch.dtype
                   ) -> torch.Tensor:
-    """Expert e's matrix [N, k] of the stack ``name`` (w = w13 or w2) in ``dtype``: w[e] itself,
-    or its codes dequantized."""
+    """Expert e's matrix [N, k] of the stack ``name`` in ``dtype`` (dequantized if need be)."""
     s, b, group, bits = scales.of(name)
     if s is None:
         return w[e]
@@ -177,11 +139,9 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 def noaux_route_torch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                       renormalize: bool, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's noaux_tc: sigmoid scores; the experts are chosen by score plus
-    e_score_correction_bias (a load-balancing term that the weights leave out), a group rated by
-    the sum of its best two, the top k over the best topk_group groups' experts; the weights are
-    the chosen experts' scores, summing to 1 when ``renormalize`` (norm_topk_prob), then times
-    ``scaling`` (routed_scaling_factor)."""
+    """DeepSeek-V3's noaux_tc: sigmoid scores; experts chosen by score plus the correction bias
+    within the best topk_group groups (a group rated by its best two); weights are the chosen
+    scores, renormalized when asked, times ``scaling``."""
     scores = torch.sigmoid(logits.float())
     choice = scores + bias
     per_group = scores.shape[-1] // n_group
@@ -199,8 +159,8 @@ def noaux_route_torch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_gr
 def _noaux_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling, N_GROUP: tl.constexpr,
                         PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
                         RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
-    """One token, its experts as [N_GROUP, PER_GROUP]: the groups rated by their best two
-    choices, TOPK_GROUP of them kept, then k times the largest choice left (lowest index on a tie)."""
+    """One token, its experts as [N_GROUP, PER_GROUP]: the best groups kept, then k times the
+    largest choice left (lowest index on a tie)."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     grp = tl.arange(0, N_GROUP)
@@ -236,8 +196,7 @@ def _noaux_route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, sc
 
 def noaux_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                        renormalize: bool, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton twin of ``noaux_route_torch``: one launch where the reference takes a dozen; groups and
-    their experts in powers of two (DeepSeek-V3: 8 x 32, Moonlight: 1 x 64)."""
+    """Triton twin of ``noaux_route_torch``, groups and experts in powers of two."""
     tokens, num_experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
@@ -251,9 +210,8 @@ def noaux_route_triton(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_g
 
 def noaux_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                 renormalize: bool, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] float32, expert ids [T, k] int64) by DeepSeek-V3's rule (noaux_route_torch):
-    the kernel on the GPU where the groups and their experts are powers of two, else the reference.
-    ``scaling`` multiplies the weights in the same launch (V3 and Moonlight route with 2.5, 2.446)."""
+    """(weights [T, k] float32, ids [T, k] int64) by DeepSeek-V3's rule: the kernel where the
+    groups and experts are powers of two, else the reference."""
     per_group = logits.shape[-1] // n_group
     pow2 = triton.next_power_of_2(n_group) == n_group and triton.next_power_of_2(per_group) == per_group
     if use_triton(logits) and logits.stride(-1) == 1 and pow2:
@@ -268,13 +226,10 @@ def _num_blocks(pairs: int, num_experts: int, block_m: int) -> int:
 
 def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [T, k] -> (sorted_pairs int32 [B * block_m], block_experts int32 [B], num_padded int32 [1]).
-
-    sorted_pairs lists the pairs t * k + j expert by expert (pair order kept within an expert),
-    each expert's list padded to a multiple of block_m with T * k (no pair); block_experts[b] is
-    the expert of rows b * block_m ...; num_padded counts the rows in use, and the blocks past
-    it hold -1. B = ceil((T * k + min(E, T * k) * (block_m - 1)) / block_m) bounds the padded
-    length whatever the routing, so every shape depends on (T, k, E, block_m) only."""
+    """ids [T, k] -> (sorted_pairs int32 [B * block_m], block_experts int32 [B], num_padded int32 [1]):
+    the pairs t * k + j listed expert by expert, each list padded to block_m with T * k (no pair);
+    block_experts[b] the expert of block b (-1 past num_padded). B bounds any routing, so every
+    shape depends on (T, k, E, block_m) only."""
     flat = ids.flatten()
     pairs = flat.numel()
     num_blocks = _num_blocks(pairs, num_experts, block_m)
@@ -297,8 +252,7 @@ def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, experts_ptr, padded_ptr, num_pairs, num_blocks, BLOCK_M: tl.constexpr,
                   P_POW2: tl.constexpr, E_POW2: tl.constexpr, B_POW2: tl.constexpr, FILL: tl.constexpr):
-    """align_by_expert_torch in one program: a [pairs, experts] one-hot matrix gives each
-    expert's count (column sums) and each pair's rank among its expert's pairs (column cumsum)."""
+    """align_by_expert_torch in one program, from a [pairs, experts] one-hot matrix."""
     offs_p = tl.arange(0, P_POW2)
     pmask = offs_p < num_pairs
     expert_of = tl.load(ids_ptr + offs_p, mask=pmask, other=-1).to(tl.int32)
@@ -342,8 +296,7 @@ def align_by_expert_triton(ids: torch.Tensor, num_experts: int, block_m: int
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel where its one program holds the problem (decode batches), else the torch ops;
-    both give the same result."""
+    """The one-program kernel where it holds the problem (decode batches), else the torch ops."""
     if triton.next_power_of_2(ids.numel()) * triton.next_power_of_2(num_experts) <= ALIGN_KERNEL_MAX:
         return align_by_expert_triton(ids, num_experts, block_m)
     return align_by_expert_torch(ids, num_experts, block_m)
@@ -351,8 +304,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
 
 @triton.jit
 def _dot(a, b, acc):
-    """fp32 inputs in full precision (tests and --dtype float32 compare with fp32 references;
-    TF32 keeps 10 mantissa bits), 16-bit ones on the tensor cores as they are."""
+    """fp32 inputs in full precision (not TF32), 16-bit ones on the tensor cores as they are."""
     if a.dtype == tl.float32:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
@@ -361,9 +313,8 @@ def _dot(a, b, acc):
 @triton.jit
 def _int_weights(q, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0, SYMM: tl.constexpr, CENTRE: tl.constexpr,
                  GROUP: tl.constexpr, PACK: tl.constexpr, ROWS: tl.constexpr, TILE: tl.constexpr):
-    """Integer codes q [ROWS, TILE] (bytes, or one nibble of each: a tile of TILE * PACK inputs
-    from k0) of the expert whose scales and offsets start at s_ptr and b_ptr -> fp32 weights, by
-    quant_linear's _dequant. A group of GROUP inputs spans GROUP // PACK of the tile's columns."""
+    """Integer codes q [ROWS, TILE] (a tile of TILE * PACK inputs from k0) -> fp32 weights by
+    quant_linear's _dequant."""
     if GROUP > 0:
         return _dequant(q, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0 // GROUP, s_ptr, rows, nmask, False,
                         SYMM, CENTRE, False, GROUP // PACK, TILE, ROWS)
@@ -376,12 +327,8 @@ def _int_weights(q, s_ptr, b_ptr, rows, nmask, stride_sn, ngroups, k0, SYMM: tl.
 def _gemm_step(acc, a, w_rows, s_ptr, b_ptr, rows, nmask, k0, K, stride_sn, ngroups,
                FP8: tl.constexpr, INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
                GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + a [BLOCK_M, BLOCK_K] . W[rows, k0 : k0 + BLOCK_K]^T, W the expert's
-    matrix, w_rows its rows' first bytes [BLOCK_N] (computed once, before the K loop, as
-    _gemv_fma's), its scales at s_ptr, offsets at b_ptr. 16-bit and FP8 tiles are read as
-    a transposed view of W's rows (no copy), FP8 codes converted exactly and their block scales
-    (GROUP > 0, the K tile inside one block) put on the tile's products; integer codes are
-    dequantized to a's dtype, the two nibbles of 4-bit codes interleaved back into input order."""
+    """acc + a [BLOCK_M, BLOCK_K] . W[rows, k0 : k0 + BLOCK_K]^T: 16-bit and FP8 tiles read as a
+    transposed view (FP8 block scales on the tile's products), integer codes dequantized to a's dtype."""
     if INT:
         WC: tl.constexpr = BLOCK_K // PACK
         cols = k0 // PACK + tl.arange(0, WC)
@@ -414,8 +361,7 @@ def _gemm_step(acc, a, w_rows, s_ptr, b_ptr, rows, nmask, k0, K, stride_sn, ngro
 
 @triton.jit
 def _row_scale(s_ptr, rows, nmask, stride_sn, FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_N] factors for the rows' dot products: FP8 scales where there is one a row (GROUP
-    0), put on the sums once; 1 for other storage, whose scales are in the weights already."""
+    """[BLOCK_N] factors for the rows' sums: FP8 per-row scales, else 1."""
     if FP8 and GROUP == 0:
         return tl.load(s_ptr + rows * stride_sn, mask=nmask, other=0.0)
     else:
@@ -429,13 +375,8 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rw_ptr, sorted_ptr, ex
                      INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
                      GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[pair, n] = A[pair // A_DIV] . W[e, n] for the BLOCK_M pairs of one expert's block.
-
-    GATED (w13): N = I and the program also takes W[e, N + n] (the up row beside each gate
-    row), storing silu(gate) * up. SCALE (w2): rows multiplied by their router weight (fp32).
-    FP8: W holds codes and s_ptr their scales [E, rows, groups], one per row (GROUP 0) or per
-    GROUP inputs (then BLOCK_K divides GROUP: each K tile lies in one group). INT: W holds
-    integer codes, PACK a byte, with scales (and, unless SYMM, offsets at b_ptr) per GROUP
-    inputs or per row (GROUP 0); K counts inputs, not bytes."""
+    GATED (w13): also W[e, N + n], storing silu(gate) * up. SCALE (w2): rows times their router
+    weight. FP8 / INT: W holds codes (scales per row, or per GROUP inputs, which BLOCK_K divides)."""
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):  # a block past the routing's real end
         return
@@ -490,8 +431,7 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
 
 @dataclass(frozen=True)
 class _Operands:
-    """A stack as the kernels take it: its bytes (16-bit weights as they are), the scales and
-    offsets (stand-ins a kernel never reads: the weights, or the scales for symmetric codes),
+    """A stack as the kernels take it: bytes, scales and offsets (unread stand-ins where absent),
     their strides and groups, and the compile-time flags of its storage."""
 
     w: torch.Tensor
@@ -504,9 +444,7 @@ class _Operands:
 
 
 def _operands(w: torch.Tensor, scales: ExpertScales, name: str) -> _Operands:
-    """The stack ``name`` as the kernels take it. Its storage is not checked here, on every
-    call: MoEExperts (kvship.layers.moe) allocates the stacks in the storage ExpertScales
-    describes and refuses any other once, at load."""
+    """The stack ``name`` as the kernels take it (its storage is checked once, at load, by MoEExperts)."""
     s, b, group, bits = scales.of(name)
     if s is None:
         return _Operands(w, w, w, 0, 0, 1, dict(FP8=False, INT=False, PACK=1, SYMM=False, CENTRE=0.0, GROUP=0))
@@ -537,9 +475,8 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, router_weight
 
 @triton.jit
 def _gemv_x(x_row, k0, K, PACK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The activations of a K tile in fp32, as the weights' stored columns pair with them: for
-    4-bit codes (PACK 2) the inputs of the low nibbles and those of the high ones; else the
-    tile twice. [1, BLOCK_K // PACK] from one row's start, [R, ..] from R rows' ([R, 1])."""
+    """A K tile's activations in fp32 as the stored columns pair with them (4-bit: the low
+    nibbles' inputs and the high ones'); [1, ..] for one row, [R, ..] for R rows."""
     cols = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
     k = (cols * PACK)[None, :]
     x = tl.load(x_row + k, mask=k < K, other=0.0, eviction_policy="evict_last").to(tl.float32)
@@ -554,12 +491,8 @@ def _gemv_x(x_row, k0, K, PACK: tl.constexpr, BLOCK_K: tl.constexpr):
 def _gemv_fma(acc, x, x_hi, w_rows, s_ptr, b_ptr, rows, nmask, k0, K, stride_sn, ngroups,
               FP8: tl.constexpr, INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr,
               GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_K // PACK] + the weight tile W[rows, k0 : k0 + BLOCK_K] times the
-    activations (from _gemv_x: one row for all, or one per weight row), elementwise in fp32;
-    one reduction at the end. w_rows: the rows' first bytes [BLOCK_N, 1], computed once before
-    the K loop (per tile, their 64-bit multiplies cost measurably). FP8 codes arrive as their bytes; with GROUP (block scales, GROUP dividing BLOCK_K) each
-    block's scale is loaded once and broadcast over its inputs, as kernels/quant_linear.py does,
-    and integer codes are dequantized by its _dequant."""
+    """acc + the weight tile W[rows, k0 : k0 + BLOCK_K] times the activations, elementwise in fp32,
+    reduced once at the end. w_rows (the rows' first bytes) is computed once, outside the K loop."""
     WC: tl.constexpr = BLOCK_K // PACK
     cols = k0 // PACK + tl.arange(0, WC)
     w = tl.load(w_rows + cols[None, :], mask=nmask[:, None] & (cols < (K + PACK - 1) // PACK)[None, :], other=0,
@@ -591,9 +524,7 @@ def _gemv_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, h_ptr, N, K, ngrou
                          stride_se, stride_sn, stride_h, TOP_K: tl.constexpr, FP8: tl.constexpr, INT: tl.constexpr,
                          PACK: tl.constexpr, SYMM: tl.constexpr, CENTRE: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """h[pair, n] = silu(x[t] . W[e, n]) * (x[t] . W[e, N + n]) for pair = t * TOP_K + j and its
-    expert e, n in this program's BLOCK_N rows; N is the intermediate size. Storage as in
-    _moe_gemm_kernel (ngroups scales per row); FP8 block scales: GROUP dividing BLOCK_K."""
+    """h[pair, n] = silu(x[t] . W[e, n]) * (x[t] . W[e, N + n]) for this program's BLOCK_N rows."""
     pdl_wait(PDL)
     pair = tl.program_id(1)
     t = (pair // TOP_K).to(tl.int64)
@@ -623,14 +554,9 @@ def _gemv_down_kernel(h_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, add_ptr, out_
                       FP8: tl.constexpr, INT: tl.constexpr, PACK: tl.constexpr, SYMM: tl.constexpr,
                       CENTRE: tl.constexpr, GROUP: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PDL: tl.constexpr, ADD: tl.constexpr = False):
-    """out[t, n] = sum over the token's k pairs of weight * (h[pair] . W[e, n]) (+ add[t, n] with
-    ADD: a shared expert's output); N is the hidden size, K the intermediate one. The sum stays in
-    fp32 and is rounded once. Storage as above.
-
-    The program's tile holds the BLOCK_N rows of all k experts at once (row r: choice
-    r // BLOCK_N, output row r % BLOCK_N; BLOCK_J the k choices rounded up to a power of two),
-    so every expert's rows are in flight together (one expert after the other, a program waits
-    on many dependent round trips to memory for a few KB). Scales and offsets are addressed by each row's offset from the stack's start (stride 1)."""
+    """out[t, n] = sum over the token's k pairs of weight * (h[pair] . W[e, n]) (+ add[t, n]), summed
+    in fp32 and rounded once. The tile holds the BLOCK_N rows of all k experts at once, so every
+    expert's rows are in flight together."""
     pdl_wait(PDL)
     t = tl.program_id(1)
     r = tl.arange(0, BLOCK_J * BLOCK_N)

@@ -1,35 +1,18 @@
-"""Quantized KV-cache storage: each --kv-cache-dtype's layout and math, in plain torch (the CPU
-path and the tests' oracle) and as Triton helpers that the fused rotary + KV-store kernel
-(kernels/rotary.py) and the attention kernels (kernels/paged_attention.py) inline.
+"""Quantized KV-cache storage (--kv-cache-dtype): each layout's math in plain torch (CPU path,
+the tests' oracle) and as Triton helpers that kernels/rotary.py and the attention kernels inline.
 
-kv_cache_dtype   cache tensor, k and v alike                    scales
-auto             [blocks, block_size, Hkv, D], model dtype      none
-fp8, fp8_e4m3    same shape, torch.float8_e4m3fn                [1] float32 per layer, k and v (the
-fp8_e5m2         same shape, torch.float8_e5m2                  checkpoint's, or measured): stored = x / scale
-int4             [blocks, block_size, Hkv, ceil(D/2)] uint8     keys: [blocks, Hkv, D, 2] float16, each
-                 element 2i in a byte's low nibble, 2i+1 in     channel's scale and minimum over the block's
-                 its high one                                   tokens (one 32-bit word); values: [blocks, block_size, Hkv,
-                                                                ceil(D/32), 2] float16, the scale and minimum
-                                                                of each group of 32 channels of a (token,
-                                                                head); x ~ code * scale + minimum
+auto          [blocks, block_size, Hkv, D] in the model's dtype, no scales
+fp8*          the same shape in FP8; one float32 scale per layer for k and for v (stored = x / s)
+int4          [blocks, block_size, Hkv, ceil(D/2)] uint8, element 2i in a byte's low nibble;
+              keys: (scale, minimum) per block and channel [blocks, Hkv, D, 2] float16;
+              values: per token and group of 32 channels [blocks, block_size, Hkv, D/32, 2]
 
-FP8 values are clamped to the format's largest finite value first (a cast would give NaN or
-inf). FP8 keys are stored turned by a fixed orthogonal matrix R (``key_rotation``): a few key
-channels carry most of the magnitude, and turned, every channel carries a similar share of
-FP8's error. Queries are turned by the same R ((qR).(kR) = q.k); values are not.
-
-int4 keys are quantized per channel over each block (KIVI's layout): a key channel's offset
-differs from its neighbours' and drifts slowly with position, so one channel's tokens share a
-range far better than one token's channels do. Tokens arriving in a partly filled block widen
-its range where needed, and the codes already stored in a widened channel are re-quantized
-(``int4_block_ranges``). Values are grouped per token, 32 channels a group. Scales and minimums
-are rounded to float16 before the codes are computed, so the codes fit the stored values.
-Quality figures: docs/kv-cache.md.
-
-Rounding is spelt out the same way on both sides (floor(x + 0.5) for int4 codes, round half to
-even for FP8), so the kernels and the reference store the same bytes up to fp32 division's
-last bit.
-"""
+FP8 keys are stored turned by a fixed orthogonal matrix R (``key_rotation``), queries by the
+same R: a few key channels carry most of the magnitude, and turned, all share FP8's error.
+int4 keys are quantized per channel over a block (KIVI): a channel's offset drifts slowly with
+position, so one channel's tokens share a range far better than one token's channels do. Both
+sides round the same way (floor(x + 0.5), round half to even), so they store the same bytes.
+Quality figures: docs/kv-cache.md."""
 from __future__ import annotations
 
 import functools
@@ -78,11 +61,9 @@ def bytes_per_block_head(kv_cache_dtype: str, head_dim: int, model_dtype: torch.
 def allocate(kv_cache_dtype: str, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
              model_dtype: torch.dtype, device, values: bool = True
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(k_cache, v_cache, k_scales, v_scales) of one layer; the scales are int4's per-channel
-    (keys) and per-group (values) tensors, None otherwise (the per-layer FP8 scales belong to the
-    attention layer). ``values=False``: a key cache alone (v_cache None), in the model's dtype
-    (multi-head latent attention reads its values from the keys' rows), or FP8 (the runner
-    refuses int4 for it, runner/model_runner.py load_model)."""
+    """(k_cache, v_cache, k_scales, v_scales) of one layer; the scales are int4's, else None (the
+    per-layer FP8 scales belong to the attention layer). ``values=False``: a key cache alone
+    (latent attention reads its values from the keys' rows)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if not values:
         assert kv_cache_dtype != "int4", kv_cache_dtype
@@ -105,9 +86,8 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 @functools.lru_cache(maxsize=None)  # asked at every launch of the rotary kernel
 def hadamard_entry(head_dim: int) -> float:
-    """The magnitude of every entry of key_rotation(head_dim) (its float32 value) where that is
-    Sylvester's Hadamard matrix / sqrt(D) (D a power of two), which kernels then make from the
-    indices instead of reading it; 0.0 for other head sizes."""
+    """The float32 magnitude of key_rotation(head_dim)'s entries when it is a Hadamard matrix
+    (a power-of-two head: kernels make it from indices), else 0.0."""
     if head_dim & (head_dim - 1):
         return 0.0
     return float(torch.tensor(head_dim, dtype=torch.float64).rsqrt().float())
@@ -115,9 +95,8 @@ def hadamard_entry(head_dim: int) -> float:
 
 @functools.lru_cache(maxsize=None)
 def key_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
-    """The FP8 keys' orthogonal matrix R [D, D] (float32, contiguous): stored keys are k @ R.
-    Sylvester's Hadamard matrix / sqrt(D) for a power of two, otherwise the Q of a seeded
-    Gaussian matrix's QR (the same on every rank and run)."""
+    """The FP8 keys' orthogonal matrix R [D, D] (float32): Hadamard / sqrt(D) for a power of two,
+    else the Q of a seeded Gaussian matrix (the same on every rank and run)."""
     if hadamard_entry(head_dim):
         r = torch.ones(1, 1, dtype=torch.float64)
         while r.shape[0] < head_dim:
@@ -130,14 +109,12 @@ def key_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
 
 
 def transform_keys(k: torch.Tensor, transform: torch.Tensor | None) -> torch.Tensor:
-    """Keys [T, Hkv, D] as an FP8 cache stores them (``transform`` is R [D, D]: k @ R, in
-    float32); as they are without a transform."""
+    """Keys [T, Hkv, D] as an FP8 cache stores them: k @ R in float32 (unchanged without R)."""
     return k if transform is None else k.float() @ transform
 
 
 def transform_queries(q: torch.Tensor, transform: torch.Tensor | None) -> torch.Tensor:
-    """q [T, Hq, D] turned as FP8's stored keys are, so that scores keep their meaning:
-    (q R).(k R) = q.k, in q's dtype; as it is without a transform."""
+    """q turned as the stored keys are, (q R).(k R) = q.k, in q's dtype."""
     return q if transform is None else (q.float() @ transform).to(q.dtype)
 
 
@@ -194,12 +171,9 @@ def int4_dequantize(packed: torch.Tensor, groups: torch.Tensor, head_dim: int) -
 
 def int4_block_ranges(new_lo: torch.Tensor, new_hi: torch.Tensor, s: torch.Tensor, z: torch.Tensor,
                       held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A key block's per-channel scale and minimum once new tokens arrive (all float32, broadcast
-    together): the new tokens' range [new_lo, new_hi] joined, where the block ``held`` tokens
-    already, to the range its scale s and minimum z cover [z, z + 15 s]. -> (scale, minimum,
-    widened): a channel whose range the new tokens do not widen keeps its scale and minimum
-    exactly (its stored codes stay as they are); a widened one (or a fresh block's) gets
-    (hi - lo) / 15 and lo, rounded to float16."""
+    """A key block's per-channel (scale, minimum, widened) once new tokens with range [new_lo,
+    new_hi] arrive, joined with the block's range [z, z + 15 s] where it ``held`` tokens: a
+    channel not widened keeps its scale and minimum exactly (its codes stay valid)."""
     top = z + INT4_LEVELS * s
     widened = ~held | (new_lo < z) | (new_hi > top)
     lo = torch.where(held, torch.minimum(new_lo, z), new_lo)
@@ -209,10 +183,8 @@ def int4_block_ranges(new_lo: torch.Tensor, new_hi: torch.Tensor, s: torch.Tenso
 
 
 def int4_store_keys(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write keys x [T, Hkv, D] into their slots of an int4 cache whose scales are per block and
-    channel ([blocks, Hkv, D, 2]). A block's new tokens follow the ones it holds (a sequence
-    fills its blocks in order): rows before the first new one are held, and are re-quantized in
-    the channels the new tokens widen (int4_block_ranges)."""
+    """Write keys x [T, Hkv, D] into an int4 cache with per-block-and-channel scales. A block's new
+    tokens follow the ones it holds; those are re-quantized where the new ones widen a channel."""
     bs, d = cache.shape[1], x.shape[-1]
     page, row = slots // bs, slots % bs
     blocks, which = torch.unique(page, return_inverse=True)
@@ -238,9 +210,8 @@ def int4_store_keys(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, 
 
 
 def scale_strides(mode: int, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[int, ...]:
-    """The kernels' five int4 scale strides: the values' per token and group (block, row, head),
-    then the keys' per block and channel (block, head), checked against ``allocate``'s layouts
-    (each (scale, minimum) pair one 32-bit word); zeros (unread) for other caches."""
+    """The kernels' five int4 scale strides (values' block, row, head; keys' block, head), checked
+    against ``allocate``'s layouts; zeros for other caches."""
     if mode != KV_INT4:
         return (0,) * 5
     assert int4_keys_per_block(k_scale) and k_scale.stride()[-2:] == v_scale.stride()[-2:] == (2, 1)
@@ -248,23 +219,20 @@ def scale_strides(mode: int, k_scale: torch.Tensor | None, v_scale: torch.Tensor
 
 
 def int4_keys_per_block(scales: torch.Tensor) -> bool:
-    """Whether int4 scales are a key cache's, per block and channel [blocks, Hkv, D, 2], rather
-    than a value cache's, per token and group [blocks, block_size, Hkv, groups, 2]. (Both end in
-    (scale, minimum) pairs: one 32-bit word, which the kernels load whole.)"""
+    """Whether int4 scales are a key cache's [blocks, Hkv, D, 2] rather than a value cache's."""
     return scales.dim() == 4
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:
-    """The cache as [slots, ...], FP8 seen as bytes (index_copy_ and indexing have no FP8 kernels
-    on every device)."""
+    """The cache as [slots, ...], FP8 seen as bytes (not every device indexes FP8)."""
     flat = cache.view(-1, *cache.shape[2:])
     return flat.view(torch.uint8) if kv_mode(cache) == KV_FP8 else flat
 
 
 def store(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
           transform: torch.Tensor | None = None) -> None:
-    """Write keys or values [T, Hkv, D] into their slots, quantized as the cache's dtype says
-    (FP8 keys turned first, when given: ``transform_keys``)."""
+    """Write keys or values [T, Hkv, D] into their slots as the cache's dtype says (FP8 keys
+    turned first when ``transform`` is given)."""
     mode = kv_mode(cache)
     x = transform_keys(x, transform)
     if mode == KV_FP8:
@@ -309,9 +277,8 @@ def int4_codes(x, s, z):
 
 @triton.jit
 def int4_block_range(x, m, s, z, held):
-    """``int4_block_ranges`` for one head of a key block: the new tokens' values x [N, C] (m: the
-    rows and channels that are new), the block's scales and minimums s, z [C] (float32), held: whether the
-    block holds tokens already. -> (scale, minimum, widened), [C] each."""
+    """``int4_block_ranges`` for one head of a key block: new values x [N, C] (mask m), the
+    block's s, z [C], ``held``. -> (scale, minimum, widened), [C] each."""
     new_lo = tl.min(tl.where(m, x, float("inf")), 0)
     new_hi = tl.max(tl.where(m, x, float("-inf")), 0)
     top = z + 15.0 * s
@@ -332,10 +299,8 @@ def _per_channel(g, BLOCK_H: tl.constexpr, NG: tl.constexpr, BLOCK_P: tl.constex
 @triton.jit
 def int4_store_groups(x_even, x_odd, m_even, m_odd, data_ptrs, group_ptrs, hmask,
                       HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Quantize each row (one head) of a token, given as its even and odd elements
-    [BLOCK_H, BLOCK_P] (BLOCK_P >= 16) with their masks, and store the packed bytes at
-    data_ptrs [BLOCK_H, BLOCK_P] and each group's scale and minimum at group_ptrs [BLOCK_H]
-    + 2 * group and + 1. A group of 32 channels is 16 bytes, 16 even and 16 odd elements."""
+    """Quantize each head's row of a token, given as even and odd elements [BLOCK_H, BLOCK_P]
+    with masks, storing packed bytes at data_ptrs and each group's (scale, minimum) at group_ptrs."""
     lo = tl.minimum(tl.where(m_even, x_even, float("inf")), tl.where(m_odd, x_odd, float("inf")))
     hi = tl.maximum(tl.where(m_even, x_even, float("-inf")), tl.where(m_odd, x_odd, float("-inf")))
     lo = tl.min(tl.reshape(lo, (BLOCK_H, BLOCK_P // 16, 16)), 2)
@@ -355,9 +320,7 @@ def int4_store_groups(x_even, x_odd, m_even, m_odd, data_ptrs, group_ptrs, hmask
 
 @triton.jit
 def int4_load_codes(ptr, byte_off, tmask, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, OUT: tl.constexpr):
-    """The codes [BLOCK_N, BLOCK_D] as their exact values in OUT (float16 or float32): token n's
-    packed bytes start at byte_off[n] (the low nibble of byte j is element 2j), one load of
-    bytes a row, the nibbles split in registers."""
+    """Codes [BLOCK_N, BLOCK_D] as exact values in OUT: one load of bytes a row, split in registers."""
     offs_b = tl.arange(0, BLOCK_D // 2)
     b = tl.load(ptr + byte_off[:, None] + offs_b[None, :], mask=tmask[:, None] & (offs_b * 2 < head_dim)[None, :],
                 other=0)
@@ -368,12 +331,8 @@ def int4_load_codes(ptr, byte_off, tmask, head_dim, BLOCK_N: tl.constexpr, BLOCK
 @triton.jit
 def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    OUT: tl.constexpr):
-    """Values dequantized [BLOCK_N, BLOCK_D] in OUT (float16: the attention kernels' dot dtype
-    beside a 16-bit query, computed in float16 throughout, so no value passes the conversion
-    unit; or float32): token n's codes as int4_load_codes reads them, group g's scale and minimum
-    at grp_off[n] + 2 * g and + 1 (a group: 32 elements, the last one short when the head is;
-    BLOCK_D >= 32, paged_attention.head_block). Each row is one load of bytes and one of each group
-    value, never a load per element."""
+    """Values dequantized [BLOCK_N, BLOCK_D] in OUT (float16 beside a 16-bit query, or float32):
+    each row one load of bytes and one of each group's (scale, minimum); BLOCK_D >= 32."""
     codes = int4_load_codes(ptr, byte_off, tmask, head_dim, BLOCK_N, BLOCK_D, OUT)
     tl.static_assert(BLOCK_D >= 32)  # paged_attention.head_block says why
     NG: tl.constexpr = BLOCK_D // 32
@@ -387,11 +346,8 @@ def int4_load_rows(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.c
 
 @triton.jit
 def int4_block_scales(g_ptr, block_off, channels, cmask, OUT: tl.constexpr):
-    """Key blocks' scales and minimums [NB, C] in OUT: block_off [NB] are the blocks' (even)
-    offsets in the key scales ([blocks, Hkv, D, 2] float16: a head's channels, each its scale and
-    minimum in one 32-bit word), channels [C] the channels wanted (cmask: those inside the head).
-    One word a channel: 4-byte loads, which Triton's pipeliner copies ahead asynchronously (it
-    leaves 2-byte ones in the loop)."""
+    """Key blocks' scales and minimums [NB, C] in OUT, one 32-bit word a channel (4-byte loads,
+    which the pipeliner copies ahead; it leaves 2-byte ones in the loop)."""
     words = (g_ptr + block_off).to(tl.pointer_type(tl.int32), bitcast=True)
     w = tl.load(words[:, None] + channels[None, :], mask=cmask[None, :], other=0)
     s = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
@@ -401,10 +357,8 @@ def int4_block_scales(g_ptr, block_off, channels, cmask, OUT: tl.constexpr):
 
 @triton.jit
 def int4_per_block(codes, s, z):
-    """Codes [BLOCK_N, C] of consecutive tokens scaled by their blocks' per-channel scales and
-    minimums [NB, C] (NB blocks of BLOCK_N / NB tokens each, or one block holding all of them):
-    code * s + z, the tile viewed as [NB, BLOCK_N / NB, C] so that each block's row broadcasts
-    over its tokens without being repeated in registers."""
+    """Codes [BLOCK_N, C] scaled by their blocks' [NB, C] scales and minimums, the tile viewed as
+    [NB, BLOCK_N / NB, C] so each block's row broadcasts without copies."""
     NB: tl.constexpr = s.shape[0]
     N: tl.constexpr = codes.shape[0]
     C: tl.constexpr = codes.shape[1]
@@ -434,10 +388,8 @@ def fp8_to_f16(x, ASM: tl.constexpr):
 
 
 def _int4_unpack_ptx(word_order: bool, scaled: bool) -> str:
-    """The PTX of ``int4_bytes_to_f16`` (scaled) and ``int4_bytes_to_codes`` (not): one 32-bit
-    word of packed codes ($4) -> four float16 pairs ($0-$3: low nibbles, then high ones), each
-    code ORed into the mantissa of a power of two by a LOP3 and left exact by a packed subtract;
-    scaled, a packed FMA then applies each pair's scale ($5, $6) and minimum ($7, $8)."""
+    """PTX of ``int4_bytes_to_f16`` (scaled) and ``int4_bytes_to_codes``: a word of codes -> four
+    float16 pairs, each code ORed into a power of two's mantissa, then one packed subtract (and FMA)."""
     out = ("$0", "$1", "$2", "$3")
     if word_order:
         text = ("{ .reg .b32 w1, k, c; mov.b32 k, 0x64006400; mov.b32 c, 0x54005400; shr.b32 w1, $4, 8;"
@@ -467,16 +419,11 @@ _INT4_CODES_CHANNELS = tl.constexpr(_int4_unpack_ptx(False, False))
 
 @triton.jit
 def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr, PINNED: tl.constexpr = False, WORD_ORDER: tl.constexpr = False):
-    """Packed int4 bytes b (uint8, the last dimension a multiple of 4) and each byte's group
-    scale s and minimum z (float16, b's shape) -> (low nibbles, high nibbles) dequantized,
-    code * s + z in float16. ASM: one LOP3 per pair of codes ORs them into the mantissa of a
-    power of two, a packed subtract leaves the codes exact and a packed FMA scales them, two
-    values per instruction. PINNED: the PTX is marked impure, which keeps it in the layout b was
-    loaded in (else the compiler carries the dot operand's layout back to the bytes, which then
-    come from shared memory one at a time).
-    WORD_ORDER (the split read): the four bytes of a word come back in the order (0, 2, 1, 3)
-    (``int4_word_order``), which needs no byte permutes: the nibbles of bytes 0 and 2 sit 16 bits
-    apart, as a float16 pair does. The four bytes of a word must then be in one group."""
+    """Packed int4 bytes b and each byte's group scale s and minimum z (float16) -> (low nibbles,
+    high nibbles) as code * s + z in float16, two values per instruction with ASM. PINNED keeps the
+    PTX in b's load layout (else the compiler pulls the dot's layout back to the bytes). WORD_ORDER
+    (the split read): bytes come back as (0, 2, 1, 3) (``int4_word_order``), which needs no byte
+    permutes; a word's four bytes must then share a group."""
     if ASM:
         if WORD_ORDER:
             lo, hi = tl.inline_asm_elementwise(
@@ -496,9 +443,7 @@ def int4_bytes_to_f16(b, s, z, ASM: tl.constexpr, PINNED: tl.constexpr = False, 
 
 @triton.jit
 def int4_bytes_to_codes(b, ASM: tl.constexpr, WORD_ORDER: tl.constexpr = False):
-    """``int4_bytes_to_f16`` without the scaling: (low nibbles, high nibbles) as their exact
-    values in float16, for keys, whose scales are per channel (a byte's two nibbles have their
-    own) and are applied per block after (``int4_per_block``)."""
+    """``int4_bytes_to_f16`` unscaled, for keys (scaled per block after: ``int4_per_block``)."""
     if ASM:
         if WORD_ORDER:
             lo, hi = tl.inline_asm_elementwise(
@@ -518,16 +463,13 @@ def int4_bytes_to_codes(b, ASM: tl.constexpr, WORD_ORDER: tl.constexpr = False):
 
 @triton.jit
 def int4_word_order(j):
-    """The byte that index j of a WORD_ORDER tile (``int4_bytes_to_f16``) holds: j with its two
-    lowest bits swapped (positions 1 and 2 of every 4 exchanged), so channels 2 * that and
-    2 * that + 1 are its low and high nibbles. Its own inverse."""
+    """The byte index j of a WORD_ORDER tile holds: j with its two lowest bits swapped (its own inverse)."""
     return (j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1)
 
 
 @triton.jit
 def _in_word_order(x):
-    """A [rows, bytes] tile in channel order rearranged as int4_word_order says (what the PTX
-    yields, for the interpreter)."""
+    """A [rows, bytes] tile rearranged as int4_word_order says (the interpreter's PTX stand-in)."""
     n: tl.constexpr = x.shape[0]
     p: tl.constexpr = x.shape[1]
     return tl.reshape(tl.permute(tl.reshape(x, (n, p // 4, 2, 2)), (0, 1, 3, 2)), (n, p))
@@ -537,12 +479,8 @@ def _in_word_order(x):
 def int4_load_rows_split(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, ASM: tl.constexpr, PINNED: tl.constexpr = False,
                          WORD_ORDER: tl.constexpr = False):
-    """``int4_load_rows`` in float16 (BLOCK_D >= 32), the packed way, as two [BLOCK_N, BLOCK_D // 2]
-    tiles: the even channels (low nibbles) and the odd ones (high nibbles), each in the order
-    ``int4_bytes_to_f16`` leaves it (two neighbours a 32-bit word), so nothing is repacked. A
-    group's scale and minimum are one 32-bit word, loaded as such, so every load of the tile is at
-    least 4 bytes wide and can be pipelined. PINNED, WORD_ORDER: ``int4_bytes_to_f16``'s (with
-    WORD_ORDER, index j of both tiles holds byte int4_word_order(j): channels 2 * that and + 1)."""
+    """``int4_load_rows`` in float16, packed, as two [BLOCK_N, BLOCK_D // 2] tiles, the even and
+    the odd channels in the PTX's order; every load at least 4 bytes wide, so it pipelines."""
     NG: tl.constexpr = BLOCK_D // 32
     offs_b = tl.arange(0, BLOCK_D // 2)
     # (masks as index < bound: the compiler sees them constant over a vector, as not for 2 * index)
@@ -562,8 +500,7 @@ def int4_load_rows_split(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N
 @triton.jit
 def int4_load_rows_packed(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N: tl.constexpr,
                           BLOCK_D: tl.constexpr, ASM: tl.constexpr):
-    """``int4_load_rows`` in float16 (BLOCK_D >= 32), the packed way: ``int4_load_rows_split``'s
-    even and odd channels interleaved back into channel order."""
+    """``int4_load_rows_split``'s two tiles interleaved back into channel order."""
     lo, hi = int4_load_rows_split(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_N, BLOCK_D, ASM)
     return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_D))  # element 2j, then 2j + 1
 
@@ -571,10 +508,8 @@ def int4_load_rows_packed(ptr, g_ptr, byte_off, grp_off, tmask, head_dim, BLOCK_
 @triton.jit
 def int4_load_key_rows_split(ptr, byte_off, tmask, head_dim, s_lo, z_lo, s_hi, z_hi, BLOCK_N: tl.constexpr,
                              BLOCK_D: tl.constexpr, ASM: tl.constexpr, WORD_ORDER: tl.constexpr = False):
-    """Keys as ``int4_load_rows_split`` reads values (float16, the even channels and the odd
-    ones, each [BLOCK_N, BLOCK_D // 2]), scaled per block and channel: s_lo, z_lo [NB,
-    BLOCK_D // 2] are the tile's blocks' scales and minimums of the channels the low nibbles
-    hold (in the tiles' order, WORD_ORDER's or not), s_hi, z_hi the high nibbles'."""
+    """Keys as ``int4_load_rows_split`` reads values, scaled per block and channel by the
+    tile's (s_lo, z_lo) for the low nibbles' channels and (s_hi, z_hi) for the high ones'."""
     offs_b = tl.arange(0, BLOCK_D // 2)
     b = tl.load(ptr + byte_off[:, None] + offs_b[None, :],
                 mask=tmask[:, None] & (offs_b < (head_dim + 1) // 2)[None, :], other=0)

@@ -1,36 +1,15 @@
-"""Rotary position embedding, NeoX / HF "rotate_half" style (as Llama in HF transformers).
+"""Rotary position embedding, NeoX / HF "rotate_half" style, fused with the KV-cache store.
 
-positions [T] (int), q [T, Hq, D], k [T, Hkv, D], cos_sin_cache [max_pos, D] holding
-cos(pos * inv_freq) in its first D/2 columns and sin in its last D/2. For each head vector
-x = [x1, x2] (halves): out = [x1*cos - x2*sin, x2*cos + x1*sin].
+positions [T], q [T, Hq, D], k [T, Hkv, D], cos_sin_cache [max_pos, D] (cos in the first D/2
+columns, sin in the last). For each head x = [x1, x2]: out = [x1*cos - x2*sin, x2*cos + x1*sin].
 
-``rotary_torch`` is the reference (out of place). The GPU never rotates on its own: attention
-layers call ``rotary_store_kv``, rotary fused with the KV-cache store (one kernel per layer and
-step instead of two). q is rotated in place; k is rotated on its way into the cache (k itself is
-left as it was: attention reads keys from the cache only) and v is copied there. q, k, v may be
-strided views (slices of the fused qkv projection) as long as the last dim is contiguous. The
-reference is the two references in sequence (``rotary_torch`` then ``store_kv_torch``).
-
-A quantized cache (kernels/kv_quant.py) is written quantized: the rotated key is rounded to the
-model's dtype first, as the reference's is, then divided by the layer's FP8 scale and rounded,
-or, for int4, quantized per channel over its block: the first of a block's new tokens in the
-step (the program whose token starts the block or follows another block's) stores all of them
-with the block's codes so far, re-quantized where the new tokens widen a channel's range
-(kv_quant.int4_block_ranges), and each value head is quantized in groups of 32 channels. The
-int4 paths work on even and odd elements (the two nibbles of a byte), rotating each element from
-its rotate-half partner. FP8 keys are turned on the way (``k_transform``: an orthogonal matrix R,
-kv_quant.key_rotation: rotary, rounding, then the product with R, then the quantization), and q
-then too (kv_quant.transform_queries, rounded to its dtype again), so that the scores keep their
-meaning.
-
-Qwen3 and Gemma 3 normalize each head of q and k (RMSNorm over head_dim) before rotary; the
-kernel does that too when given ``QKNorm`` weights, in the separate norm's arithmetic (fp32
-statistics as kernels/norm.py computes them, times the weight, rounded to the activation dtype)
-so the fused path rotates the values the unfused one would, but for the last bits of 1/rms (the
-order of the sum, a GPU's approximate square root and division), which may round a normed value
-lying next to a rounding boundary one step the other way. Gemma's (1 + w) is folded into its
-weights at load (models/gemma.py), so one rule serves both.
-"""
+``rotary_store_kv`` is one kernel per layer and step: q rotated in place, k rotated into the
+cache (k itself untouched), v copied there; q, k, v may be strided views with a contiguous last
+dim. Quantized caches (kernels/kv_quant.py) are written quantized, after rounding to the model's
+dtype as the reference does: FP8 keys turned by R first (and q with them), int4 keys per channel
+over their block (the block's first new token in the step stores it), int4 values in groups.
+Per-head q/k RMSNorm (Qwen3, Gemma 3: ``QKNorm``) runs here too, in the separate norm's
+arithmetic. The reference is ``rotary_torch`` then ``store_kv_torch``."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -152,13 +131,9 @@ def _hadamard_signs(rows, cols):
 @triton.jit
 def _turn(r1, r2, r_ptr, offs_d, dmask, ty: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
           BLOCK_D: tl.constexpr, R_ENTRY: tl.constexpr):
-    """Rotated halves [BLOCK_H, BLOCK_HALF] rounded to ``ty``, times R (kv_quant.key_rotation) ->
-    fp32 [BLOCK_H, BLOCK_D]: the halves against R's top and bottom rows. R_ENTRY > 0 (a
-    power-of-two head, R = H / sqrt(D), R_ENTRY its entries' float32 magnitude): the +-1 signs are
-    made in registers from the indices and are exact in 16 bits, so for a 16-bit ``ty`` the dots
-    run on tensor cores with fp32 sums, nothing is read, and the sums are scaled once (in fp32 on
-    the CUDA cores the turn was far slower). Else R's fp32 rows are loaded and the dots run in fp32.
-    BLOCK_H >= 16 for tl.dot."""
+    """Rotated halves [BLOCK_H, BLOCK_HALF] rounded to ``ty``, times R -> fp32 [BLOCK_H, BLOCK_D].
+    R_ENTRY > 0 (a Hadamard R): its +-1 signs come from the indices, exact in 16 bits, so 16-bit
+    dots run on tensor cores and nothing is read; else R's fp32 rows are loaded. BLOCK_H >= 16."""
     cols = tl.arange(0, BLOCK_D)
     rm = dmask[:, None] & (cols < HEAD_DIM)[None, :]
     if R_ENTRY > 0:
@@ -182,10 +157,8 @@ def _store_turned(src, stride_src_h, dst, stride_dst_h, cos, sin, offs_d, dmask,
                   H: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_D: tl.constexpr, NORM: tl.constexpr, R_ENTRY: tl.constexpr, FP8: tl.constexpr,
                   FP8_E5: tl.constexpr):
-    """Heads turned by R (kv_quant.key_rotation): (normed when NORM,) rotary, rounded to the
-    source's dtype, times R (``_turn``), then quantized (FP8 keys into the cache) or rounded to
-    the destination's dtype (the queries, in place: every read of a head comes before the dots,
-    every write after them)."""
+    """Heads turned by R: (normed,) rotated, rounded to the source's dtype, times R, then FP8-quantized
+    into the cache (keys) or rounded in place (queries: every read before the dots, every write after)."""
     offs_h = tl.arange(0, BLOCK_H)
     m = (offs_h[:, None] < H) & dmask[None, :]
     r1, r2 = rotated_halves(src, stride_src_h, offs_h, cos, sin, offs_d, m, w_ptr, eps, HALF, NORM)
@@ -211,11 +184,8 @@ def _head_rstd(src, stride_h, offs_h, hmask, eps, HEAD_DIM: tl.constexpr, BLOCK_
 @triton.jit
 def _heads_at(src, stride_h, offs_h, elem, pos, cs_ptr, m, rstd, w_ptr,
               ROTATE: tl.constexpr, NORM: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Elements ``elem`` [BLOCK_P] of rows ``offs_h`` (``stride_h`` apart: one token's heads, or
-    one head's tokens) [BLOCK_H, BLOCK_P] in fp32, normed by ``rstd`` and the weights at
-    ``w_ptr`` when NORM, rotated (from each element's rotate-half partner, in the reference's
-    order of operations; ``pos`` [BLOCK_H]: each row's offset in the cos/sin table) and rounded
-    to the source dtype when ROTATE, as stored otherwise."""
+    """Elements ``elem`` of rows ``offs_h`` [BLOCK_H, BLOCK_P] in fp32, normed when NORM, rotated
+    from each element's rotate-half partner and rounded to the source dtype when ROTATE."""
     p = src + (offs_h * stride_h)[:, None]
     ty = src.dtype.element_ty
     emask = elem < HEAD_DIM
@@ -258,12 +228,9 @@ def _store_int4_values(src, stride_h, dst, stride_dst_h, grp, stride_grp_h, H: t
 def _store_int4_key_block(k_ptr, stride_kt, t, row, slot, slot_ptr, pos_ptr, cs_ptr, stride_cs, kc, stride_kcs, ks,
                           w_ptr, eps, NORM: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
                           BLOCK_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Token t (at ``row`` of its block, the block's first new token in this step) and the ones
-    after it that continue the block: their keys of one head (k_ptr: the head's first token's;
-    normed when NORM, rotated) quantized per channel over the block with the ones it holds (rows
-    before ``row``), those re-quantized where the new ones widen a channel
-    (kv_quant.int4_store_keys is the reference). kc, ks: the head's codes in the block and its
-    key scales ([D, 2]: each channel's scale and minimum)."""
+    """Token t, its block's first new token in this step, and the ones after it in the block: their
+    keys of one head (normed, rotated) quantized per channel over the block with the rows it holds,
+    those re-quantized where a channel widens (kv_quant.int4_store_keys is the reference)."""
     rows = tl.arange(0, BLOCK_SIZE)
     tok = t + rows - row
     new = (rows >= row) & (tok < tl.num_programs(0))
@@ -291,12 +258,8 @@ def _store_int4_key_block(k_ptr, stride_kt, t, row, slot, slot_ptr, pos_ptr, cs_
 
 @triton.jit
 def _key_block_codes(old, x, m, new, sp, cmask, held):
-    """One key block's codes [BLOCK_SIZE, C] in C of its channels (the even ones or the odd
-    ones): ``old`` the stored codes (as exact floats), x the new tokens' values (m: their rows
-    and channels; new: their rows), sp each channel's (scale, minimum) in the block's key scales,
-    cmask the channels inside the head, held whether the block holds tokens already. The
-    channels' ranges widen to take the new values (kv_quant.int4_block_range; the new scales
-    and minimums are stored), old codes are re-quantized in a widened channel, new ones coded."""
+    """One key block's codes [BLOCK_SIZE, C] in C of its channels: ranges widened for the new values
+    x (mask m, rows ``new``) and stored, old codes re-quantized in widened channels, new ones coded."""
     s = tl.load(sp, mask=cmask, other=0.0).to(tl.float32)
     z = tl.load(sp + 1, mask=cmask, other=0.0).to(tl.float32)
     s2, z2, wide = kvq.int4_block_range(x, m, s, z, held)

@@ -1,39 +1,12 @@
 """Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's
-top-k experts, each a SwiGLU MLP, and their outputs are summed with the router's weights.
+top-k experts, SwiGLU MLPs, whose outputs are summed with the router's weights.
 
-Experts are stacked so that one parameter holds every expert's matrix: w13 [E, 2 * I, H] (gate
-rows, then up rows) and w2 [E, H, I]. Tensor parallelism shards each expert's intermediate
-dimension, like the dense MLP: every rank routes the same way (the router is replicated) and
-returns partial sums that the next norm reduces.
-
-The router's choice (``route``: softmax, top k, renormalized for Mixtral and Qwen3-MoE's
-norm_topk_prob) and the experts run in kernels/fused_moe.py: on a GPU, its Triton kernels (shapes
-fixed by the token count, no host sync, so decode runs in CUDA graphs); elsewhere its plain-torch
-path, one matmul pair per expert that has tokens. Both read only the selected experts' weights.
-
-Quantized experts stay quantized on the device, in the layout kernels/fused_moe.py describes:
-the codes in w13 and w2, and their scales in the buffers w13_scale [E, 2I, G] and w2_scale
-[E, H, G], one per output row and per ``groups[name]`` inputs (G = K / group), or one per row
-(group 0, G = 1).
-
-- FP8 (an FP8 checkpoint, block-wise or per channel, or in-situ ``--quantization fp8``):
-  float8_e4m3fn codes and float32 scales (Qwen3-30B-A3B-FP8's 128 x 128 blocks: a block's scale
-  repeated over its rows; per-channel checkpoints and in-situ fp8, which quantizes each row of
-  this rank's shard: one per row).
-- Integer codes (GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K experts, in-situ ``int8`` per row
-  and ``int4`` in groups of 128, GPTQ 4/8-bit, AWQ and compressed-tensors pack-quantized
-  checkpoints): uint8 codes as kvship.kernels.quant_linear.pack lays out a matrix, bits[name] 8
-  (one a byte) or 4 (two a byte, the low nibble first: w13 [E, 2I, ceil(H / 2)]), float16
-  scales, and for asymmetric codes (k-quants' -min, GPTQ's and AWQ's zero points) float16
-  offsets w13_bias / w2_bias beside them. Types whose codes need more than 4 bits (Q5_K, Q6_K)
-  sit in 8-bit containers. Act-order (GPTQ desc_act) experts are refused: the kernels take a
-  group's inputs as consecutive columns, which a g_idx table scatters.
-
-Repeated per row, scales follow any split of the rows; a tensor-parallel split of w2's inputs
-must fall between groups (QuantizedTensor.cols says so otherwise). The stacks are allocated as
-the first expert's matrix arrives: its storage decides theirs, and later matrices stored more
-coarsely (a Q4_K expert in a Q6_K stack) are widened to it; a finer one is refused.
-"""
+Experts are stacked, w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], and run in
+kernels/fused_moe.py. Tensor parallelism shards each expert's intermediate dimension as the
+dense MLP does; the router is replicated. Quantized experts stay quantized in fused_moe's
+layout (codes in w13/w2, scales in w13_scale/w2_scale, offsets in *_bias): FP8 per row or per
+block, integer codes of 4 or 8 bits. A stack takes the storage of its first matrix; later ones
+stored more coarsely are widened to it, finer ones and act-order (g_idx) experts refused."""
 from __future__ import annotations
 
 import torch
