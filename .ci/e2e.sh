@@ -13,11 +13,14 @@
 #      machine's own network: every packet of the test stays in it (loopback, the bridge, the
 #      pods' namespaces); an image pull could not reach a registry, and none is attempted;
 #   3. imports the images into containerd from their OCI archives;
-#   4. `helm install`s charts/kvship-operator (operator image), applies an LLMDeployment of the
-#      CPU engine image serving the bundled SmolLM2 (from a PVC), waits for Ready, sends OpenAI
-#      requests through the Service's cluster IP from the node and from a client pod, scales
-#      1 -> 2, changes the spec and keeps requesting through the rollout, deletes it and checks
-#      that nothing is left; reports apply -> first answer and the image sizes;
+#   4. `helm install`s charts/kvship-operator (operator image, its admission webhook), checks
+#      that `kubectl apply` of a spec the operator refuses fails with the operator's message,
+#      applies an LLMDeployment of the CPU engine image serving the bundled SmolLM2 (from a
+#      PVC), waits for Ready, sends OpenAI requests through the Service's cluster IP from the
+#      node and from a client pod, updates the one replica while polling Progressing against
+#      the StatefulSet and pods (Complete only once the update is over), scales 1 -> 2, changes
+#      the spec and keeps requesting through the rollout, deletes it and checks that nothing
+#      is left; reports apply -> first answer and the image sizes;
 #   5. tears everything down on every exit path (trap): pods, containers, shims, mounts, pod
 #      network namespaces, cgroups, the node namespace, sysctls kubelet changes; no process it
 #      started outlives it, and none keeps the caller's stdout/stderr open (logs go to files).
@@ -512,6 +515,38 @@ spec:
   resources: {requests: {storage: 1Gi}}
 EOF
 
+log "admission webhook: a spec the operator refuses is refused by kubectl apply"
+# the reconciler's message for it (Ready=False/InvalidSpec where the webhook is off)
+REFUSAL="invalid spec: spec.engine.args: unrecognized arguments: --po"
+bad_apply() {
+    K apply -f - 2>&1 >/dev/null <<EOF
+apiVersion: kvship.io/v1alpha1
+kind: LLMDeployment
+metadata: {name: bad-args, namespace: $APP_NS}
+spec:
+  model: {pvc: {claimName: smollm2-model}}
+  gpu: {count: 0}
+  engine: {args: ["--po", "9000"]}
+EOF
+}
+# The webhook's Service may need a moment after `helm install --wait` (endpoints, kube-proxy's
+# rules, the API server's view of the configuration): an apply that did not reach the webhook
+# is tried again, for at most 30 s.
+t_end=$((SECONDS + $(bounded 30)))
+out=""
+while :; do
+    if out=$(bad_apply); then
+        out="accepted"
+        KTIMEOUT=30 K -n "$APP_NS" delete llmd bad-args --wait=true >/dev/null 2>&1 || true
+    fi
+    grep -qF "$REFUSAL" <<< "$out" && break
+    ((SECONDS < t_end)) || die "kubectl apply of engine.args --po 9000 was not refused with the operator's message: $out"
+    sleep 1
+done
+grep -q "admission webhook" <<< "$out" || die "refused, but not by the admission webhook: $out"
+[[ -z $(K -n "$APP_NS" get llmd bad-args -o name --ignore-not-found) ]] || die "the refused LLMDeployment was stored"
+log "refused: ${out:0:240}"
+
 llmd_manifest() { # GENERATION-MARKER
     cat <<EOF
 apiVersion: kvship.io/v1alpha1
@@ -605,6 +640,74 @@ client_done() {
 }
 wait_for "client pod" 120 client_done
 K -n "$APP_NS" delete pod openai-client --wait=false >/dev/null
+
+log "one-replica update: Progressing=Complete only once it is over"
+# Polled as anything waiting on the condition would (kubectl wait, a CI step): every time the
+# condition says Complete for the new generation, the StatefulSet and pods read right after
+# must be where a finished update leaves them, and it must not go back to True.
+settled_one() { # prints why the StatefulSet and pods are not settled on one replica (nothing: they are)
+    K -n "$APP_NS" get statefulsets,pods -l kvship.io/llmdeployment=smollm2 -o json | python3 -c '
+import json, sys
+items = json.load(sys.stdin)["items"]
+sts = [i for i in items if i["kind"] == "StatefulSet"]
+pods = [i for i in items if i["kind"] == "Pod"]
+if len(sts) != 1:
+    print(f"{len(sts)} StatefulSets")
+    sys.exit(0)
+spec, st = sts[0]["spec"], sts[0].get("status") or {}
+rev = st.get("updateRevision")
+why = []
+if spec["replicas"] != 1:
+    why.append("StatefulSet replicas %s" % spec["replicas"])
+counts = (st.get("replicas"), st.get("updatedReplicas"), st.get("readyReplicas"))
+if counts != (1, 1, 1):
+    why.append("StatefulSet status %s/%s/%s" % counts)
+if len(pods) != 1:
+    why.append("pods " + ",".join(p["metadata"]["name"] for p in pods))
+for p in pods:
+    name = p["metadata"]["name"]
+    if p["metadata"].get("deletionTimestamp"):
+        why.append(name + " terminating")
+    if p["metadata"]["labels"].get("controller-revision-hash") != rev:
+        why.append(name + " on an old revision")
+    if not any(c["type"] == "Ready" and c["status"] == "True" for c in (p.get("status") or {}).get("conditions") or []):
+        why.append(name + " not ready")
+print("; ".join(why))'
+}
+progressing() { # status, reason and observedGeneration of the Progressing condition
+    K -n "$APP_NS" get llmd smollm2 -o jsonpath='{range .status.conditions[?(@.type=="Progressing")]}{.status} {.reason} {.observedGeneration}{end}'
+}
+t_one=$SECONDS
+gen_one=$(( $(K -n "$APP_NS" get llmd smollm2 -o jsonpath='{.metadata.generation}') + 1 ))
+llmd_manifest 1b | K apply -f - >/dev/null
+[[ $(K -n "$APP_NS" get llmd smollm2 -o jsonpath='{.metadata.generation}') == "$gen_one" ]] || die "the update did not change the spec"
+t_end=$((SECONDS + $(bounded 420)))
+complete_at=""
+seen_true=0
+while ((SECONDS < t_end)); do
+    p_status="" p_reason="" p_gen=""
+    read -r p_status p_reason p_gen < <(progressing 2>/dev/null) || true
+    why=$(settled_one 2>&1) || why="(could not read the StatefulSet and pods)"
+    if [[ $p_gen == "$gen_one" ]]; then
+        if [[ $p_status == False ]]; then
+            [[ -z $why ]] || die "Progressing=False/$p_reason at +$((SECONDS - t_one)) s while: $why"
+            complete_at=${complete_at:-$SECONDS}
+        elif [[ -n $complete_at ]]; then
+            die "Progressing went back to $p_status/$p_reason after Complete (+$((SECONDS - t_one)) s)"
+        else
+            seen_true=1
+        fi
+    fi
+    [[ -n $complete_at ]] && ((SECONDS - complete_at >= 5)) && break
+    sleep 0.5
+done
+[[ -n $complete_at ]] || die "one-replica update: Progressing not Complete within the time limit ($(progressing); $(settled_one))"
+((seen_true)) || die "one-replica update: Progressing never said True for the new generation"
+env_now=$(K -n "$APP_NS" get pod smollm2-0 -o jsonpath='{.spec.containers[0].env[?(@.name=="KVSHIP_E2E_SPEC")].value}')
+[[ $env_now == 1b ]] || die "pod smollm2-0 does not run the updated spec (KVSHIP_E2E_SPEC=$env_now)"
+T_ONE=$((complete_at - t_one))
+log "one-replica update complete in $T_ONE s; Progressing said Complete only once it was over"
+chat "$BASE" >/dev/null || die "request after the one-replica update failed"
 
 log "scale 1 -> 2"
 t_scale=$SECONDS
@@ -729,6 +832,7 @@ FAILED=0
 log "RESULTS"
 {
     echo "  apply -> first answer through the Service: ${T_FIRST} s (LLMDeployment Ready: ${T_READY} s)"
+    echo "  one-replica update -> Progressing=Complete: ${T_ONE} s"
     echo "  scale 1 -> 2 ready: ${T_SCALE} s; rolling update: ${T_ROLL} s, ${n_ok} requests answered, ${n_fail} failed, ${n_retry} retried"
     echo "  delete -> children gone: ${T_DELETE} s"
     echo "  images: engine 0.1.0-cpu $(size_of "$ENGINE_IMAGE"); operator 0.1.0 $(size_of "$OPERATOR_IMAGE")"
