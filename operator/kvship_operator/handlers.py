@@ -184,7 +184,8 @@ def reconcile(body: Any, memo: kopf.Memo, logger: logging.Logger, reason: Any = 
             sp.set_attribute("kvship.reconcile.valid_spec", ok)
 
 
-@kopf.on.validate(*RESOURCE, id=webhook.HANDLER_ID, operations=["CREATE", "UPDATE"], registry=registry)
+@kopf.on.validate(*RESOURCE, id=webhook.HANDLER_ID, operations=["CREATE", "UPDATE"], ignore_failures=True,
+                  registry=registry)
 def admit(body: Any, old: Any, operation: str | None = None, **_: Any) -> None:
     """The admission webhook: the reconciler's checks, before the object is stored."""
     webhook.review(dict(body), dict(old) if old is not None else None, operation)

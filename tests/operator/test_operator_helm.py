@@ -71,7 +71,7 @@ def test_template_validates(values, k8s_version):
     # webhook port, and the configuration that sends LLMDeployment writes there
     (hook,) = next(d for d in docs if d["kind"] == "ValidatingWebhookConfiguration")["webhooks"]
     secret = next(d for d in docs if d["kind"] == "Secret")
-    assert hook["failurePolicy"] == "Fail" and hook["rules"][0]["operations"] == ["CREATE", "UPDATE"]
+    assert hook["failurePolicy"] == "Ignore" and hook["rules"][0]["operations"] == ["CREATE", "UPDATE"]
     assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
     assert hook["clientConfig"]["service"]["path"] == "/validate-llmdeployment"
     assert "--webhook-port=9443" in c["args"] and "--webhook-cert-dir=/etc/kvship/webhook" in c["args"]
