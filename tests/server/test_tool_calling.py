@@ -62,6 +62,11 @@ def _every_split(make_stream, text: str, want: tuple[str, list[dict]]) -> None:
      "Let me check.", [("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 1, "b": 2})]),
     ("hermes", "No tools needed: 2 < 3 and <tool is not a tag.", "No tools needed: 2 < 3 and <tool is not a tag.", []),
     ("hermes", "<tool_call>not json</tool_call> done", "<tool_call>not json</tool_call> done", []),
+    # the line breaks between and after calls are not content; text after them is
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n<tool_call>{"name": "add", '
+               '"arguments": {"a": 3, "b": 4}}</tool_call>\n', "", [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n\nDone.', "\n\nDone.",
+     [("add", {"a": 1, "b": 2})]),
     ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; '
                     '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "f"}}',
      "", [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo", "unit": "f"})]),
@@ -235,11 +240,9 @@ def test_langchain_structured_output_and_tools(server, model):
     assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"}
 
 
-def test_auto_needs_the_server_flag():
-    # a server without --enable-auto-tool-choice cannot guess the model's format: refused, saying why
-    from kvship.server.errors import APIError
-
+def test_auto_needs_no_server_flag():
+    # tools without tool_choice (LangChain's bind_tools, an agent's every turn) mean "auto", as in
+    # OpenAI's API; the parser is chosen from the model's template when none was given
     body = ChatCompletionRequest.model_validate({"messages": ASK, "tools": TOOLS})
-    with pytest.raises(APIError) as info:
-        tool_plan(body, None)
-    assert info.value.param == "tool_choice" and "--enable-auto-tool-choice" in info.value.message
+    plan = tool_plan(body, None)
+    assert plan.mode == "auto" and plan.parser == "hermes"
