@@ -99,9 +99,6 @@ def _setup_logging(level: str) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        print("kvship serve: error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
-        return 2
     try:
         config = config_from_args(args)
     except ValueError as exc:
@@ -145,7 +142,7 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(engine, engine.config, api_key=args.api_key, chat_page=args.chat_page,
                     max_prompts_per_request=args.max_prompts_per_request,
                     max_body_bytes=args.max_request_body_size,
-                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser, body_timeout_s=args.timeout_request_body)
     state = app.state.kvship
     uv_config = uvicorn.Config(

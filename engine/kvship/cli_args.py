@@ -110,10 +110,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-size", type=parse_size, default=8 * 2**20, metavar="SIZE",
                    help="largest request body accepted, e.g. 8MiB (default); larger ones get 413")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+                   help='accepted as vLLM takes it; tool_choice "auto" is always served (docs/tools.md)')
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                   help="the model's own tool-call format, for tool_choice auto: hermes (Qwen2.5/Qwen3, "
-                        "<tool_call> JSON), llama3_json (Llama 3.x JSON calls), mistral ([TOOL_CALLS] JSON)")
+                   help="the model's own tool-call format: hermes (Qwen2.5/Qwen3, <tool_call> JSON), llama3_json "
+                        "(Llama 3.x JSON calls), mistral ([TOOL_CALLS] JSON); default: chosen from the chat template")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split the model's thinking from its answer: qwen3 or deepseek_r1 (<think>...</think>); "
                         "the thinking goes to message.reasoning_content")

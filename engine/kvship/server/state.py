@@ -66,7 +66,7 @@ class ServerState:
         self.admission = Admission()
         self.max_prompts_per_request = max_prompts_per_request
         self.max_body_bytes = max_body_bytes
-        self.tool_call_parser = tool_call_parser  # set only with --enable-auto-tool-choice
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser; None: chosen from the chat template
         self.reasoning_parser = reasoning_parser
         self.responses = ResponseStore()
 
