@@ -147,10 +147,8 @@ class LLMEngine:
         if req is None:
             return None
         for c in req.choices:
-            if not c.seq.finished:
+            if c.out.finish_reason is None or not c.seq.finished:  # also one ended at launch, its last token in flight
                 self.scheduler.finish(c.seq, "abort")
-            if c.out.finish_reason is None:
-                c.seq.finish_reason = "abort"  # also for one ended at launch whose last token is in flight
         if self.in_flight is not None and not any(map(_expects, self.in_flight.sampled, self.in_flight.positions)):
             self.in_flight = None  # nothing in it is wanted: no need to read it
         return self.outputs.abort(request_id)
@@ -167,22 +165,21 @@ class LLMEngine:
 
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Launch step N+1, then finish step N (``previous``) while the device computes it."""
         t0 = time.perf_counter()
         previous, outputs = self.in_flight, []
-        if previous is not None and any(s.params.uses_penalties for s in previous.sampled):
-            outputs, previous = self._finish(previous), None  # penalties count the last token: read it first
+        if previous is not None and must_read_before_scheduling(previous):
+            previous, outputs = None, self._finish(previous)
         batch = self.scheduler.schedule(previous.rows if previous is not None else ())
-        step = self.runner.start(batch, previous) if batch else None  # the device starts step N+1's forward
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        allowed = None
-        if step is not None and any(s.grammar is not None for s in step.sampled):
-            if previous is not None:  # a grammar's next tokens depend on token N: read it while the forward runs
-                outputs, previous = outputs + self._finish(previous), None
-            allowed = self.grammars.bitmask([None if s.finished else s.grammar for s in step.sampled])
-        self.in_flight = self.runner.sample(step, allowed) if step is not None else None
-        if self.in_flight is not None:
-            self._end_at_length(self.in_flight)
+        step = None
+        if batch:
+            step = self.runner.start(batch, previous)  # the device starts step N+1's forward
+            self.scheduler.commit(batch)
+            if previous is not None and must_read_before_sampling(step):
+                previous, outputs = None, outputs + self._finish(previous)
+            step = self.runner.sample(step, self._grammar_bitmask(step))
+            self._end_at_length(step)
+        self.in_flight = step
         if previous is not None:
             outputs += self._finish(previous)  # the host finishes step N meanwhile
         for seq in batch.seqs:
@@ -193,6 +190,12 @@ class LLMEngine:
             log.debug("step: %d seqs, %d new tokens, %d waiting, %.1f ms", len(batch), batch.num_tokens,
                       len(self.scheduler.waiting), (time.perf_counter() - t0) * 1e3)
         return outputs
+
+    def _grammar_bitmask(self, step: InFlightStep):
+        """The allowed tokens of the step's constrained rows, or None when none is."""
+        if not any(s.grammar is not None for s in step.sampled):
+            return None
+        return self.grammars.bitmask([None if s.finished else s.grammar for s in step.sampled])
 
     def _end_at_length(self, step: InFlightStep) -> None:
         """At launch: a sampled token is its sequence's last when it reaches max_tokens or the
@@ -218,9 +221,8 @@ class LLMEngine:
             if _expects(seq, pos):
                 accepted.append(self._accept(seq, token, lp, now, last))
         outputs, stopped = self.outputs.process(accepted)
-        for seq in stopped:
-            if not seq.finished:
-                self.scheduler.finish(seq, "stop")
+        for seq, stop_string in stopped:
+            self.scheduler.finish(seq, "stop", stop_string)
         return outputs
 
     def _accept(self, seq: Sequence, token: int, lp, now: float, last: bool) -> Accepted:
@@ -229,11 +231,12 @@ class LLMEngine:
         params = seq.params
         seq.token_ids.append(token)
         if seq.grammar is not None and not seq.grammar.is_terminated() and not seq.grammar.accept_token(token):
-            # Cannot happen while every constrained row is sampled under its bitmask; if it did,
-            # the output would no longer match: end it rather than go on unconstrained.
-            log.error("request %s: token %d breaks its grammar; finishing it", seq.request_id, token)
+            # The grammar reached a state that allows no token (Grammars.bitmask let end-of-text
+            # through): the output cannot be completed, and the client must see that it failed.
+            log.warning("request %s: token %d breaks its grammar; finishing it as an error", seq.request_id, token)
             if not seq.finished:
-                self.scheduler.finish(seq, "stop")
+                self.scheduler.finish(seq, "error")
+            seq.finish_reason = "error"
             return Accepted(seq, token, lp, seq.num_output_tokens, True)
         n_out = seq.num_output_tokens
         if seq.first_token_time is None:
@@ -243,10 +246,8 @@ class LLMEngine:
             self.prompt_tokens_total += seq.num_prompt_tokens
         if n_out >= params.min_tokens and (
                 token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)):
-            if not seq.finished:
-                self.scheduler.finish(seq, "stop")
-            seq.finish_reason = "stop"  # "stop" even when max_tokens also ended it on this token
-            seq.stop_reason = token if token in params.stop_token_ids else None
+            # "stop" even when max_tokens also ended it on this token
+            self.scheduler.finish(seq, "stop", token if token in params.stop_token_ids else None)
             last = True
         return Accepted(seq, token, lp, n_out, last)
 
@@ -261,6 +262,18 @@ class LLMEngine:
                 out = self.outputs.end_without_token(seq, "length")
                 return [out] if out is not None else []
         return []
+
+
+def must_read_before_scheduling(previous: InFlightStep) -> bool:
+    """Penalties count every token sampled so far: step N's tokens are read before N+1 is
+    scheduled (a sequence that N ended is then not scheduled again)."""
+    return any(s.params.uses_penalties for s in previous.sampled)
+
+
+def must_read_before_sampling(step: InFlightStep) -> bool:
+    """A grammar's mask for step N+1 depends on the token N sampled: step N is read while
+    N+1's forward runs, before N+1 samples."""
+    return any(s.grammar is not None for s in step.sampled)
 
 
 def _expects(seq: Sequence, pos: int) -> bool:
