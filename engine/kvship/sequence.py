@@ -23,26 +23,35 @@ _ids = itertools.count()
 
 @dataclass(eq=False)
 class Sequence:
+    """One choice of one request. Each group of fields has one writer: the engine creates it and
+    appends the tokens it reads; the scheduler moves it between queues and commits
+    ``num_computed_tokens``; the KV cache manager keeps its blocks; the model runner fills
+    ``prompt_logprobs``; ``finish()`` alone records why it ended."""
+
     request_id: str
     index: int  # choice index within the request (0..n-1)
     token_ids: list[int]  # prompt + generated tokens whose values are known on the host
     params: SamplingParams
     num_prompt_tokens: int = 0
     seq_id: int = field(default_factory=lambda: next(_ids))
+    leader: "Sequence | None" = None  # n > 1: wait until the leader's prompt is cached, then share it
+    generator: torch.Generator | None = None
+    grammar: object | None = None  # an xgrammar GrammarMatcher when the output is constrained (core/grammar.py)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    # the scheduler's
     status: SeqStatus = SeqStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or being computed by a launched step)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    first_scheduled_time: float | None = None
+    # the KV cache manager's
     block_table: list[int] = field(default_factory=list)  # the blocks it holds, in order of position
     num_released_blocks: int = 0  # blocks given back before block_table[0] (out of a window model's window)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks, grown as they fill
     num_cached_upto: int = 0  # blocks of block_table already offered to the prefix cache
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
-    leader: "Sequence | None" = None  # n > 1: wait until the leader's prompt is cached, then share it
-    generator: torch.Generator | None = None
-    grammar: object | None = None  # an xgrammar GrammarMatcher when the output is constrained (core/grammar.py)
-    prompt_logprobs: list = field(default_factory=list)  # filled by the model runner when asked for
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
+    # the model runner's
+    prompt_logprobs: list = field(default_factory=list)
+    # finish()'s
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -65,6 +74,13 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        """Record why the sequence ended: "stop", "length", "abort" or "error". "length" is
+        decided when the last token is launched, before its value is known: any reason found
+        on that token, or an abort, replaces it; "length" never replaces another reason."""
+        if reason != "length" or self.finish_reason is None:
+            self.finish_reason, self.stop_reason = reason, stop_reason
 
     @property
     def finished(self) -> bool:

@@ -234,9 +234,7 @@ class LLMEngine:
             # The grammar reached a state that allows no token (Grammars.bitmask let end-of-text
             # through): the output cannot be completed, and the client must see that it failed.
             log.warning("request %s: token %d breaks its grammar; finishing it as an error", seq.request_id, token)
-            if not seq.finished:
-                self.scheduler.finish(seq, "error")
-            seq.finish_reason = "error"
+            self.scheduler.finish(seq, "error")
             return Accepted(seq, token, lp, seq.num_output_tokens, True)
         n_out = seq.num_output_tokens
         if seq.first_token_time is None:

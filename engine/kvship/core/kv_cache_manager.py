@@ -175,7 +175,6 @@ class KVCacheManager:
             self._give_back(block_id)
         seq.block_table = []
         seq.num_released_blocks = 0
-        seq.num_computed_tokens = 0
         seq.num_cached_upto = 0
 
     def _give_back(self, block_id: int) -> None:

@@ -57,26 +57,27 @@ class OutputProcessor:
                    for seq in seqs]
         self.requests[request_id] = _Request(request_id, list(prompt_token_ids), params, choices, arrival_time)
 
-    def process(self, accepted: list[Accepted]) -> tuple[list[RequestOutput], list[Sequence]]:
-        """Outputs of the requests these tokens belong to, and the sequences a stop string ended
-        (the caller takes them out of the schedule)."""
+    def process(self, accepted: list[Accepted]) -> tuple[list[RequestOutput], list[tuple[Sequence, str]]]:
+        """Outputs of the requests these tokens belong to, and the sequences a stop string ended,
+        each with that string (the caller ends them)."""
         touched: dict[str, _Request] = {}
-        stopped: list[Sequence] = []
+        stopped: list[tuple[Sequence, str]] = []
         for a in accepted:
             req = self.requests.get(a.seq.request_id)
             choice = req.choices[a.seq.index] if req is not None else None
             if choice is None or choice.seq is not a.seq:  # aborted meanwhile (its id maybe reused)
                 continue
-            if self._process_token(choice, a):
-                stopped.append(a.seq)
+            matched = self._process_token(choice, a)
+            if matched is not None:
+                stopped.append((a.seq, matched))
             touched[req.request_id] = req
         return [self.emit(req) for req in touched.values()], stopped
 
-    def _process_token(self, c: _Choice, a: Accepted) -> bool:
-        """Whether a stop string ended the sequence on this token."""
+    def _process_token(self, c: _Choice, a: Accepted) -> str | None:
+        """The stop string that ended the sequence on this token, if one did."""
         seq, out, params = c.seq, c.out, c.seq.params
         if out.finish_reason is not None:  # already final (a stop string matched earlier)
-            return False
+            return None
         out.token_ids.append(a.token)
         out.token_ids_delta.append(a.token)
         if a.logprob is not None and out.logprobs is not None:
@@ -92,10 +93,10 @@ class OutputProcessor:
         out.text_delta += new_text
         out.text += new_text
         if matched is not None:
-            seq.finish_reason, seq.stop_reason = "stop", matched
-        if matched is not None or a.last:
+            out.finish_reason, out.stop_reason = "stop", matched
+        elif a.last:
             out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
-        return matched is not None
+        return matched
 
     def end_without_token(self, seq: Sequence, reason: str) -> RequestOutput | None:
         """The sequence ended with no further token (it outgrew the KV cache): its held-back

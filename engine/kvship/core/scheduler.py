@@ -31,22 +31,35 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Take seq out of the queues and free its blocks (finished or aborted)."""
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End seq (Sequence.finish keeps the reason that counts) and, if it is still scheduled,
+        take it out of the queues and free its blocks."""
+        seq.finish(reason, stop_reason)
+        if seq.status is SeqStatus.FINISHED:
+            return
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SeqStatus.WAITING:
+        else:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        self._free(seq)
         seq.status = SeqStatus.FINISHED
-        seq.finish_reason = seq.finish_reason or reason
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.free(seq)
+        self._free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _free(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0  # recomputed from its tokens if it runs again
+
+    def commit(self, batch: Batch) -> None:
+        """The batch is launched: its tokens count as computed from now on (a decode's input
+        that is still in flight included), so the next schedule starts after them."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
 
     def schedule(self, in_flight: Container[Sequence] = ()) -> Batch:
         """The next step's batch. ``in_flight``: sequences with one sampled token the host has not

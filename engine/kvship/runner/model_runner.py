@@ -269,9 +269,8 @@ class ModelRunner:
         """What a quantized cache measures before it serves; True while FP8 scales are still to
         be measured (on the first prefill, --calculate-kv-scales). FP8 layers without a
         checkpoint's scales measure theirs now, on a prefill of random tokens: one scale for
-        every layer (vLLM's 1.0) put SmolLM2-135M's small values into e4m3's subnormals and
-        saturated its large ones, and cost +1.0% perplexity more than scales measured per layer.
-        (int4 measures nothing: its scales are each block's own.)"""
+        every layer (vLLM's 1.0) puts small values into e4m3's subnormals and saturates large
+        ones. (int4 measures nothing: its scales are each block's own.)"""
         layers = self.model.attention_layers()
         if self.config.kv_cache_dtype not in kvq.FP8_DTYPES:
             return False
