@@ -20,6 +20,7 @@ from kvship.server.prompts import chat_prompt_ids, chat_size, check_text_fits, g
 from kvship.server.protocol import ChatCompletionRequest
 from kvship.server.responses import Envelope, TokenText, finish_reason, new_id, safe_logprob, usage_json
 from kvship.server.sse import sse, sse_response
+from kvship.server.tool_prompt import tool_format
 from kvship.server.tools import tool_plan
 
 router = APIRouter()
@@ -55,7 +56,7 @@ async def create_chat_completion(raw_request: Request) -> Response:
     body, state, engine = await accept(raw_request, ChatCompletionRequest)
     add_generation_prompt, continue_final = generation_prompt(body)
     params = sampling_params(body, engine)
-    plan = tool_plan(body, state.tool_call_parser)
+    plan = tool_plan(body, tool_format(engine.tokenizer, state.tool_call_parser).parser)
     params = with_tool_constraint(params, plan)
     await prepare_grammar(params, engine)
     check_text_fits(engine.tokenizer, chat_size(body.messages), engine.max_model_len, "messages")

@@ -9,6 +9,7 @@ from typing import Protocol, TypeVar
 from kvship.loader.tokenizer import Tokenizer
 from kvship.server.errors import bad_request
 from kvship.server.protocol import ChatMessage
+from kvship.server.tool_prompt import template_shows_tools, with_tool_prompt
 
 T = TypeVar("T")
 
@@ -48,16 +49,27 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
             raise bad_request(f"Token id {t} is out of range [0, {vocab_size}).", param=param)
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                    template_kwargs: dict[str, object] | None = None, continue_final: bool = False) -> list[int]:
-    """Token ids of the chat template rendered over `messages`; `template_kwargs` (tools,
-    chat_template_kwargs such as enable_thinking) reach the template's context."""
+def render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                template_kwargs: dict[str, object] | None = None) -> str | list[int]:
+    """The chat template rendered over `messages`; `template_kwargs` (tools, chat_template_kwargs
+    such as enable_thinking) reach the template's context. A template that cannot show tools
+    gets kvship's tool prompt and earlier calls and results as text instead (server/tool_prompt)."""
     plain = [m.template_dict() for m in messages]
+    kwargs = dict(template_kwargs or {})
+    if not template_shows_tools(tokenizer):
+        tools = kwargs.pop("tools", None)
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in plain):
+            plain = with_tool_prompt(plain, tools)
     try:
-        rendered = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
-                                                 **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **kwargs)
     except ValueError as exc:  # ChatTemplateError included
         raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from None
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                    template_kwargs: dict[str, object] | None = None, continue_final: bool = False) -> list[int]:
+    """Token ids of the chat template rendered over `messages` (render_chat)."""
+    rendered = render_chat(tokenizer, messages, add_generation_prompt, template_kwargs)
     if continue_final and isinstance(rendered, str):
         rendered = _continued(rendered, messages)
     if isinstance(rendered, str):

@@ -29,6 +29,7 @@ from kvship.server.prompts import chat_prompt_ids, chat_size, check_text_fits, r
 from kvship.server.protocol import ChatCompletionRequest, ChatMessage, ResponseMessageItem, ResponsesRequest
 from kvship.server.sse import sse_response
 from kvship.server.state import ServerState
+from kvship.server.tool_prompt import tool_format
 from kvship.server.tools import tool_plan
 
 router = APIRouter()
@@ -165,7 +166,7 @@ async def create_response(raw_request: Request) -> Response:
     head = [{"role": "system", "content": body.instructions}] if body.instructions else []  # not carried on
     chat = chat_request(body, head + conversation)
     params = sampling_params(chat, engine)
-    plan = tool_plan(chat, state.tool_call_parser)
+    plan = tool_plan(chat, tool_format(engine.tokenizer, state.tool_call_parser).parser)
     params = with_tool_constraint(params, plan)
     await prepare_grammar(params, engine)
     check_text_fits(engine.tokenizer, chat_size(chat.messages), engine.max_model_len, "input")
