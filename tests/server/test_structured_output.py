@@ -6,13 +6,14 @@ from __future__ import annotations
 import enum
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from pydantic import BaseModel, Field
 
-from kvship.core.grammar import check_schema
+from kvship.core.grammar import CACHE_BYTES, allowed_ids, check_schema, check_tool_parameters
 from kvship.sampling_params import InvalidParamsError, SamplingParams, StructuredOutput
 from server_utils import assert_error, start_server
 
@@ -146,3 +147,208 @@ def test_constrained_and_free_rows_share_a_batch(llm):
     mixed = llm.generate(prompts + ["My number is"], [free, free, digits])
     assert [o.outputs[0].text for o in mixed[:2]] == alone
     assert re.fullmatch(r"[0-9]{1,12}", mixed[2].outputs[0].text)
+
+
+
+# -- what can never be produced: refused, or ended as an error (never "stop") -------------------
+
+UNSATISFIABLE_SCHEMAS = [  # (schema, the keyword the refusal names)
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": -1}}}, "maxLength"),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 1e9}, "minItems"),
+    ({"type": "string", "minLength": 200_000}, "minLength"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"], "additionalProperties": False},
+     "required"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required"),  # strict output
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "required"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"], "maxProperties": 0}, "required"),
+    ({"$ref": "http://example.com/schema.json"}, "$ref"),
+    ({"type": "object", "properties": {"a": {"$ref": "file:///etc/passwd"}}}, "$ref"),
+    ({"$ref": "other.json#/$defs/x"}, "$ref"),
+    ({"anyOf": []}, "anyOf"),
+    ({"type": "object", "properties": {"a": {"oneOf": []}}}, "oneOf"),
+    ({"enum": []}, "enum"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength"),
+    ({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 1}, "minItems"),
+    ({"type": "integer", "minimum": 10, "maximum": 3}, "minimum"),
+    ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "exclusiveMinimum"),
+    ({"type": "strng"}, "type"),
+    ({"type": "object", "properties": {"a": 7}}, "properties"),
+]
+
+
+def test_invalid_or_unsatisfiable_schemas_name_the_keyword():
+    for schema, word in UNSATISFIABLE_SCHEMAS:
+        with pytest.raises(InvalidParamsError) as info:
+            check_schema(schema, "response_format")
+        assert repr(word) in str(info.value), (schema, str(info.value))
+        assert info.value.param == "response_format"
+    for params in ({"type": "string"}, {"type": "array", "items": {}}, {"type": "object", "properties": {"a": 3}},
+                   {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}):
+        with pytest.raises(InvalidParamsError):
+            check_tool_parameters(params, "tools[0].function.parameters")
+    check_tool_parameters({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "t")
+    check_tool_parameters({"properties": {}}, "t")  # no type: an object schema all the same
+
+
+@pytest.fixture(scope="module")
+def grammars(llm):
+    return llm.engine.grammars
+
+
+def _refused(grammars, kind: str, spec: object, param: str = "guided_grammar") -> str:
+    text = spec if isinstance(spec, str) else json.dumps(spec)
+    with pytest.raises(InvalidParamsError) as info:
+        grammars.prepare(StructuredOutput(kind, text, param=param))
+    assert info.value.param == param
+    return str(info.value)
+
+
+def test_grammars_that_can_produce_nothing_are_refused(grammars):
+    nothing = [
+        ("json", {"$ref": "#"}),
+        ("json", {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+        ("json", {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}),  # no end
+        ("json", {"type": "object", "properties": {"x": {"type": "string", "pattern": "[^\\s\\S]"}}, "required": ["x"]}),
+        ("grammar", "root ::= root"),
+        ("grammar", 'root ::= "a" root'),
+        ("grammar", 'root ::= "<" item ">"\nitem ::= "x" item | item "y"'),
+        ("grammar", 'root ::= "q" [^\\x00-\\U0010FFFF]'),
+        ("regex", "[^\\s\\S]"),
+    ]
+    for kind, spec in nothing:
+        message = _refused(grammars, kind, spec)
+        assert "no complete output" in message, (spec, message)
+    # a way that can never end, beside ways that can: refused too (the model might take it)
+    assert "never be completed" in _refused(grammars, "grammar", 'root ::= "a" loop | "b"\nloop ::= "x" loop')
+    assert "never be completed" in _refused(
+        grammars, "json", {"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/l"}], "$defs": {"l": {"$ref": "#/$defs/l"}}})
+    # what can end passes, recursion included
+    for kind, spec in [("json", {"type": "object", "properties": {"child": {"$ref": "#"}}}),
+                       ("json", Person.model_json_schema()),
+                       ("grammar", 'root ::= "a" root | "b"'),
+                       ("grammar", 'root ::= "(" root ")" | ""'),
+                       ("regex", "[a-z]+@[a-z]+"),
+                       ("json_object", "")]:
+        grammars.prepare(StructuredOutput(kind, spec if isinstance(spec, str) else json.dumps(spec), param="p"))
+
+
+def test_grammar_engine_errors_reach_clients_clean(grammars):
+    for kind, spec in [("json", {"type": "string", "pattern": "[a-z]{1,300}"}),  # fails an internal check
+                       ("json", {"type": "integer", "minimum": 1.5, "maximum": 1.7}),
+                       ("regex", "(unclosed"),
+                       ("grammar", "root ::= undefined_rule"),
+                       ("grammar", 'root ::= "a')]:
+        message = _refused(grammars, kind, spec)
+        assert not re.search(r"\.(cc|h|cpp)\b|/project/|^\[\d|Check failed", message), message
+        assert message.strip()
+
+
+def test_dead_end_at_run_time_ends_as_an_error(llm, grammars):
+    """A grammar with a way that dead-ends deep inside (past what the compile-time search
+    follows): a sequence sent down it ends with finish_reason "error", never "stop"."""
+    spec = StructuredOutput("grammar", 'root ::= [a-z] [a-z] ("x" [^\\x00-\\U0010FFFF] | "y")', param="guided_grammar")
+    x = llm.engine.tokenizer.encode("x", add_special_tokens=False)
+    assert len(x) == 1
+    towards_x = SamplingParams(temperature=0, max_tokens=10, logit_bias={x[0]: 100.0}, structured=spec)
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    dead, other = llm.generate(["Letters:", "The capital of France is"], [towards_x, free])
+    assert dead.outputs[0].finish_reason == "error", dead.outputs[0]
+    assert dead.outputs[0].text == "xxx"
+    assert other.outputs[0].finish_reason == "length" and len(other.outputs[0].token_ids) == 8
+    # the bitmask of a dead-ended matcher lets only end-of-text through, which the matcher refuses
+    m = grammars.matcher(spec)
+    for _ in range(3):
+        assert m.accept_token(x[0])
+    row = grammars.bitmask([None, m])[1]
+    stop = sorted(llm.engine.tokenizer.eos_token_ids)
+    assert allowed_ids(row, grammars.vocab_size) == stop
+    assert not m.accept_token(stop[0])
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_compiled_grammars_memory_levels_off(grammars):
+    """Every distinct schema compiles to a grammar of about a megabyte here; both caches (ours and
+    xgrammar's) are bounded by bytes, so that a stream of distinct schemas does not grow memory."""
+    t0 = time.monotonic()
+    rss = {}
+    for i in range(1000):
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40 + i % 7},
+                                                   "tag": {"enum": [f"t{i}", f"u{i}"]}}, "required": ["name", "tag"]}
+        grammars.prepare(StructuredOutput("json", json.dumps(schema), param="response_format"))
+        if i + 1 in (100, 1000):
+            rss[i + 1] = _rss_mb()
+    assert rss[1000] - rss[100] < 200, rss
+    assert grammars.cached_bytes <= CACHE_BYTES
+    assert 0 < grammars._compiler.get_cache_size_bytes() <= CACHE_BYTES
+    assert time.monotonic() - t0 < 300
+
+
+def test_unsatisfiable_constraints_are_400s_naming_the_keyword(server):
+    chat = server.url + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def rf(schema):
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+    def tool(parameters, choice="required"):
+        return {"tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+                "tool_choice": choice}
+
+    cases = [(chat, rf(schema), "response_format", word) for schema, word in UNSATISFIABLE_SCHEMAS[:12]] + [
+        (chat, rf({"$ref": "#"}), "response_format", "no complete output"),
+        (chat, {"guided_json": {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]}},
+         "guided_json", "no complete output"),
+        (chat, {"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs", "no complete output"),
+        (server.url + "/v1/completions", {"prompt": "x", "guided_grammar": 'root ::= "a" root'}, "guided_grammar",
+         "no complete output"),
+        (server.url + "/v1/completions", {"prompt": "x", "guided_regex": "[^\\s\\S]"}, "guided_regex",
+         "no complete output"),
+        (chat, tool({"type": "string"}), "tools[0].function.parameters", "object"),
+        (chat, tool({"type": "array", "items": {"type": "string"}}, {"type": "function", "function": {"name": "f"}}),
+         "tools[0].function.parameters", "object"),
+        (chat, tool({"type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}}),
+         "tools[0].function.parameters", "$ref"),
+        (chat, tool({"type": "object", "properties": {"a": {"type": "string", "minLength": -2}}}),
+         "tools[0].function.parameters", "minLength"),
+        (chat, tool({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}), "tools",
+         "required"),
+        (chat, {"guided_json": {"type": "string", "pattern": "[a-z]{1,300}"}}, "guided_json", "cannot be used"),
+    ]
+    for url, extra, param, word in cases:
+        body = {"messages": msgs} if url == chat else {}
+        err = assert_error(httpx.post(url, json={**body, "max_tokens": 4, **extra}, timeout=60), 400, param)
+        assert word in err["message"], (extra, err)
+        assert not re.search(r"\.(cc|h|cpp)\b|/project/", err["message"]), err
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "input": "hi", "max_output_tokens": 4,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {"anyOf": []}}}})
+    assert r.status_code == 400 and "anyOf" in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_dead_end_is_a_visible_error_through_the_api(client, model, server):
+    """A grammar the compile-time checks cannot prove dead, driven into its dead end (logit_bias
+    on "x"): finish_reason "error" on chat and completions, streamed or not; never "stop"."""
+    grammar = 'root ::= [a-z] [a-z] ("x" [^\\x00-\\U0010FFFF] | "y")'
+    (x,) = httpx.post(server.url + "/tokenize", json={"prompt": "x", "add_special_tokens": False},
+                      timeout=30).json()["tokens"]
+    extra = {"guided_grammar": grammar}
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Letters?"}], max_tokens=10,
+                                       temperature=0, logit_bias={str(x): 100}, extra_body=extra)
+    assert r.choices[0].finish_reason == "error", r.choices[0]
+    r = client.completions.create(model=model, prompt="Letters:", max_tokens=10, temperature=0,
+                                  logit_bias={str(x): 100}, extra_body=extra)
+    assert r.choices[0].finish_reason == "error", r.choices[0]
+    chunks = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Letters?"}],
+                                            max_tokens=10, temperature=0, logit_bias={str(x): 100}, stream=True,
+                                            extra_body=extra)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "error" and "stop" not in reasons, reasons
+    # the same grammar left to itself ends on its own way ("y")
+    r = client.completions.create(model=model, prompt="Letters:", max_tokens=10, temperature=0,
+                                  logit_bias={str(x): -100}, extra_body=extra)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text.endswith("y"), r.choices[0]

@@ -408,13 +408,50 @@ def check_schema(schema: object, param: str) -> None:
         Draft202012Validator.check_schema(schema, format_checker=None)
         _check_node(schema, param, "#")
     except SchemaError as exc:
-        path = list(exc.absolute_path)
-        keyword = next((p for i, p in reversed(list(enumerate(path)))
-                        if isinstance(p, str) and (i == 0 or path[i - 1] not in _NAMED)), exc.validator)
-        raise InvalidParamsError(f"the JSON schema's {keyword!r} (at {_pointer(path)}) is invalid: "
-                                 f"{_short(exc.message)}", param) from None
+        raise InvalidParamsError(_schema_error(exc), param) from None
     except RecursionError:
         raise InvalidParamsError("the JSON schema is nested too deeply", param) from None
+
+
+def check_tool_parameters(schema: object, param: str) -> None:
+    """A function's `parameters`: a valid JSON schema of an object (a call's arguments are a
+    JSON object, whatever the tool_choice), referring to nothing outside itself."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        kind = schema.get("type") if isinstance(schema, dict) else type(schema).__name__
+        raise InvalidParamsError(f"a function's 'parameters' must be a JSON schema of type 'object' (a call's "
+                                 f"arguments are a JSON object), got type {_short(str(kind))!r}", param)
+    try:
+        Draft202012Validator.check_schema(schema, format_checker=None)
+        _check_refs(schema, param, "#")
+    except SchemaError as exc:
+        raise InvalidParamsError(_schema_error(exc), param) from None
+    except RecursionError:
+        raise InvalidParamsError("the JSON schema is nested too deeply", param) from None
+
+
+def _check_refs(schema: object, param: str, path: str) -> None:
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise InvalidParamsError(f"the JSON schema's '$ref' {_short(ref)!r} (at {path}) refers outside the "
+                                     "schema; only references within it (#/$defs/...) are followed, nothing is "
+                                     "fetched", param)
+        for key, value in schema.items():
+            _check_refs(value, param, f"{path}/{_escape(str(key))}")
+    elif isinstance(schema, list):
+        for i, value in enumerate(schema):
+            _check_refs(value, param, f"{path}/{i}")
+
+
+def _schema_error(exc: Any) -> str:
+    """A jsonschema SchemaError as a message naming the keyword at fault and where it sits."""
+    path = list(exc.absolute_path)
+    keyword = next((p for i, p in reversed(list(enumerate(path)))
+                    if isinstance(p, str) and (i == 0 or path[i - 1] not in _NAMED)), exc.validator)
+    return f"the JSON schema's {keyword!r} (at {_pointer(path)}) is invalid: {_short(exc.message)}"
 
 
 def _check_node(schema: object, param: str, path: str) -> None:

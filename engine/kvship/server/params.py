@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvship.core.grammar import check_tool_parameters
 from kvship.sampling_params import MAX_LOGPROBS, InvalidParamsError, SamplingParams
 from kvship.server.engine_client import EngineClient
 from kvship.server.errors import APIError, bad_request
@@ -109,10 +110,17 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, engine: Eng
 
 def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
     """A required or named tool call is generated under its grammar (ToolPlan.constraint); it
-    cannot be combined with another output constraint. The mistral format's [TOOL_CALLS] marker
+    cannot be combined with another output constraint. Every tool's `parameters` must be an
+    object schema (a 400 naming the tool otherwise). The mistral format's [TOOL_CALLS] marker
     is a special token: kept in the text for the parser."""
     if plan is None:
         return params
+    for i, tool in enumerate(plan.tools):
+        if tool.function.parameters is not None:
+            try:
+                check_tool_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
+            except InvalidParamsError as exc:
+                raise bad_request(str(exc), param=exc.param) from None
     if plan.parser == "mistral":
         params = dataclasses.replace(params, skip_special_tokens=False)
     constraint = plan.constraint()
