@@ -196,7 +196,7 @@ async def create_response(raw_request: Request) -> Response:
     choice = final.outputs[0]
     message = shaper.message(choice.text)
     _store(state, shell, conversation, message)
-    incomplete = "max_output_tokens" if choice.finish_reason == "length" else None
+    incomplete = {"length": "max_output_tokens", "error": "grammar_error"}.get(choice.finish_reason)  # error: a dead end
     return SafeJSONResponse(shell.json("incomplete" if incomplete else "completed", output_items(message),
                                        usage_json(final, len(prompt_ids)), incomplete))
 
@@ -318,7 +318,7 @@ async def _events(stream: GenerationStream, first: RequestOutput, shell: Respons
         except StopAsyncIteration:
             out = None
     choice = last.outputs[0]
-    incomplete = "max_output_tokens" if choice.finish_reason == "length" else None
+    incomplete = {"length": "max_output_tokens", "error": "grammar_error"}.get(choice.finish_reason)  # error: a dead end
     _store(state, shell, conversation, _message_of(items))
     final = shell.json("incomplete" if incomplete else "completed", items, usage_json(last, prompt_len), incomplete)
     yield emit("response.incomplete" if incomplete else "response.completed", response=final)
