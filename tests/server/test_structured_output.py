@@ -228,6 +228,10 @@ def test_grammars_that_can_produce_nothing_are_refused(grammars):
                        ("grammar", 'root ::= "a" root | "b"'),
                        ("grammar", 'root ::= "(" root ")" | ""'),
                        ("regex", "[a-z]+@[a-z]+"),
+                       ("structural_tag", {"type": "structural_tag", "format": {
+                           "type": "triggered_tags", "triggers": ["<f>"], "tags": [
+                               {"begin": "<f>", "content": {"type": "json_schema", "json_schema": {"type": "object"}},
+                                "end": "</f>"}]}}),
                        ("json_object", "")]:
         grammars.prepare(StructuredOutput(kind, spec if isinstance(spec, str) else json.dumps(spec), param="p"))
 
@@ -237,7 +241,9 @@ def test_grammar_engine_errors_reach_clients_clean(grammars):
                        ("json", {"type": "integer", "minimum": 1.5, "maximum": 1.7}),
                        ("regex", "(unclosed"),
                        ("grammar", "root ::= undefined_rule"),
-                       ("grammar", 'root ::= "a')]:
+                       ("grammar", 'root ::= "a'),
+                       ("structural_tag", {"type": "structural_tag", "triggers": ["<f>"], "structures": [
+                           {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}]})]:
         message = _refused(grammars, kind, spec)
         assert not re.search(r"\.(cc|h|cpp)\b|/project/|^\[\d|Check failed", message), message
         assert message.strip()

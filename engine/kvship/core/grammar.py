@@ -237,8 +237,17 @@ _RULE = re.compile(r"^([A-Za-z_][\w.\-]*) ::= (.*)$")
 def unfinishable_rules(text: str) -> set[str]:
     """Rules reachable from `root` that can produce no complete string, read from xgrammar's
     printed grammar; empty when the text cannot be read."""
+    texts: dict[str, str] = {}
+    name = None
+    for line in text.splitlines():
+        m = _RULE.match(line)
+        if m:
+            name = m.group(1)
+            texts[name] = m.group(2)
+        elif name is not None:  # a body printed over several lines (TagDispatch)
+            texts[name] += " " + line
     try:
-        rules = {m.group(1): _Reader(m.group(2)).body() for m in map(_RULE.match, text.splitlines()) if m}
+        rules = {name: _Reader(body).body() for name, body in texts.items()}
     except (ValueError, IndexError):
         return set()
     if "root" not in rules:
@@ -546,7 +555,9 @@ def clean_error(exc: BaseException) -> str:
     """The first line of an xgrammar error, without the C++ source location or internals."""
     text = str(exc).strip() or type(exc).__name__
     line = _SOURCE_PREFIX.sub("", text.splitlines()[0])
-    if line.startswith("Check failed") or _SOURCE_PATH.search(line):
+    if line.startswith("Check failed"):  # "Check failed: (<C++ condition>) is false: <message, if any>"
+        line = line.partition(") is false:")[2]
+    if not line.strip() or _SOURCE_PATH.search(line):
         return "it is not supported by the grammar engine"
     return _short(line.strip(), 500) or type(exc).__name__
 
