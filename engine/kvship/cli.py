@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 import kvship
-from kvship.cli_args import add_engine_args, add_server_args, parse_size  # noqa: F401 - parse_size: kvship.cli's API
+from kvship.cli_args import add_engine_args, add_server_args, parse_size
 from kvship.config import EngineConfig
 
 # The engine, the server and the tensor-parallel runtime are imported inside `serve` only:
@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     add_connection_args(serve)
+    serve.add_argument("--max-stored-responses-size", type=parse_size, default=64 * 2**20, metavar="SIZE",
+                       help="text kept of stored /v1/responses conversations (previous_response_id); the oldest go "
+                       "first (default: 64MiB; at most 1000 are kept)")
     return parser
 
 
@@ -143,7 +146,8 @@ def serve(args: argparse.Namespace) -> int:
                     max_prompts_per_request=args.max_prompts_per_request,
                     max_body_bytes=args.max_request_body_size,
                     tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser, body_timeout_s=args.timeout_request_body)
+                    reasoning_parser=args.reasoning_parser, body_timeout_s=args.timeout_request_body,
+                    responses_store_bytes=args.max_stored_responses_size)
     state = app.state.kvship
     uv_config = uvicorn.Config(
         app,

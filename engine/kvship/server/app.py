@@ -23,11 +23,17 @@ from kvship.server.completions import router as completions_router
 from kvship.server.embeddings import router as embeddings_router
 from kvship.server.engine_client import EngineClient
 from kvship.server.errors import SafeJSONResponse, error_body, install_error_handlers
+from kvship.server.memory import MemoryTrimmer, TrimAfterLargeRequests
 from kvship.server.metrics import ServerMetrics
 from kvship.server.metrics import router as metrics_router
 from kvship.server.openapi import install_openapi
 from kvship.server.responses_api import router as responses_router
-from kvship.server.state import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST, ServerState
+from kvship.server.state import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_RESPONSES_STORE_BYTES,
+    ServerState,
+)
 from kvship.server.timeouts import DEFAULT_BODY_TIMEOUT_S, BodyTimeoutMiddleware
 from kvship.server.tokenize import router as tokenize_router
 from kvship.server.tool_prompt import tool_format
@@ -80,18 +86,20 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
               tracer_provider: Any | None = None,
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+              reasoning_parser: str | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+              responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES) -> FastAPI:
     """An app serving `engine` (an AsyncEngine, or None while it loads: then everything but
     /health, /version and /metrics answers 503). Traces go to `tracer_provider` when given,
     else to one built from the OTEL_* environment (none when those are unset). A request body
-    must arrive within `body_timeout_s` of its headers (408 otherwise)."""
+    must arrive within `body_timeout_s` of its headers (408 otherwise). Stored /v1/responses
+    conversations are kept up to `responses_store_bytes` of text."""
     if engine is not None:
         _ = engine.tokenizer.max_token_chars  # computed once, here, not inside the first request
         if engine.task == "generate":  # the tool-call format, chosen and logged at start-up
             tool_format(engine.tokenizer, tool_call_parser)
     state = ServerState(engine, config, api_key, max_prompts_per_request=max_prompts_per_request,
                         max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, responses_store_bytes=responses_store_bytes)
     tracing = ServerTracing.create(tracer_provider)
 
     @asynccontextmanager
@@ -156,6 +164,8 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
     app.include_router(tokenize_router)
 
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=body_timeout_s)
+    app.state.kvship_trimmer = MemoryTrimmer()
+    app.add_middleware(TrimAfterLargeRequests, trimmer=app.state.kvship_trimmer)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.state.kvship_tracing = tracing

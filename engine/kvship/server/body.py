@@ -45,7 +45,9 @@ async def parse_body(request: Request, model: type[M], limit: int | None = None)
     malformed JSON and wrong types become OpenAI-shaped 400s, a body over `limit` bytes a 413."""
     raw = await read_body(request, limit)
     if len(raw) > OFFLOAD_BYTES:
-        return await asyncio.to_thread(_decode, raw, model)
+        state: ServerState = request.app.state.kvship
+        async with state.large_body_slots:  # a burst of large bodies is parsed a few at a time
+            return await asyncio.to_thread(_decode, raw, model)
     return _decode(raw, model)
 
 

@@ -3,6 +3,7 @@ None while it loads), its configuration, the API key, the drain flag and the gen
 flight."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 
@@ -13,6 +14,7 @@ from kvship.server.generation import GenerationStream
 
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any prompt that fits a 128k-token context
+LARGE_BODY_PARSES = 2  # large bodies (server/body.py) parsed at a time; the rest wait their turn
 
 
 class Admission:
@@ -34,29 +36,56 @@ class Admission:
         self.reserved -= n
 
 
+DEFAULT_RESPONSES_STORE_BYTES = 64 << 20
+
+
 class ResponseStore:
     """Conversations of stored /v1/responses responses (their chat messages, output included),
-    for previous_response_id: the newest `capacity` are kept, in memory."""
+    for previous_response_id, in memory: the newest are kept, at most `capacity` of them and
+    `max_bytes` of their text (a count alone let 1000 conversations of megabytes each stay)."""
 
-    def __init__(self, capacity: int = 1000):
+    def __init__(self, capacity: int = 1000, max_bytes: int = DEFAULT_RESPONSES_STORE_BYTES):
         self.capacity = capacity
-        self._items: OrderedDict[str, list[dict]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[str, tuple[list[dict], int]] = OrderedDict()
 
     def put(self, response_id: str, messages: list[dict]) -> None:
-        self._items[response_id] = messages
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        size = _text_bytes(messages)
+        if size > self.max_bytes:  # would evict everything and still not fit
+            return
+        self._items[response_id] = (messages, size)
+        self.bytes += size
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+            _, (_, evicted) = self._items.popitem(last=False)
+            self.bytes -= evicted
 
     def get(self, response_id: str) -> list[dict] | None:
-        messages = self._items.get(response_id)
-        return None if messages is None else [dict(m) for m in messages]
+        item = self._items.get(response_id)
+        return None if item is None else [dict(m) for m in item[0]]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _text_bytes(value: object) -> int:
+    """The characters of text in a stored conversation, plus a little per container: what it
+    costs to keep, roughly (Python's own overhead is proportional)."""
+    if isinstance(value, str):
+        return len(value) + 64
+    if isinstance(value, dict):
+        return 64 + sum(_text_bytes(k) + _text_bytes(v) for k, v in value.items())
+    if isinstance(value, list):
+        return 64 + sum(_text_bytes(v) for v in value)
+    return 16
 
 
 class ServerState:
     def __init__(self, engine: EngineClient | None, config: EngineConfig | None, api_key: str | None = None,
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None,
+                 responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES):
         self.engine = engine
         self.config = config
         self.api_key = api_key
@@ -68,7 +97,9 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.tool_call_parser = tool_call_parser  # --tool-call-parser; None: chosen from the chat template
         self.reasoning_parser = reasoning_parser
-        self.responses = ResponseStore()
+        self.responses = ResponseStore(max_bytes=responses_store_bytes)
+        # Large bodies parsed at once: each costs several times its size while it is parsed.
+        self.large_body_slots = asyncio.Semaphore(LARGE_BODY_PARSES)
 
     def end_all(self) -> int:
         """End every in-flight generation (the drain period is over); how many there were. A

@@ -1,0 +1,80 @@
+"""Memory that requests leave behind. Large bodies are parsed in worker threads, and glibc keeps
+what a thread frees in that thread's arena: every burst of large requests raised the server's
+RSS for good (hundreds of MB per burst of a few 8 MB bodies). After a large request ends,
+`malloc_trim` hands the freed pages back (glibc only; elsewhere nothing is done)."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvship.server.body import OFFLOAD_BYTES
+
+logger = logging.getLogger("kvship.server")
+
+
+
+def _malloc_trim():  # -> the C function, or None
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+class MemoryTrimmer:
+    """Runs malloc_trim in a worker thread after large requests, at most once per `interval_s`
+    (a trim walks the whole heap: milliseconds per GB)."""
+
+    def __init__(self, interval_s: float = 1.0):
+        self._trim = _malloc_trim()
+        self._interval_s = interval_s
+        self._last = 0.0
+        self._running: asyncio.Future | None = None
+        self.trims = 0
+
+    def request_done(self) -> None:
+        now = time.monotonic()
+        if self._trim is None or now - self._last < self._interval_s or (self._running and not self._running.done()):
+            return
+        self._last = now
+        self._running = asyncio.get_running_loop().run_in_executor(None, self._run)
+
+    def _run(self) -> None:
+        self._trim(0)
+        self.trims += 1
+
+
+class TrimAfterLargeRequests:
+    """ASGI middleware: a request whose body reached `threshold` bytes asks the trimmer to run
+    once it is answered (its parsed body is garbage by then)."""
+
+    def __init__(self, app: ASGIApp, trimmer: MemoryTrimmer, threshold: int = OFFLOAD_BYTES):
+        self.app = app
+        self.trimmer = trimmer
+        self.threshold = threshold
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        size = 0
+
+        async def counting_receive() -> Message:
+            nonlocal size
+            message = await receive()
+            size += len(message.get("body", b""))
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        finally:
+            if size >= self.threshold:
+                self.trimmer.request_done()
