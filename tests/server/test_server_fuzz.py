@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from server_utils import start_server
 
 EXAMPLES = 30  # per operation and mode
-OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
-              ("POST", "/detokenize"), ("GET", "/v1/models/{model_id}"), ("GET", "/v1/models")]
+OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
+              ("POST", "/v1/embeddings"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+              ("GET", "/v1/models/{model_id}"), ("GET", "/v1/models")]
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +34,12 @@ def server():
 def bounded(body: object) -> object:
     """Keep what the engine generates tiny: the fuzz is about the request path, not decoding."""
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > 4:
                 body[key] = 4
-        if not isinstance(body.get("max_tokens"), int):
-            body.setdefault("max_tokens", 4)
+        for key in ("max_tokens", "max_output_tokens"):  # the second is the Responses API's
+            if not isinstance(body.get(key), int):
+                body.setdefault(key, 4)
         if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) and body["n"] > 2:
             body["n"] = 2
     return body
