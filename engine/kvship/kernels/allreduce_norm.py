@@ -1,23 +1,12 @@
 """Two-rank all-reduce fused with the residual add and RMSNorm that follow it (TP=2 decode).
 
-Each rank holds partial sums ``x`` of a row-parallel linear (o_proj, down_proj). One kernel, one
-program per row: store this rank's row over NVLink into the peer's slot of a buffer both ranks
-have mapped (PyTorch symmetric memory; remote stores need no round trip), raise a flag in the
-peer's memory after them, wait for the peer's flag in its own, read the peer's row from its own
-slot (local memory), and finish as ``fused_add_rms_norm`` would on the reduced tensor:
-``h = round(round(x0 + x1) + residual)``, ``out = rms_norm(h)``. Both ranks
-compute bit-identical results (x0 + x1 == x1 + x0), as they would after NCCL.
-
-The flags are self-resetting (send: compare-and-swap 0 -> 1 in the peer's flag; wait:
-compare-and-swap 1 -> 0 in one's own), so any sequence of calls that both ranks make in the same
-order works, CUDA graph replays included, with no host-side state. A rank writes a slot of its
-peer's again only after the peer has signalled at the next call, i.e. after it finished reading; callers
-alternate slots between consecutive calls (see ``kvship.runner.tp.one_shot.FusedAllReduceNorm``).
-No NVLink multicast is used.
-
-``allreduce_add_rms_norm_torch`` is the reference (the sum of both ranks' partials, then the
-residual add and the norm).
-"""
+One program per row: store this rank's partial sums into the peer's slot of a buffer both ranks
+have mapped (PyTorch symmetric memory), raise a flag in the peer's memory, wait for the peer's
+flag, read the peer's row locally, and finish as ``fused_add_rms_norm`` would. Both ranks get
+bit-identical results (x0 + x1 == x1 + x0), as after NCCL. The flags reset themselves
+(compare-and-swap 0 -> 1 to send, 1 -> 0 to wait), so graph replays need no host state; callers
+alternate slots between calls (runner/tp/one_shot.py). No NVLink multicast.
+``allreduce_add_rms_norm_torch`` is the reference."""
 from __future__ import annotations
 
 import torch

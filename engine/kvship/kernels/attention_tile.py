@@ -20,18 +20,12 @@ def dot_precision(dtype):
 def _load_kv(c_ptr, g_ptr, tok_off, grp_off, offs_d, tmask, dmask,
              MASKED: tl.constexpr, D_FIRST: tl.constexpr, KV_MODE: tl.constexpr, DOT: tl.constexpr,
              PACKED: tl.constexpr = False, INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0):
-    """A tile of cached keys or values: [BLOCK_D, BLOCK_N] when D_FIRST (keys, for q @ k),
-    else [BLOCK_N, BLOCK_D]. tok_off: each token's element (int4: byte) offset in the cache,
-    grp_off: int4 values' (token, head) group offsets in their scales, or int4 keys' [NB] block
-    offsets in theirs (a tile spans NB blocks, or lies in one: kv_quant.int4_per_block); tmask is
-    used when MASKED. Plain and FP8 tiles
-    come back as stored (FP8's scale is applied by the caller), int4 ones dequantized to DOT,
-    the dots' dtype.
-    PACKED (quantized pages, DOT float16): every tile is read token-major, as stored, and comes
-    back as float16 converted in the registers it was loaded into (kv_quant.fp8_to_f16,
-    int4_load_rows_packed; keys transposed after that), by PTX unless INTERPRET. It needs
-    HEAD_DIM (the pages' head size, which dmask holds too) as a compile-time value: int4 rows'
-    masks are then known to be constant over whole 16-byte vectors, and their loads vectorize."""
+    """A tile of cached keys ([BLOCK_D, BLOCK_N] when D_FIRST, for q @ k) or values ([BLOCK_N,
+    BLOCK_D]). tok_off: each token's element (int4: byte) offset; grp_off: int4 values' group
+    offsets, or int4 keys' block offsets. Plain and FP8 tiles come back as stored (the caller
+    applies FP8's scale), int4 ones dequantized to DOT. PACKED (DOT float16): read token-major and
+    converted in the load's registers by PTX (kv_quant), HEAD_DIM a compile-time value so that int4
+    loads vectorize."""
     # one return at the end: the GPU compiler goes on past a return inside a constexpr branch
     if PACKED:  # the host launches it only where it applies (packed_read)
         tl.static_assert(HEAD_DIM > 0 and KV_MODE > 0 and DOT == tl.float16 and (KV_MODE == 1 or offs_d.shape[0] >= 32))
@@ -85,14 +79,10 @@ def _attend_tile(
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
     INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
 ):
-    """One BLOCK_N tile of keys/values, gathered through the block table, folded into the
-    running softmax state (log2 domain). ``pages``: where one sequence's KV head lives (the
-    tuple ``_pages`` makes). MASK: 0 none, 1 pos < kv_end, 2 that and causal (and pos >
-    q_pos - WINDOW when WINDOW > 0). SOFTCAP: the scores' cap in the log2 domain. PACKED,
-    INTERPRET, HEAD_DIM: how quantized pages are read (``_load_kv``); PACKED 1: keys and values
-    packed, 2: values alone (keys as stored), 0: neither; 3: int4 pages beside a 16-bit query
-    in even and odd channels, bytes in word order (``int4_load_rows_split``): q and acc are then
-    pairs, (even, odd) channels in that order (``_split_channels``), q already float16."""
+    """One BLOCK_N tile of keys/values, gathered through the block table, folded into the running
+    softmax state (log2 domain). ``pages``: ``_pages``'s tuple. MASK: 0 none, 1 pos < kv_end, 2 that
+    and causal (and the window). SOFTCAP in the log2 domain. PACKED: 1 keys and values packed, 2
+    values alone, 3 int4 split into even and odd channels (q and acc are then pairs, q float16)."""
     (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
      stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh) = pages
     pos = n0 + offs_n

@@ -1,21 +1,11 @@
-"""W8A8 on the FP8 tensor cores: activations quantized to FP8 as they are multiplied, per token
-or per token and group of inputs, and the GEMM for weights whose scales come in groups.
+"""W8A8 on the FP8 tensor cores: activations quantized to FP8 per token (or per token and group)
+as they are multiplied, and the GEMM for block-wise FP8 weights.
 
-FP8 checkpoints come in two layouts (quant/formats.py): one scale per output row (per-channel
-and per-tensor, compressed-tensors' FP8-dynamic, and in-situ ``--quantization fp8``) and one per
-block of 128 x 128 (``weight_block_size``: DeepSeek-V3, the Qwen3 FP8 releases), held as one
-scale per row and group of 128 inputs. Per-row weights meet per-token activations in
-``torch._scaled_mm`` (kernels/quant_linear.py). Block weights cannot: a scale that changes
-along K must act inside the K loop. Here each BLOCK_K = group step takes one FP8 dot (fp32
-sums) and adds it times the activations' scale for that (token, group) and the weights' for
-that (row, group), as DeepSeek-V3's own FP8 GEMM does; so the activations are quantized per
-token and group of the same size (``quantize_fp8_groups``), which also keeps one large value
-from flattening the rest of its token.
-
-``quantize_fp8_groups_torch`` and ``fp8_group_matmul_torch`` are the references (the second
-multiplies the dequantized operands in float32); the Triton kernels match the first bit for bit
-and the second to float32 rounding.
-"""
+Per-row weights meet per-token activations in ``torch._scaled_mm`` (kernels/quant_linear.py).
+Block weights (128 x 128, held as a scale per row and group of 128 inputs) need their scale
+inside the K loop: each BLOCK_K = group step takes one FP8 dot and adds it times the (token,
+group) and (row, group) scales, as DeepSeek-V3's own GEMM does. ``quantize_fp8_groups_torch``
+and ``fp8_group_matmul_torch`` are the references (the kernels match the first bit for bit)."""
 from __future__ import annotations
 
 import torch

@@ -1,17 +1,11 @@
 """A decode step's inputs written into a CUDA graph's static buffers in one launch.
 
-The step arrives as views of the two tensors the runner sends (model_runner._packed): token ids,
-positions, slots (int64); context lengths and the block table (int32). A decode whose input
-token was sampled by the step still in flight takes it from that step's tokens on the device
-(``InFlightInputs``). The graph of ``bs`` rows then reads rows [0, n) as given and rows [n, bs)
-as padding (slot -1, which stores nothing, and length 1). The columns of a table row past the
-batch's width keep whatever they held: the kernels read a sequence's table only up to its length.
-
-Done with torch ops, that is some ten small launches between two replays (an index_select and
-an index_put for the sampled inputs, a copy or fill per buffer), each a few microseconds of the
-GPU's time at batch 1. ``stage_inputs_torch`` is the reference (and the path without Triton);
-``stage_inputs_triton`` does it in one kernel, a program per row of the graph.
-"""
+The step arrives as views of the runner's two packed tensors (token ids, positions, slots as
+int64; lengths and the block table as int32). A decode whose input token the step in flight is
+still sampling takes it from that step's tokens on the device (``InFlightInputs``). Rows [n, bs)
+of a graph of ``bs`` rows become padding (slot -1, length 1); table columns past the batch's
+width keep what they held (kernels read a table only up to its length). ``stage_inputs_torch``
+is the reference (some ten small launches); ``stage_inputs_triton`` one kernel, a program a row."""
 from __future__ import annotations
 
 from dataclasses import dataclass
