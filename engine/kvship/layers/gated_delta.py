@@ -39,6 +39,7 @@ class GatedDeltaNet(nn.Module):
         key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
         self.sizes = [key_dim, key_dim, value_dim, value_dim, self.hv, self.hv]
         self.in_proj = MergedColumnParallelLinear(cfg.hidden_size, self.sizes, False, tp, quant=cfg.quantization)
+        self.in_proj.checkpoint_parts = tuple(f"in_proj_{p}" for p in self.PARTS)  # the names it loads under
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.width), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)

@@ -54,7 +54,8 @@ def dummy_weights(build, model_config: ModelConfig, max_model_len: int, backend:
                         yield f"{mod_name}.{e}.{part}.weight", _ref(piece)
             elif isinstance(mod, MergedColumnParallelLinear):
                 base = mod_name.rpartition(".")[0]
-                for part, piece in zip(("gate_proj", "up_proj"), t.split(mod.out_sizes)):
+                parts = getattr(mod, "checkpoint_parts", ("gate_proj", "up_proj"))  # (Gated DeltaNet's in_proj)
+                for part, piece in zip(parts, t.split(mod.out_sizes)):
                     yield f"{base}.{part}.{leaf}", _ref(piece)
             else:
                 yield name, _ref(t)
