@@ -246,8 +246,8 @@ def test_omitted_tool_choice_means_auto():
 
 
 def test_hermes_constraint_is_the_models_own_format(smollm2_tokenizer):
-    """required / named with the hermes format: <tool_call> blocks with valid arguments, at
-    least one; a named choice or parallel_tool_calls false: exactly one."""
+    """A named call, or "required" without parallel calls, with the hermes format: one
+    <tool_call> block with valid arguments. "required" with parallel calls stays a JSON array."""
     grammars = Grammars(smollm2_tokenizer, smollm2_tokenizer.vocab_size, {smollm2_tokenizer.eos_token_id})
     one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     two = one + "\n" + one.replace("get_weather", "set_unit").replace('"city": "Paris"', '"unit": "f"')
@@ -255,23 +255,32 @@ def test_hermes_constraint_is_the_models_own_format(smollm2_tokenizer):
     def accepts(choice, text: str, parallel: bool = True) -> bool:
         spec = tool_plan(_request(tools=[WEATHER, SET_UNIT], tool_choice=choice, parallel_tool_calls=parallel),
                          "hermes").constraint()
-        assert spec.kind == "structural_tag"
+        assert spec.kind == "structural_tag", spec
         m = grammars.matcher(spec)
         return m.accept_string(text) and m.accept_token(smollm2_tokenizer.eos_token_id)
 
     named = {"type": "function", "function": {"name": "get_weather"}}
-    assert accepts("required", one) and accepts("required", two) and accepts(named, one)
-    assert not accepts("required", two, parallel=False) and not accepts(named, two)
-    assert not accepts("required", "Sure. " + one)  # nothing before the call
-    assert not accepts("required", "")  # at least one call
-    assert not accepts("required", one.replace('"Paris"', '"' + "x" * 21 + '"'))  # maxLength 20
+    single = "required", False
+    for choice, parallel in (single, (named, True)):
+        assert accepts(choice, one, parallel) and not accepts(choice, two, parallel)
+        assert not accepts(choice, "Sure. " + one, parallel)  # nothing before the call
+        assert not accepts(choice, "", parallel)  # a call
+        assert not accepts(choice, one.replace('"Paris"', '"' + "x" * 21 + '"'), parallel)  # maxLength 20
+    assert accepts(*single[:1], one.replace("get_weather", "set_unit").replace('"city": "Paris"', '"unit": "f"'),
+                   False)
     assert not accepts(named, one.replace('"city": "Paris"', '"unit": "c"'))  # not the named tool's arguments
-    # what it generates is read by the hermes parser
-    stream = ToolStream(tool_plan(_request(tools=[WEATHER, SET_UNIT], tool_choice="required"), "hermes"))
-    content, calls = stream.feed(two + "\n")
-    more, end_calls = stream.end()
-    assert content + more == ""  # the line breaks between and after the calls are not content
-    assert [d["function"]["name"] for d in calls + end_calls if "name" in d["function"]] == ["get_weather", "set_unit"]
+    plan = tool_plan(_request(tool_choice="required"), "hermes")
+    assert plan.constraint().kind == "json" and json.loads(plan.constraint().spec)["type"] == "array"
+    # what it generates is read by the hermes parser, in one piece or many
+    for cuts in ([], [5, 30, len(one) - 3]):
+        stream = ToolStream(tool_plan(_request(tool_choice=named), "hermes"))
+        pieces = [(one + "\n")[a:b] for a, b in zip([0, *cuts], [*cuts, len(one) + 1])]
+        outs = [stream.feed(p) for p in pieces] + [stream.end()]
+        assert "".join(c for c, _ in outs) == ""  # the line break after the call is not content
+        deltas = [d for _, ds in outs for d in ds]
+        assert [d["function"]["name"] for d in deltas if "name" in d["function"]] == ["get_weather"]
+        assert "".join(d["function"].get("arguments", "") for d in deltas) == '{"city": "Paris"}'
+
 
 
 def test_unsupported_schema_in_a_hermes_constraint_is_refused():
@@ -280,7 +289,7 @@ def test_unsupported_schema_in_a_hermes_constraint_is_refused():
     bad = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "format": "credit-card"}}}}}
     with pytest.raises(InvalidParamsError) as info:
-        tool_plan(_request(tools=[bad], tool_choice="required"), "hermes").constraint()
+        tool_plan(_request(tools=[bad], tool_choice="required", parallel_tool_calls=False), "hermes").constraint()
     assert info.value.param == "tools"
 
 

@@ -6,10 +6,10 @@ API), "required" (at least one call, any tool) or a named function. "auto" parse
 own call format: the parser given with --tool-call-parser, else the one chosen from the chat
 template (server/tool_prompt.py). "required" and named calls are grammar-constrained
 (kvship.core.grammar): the arguments are valid JSON matching the function's `parameters` schema
-whatever the model is. With the hermes format they are generated as the model writes calls
-itself (`<tool_call>` blocks, parsed as "auto" output is); without a model format a named call's
-output is the arguments object itself and "required" outputs a JSON array of {"name",
-"parameters"} objects.
+whatever the model is. With the hermes format a single call (named, or "required" without
+parallel calls) is generated as the model writes calls itself (a `<tool_call>` block, parsed as
+"auto" output is); otherwise a named call's output is the arguments object itself and
+"required" outputs a JSON array of {"name", "parameters"} objects.
 
 `ToolStream` turns the generated text, delta by delta, into content and tool calls, streamed as
 OpenAI streams them: a call's id and name first, then its arguments piece by piece. A named
@@ -47,8 +47,10 @@ class ToolPlan:
 
     @property
     def native(self) -> bool:
-        """Whether required and named calls are generated in the model's own format (hermes)."""
-        return self.parser == "hermes"
+        """Whether a constrained call is generated in the model's own format (hermes): a named
+        call, or "required" without parallel calls. Several calls stay a JSON array, whose "]"
+        is a plain place to stop: after a </tool_call> a weak model tended to call again."""
+        return self.parser == "hermes" and self.mode != "auto" and (self.mode == "named" or not self.parallel)
 
     def template_tools(self) -> list[dict[str, object]]:
         """The tools as chat templates read them (transformers passes the same shape)."""
@@ -72,8 +74,7 @@ class ToolPlan:
         return StructuredOutput("json", canonical_json(schema), param="tools")
 
     def _hermes_constraint(self, tools: list[Tool]) -> StructuredOutput:
-        """`<tool_call>` blocks, one per line, each `{"name": <a tool>, "arguments": <its schema>}`:
-        at least one, exactly one for a named choice or without parallel calls."""
+        """One `<tool_call>` block, `{"name": <a tool>, "arguments": <its schema>}`."""
         tags = []
         for t in tools:
             schema = t.function.parameters or NO_ARGUMENTS
@@ -84,7 +85,7 @@ class ToolPlan:
                          "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
                          "end": "}\n</tool_call>"})
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-               "stop_after_first": self.mode == "named" or not self.parallel}
+               "stop_after_first": True}
         return StructuredOutput("structural_tag", canonical_json({"type": "structural_tag", "format": fmt}),
                                 param="tools")
 
