@@ -183,6 +183,10 @@ def test_what_each_template_can_show(qwen_folder, smollm2_tokenizer):
     # everything rendered (tools, calls' arguments, results)
     ("{% for t in tools or [] %}{{ t | tojson }}{% endfor %}{% for m in messages %}{{ m.role }}: {{ m.content }}"
      "{% for c in m.tool_calls or [] %}{{ c.function | tojson }}{% endfor %}\n{% endfor %}", True),
+    # Mistral's templates take call ids of nine letters and digits only
+    ("{% for t in tools or [] %}{{ t | tojson }}{% endfor %}{% for m in messages %}{{ m.content }}"
+     "{% for c in m.tool_calls or [] %}{% if c.id | length != 9 %}{{ raise_exception('ids of 9') }}{% endif %}"
+     "[TOOL_CALLS]{{ c.function | tojson }}{% endfor %}{% endfor %}", True),
     # a template that refuses the tool role
     ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}{{ m.content }}"
      "{% endfor %}", False),

@@ -38,13 +38,14 @@ TOOL_PROMPT_TAIL = ("\n</tools>\n\nFor each function call, return a json object 
                     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 _PROBE_NAME, _PROBE_VALUE, _PROBE_RESULT = "kvship_probe_fn", "kvship_probe_value", "kvship_probe_result"
+_PROBE_ID = "kvprobe01"  # nine letters and digits: Mistral's templates refuse other call ids
 _PROBE_TOOLS = [{"type": "function", "function": {
     "name": _PROBE_NAME, "description": "probe",
     "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
 _PROBE_USER = {"role": "user", "content": "probe"}
 _PROBE_CALL = {"role": "assistant", "content": "", "tool_calls": [{
-    "id": "call_probe", "type": "function", "function": {"name": _PROBE_NAME, "arguments": {"q": _PROBE_VALUE}}}]}
-_PROBE_TOOL_RESULT = {"role": "tool", "tool_call_id": "call_probe", "content": _PROBE_RESULT}
+    "id": _PROBE_ID, "type": "function", "function": {"name": _PROBE_NAME, "arguments": {"q": _PROBE_VALUE}}}]}
+_PROBE_TOOL_RESULT = {"role": "tool", "tool_call_id": _PROBE_ID, "content": _PROBE_RESULT}
 
 
 @dataclass(frozen=True)
