@@ -49,6 +49,7 @@ class Sequence:
     num_released_blocks: int = 0  # blocks given back before block_table[0] (out of a window model's window)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks, grown as they fill
     num_cached_upto: int = 0  # blocks of block_table already offered to the prefix cache
+    state_slot: int | None = None  # its recurrent-state slot while it holds blocks (core/kv_cache_manager.py)
     # the model runner's
     prompt_logprobs: list = field(default_factory=list)
     # finish()'s

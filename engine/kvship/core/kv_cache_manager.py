@@ -37,6 +37,10 @@ class KVCacheManager:
         self.cached: dict[int, int] = {}  # hash -> block id
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found
+        # recurrent-state slots (a hybrid model's per-sequence state, held by the runner): one for
+        # each sequence holding blocks, so never more than the scheduler runs at once
+        self.free_state_slots: list[int] = []
+        self.num_state_slots = 0
 
     @property
     def num_blocks(self) -> int:
@@ -146,7 +150,16 @@ class KVCacheManager:
                 block.hash = None
             block.ref_count = 1
             seq.block_table.append(block_id)
+        self._take_state_slot(seq)
         return True
+
+    def _take_state_slot(self, seq: Sequence) -> None:
+        """A slot for seq's recurrent state from its first blocks on (reused slots first)."""
+        if seq.state_slot is None:
+            if self.free_state_slots:
+                seq.state_slot = self.free_state_slots.pop()
+            else:
+                seq.state_slot, self.num_state_slots = self.num_state_slots, self.num_state_slots + 1
 
     def _release_before(self, seq: Sequence, first: int) -> None:
         """Give back seq's blocks before block number `first` (out of every layer's window)."""
@@ -176,6 +189,9 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_released_blocks = 0
         seq.num_cached_upto = 0
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def _give_back(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -83,6 +83,11 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     config.max_model_len = config.max_model_len or limit
     if config.task == "auto":
         config.task = "embed" if source.pooling is not None else "generate"
+    if model_config.linear_attention is not None and config.enable_prefix_caching:
+        # a hit would need the recurrent state at the hit's last block, which is not checkpointed
+        log.warning("prefix caching is off for %s: its recurrent state is not kept at block boundaries",
+                    model_config.architecture)
+        config.enable_prefix_caching = False
     if model_config.kv_lora_rank and config.kv_cache_dtype == "int4":
         raise ValueError("--kv-cache-dtype int4: DeepSeek's latent KV cache is kept in the model's dtype (auto) or "
                          "in FP8 (fp8, fp8_e4m3, fp8_e5m2), not in 4 bits")
@@ -166,6 +171,7 @@ class ModelRunner:
                      torch.cuda.memory_allocated(self.device) / 2**30, torch.cuda.max_memory_allocated(self.device) / 2**30)
         self.model.eval()
         self.sampler = Sampler()
+        self.num_state_slots = self._bind_recurrent_state()  # before the KV cache: its memory counts
         self.num_blocks = self._allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
         # graphs: decode only; routed experts only through the fused Triton path (the torch one
@@ -257,6 +263,24 @@ class ModelRunner:
             attn.bind_kv_cache(*kvq.allocate(self.config.kv_cache_dtype, num_blocks, self.block_size,
                                              attn.num_kv_heads, attn.head_dim, self.dtype, self.device,
                                              values=attn.cache_values))
+
+    def _bind_recurrent_state(self) -> int:
+        """A hybrid model's recurrent-state slots (models/qwen3_next.py), one per sequence that may
+        run; 0 for other models. On a GPU they take at most half of what the weights leave, and
+        fewer slots than --max-num-seqs lower it (the scheduler then runs no more)."""
+        if not hasattr(self.model, "bind_state"):
+            return 0
+        per_slot, slots = self.model.state_bytes_per_slot(self.dtype), self.config.max_num_seqs
+        if self.device.type == "cuda":
+            total = torch.cuda.mem_get_info(self.device)[1] * self.config.gpu_memory_utilization
+            slots = max(1, min(slots, int((total - torch.cuda.memory_allocated(self.device)) / 2 // per_slot)))
+        if slots < self.config.max_num_seqs:
+            log.warning("recurrent state: %d slots of %.1f MiB fit in half the memory left: --max-num-seqs "
+                        "lowered from %d to %d", slots, per_slot / 2**20, self.config.max_num_seqs, slots)
+            self.config.max_num_seqs = slots
+        self.model.bind_state(slots, self.dtype, self.device)
+        log.info("recurrent state: %d slots of %.1f MiB (%.2f GiB)", slots, per_slot / 2**20, slots * per_slot / 2**30)
+        return slots
 
     def _allocate_kv_cache(self) -> int:
         n = self.tp.min_int(self._num_blocks_to_allocate())  # every rank holds the same block count
@@ -396,14 +420,17 @@ class ModelRunner:
 
         dev = self.device
         pin = dev.type == "cuda"
-        longs = _packed([input_ids, positions, slots, logits_indices, fix_at, fix_rows], np.int64, pin, dev)
+        state = [s.state_slot for s in batch.seqs] if self.num_state_slots else []
+        if state and (None in state or max(state) >= self.num_state_slots):
+            raise RuntimeError(f"recurrent-state slots {state} out of the {self.num_state_slots} allocated")
+        longs = _packed([input_ids, positions, slots, logits_indices, fix_at, fix_rows, state], np.int64, pin, dev)
         ints = _packed([seq_lens, cu, tables.reshape(-1)], np.int32, pin, dev)
-        ids, pos_t, slot_t, logit_t, fix_at_t, fix_rows_t = longs
+        ids, pos_t, slot_t, logit_t, fix_at_t, fix_rows_t, state_t = longs
         lens_t, cu_t, tables_t = ints
         in_flight = InFlightInputs(fix_at_t, fix_rows_t, previous.tokens) if fix_at else None
         meta = AttentionMetadata(slot_mapping=slot_t, block_tables=tables_t.view(num_seqs, width), seq_lens=lens_t,
                                  cu_seqlens_q=cu_t, max_seqlen_q=max(batch.num_new_tokens), logits_indices=logit_t,
-                                 num_decodes=batch.num_decodes)
+                                 num_decodes=batch.num_decodes, state_slots=state_t if state else None)
         return ids, pos_t, meta, in_flight
 
     @torch.inference_mode()

@@ -1,0 +1,180 @@
+"""The hybrid Gated DeltaNet families (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against transformers
+on tiny random checkpoints: logits batched over prompts of different lengths, whole and in
+chunks that cut through the delta rule's 64-token chunks, one token a step; greedy tokens
+through the engine with chunked prefill, with preemption, and with the prefix cache (off for
+these models: the same tokens, nothing served from it)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import write_word_tokenizer
+from kvship.config import EngineConfig
+from kvship.core.kv_cache_manager import KVCacheManager
+from kvship.loader import resolve_model
+from kvship.models.config import ModelConfig
+from kvship.runner.model_runner import ModelRunner
+from kvship.sampling_params import SamplingParams
+from kvship.sequence import Batch, Sequence
+
+ATOL = 2e-4  # fp32 on both sides
+LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=319, bos_token_id=0,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4, layer_types=LAYERS)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+SPECS = {
+    # routed experts with a shared one, one dense layer, DeltaNet projections grouped per key head
+    "qwen3_next": ("Qwen3NextConfig", dict(**MOE, norm_topk_prob=True, mlp_only_layers=[2])),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(tie_word_embeddings=True)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", MOE),
+}
+
+
+def make_hybrid(folder: Path, arch: str, seed: int = 0):
+    import transformers
+
+    cls_name, extra = SPECS[arch]
+    kw = dict(COMMON, **extra)
+    if arch == "qwen3_5_moe":
+        del kw["intermediate_size"]  # not a field of Qwen3.5-MoE
+    cfg = getattr(transformers, cls_name)(**kw)
+    cfg.rope_parameters["partial_rotary_factor"] = 0.5  # 8 of 16 channels rotate
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms away from their initial values, so that (1 + w) is checked
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    write_word_tokenizer(folder, cfg.vocab_size)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    return {arch: (root / arch, make_hybrid(root / arch, arch)) for arch in SPECS}
+
+
+def our_logits(folder, prompts, chunk: int | None = None) -> list[torch.Tensor]:
+    """All-position logits of each prompt, the prompts run as one batch, ``chunk`` tokens of
+    each a step (the recurrent state carried between steps in each sequence's slot)."""
+    source = resolve_model(str(folder))
+    cfg = EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
+                       enforce_eager=True, max_model_len=256, max_num_seqs=4)
+    runner = ModelRunner(cfg, ModelConfig.from_hf(source.hf_config), source.weights())
+    kv = KVCacheManager(runner.num_blocks, 4, enable_prefix_caching=False)
+    seqs = [Sequence(f"r{i}", 0, list(p), SamplingParams()) for i, p in enumerate(prompts)]
+    results = [[] for _ in seqs]
+    step = chunk or max(map(len, prompts))
+    while any(s.num_computed_tokens < s.num_tokens for s in seqs):
+        batch = Batch()
+        for s in seqs:
+            n = min(step, s.num_tokens - s.num_computed_tokens)
+            if n:
+                assert kv.allocate(s, n)
+                batch.add(s, n)
+        batch = batch.decodes_first()
+        ids, pos, meta, _ = runner.prepare(batch)
+        assert meta.state_slots is not None
+        with torch.inference_mode():
+            logits = runner.model.compute_logits(runner.model(ids, pos, meta))
+        bounds = meta.cu_seqlens_q.tolist()
+        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            results[seqs.index(s)].append(logits[bounds[i]:bounds[i + 1]])
+            s.num_computed_tokens += n
+    return [torch.cat(r) for r in results]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", list(SPECS))
+def test_logits_match_transformers(hybrids, arch):
+    folder, ref = hybrids[arch]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (70, 5, 33)]
+    with torch.no_grad():
+        want = [ref(torch.tensor([p])).logits[0] for p in prompts]
+    for chunk in (None, 24):  # whole; 24 a step (the step over positions 48..71 straddles 64, a chunk edge)
+        for got, w in zip(our_logits(folder, prompts, chunk), want):
+            torch.testing.assert_close(got, w, atol=ATOL, rtol=0)
+    short = [p[:12] for p in prompts]  # one token a step: the decode path (conv and delta-rule steps)
+    for got, w in zip(our_logits(folder, short, 1), want):
+        torch.testing.assert_close(got, w[:12], atol=ATOL, rtol=0)
+
+
+def greedy_reference(ref, prompts, max_tokens: int) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = ref.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                               do_sample=False, pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", list(SPECS))
+def test_greedy_matches_transformers(hybrids, arch):
+    """Batched prompts of different lengths, prefilled 16 tokens a step; the last prompt run
+    again gets nothing from the prefix cache (off for hybrids) and the same tokens."""
+    from kvship.llm import LLM
+
+    folder, ref = hybrids[arch]
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (3, 40, 21)]
+    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=16,
+              max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    again = llm.generate([prompts[-1]], params)[0]
+    assert ours == greedy_reference(ref, prompts, 8)
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == ours[-1]
+    assert not llm.engine.config.enable_prefix_caching
+
+
+@pytest.mark.timeout(300)
+def test_preempted_sequences_rebuild_their_state(hybrids):
+    """Too few KV blocks for every sequence: the newest are preempted, their state slots given
+    back, and recomputed later from their tokens into a fresh state."""
+    from kvship.llm import LLM
+
+    folder, ref = hybrids["qwen3_5"]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (20, 24, 18)]
+    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=22, block_size=4, max_num_batched_tokens=64,
+              max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert ours == greedy_reference(ref, prompts, 12)
+
+
+@pytest.mark.timeout(300)
+def test_conditional_generation_checkpoint_reads_its_language_model(hybrids, tmp_path):
+    """A Qwen3_5ForConditionalGeneration folder: the text config nested, the language model's
+    tensors under model.language_model., the vision tower's and the MTP layer's skipped."""
+    from safetensors.torch import load_file, save_file
+
+    folder, ref = hybrids["qwen3_5"]
+    inner = json.loads((folder / "config.json").read_text())
+    cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+           "tie_word_embeddings": True, "text_config": {**inner, "model_type": "qwen3_5_text"},
+           "vision_config": {"depth": 1}}
+    tensors = {k.replace("model.", "model.language_model.", 1): v for k, v in load_file(folder / "model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    out = tmp_path / "vl"
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(cfg))
+    write_word_tokenizer(out, 320)
+    prompt = list(range(5, 30))
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(our_logits(out, [prompt])[0], want, atol=ATOL, rtol=0)
