@@ -84,8 +84,7 @@ class ToolPlan:
             tags.append({"type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(t.function.name)}, "arguments": ',
                          "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
                          "end": "}\n</tool_call>"})
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-               "stop_after_first": True}
+        fmt = {"type": "or", "elements": tags}
         return StructuredOutput("structural_tag", canonical_json({"type": "structural_tag", "format": fmt}),
                                 param="tools")
 
