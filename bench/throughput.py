@@ -9,12 +9,14 @@ are the configuration's own: --kv-cache-dtype fp8 halves them, so its limit is h
 weight bytes with --quantization (the bytes the loaded layers hold; the prefill term keeps the
 bf16 matmul rate, so an FP8 W8A8 limit is conservative there).
 
-    python bench/throughput.py [--shape llama3-8b] [--num-prompts 1000] [--max-num-seqs 256]
+    python bench/throughput.py [--shape llama3-8b] [--num-prompts 1000] [--max-num-seqs N]
                                [--kv-cache-dtype auto fp8 ...] [--quantization none fp8 ...] [--tp 1 2]
                                [--profile TOP]
 
 Several weight formats (none: 16-bit), KV-cache dtypes and TP sizes run in turn, each configuration
-in its own engine, and share one table: each row beside its own limit, in the same run.
+in its own engine (shut down before the next starts), and share one table: each row beside its own
+limit, in the same run. Without --max-num-seqs each engine picks its batch cap from its KV cache's
+size (the "seqs" column).
 
 The table's last columns count the engine's steps by kind: decodes alone (CUDA graphs), prompt
 chunks alone, and mixed (both; eager). --profile runs the kvship pass under torch.profiler and
@@ -108,17 +110,18 @@ def shifted(prompts, i: int, vocab: int):
     return [[(t + i) % vocab for t in p] for p in prompts]
 
 
-def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "auto",
+def run_kvship(folder, prompts, outs, max_num_seqs: int | None, kv_cache_dtype: str = "auto",
                quantization: str | None = None, tp: int = 1, profile: int = 0, *, passes: int = 1, vocab: int):
     """Per pass over the workload (``passes`` in one engine; prompts ``shifted``): (seconds, output
     tokens, fraction of the wall time inside the events bracketing each forward pass and each
     sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle, the steps by
     kind); then the weight bytes a batch-1 decode step reads with the routed experts' share of
     them: on rank 0 at tp > 1, whose GPU times are the ones bracketed; with ``profile``, that
-    many kernels' rows of the first pass's profile."""
+    many kernels' rows of the first pass's profile; the batch cap the engine ran with."""
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2 * max(map(len, prompts)) + 16,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype,
               quantization=quantization, tensor_parallel_size=tp)
+    seqs = llm.engine.config.max_num_seqs
     weight_bytes = weight_bytes_per_token(llm.engine.runner.model)
     expert_bytes = expert_bytes_per_token(llm.engine.runner.model)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
@@ -146,9 +149,8 @@ def run_kvship(folder, prompts, outs, max_num_seqs: int, kv_cache_dtype: str = "
         results.append((dt, produced, busy / dt, dict(kinds)))
         if prof:
             prof_rows = kernel_rows(prof, 1, profile)
-    del llm
-    torch.cuda.empty_cache()
-    return results, weight_bytes, expert_bytes, prof_rows
+    llm.shutdown()  # its memory back before the next configuration's engine starts
+    return results, weight_bytes, expert_bytes, prof_rows, seqs
 
 
 def run_hf(shape: str, prompts, outs, batch: int) -> float:
@@ -179,7 +181,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--lo", type=int, default=100)
     ap.add_argument("--hi", type=int, default=1024)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="batch cap (default: the engine's, from its cache)")
     ap.add_argument("--hf-prompts", type=int, default=64, help="subset size for the HF reference (0: skip)")
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
@@ -203,12 +205,12 @@ def main() -> None:
         config = f"{'bf16' if wfmt == 'none' else wfmt} weights, {kv} KV" + (f", TP={tp}" if args.tp != [1] else "")
         with tempfile.TemporaryDirectory() as tmp:
             folder = write_shape_folder(args.shape, tmp)
-            results, wbytes, ebytes, prof_rows = run_kvship(
+            results, wbytes, ebytes, prof_rows, seqs = run_kvship(
                 folder, prompts, outs, args.max_num_seqs, kv, insitu_method(wfmt), tp, args.profile,
                 passes=args.passes, vocab=vocab)
         dt, produced, busy, kinds = sorted(results)[len(results) // 2]  # the median pass (by seconds)
         # tp GPUs side by side: each reads its shard (rank 0's bytes), 1/tp of the KV and of the FLOPs
-        limits[config] = limit_seconds(args.shape, prompts, outs, args.max_num_seqs, bw * tp, mm * tp, kv,
+        limits[config] = limit_seconds(args.shape, prompts, outs, seqs, bw * tp, mm * tp, kv,
                                        wbytes * tp, ebytes * tp)
         print(f"kvship {config} done after {time.monotonic() - t0:.0f} s ({dt:.1f} s of generation)",
               file=sys.stderr, flush=True)
@@ -218,21 +220,21 @@ def main() -> None:
         rate = produced / dt
         first = first or rate
         rows.append([name, f"{rate:,.0f}", f"{rate / first:.2f}×", f"{dt:.1f}", f"{100 * limits[config] / dt:.0f}%",
-                     f"{100 * (1 - busy):.0f}%", *(f"{kinds[k]:,}" for k in ("decode", "mixed", "prefill"))])
+                     f"{100 * (1 - busy):.0f}%", f"{seqs}", *(f"{kinds[k]:,}" for k in ("decode", "mixed", "prefill"))])
         profiles.append((name, prof_rows))
     if args.hf_prompts:
         hf = run_hf(args.shape, prompts[:args.hf_prompts], outs[:args.hf_prompts], args.hf_batch)
         print(f"HF done after {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
         rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}",
-                     *"-" * 7])
+                     *"-" * 8])
     for config, limit in limits.items():
         rows.append([f"workload limit, {config} (bytes / BW + prefill FLOPs / matmul)", f"{sum(outs) / limit:,.0f}",
-                     "-", f"{limit:.1f}", "100%", "0%", *"-" * 3])
+                     "-", f"{limit:.1f}", "100%", "0%", *"-" * 4])
     print(header(f"Offline throughput, {args.shape} shape, {args.num_prompts} prompts, "
-                 f"in/out uniform [{args.lo}, {args.hi}], max_num_seqs {args.max_num_seqs}"))
+                 f"in/out uniform [{args.lo}, {args.hi}], max_num_seqs {args.max_num_seqs or 'per engine'}"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s, "
           f"{sum(map(len, prompts)):,} prompt tokens, {sum(outs):,} output tokens\n")
-    print(table(rows, ["engine", "output tok/s", "of the first row", "seconds", "of limit", "GPU idle", "decode steps", "mixed steps",
+    print(table(rows, ["engine", "output tok/s", "of the first row", "seconds", "of limit", "GPU idle", "seqs", "decode steps", "mixed steps",
                        "prefill steps"]))
     for name, prof_rows in profiles:
         if prof_rows:

@@ -60,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("scheduling and memory")
     g.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most sequences in a batch")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help="most sequences in a batch (default: from the KV cache's size, 256 to 1024)")
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, help="token budget per step")
     g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block (power of two)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

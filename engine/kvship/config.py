@@ -25,7 +25,9 @@ class EngineConfig:
     generation_defaults: bool = True
 
     max_model_len: int | None = None  # None -> the model's own limit
-    max_num_seqs: int = 256
+    # Most sequences in a batch. None: chosen from the KV cache's size once it is allocated
+    # (ModelRunner.auto_max_num_seqs): a cache that holds more, an FP8 one say, runs more at once.
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192  # token budget per step (chunked prefill)
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -50,7 +52,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")

@@ -11,14 +11,36 @@ from kvship.sampling_params import SamplingParams
 
 
 class LLM:
+    """``shutdown()``, or leaving ``with LLM(...) as llm:``, gives back the GPU memory (weights,
+    KV cache, CUDA graphs) and stops tensor-parallel ranks; so does dropping the last reference,
+    which also leaves the model to whoever still holds it."""
+
     def __init__(self, model: str | None = None, **config):
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        engine = self.__dict__.get("engine")
+        if engine is not None:
+            engine.shutdown(release_memory=False)
+
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
         """Prompts are strings (tokenized with the model's tokenizer) or token-id lists."""
+        if "engine" not in self.__dict__:
+            raise RuntimeError("this LLM has been shut down")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()

@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -82,7 +83,10 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._pending = 0  # submitted but not yet seen by the loop (counts as waiting)
         self._embeddings: set[asyncio.Future] = set()  # embedding calls awaiting the loop
-        self._thread = threading.Thread(target=self._loop, name="kvship-engine", daemon=True)
+        # The thread holds the engine through a weak reference: dropping the last reference
+        # to it ends the loop and frees the model (see __del__).
+        self._thread = threading.Thread(target=_run, args=(weakref.ref(self), self._stopping),
+                                        name="kvship-engine", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -175,12 +179,28 @@ class AsyncEngine:
     def add_death_callback(self, fn: Callable[[BaseException], None]) -> None:
         self._death_callbacks.append(fn)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0, release_memory: bool = True) -> None:
+        """Stop the engine thread, then the engine: its tensor-parallel ranks and, with
+        ``release_memory``, its device memory (LLMEngine.shutdown). Safe to call twice."""
         self._stopping.set()
         self._inbox.put(("wake", None))
-        self._thread.join(timeout)
-        if not self._thread.is_alive() and hasattr(self.engine, "shutdown"):  # TP ranks stop once no step runs
-            self.engine.shutdown()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if self._thread.is_alive():  # a step still runs: freeing under it would break it
+                log.warning("the engine thread did not stop within %.0f s; its memory is not released", timeout)
+                return
+        if hasattr(self.engine, "shutdown"):  # TP ranks stop once no step runs
+            self.engine.shutdown(release_memory=release_memory)
+
+    def __enter__(self) -> "AsyncEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if getattr(self, "_thread", None) is not None:
+            self.shutdown(release_memory=False)  # the model goes with the last reference to it
 
     # -- engine thread -----------------------------------------------------------------------
     def _drain(self, block: bool) -> None:
@@ -216,17 +236,19 @@ class AsyncEngine:
                 if final is not None and stream is not None:  # a reader is still waiting: end its stream
                     stream.put(final)
 
-    def _loop(self) -> None:
+    def _iterate(self) -> bool:
+        """One turn of the loop: take what the clients sent, run a step if there is work, hand
+        its outputs out. False once the loop has died."""
         try:
-            while not self._stopping.is_set():
-                self._drain(block=not self.engine.has_work())
-                if not self.engine.has_work():
-                    continue
-                for out in self.engine.step():
-                    with self._lock:
-                        stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
+            self._drain(block=not self.engine.has_work())
+            if not self.engine.has_work():
+                return True
+            for out in self.engine.step():
+                with self._lock:
+                    stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+            return True
         except BaseException as e:  # noqa: BLE001 - any failure kills serving; report it
             log.exception("engine loop died")
             self._error = e
@@ -239,6 +261,16 @@ class AsyncEngine:
                 f.get_loop().call_soon_threadsafe(_settle, f, None, EngineDeadError("the engine stopped"))
             for fn in self._death_callbacks:
                 fn(e)
+            return False
+
+
+def _run(ref: weakref.ref, stopping: threading.Event) -> None:
+    """The engine thread: turns of AsyncEngine's loop while it is referenced and not stopped."""
+    while not stopping.is_set():
+        engine = ref()
+        if engine is None or not engine._iterate():
+            return
+        del engine  # between turns only the weak reference holds it
 
 
 def _settle(result: asyncio.Future, value: object, error: BaseException | None) -> None:

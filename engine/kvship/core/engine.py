@@ -9,6 +9,7 @@ holds tokens whose values the host knows.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -156,12 +157,24 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks this engine started (no-op with one rank)."""
-        if getattr(self, "tp_runtime", None) is not None:
-            if getattr(self, "runner", None) is not None:
-                self.runner.release_graphs()  # graphs hold NCCL work: drop them before the communicators
-            self.tp_runtime.shutdown()
+    def shutdown(self, release_memory: bool = True) -> None:
+        """Stop the tensor-parallel ranks this engine started and, with ``release_memory``, give
+        back its device memory (CUDA graphs and their pool, KV cache, weights): the engine
+        serves nothing afterwards. Safe to call more than once, and on a half-built engine.
+        ``release_memory=False`` (a finalizer) stops the ranks only: the model may still be
+        referenced from outside and is freed with its last reference."""
+        runner = getattr(self, "runner", None)
+        tp_runtime, self.tp_runtime = getattr(self, "tp_runtime", None), None
+        if tp_runtime is not None:
+            if runner is not None:
+                runner.release_graphs()  # graphs hold NCCL work: drop them before the communicators
+            tp_runtime.shutdown()
+        if not release_memory:
+            return
+        self.in_flight = None
+        if runner is not None:
+            runner.release()
+        release_device_memory()
 
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -260,6 +273,15 @@ class LLMEngine:
                 out = self.outputs.end_without_token(seq, "length")
                 return [out] if out is not None else []
         return []
+
+
+def release_device_memory() -> None:
+    """Free what nothing references any more (cycles included) and hand the allocator's cached
+    blocks back to the driver, so that another engine or process can have them."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def must_read_before_scheduling(previous: InFlightStep) -> bool:

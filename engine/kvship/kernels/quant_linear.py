@@ -41,7 +41,6 @@ from kvship.kernels.quant_gemv import (
     tiles_keep_groups,
 )
 from kvship.kernels.quant_gemv_mma import MAX_TOKENS, mma_fit, qgemv_mma_triton
-from kvship.kernels.tuning.fp8_matmul import GROUP_GEMM_ROWS
 from kvship.kernels.tuning.quant_linear import (
     DENSE_ROWS,
     GEMM_CONFIGS,
@@ -405,18 +404,18 @@ def _w8a8(x2: torch.Tensor, w: QWeight) -> bool:
 
 def _dense_matmul(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """Many rows: tensor cores at full rate. FP8 weights multiply FP8 activations quantized
-    dynamically (W8A8, as vLLM's): per token beside per-row weights (torch._scaled_mm), per
-    token and group beside block-wise ones up to GROUP_GEMM_ROWS rows; other formats, and
-    block-wise FP8 beyond those rows, are expanded into a transient 16-bit matrix for cuBLAS
-    (compute-bound at these sizes: the expansion costs less than the dequantizing GEMM lost)."""
+    dynamically (W8A8, as vLLM's) at every row count: per token beside per-row weights
+    (torch._scaled_mm), per token and group beside block-wise ones (fp8_matmul's group GEMM).
+    A 16-bit copy of an FP8 matrix would read three times its bytes and run at half the FP8
+    rate. Other formats are expanded into a transient 16-bit matrix for cuBLAS (compute-bound
+    at these sizes: the expansion costs less than the dequantizing GEMM lost)."""
     if _w8a8(x2, w):
         if w.scales.shape[1] == 1:
             xq, scale_a = quantize_fp8_rows(x2)
             return torch._scaled_mm(xq, w.qweight.t(), scale_a=scale_a, scale_b=w.scales.view(1, -1),
                                     bias=bias, out_dtype=x2.dtype)
-        if x2.shape[0] <= GROUP_GEMM_ROWS:  # block-wise: activations per token and group
-            xq, scale_a = quantize_fp8_groups(x2, w.group_size)
-            return fp8_group_matmul_triton(xq, scale_a, w.qweight, w.scales, w.group_size, bias, x2.dtype)
+        xq, scale_a = quantize_fp8_groups(x2, w.group_size)  # block-wise: activations per token and group
+        return fp8_group_matmul_triton(xq, scale_a, w.qweight, w.scales, w.group_size, bias, x2.dtype)
     return F.linear(x2, dequantize_triton(w, x2.dtype), bias)
 
 

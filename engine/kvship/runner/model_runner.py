@@ -3,6 +3,7 @@ sampling of the sequences whose prompt is complete. The step's result stays on t
 InFlightStep) while the host goes on; the next step can take its tokens as inputs there."""
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -33,6 +34,15 @@ KV_SCALE_TOKENS = 256  # the start-up prefill that measures FP8 scales a checkpo
 # ... and the seed of its random tokens: fixed, not --seed (the sampling's): a cache's quality
 # should not change with the seed a user picks for sampling.
 KV_SCALE_SEED = 0
+# The batch cap when --max-num-seqs is not given: as many sequences as the KV cache holds at
+# AUTO_SEQ_TOKENS each (the context, if shorter), a multiple of 16 (the decode graphs' sizes),
+# within [AUTO_MIN_SEQS, AUTO_MAX_SEQS]. Preemption handles sequences that outgrow it.
+AUTO_MIN_SEQS, AUTO_MAX_SEQS, AUTO_SEQ_TOKENS = 256, 1024, 2048
+
+
+def auto_max_num_seqs(cache_tokens: int, max_model_len: int) -> int:
+    n = cache_tokens // min(max_model_len, AUTO_SEQ_TOKENS) // 16 * 16
+    return max(AUTO_MIN_SEQS, min(AUTO_MAX_SEQS, n))
 
 
 @dataclass
@@ -153,7 +163,12 @@ class ModelRunner:
 
         torch.manual_seed(config.seed)
         if self.device.type == "cuda":
+            # An engine dropped earlier in this process may still be waiting for the cycle
+            # collector: free it now, or the KV cache sized below counts its memory as taken.
+            gc.collect()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)  # for the loading peak logged below
+        allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         build = model_class(model_config)
         torch.set_default_dtype(self.dtype)
         try:
@@ -166,13 +181,24 @@ class ModelRunner:
         else:
             weights = tqdm(weights, desc="Loading weights", unit=" tensors", leave=False)
         self.model.load_weights(weights, need_lm_head=config.task != "embed")
-        if self.device.type == "cuda":  # in-situ quantization holds one 16-bit matrix at a time: the peak shows it
+        _drop_weight_loaders(self.model)
+        # Weights go straight into the tensors the model was built with, one checkpoint tensor at a
+        # time (in-situ quantization holds one 16-bit matrix more): the peak should stay near them.
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
+        self.loading_peak_bytes = 0
+        if self.device.type == "cuda":
+            self.loading_peak_bytes = torch.cuda.max_memory_allocated(self.device) - allocated_before
             log.info("weights: %.2f GiB on the GPU, %.2f GiB at the peak of loading",
-                     torch.cuda.memory_allocated(self.device) / 2**30, torch.cuda.max_memory_allocated(self.device) / 2**30)
+                     self.weight_bytes / 2**30, self.loading_peak_bytes / 2**30)
         self.model.eval()
         self.sampler = Sampler()
         self.num_state_slots = self._bind_recurrent_state()  # before the KV cache: its memory counts
         self.num_blocks = self._allocate_kv_cache()
+        if config.max_num_seqs is None:  # resolved here for the scheduler, the server and every rank alike
+            config.max_num_seqs = auto_max_num_seqs(self.num_blocks * self.block_size, max_model_len)
+            log.info("max_num_seqs %d, from the KV cache's %d tokens (%d a sequence, %d to %d)", config.max_num_seqs,
+                     self.num_blocks * self.block_size, min(max_model_len, AUTO_SEQ_TOKENS), AUTO_MIN_SEQS,
+                     AUTO_MAX_SEQS)
         self.graphs: DecodeGraphs | None = None
         # graphs: decode only; routed experts only through the fused Triton path (the torch one
         # syncs with the host and its shapes follow the routing), and none with --attention-backend
@@ -180,7 +206,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and config.task != "embed" \
                 and self.backend != "torch" \
                 and (HAS_TRITON or not model_config.num_experts) and self.model.cuda_graphs:
-            self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, 512),
+            self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, AUTO_MAX_SEQS),
                                        -(-max_model_len // self.block_size), self.device)
             self.graphs.capture()
         self.measuring_kv_scales = self._set_up_kv_scales()  # after the runs above: real prefills only
@@ -190,6 +216,26 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs = None
             torch.cuda.synchronize(self.device)
+
+    def release(self) -> None:
+        """Give back what the runner holds on its device: the graphs and their memory pool, the
+        KV cache, the weights and the sampler's caches. Tensors are emptied in place, so that a
+        reference someone kept to the model or a layer holds no device memory either. The
+        runner runs nothing afterwards."""
+        self.release_graphs()
+        model, self.model = getattr(self, "model", None), None
+        self.sampler = None
+        if model is not None:
+            with torch.no_grad():
+                for module in model.modules():
+                    for p in module._parameters.values():
+                        if p is not None:
+                            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                    for name in list(module._buffers):
+                        module._buffers[name] = None
+                    for name, value in list(vars(module).items()):
+                        if isinstance(value, torch.Tensor):  # KV caches, rotary tables, scales
+                            setattr(module, name, None)
 
     # -- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -209,7 +255,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             return self._blocks_that_fit_on_gpu(per_block)
         # CPU: enough for max_num_seqs full contexts, capped at 1 GiB.
-        want = c.max_num_seqs * -(-self.max_model_len // self.block_size)
+        want = (c.max_num_seqs or AUTO_MIN_SEQS) * -(-self.max_model_len // self.block_size)
         return max(1, min(want, (1 << 30) // per_block))
 
     @torch.inference_mode()
@@ -217,7 +263,7 @@ class ModelRunner:
         """Run the largest step we will ever run (a full token budget) against a throw-away
         cache, measure the peak, and give KV what --gpu-memory-utilization leaves."""
         c, dev = self.config, self.device
-        tokens = min(c.max_num_batched_tokens, self.max_model_len * c.max_num_seqs)
+        tokens = min(c.max_num_batched_tokens, self.max_model_len * (c.max_num_seqs or AUTO_MAX_SEQS))
         seq_len = min(tokens, self.max_model_len)
         num_seqs = -(-tokens // seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
@@ -227,16 +273,23 @@ class ModelRunner:
         ids = torch.randint(0, self.model_config.vocab_size, (num_seqs * seq_len,), device=dev)
         meta = self._prefill_meta(num_seqs, seq_len)
         self.model.compute_logits(self.model(ids, meta.positions, meta.attention)[meta.attention.logits_indices])
-        # Sampling of a full batch: float32 logits plus a few temporaries of that size.
-        sampler_bytes = 4 * c.max_num_seqs * self.model_config.vocab_size * 4
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         self._bind_kv_cache(0)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
         others = total - free - torch.cuda.memory_allocated(dev)  # other processes, CUDA context
-        graph_reserve = 0 if c.enforce_eager else 512 << 20
-        budget = total * c.gpu_memory_utilization - others - peak - sampler_bytes - graph_reserve
+        vocab = self.model_config.vocab_size
+
+        def reserve(rows: int) -> int:
+            """Sampling a full batch (float32 logits and a few temporaries of that size), and the
+            decode graphs' pool (their activations, shared logits and the 16-bit ones before)."""
+            return 16 * rows * vocab + (0 if c.enforce_eager else (512 << 20) + 6 * rows * vocab)
+
+        budget = total * c.gpu_memory_utilization - others - peak
+        rows = c.max_num_seqs or auto_max_num_seqs(
+            int(max(0, budget - reserve(AUTO_MIN_SEQS)) // per_block) * self.block_size, self.max_model_len)
+        budget -= reserve(rows)  # the cap chosen from the cache that is left is at most rows
         if budget < per_block:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: weights and activations take {peak / 2**30:.1f} GiB of "
@@ -270,6 +323,8 @@ class ModelRunner:
         fewer slots than --max-num-seqs lower it (the scheduler then runs no more)."""
         if not hasattr(self.model, "bind_state"):
             return 0
+        if self.config.max_num_seqs is None:  # the slots come before the cache: no cap from its size
+            self.config.max_num_seqs = AUTO_MIN_SEQS
         per_slot, slots = self.model.state_bytes_per_slot(self.dtype), self.config.max_num_seqs
         if self.device.type == "cuda":
             total = torch.cuda.mem_get_info(self.device)[1] * self.config.gpu_memory_utilization
@@ -512,6 +567,15 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         self.measuring_kv_scales = False
         return self.model.compute_logits(hidden[meta.logits_indices]).float()
+
+
+def _drop_weight_loaders(model: torch.nn.Module) -> None:
+    """Each parameter's weight_loader is a bound method of its layer, which holds the parameter:
+    a reference cycle per layer that only the cycle collector frees, keeping a dropped model's
+    weights on the device until it runs. Loading is over: break them."""
+    for p in model.parameters():
+        if "weight_loader" in vars(p):
+            del p.weight_loader
 
 
 def _packed(parts: list, dtype, pin: bool, device: torch.device) -> list[torch.Tensor]:
