@@ -607,3 +607,13 @@ def test_continue_final_message_through_the_openai_client(server):
                                          temperature=0, extra_body={"continue_final_message": True,
                                                                     "add_generation_prompt": False})
     assert "Paris" in out.choices[0].message.content
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32"])
+def test_lone_surrogate_in_a_utf16_or_utf32_body_is_400(server, encoding):
+    """JSON in UTF-16/32 (which the parser accepts) carries the same escapes in other bytes."""
+    for path, raw, param in (("/v1/completions", '{"prompt": "hi", "user": "\\udc01"}', "user"),
+                             ("/v1/responses", '{"input": "hi", "metadata": {"k": "x\\ud801"}}', "metadata.k"),
+                             ("/tokenize", '{"model": "\\udfff", "prompt": "hi"}', "model")):
+        err = assert_error(post_raw(server.url, path, raw.encode(encoding)), 400, param)
+        assert "surrogate" in err["message"]

@@ -84,7 +84,7 @@ def _decode(raw: bytes, model: type[M]) -> M:
         raise bad_request("The JSON body is nested too deeply.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
-    if _SURROGATE_ESCAPE.search(raw):
+    if b"\x00" in raw[:4] or _SURROGATE_ESCAPE.search(raw):  # (a UTF-16 or -32 body: searched whole)
         _refuse_lone_surrogates(data)
     try:
         return model.model_validate(data)
@@ -94,7 +94,7 @@ def _decode(raw: bytes, model: type[M]) -> M:
 
 
 # A lone UTF-16 surrogate can only come in as a JSON escape (json.loads refuses one in raw
-# UTF-8), so the parsed body is searched only when the raw bytes hold such an escape.
+# UTF-8), so a UTF-8 body is searched only when its raw bytes hold such an escape.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
