@@ -1,26 +1,14 @@
 """Attention over a paged KV cache.
 
-Cache layout (one pair per layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim],
-or a quantized layout (--kv-cache-dtype fp8*/int4) with its k_scale, v_scale: see kernels/kv_quant.py;
-the cache's dtype says which. Every function here takes the scales as keyword arguments.
-Token t of a sequence lives in block block_table[t // block_size], row t % block_size; its
-"slot" is block_id * block_size + row.
-
-Batch layout: the new tokens of all sequences are flattened, q: [T, Hq, D];
-cu_seqlens_q [B+1] delimits each sequence's tokens; seq_lens [B] is each sequence's context
-length *including* the new tokens (already stored in the cache); block_tables [B, max_blocks].
-New token i of sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally to
-positions <= its own. Decode is the case q_len == 1 for every sequence.
-
-The torch reference also takes one cache as both (v_cache is k_cache: multi-head latent attention,
-layers/attention.py LatentAttention) and then gathers it once.
-
-Two options a layer may set (both default off):
-- ``window`` (sliding-window attention, Mistral, Gemma 2/3's local layers): a query at position
-  p sees keys at positions p - window < k <= p, the last ``window`` tokens including itself
-  (transformers' sliding_window_overlay: kv_idx > q_idx - sliding_window).
-- ``softcap`` (Gemma 2): scores s = q.k * scale become tanh(s / softcap) * softcap before the
-  softmax (and before masking).
+Cache (one pair per layer): k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim],
+or a quantized layout with k_scale, v_scale (kernels/kv_quant.py; the dtype says which). Token t
+of a sequence lives in block block_table[t // block_size], row t % block_size.
+Batch: new tokens flattened, q [T, Hq, D]; cu_seqlens_q [B+1] delimits them; seq_lens [B] counts
+each context *including* the new tokens (already stored); block_tables [B, max_blocks]. New token
+i of sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally. Options per
+layer: ``window`` (a query at p sees keys p - window < k <= p) and ``softcap`` (scores become
+tanh(s / softcap) * softcap before the softmax). The torch reference also takes one cache as both
+(latent attention).
 
 The plain-torch reference (CPU path, the kernels' oracle) comes first, then the Triton kernels
 (storing new keys/values is fused with rotary: kernels/rotary.py). Decode: one program holds
@@ -29,8 +17,7 @@ all query heads of a KV head, so each K/V tile is read once per KV head, split o
 from shapes only. Prefill: one program per (query head, BLOCK_M new tokens, sequence), unmasked
 tiles below the diagonal, masked ones on it. Both read pages through the block table (any block
 size) and dequantize quantized pages in registers; the tile step is kernels/attention_tile.py.
-A layer's window and soft cap are compile-time constants (WINDOW, SOFTCAP; 0: off).
-"""
+WINDOW and SOFTCAP are compile-time constants (0: off)."""
 from __future__ import annotations
 
 import torch

@@ -1,25 +1,17 @@
-"""One-row GEMV (batch-1 decode) for codes of 4 or 8 bits (integers or FP8), read as 32-bit words:
-the fp32 word kernel (this docstring) and, for codes beside 16-bit activations, the fp16-pair
-kernel below ("packed pairs"), which the engine prefers where it takes the layout.
+"""One-row GEMV (batch-1 decode) for 4- or 8-bit codes (integers or FP8) read as 32-bit words:
+the fp32 word kernel, and below it the fp16-pair kernel ("packed pairs"), which the engine
+prefers beside 16-bit activations.
 
-kernels/quant_linear.py's one-row kernel turns every code into a scaled weight before its FMA:
-split the byte, widen it, convert, re-centre, multiply by the group's scale, then the FMA. For
-4-bit codes those instructions, not the memory, set its speed. Here a program loads [BLOCK_N, BLOCK_W] words (8 codes of 4 bits or 4 of 8 each) and, for
-each position j in the word, takes code j of every word with one shift-and, converts it exactly
-by OR-ing it into the mantissa of 2**23 and subtracting 2**23, and accumulates code * x with one
-FMA. The centre, scales and offsets act once per group after the tile's reduction:
+Converting every code into a scaled weight before its FMA makes 4-bit codes instruction-bound.
+Here a program loads [BLOCK_N, BLOCK_W] words and, for each position j in a word, takes code j of
+every word with one shift-and, converts it exactly (OR into the mantissa of 2**23, subtract
+2**23) and accumulates code * x with one FMA; centre, scales and offsets act once per group:
 
     sum_k (s_g (c_k - centre) + b_g) x_k = s_g (sum_k c_k x_k - centre sum_k x_k) + b_g sum_k x_k
 
-(centre for symmetric integer codes, offsets b_g for asymmetric ones; FP8 codes are the values,
-converted by the hardware, with centre 0). Input k = word * CODES + j, the
-order of the byte layout (``pack``: low nibble first, bytes little-endian), so x is read with a
-stride of CODES per position. Takes codes whose rows are whole words (K a multiple of 8 for 4 bits,
-of 4 for 8 bits) and groups that tiles hold whole or lie inside (no act-order table); the
-caller keeps the per-code kernel for the rest.
-
-Its reference is quant_linear.py's: dequantize, then F.linear.
-"""
+Input k = word * CODES + j (``pack``'s byte layout), so x is read with a stride of CODES. Rows
+must be whole words and groups whole tiles (or contain them), without an act-order table; the
+caller keeps the per-code kernel for the rest. The reference is quant_linear.py's."""
 from __future__ import annotations
 
 import torch
