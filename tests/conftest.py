@@ -47,10 +47,6 @@ for _component in ("engine", "kernels", "models", "loader", "server", "operator"
     sys.path.insert(0, str(Path(__file__).parent / _component))
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; a device run selects them with -m gpu)")
-
-
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
