@@ -23,7 +23,7 @@ class CompletionOutput:
     # For each generated token: (sampled token logprob, top alternatives), when asked for.
     logprobs: list[tuple[TokenLogprob, list[TokenLogprob]]] | None = None
     logprobs_delta: list[tuple[TokenLogprob, list[TokenLogprob]]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (a grammar with no allowed token)
     stop_reason: str | int | None = None  # matched stop string or stop token id
 
     @property

@@ -35,7 +35,7 @@ logger = logging.getLogger("kvship.server")
 
 router = APIRouter()
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # Latency buckets (seconds): fine below a second for TTFT / inter-token time, out to minutes for
 # whole requests on slow hardware.
