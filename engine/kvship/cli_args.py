@@ -62,7 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=None,
                    help="most sequences in a batch (default: from the KV cache's size, 256 to 1024)")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, help="token budget per step")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="token budget per step (default: 8192 on a GPU, 64 on a CPU)")
     g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block (power of two)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")

@@ -28,7 +28,8 @@ class EngineConfig:
     # Most sequences in a batch. None: chosen from the KV cache's size once it is allocated
     # (ModelRunner.auto_max_num_seqs): a cache that holds more, an FP8 one say, runs more at once.
     max_num_seqs: int | None = None
-    max_num_batched_tokens: int = 8192  # token budget per step (chunked prefill)
+    # Token budget per step (chunked prefill); None: default_token_budget(device).
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
 
@@ -54,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.tp_all_reduce not in ("nccl", "one-shot", "fused"):
@@ -66,3 +69,16 @@ class EngineConfig:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+GPU_TOKEN_BUDGET = 8192
+# Every running request waits for each step. A GPU's step time hardly grows with its tokens until
+# thousands; a CPU's grows from the first (it is compute-bound), so its budget keeps a step of a
+# small model to a few tenths of a second, and a short request beside a long prompt's chunks
+# gets a token at that pace rather than after the whole prefill.
+CPU_TOKEN_BUDGET = 64
+
+
+def default_token_budget(device_type: str) -> int:
+    """max_num_batched_tokens when it is not set: by the device the engine runs on."""
+    return GPU_TOKEN_BUDGET if device_type == "cuda" else CPU_TOKEN_BUDGET

@@ -221,13 +221,14 @@ def test_decode_inputs_come_from_the_device_and_are_aligned(llm, prompts):
     eng.step()  # the three prompts, prefilled; their first tokens are still on the device
     step = eng.in_flight
     batch = eng.scheduler.schedule(step.rows)
-    assert [s.token_ids for s in batch.seqs] == prompts[:3]  # the sampled tokens are still in flight
+    expected = [prompts[int(s.request_id[-1])] for s in batch.seqs]  # (admitted shortest first)
+    assert len(batch) == 3 and [s.token_ids for s in batch.seqs] == expected  # the sampled tokens are in flight
     ids, pos, meta, in_flight = eng.runner.prepare(batch, step)
     assert ids.tolist() == [0, 0, 0]  # left for the device: a decode graph's staging or fill() writes them
     ids = in_flight.fill(ids)
     sampled = step.result().token_ids
     assert ids.tolist() == [sampled[step.rows[s]] for s in batch.seqs]
-    assert pos.tolist() == [len(p) for p in prompts[:3]]
+    assert pos.tolist() == [len(p) for p in expected]
     views = [ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, meta.logits_indices]
     assert all(t.data_ptr() % 16 == 0 for t in views)
     for i in range(3):

@@ -1,10 +1,11 @@
 """Continuous batching under a per-step token budget.
 
-Each step: running sequences first (decodes, and prompts part-way through a chunked prefill),
-then waiting sequences in arrival order, their prompts chunked to fit what is left of the budget.
-The batch lists its one-token entries first (Batch.decodes_first), for the attention kernels.
-When blocks run out, the newest running sequence is preempted (its blocks freed, recomputed
-later from its tokens; the prefix cache usually makes that cheap).
+Each step: running decodes first, one token each; then prefills (prompts part-way through a
+chunked prefill, and waiting sequences) share what is left of the budget, the fewest remaining
+tokens first, so that a short request starts at once beside a long prompt, which goes on with
+the rest. The batch lists its one-token entries first (Batch.decodes_first), for the attention
+kernels. When blocks run out, the newest running sequence not yet in the batch is preempted
+(its blocks freed, recomputed later from its tokens; the prefix cache usually makes that cheap).
 """
 from __future__ import annotations
 
@@ -67,42 +68,71 @@ class Scheduler:
         batch = Batch()
         budget = self.max_num_batched_tokens
         preempted = False
+        prefills: list[Sequence] = []  # running sequences part-way through their prompt
 
-        for seq in list(self.running):  # oldest first
-            if seq.status is not SeqStatus.RUNNING or budget == 0:
+        for seq in list(self.running):  # decodes, oldest first
+            if seq.status is not SeqStatus.RUNNING:
                 continue
-            n = min(seq.num_tokens + (seq in in_flight) - seq.num_computed_tokens, budget)
-            while not self.kv.allocate(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                batch.add(seq, n)
-                budget -= n
+            n = seq.num_tokens + (seq in in_flight) - seq.num_computed_tokens
+            if n > 1:
+                prefills.append(seq)
+            elif budget:
+                fits, preempted = self._fit(seq, n, batch, preempted)
+                if fits:
+                    batch.add(seq, n)
+                    budget -= n
 
-        # Admit waiting sequences only when nothing had to be preempted this step.
-        if not preempted:
-            for seq in list(self.waiting):
-                if budget == 0 or len(self.running) >= self.max_num_seqs:
-                    break
-                if seq.gated:
-                    continue
-                revived = self.kv.find_cached_prefix(seq)
-                computed = len(revived) * self.kv.block_size
-                n = min(seq.num_tokens - computed, budget)
-                seq.num_computed_tokens = computed
-                if not self.kv.allocate(seq, n, revived):
-                    seq.num_computed_tokens = 0
-                    break
-                if seq.first_scheduled_time is None:
-                    seq.first_scheduled_time = time.monotonic()
-                    seq.num_cached_tokens = computed
-                    self.kv.count_prefix_lookup(seq.num_prompt_tokens, computed)
-                self.waiting.remove(seq)
-                seq.status = SeqStatus.RUNNING
-                self.running.append(seq)
+        # Prefills share what is left, fewest remaining tokens first (running ones first among
+        # equals, then arrival order): a short prompt is not queued behind a long prompt's chunks.
+        # Waiting sequences are admitted only while nothing had to be preempted this step.
+        admitting = not preempted
+        waiting = [seq for seq in self.waiting if not seq.gated] if admitting else []
+        for seq in sorted(prefills + waiting, key=lambda seq: seq.num_tokens - seq.num_computed_tokens):
+            if budget == 0:
+                break
+            if seq.status is SeqStatus.RUNNING:
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                fits, preempted = self._fit(seq, n, batch, preempted)
+                admitting = admitting and not preempted
+            elif seq in prefills or not admitting or len(self.running) >= self.max_num_seqs:
+                continue  # preempted meanwhile, or no admissions this step
+            else:
+                n = self._admit(seq, budget)
+                fits = n > 0
+                admitting = fits  # one that does not fit keeps the later ones waiting behind it
+            if fits:
                 batch.add(seq, n)
                 budget -= n
         return batch.decodes_first()
+
+    def _fit(self, seq: Sequence, n: int, batch: Batch, preempted: bool) -> tuple[bool, bool]:
+        """Blocks for n more tokens of a running sequence, preempting the newest running ones
+        not in this batch (seq itself last) until they fit. Returns whether seq fits, and
+        whether anything was preempted this step."""
+        while not self.kv.allocate(seq, n):
+            scheduled = set(batch.seqs)
+            victim = next(s for s in reversed(self.running) if s not in scheduled)
+            self._preempt(victim)
+            preempted = True
+            if victim is seq:
+                return False, preempted
+        return True, preempted
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Move a waiting sequence to running, its cached prefix counted as computed; the
+        number of its tokens this step computes, or 0 when its blocks do not fit."""
+        revived = self.kv.find_cached_prefix(seq)
+        computed = len(revived) * self.kv.block_size
+        n = min(seq.num_tokens - computed, budget)
+        seq.num_computed_tokens = computed
+        if not self.kv.allocate(seq, n, revived):
+            seq.num_computed_tokens = 0
+            return 0
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+            seq.num_cached_tokens = computed
+            self.kv.count_prefix_lookup(seq.num_prompt_tokens, computed)
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return n

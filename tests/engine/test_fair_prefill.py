@@ -1,0 +1,98 @@
+"""Chunked prefill shares each step's token budget: a short request that arrives while a long
+prompt is part-way through its prefill starts in the next step and can finish before the long
+prompt's prefill does, and neither's greedy output changes for it."""
+import pytest
+
+from kvship.config import CPU_TOKEN_BUDGET, EngineConfig, default_token_budget
+from kvship.core.kv_cache_manager import KVCacheManager
+from kvship.core.scheduler import Scheduler
+from kvship.llm import LLM
+from kvship.sampling_params import SamplingParams
+from kvship.sequence import Sequence
+
+BUDGET = 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+LONG_TEXT = ("The history of clockmaking runs from water clocks and sundials to the pendulum, the "
+             "balance spring and the quartz crystal; each step made time a little more exact. ") * 20
+
+
+def _seq(request_id: str, n: int) -> Sequence:
+    return Sequence(request_id, 0, list(range(1, n + 1)), SamplingParams())
+
+
+def test_short_prompt_shares_the_budget_with_a_long_prefill():
+    kv = KVCacheManager(num_blocks=64, block_size=16)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=BUDGET)
+    long, decode = _seq("long", 500), _seq("decode", 5)
+    sched.add(decode)
+    sched.add(long)
+    batch = sched.schedule()  # the short prompt first, the long one takes the rest
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("decode", 5), ("long", 59)]
+    sched.commit(batch)
+    short = _seq("short", 3)
+    sched.add(short)
+    batch = sched.schedule(in_flight={decode})  # decode's sampled token is still in flight
+    # decodes first, then the waiting short prompt whole, then the long prompt's next chunk
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == \
+        [("decode", 1), ("short", 3), ("long", BUDGET - 4)]
+    sched.commit(batch)
+    assert long.num_computed_tokens == 59 + BUDGET - 4 < long.num_prompt_tokens
+
+
+def test_two_long_prefills_go_shortest_remaining_first():
+    kv = KVCacheManager(num_blocks=64, block_size=16)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=BUDGET)
+    first, second = _seq("first", 300), _seq("second", 200)
+    sched.add(first)
+    sched.add(second)
+    batch = sched.schedule()
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("second", BUDGET)]
+    sched.commit(batch)
+    while second.num_computed_tokens < second.num_prompt_tokens:  # second keeps the lead to its end
+        batch = sched.schedule()
+        assert batch.seqs[0] is second
+        sched.commit(batch)
+    assert 0 < first.num_computed_tokens  # the step that finished second's prompt gave first the rest
+
+
+def test_default_budget_by_device():
+    assert EngineConfig().max_num_batched_tokens is None
+    assert default_token_budget("cpu") == CPU_TOKEN_BUDGET < default_token_budget("cuda")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", max_num_batched_tokens=BUDGET, enable_prefix_caching=False)
+
+
+def test_short_request_finishes_while_a_long_prompt_is_in_prefill(llm):
+    eng = llm.engine
+    tok = llm.tokenizer
+    long_ids = tok.encode(LONG_TEXT)
+    short_ids = tok.encode("Hi there")
+    assert len(long_ids) > 8 * BUDGET and len(short_ids) < 8
+    long_alone = llm.generate([long_ids], GREEDY)[0].outputs[0].token_ids
+    short_alone = llm.generate([short_ids], GREEDY)[0].outputs[0].token_ids
+
+    eng.add_request("long", long_ids, GREEDY)
+    events = [("long", out.finished, len(out.outputs[0].token_ids)) for out in eng.step()]
+    long_seq = eng.outputs.requests["long"].choices[0].seq
+    assert 0 < long_seq.num_computed_tokens < len(long_ids)  # part-way through its prefill
+    eng.add_request("short", short_ids, GREEDY)
+    finals = {}
+    for _ in range(200):
+        if not eng.has_work():
+            break
+        for out in eng.step():
+            events.append((out.request_id, out.finished, len(out.outputs[0].token_ids)))
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+                if out.request_id == "short":  # the long prompt has not produced a token yet
+                    assert long_seq.num_computed_tokens < len(long_ids), events
+    assert not eng.has_work()
+    first_long = next(i for i, (rid, _, n) in enumerate(events) if rid == "long" and n > 0)
+    short_done = events.index(("short", True, len(short_alone)))
+    assert short_done < first_long, events
+    assert finals == {"long": long_alone, "short": short_alone}
+    kv = eng.kv
+    assert kv.num_free_blocks == kv.num_blocks
