@@ -51,7 +51,9 @@ def dummy_weights(build, model_config: ModelConfig, max_model_len: int, backend:
                 for e in range(mod.num_experts):
                     pieces = t[e].split(mod.intermediate) if leaf == "w13" else (t[e],)
                     for part, piece in zip(parts, pieces):
-                        yield f"{mod_name}.{e}.{part}.weight", _ref(piece)
+                        # a copy: the loader still holds the last matrix it took while the next stack
+                        # is drawn, and a view would keep this whole stack on the device beside it
+                        yield f"{mod_name}.{e}.{part}.weight", _ref(piece.clone())
             elif isinstance(mod, MergedColumnParallelLinear):
                 base = mod_name.rpartition(".")[0]
                 parts = getattr(mod, "checkpoint_parts", ("gate_proj", "up_proj"))  # (Gated DeltaNet's in_proj)
@@ -59,6 +61,6 @@ def dummy_weights(build, model_config: ModelConfig, max_model_len: int, backend:
                     yield f"{base}.{part}.{leaf}", _ref(piece)
             else:
                 yield name, _ref(t)
-            del t
+            t = pieces = piece = None  # and its views: freed before the next one is drawn
 
     return weights()
