@@ -178,3 +178,45 @@ def test_conditional_generation_checkpoint_reads_its_language_model(hybrids, tmp
     with torch.no_grad():
         want = ref(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(our_logits(out, [prompt])[0], want, atol=ATOL, rtol=0)
+
+
+def _fp8_block(tensors: dict[str, torch.Tensor], block: int = 32):
+    """The projections quantized to FP8 in blocks of block x block (the last blocks partial, as
+    the DeltaNet's small b and a projections' are): the file's tensors and their values. The
+    routed experts stay in 16 bits: transformers holds them stacked, under other names."""
+    out, deq = {}, {}
+    for name, w in tensors.items():
+        if not name.endswith(("proj.weight", "proj_qkvz.weight", "proj_ba.weight")) or ".experts." in name:
+            out[name] = deq[name] = w
+            continue
+        n, k = w.shape
+        padded = torch.nn.functional.pad(w, (0, -k % block, 0, -n % block))
+        scales = padded.view(padded.shape[0] // block, block, -1, block).abs().amax((1, 3)).clamp_min(1e-12) / 448.0
+        full = scales.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+        codes = (w / full).to(torch.float8_e4m3fn)
+        out[name], out[name[:-len("weight")] + "weight_scale_inv"] = codes, scales.float()
+        deq[name] = codes.float() * full
+    return out, deq
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_fp8_block_checkpoint_matches_its_dequantized_weights(tmp_path, arch):
+    """An FP8 block-wise checkpoint (as Qwen3.6-27B-FP8's) against transformers running the
+    values it stores; Qwen3-Next's grouped projections are regrouped in 16 bits."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / arch
+    ref = make_hybrid(folder, arch, seed=4)
+    out, deq = _fp8_block(load_file(folder / "model.safetensors"))
+    save_file(out, folder / "model.safetensors")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ref.load_state_dict(deq, strict=False)
+    prompt = list(range(3, 40))
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+    got = our_logits(folder, [prompt])[0]
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -28,6 +28,7 @@ from kvship.loader.source import RowView, apply_slices
 from kvship.models.config import ModelConfig, UnsupportedModelError
 from kvship.models.llama import LlamaForCausalLM, LlamaMLP, SparseMoeBlock
 from kvship.parallel import TPContext
+from kvship.quant import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,11 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
             for part, start, size in (("q", 0, k), ("k", k, k), ("v", 2 * k, v)):
                 yield name.replace("in_proj_qkv", f"in_proj_{part}"), RowView(ref, start, size)
         elif name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
-            yield from self._next_parts(name, ref.load())
+            w = ref.load()
+            if isinstance(w, QuantizedTensor):  # per-key-head groups need not align with quantized blocks
+                log.info("%s: regrouped in 16 bits (dequantized)", name)
+                w = w.dequantize()
+            yield from self._next_parts(name, w)
         elif name.endswith("linear_attn.conv1d.weight"):
             w = ref.load()
             yield name.replace("conv1d.weight", "conv_weight"), Loaded(w.reshape(w.shape[0], -1))
