@@ -136,6 +136,9 @@ def test_greedy_matches_transformers(hybrids, arch):
     assert ours == greedy_reference(ref, prompts, 8)
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == ours[-1]
     assert not llm.engine.config.enable_prefix_caching
+    kv = llm.engine.kv  # every state slot given back with its sequence, never more than the runner holds
+    assert 0 < kv.num_state_slots <= llm.engine.runner.num_state_slots
+    assert sorted(kv.free_state_slots) == list(range(kv.num_state_slots))
 
 
 @pytest.mark.timeout(300)
@@ -153,6 +156,7 @@ def test_preempted_sequences_rebuild_their_state(hybrids):
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert llm.engine.scheduler.num_preemptions > 0
     assert ours == greedy_reference(ref, prompts, 12)
+    assert sorted(llm.engine.kv.free_state_slots) == list(range(llm.engine.kv.num_state_slots))
 
 
 @pytest.mark.timeout(300)
