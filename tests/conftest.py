@@ -43,7 +43,7 @@ LEAK_GRACE_S = 10.0
 
 # Tests live in one folder per component; a few share reference checks across folders
 # (test_models' greedy and logits comparisons, test_kernels' paged-cache builders).
-for _component in ("engine", "kernels", "models", "loader", "server", "operator"):
+for _component in ("engine", "kernels", "models", "loader", "server", "operator", "router"):
     sys.path.insert(0, str(Path(__file__).parent / _component))
 
 

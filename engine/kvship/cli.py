@@ -36,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-stored-responses-size", type=parse_size, default=64 * 2**20, metavar="SIZE",
                        help="text kept of stored /v1/responses conversations (previous_response_id); the oldest go "
                        "first (default: 64MiB; at most 1000 are kept)")
+    from kvship.router.main import add_router_args  # standard library only: no torch, no grpc
+
+    router = sub.add_parser("router", help="route requests over several `kvship serve` replicas (Envoy + "
+                            "a Gateway API Inference Extension endpoint picker)",
+                            description="Envoy in front of several model servers; an ext_proc endpoint picker "
+                            "chooses the replica for each request.")
+    add_router_args(router)
     return parser
 
 
@@ -285,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "router":
+        from kvship.router.main import run
+
+        return run(args)
     parser.print_help()
     return 2
 

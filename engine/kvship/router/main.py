@@ -1,0 +1,111 @@
+"""`kvship router`: the picker (gRPC ext_proc + its HTTP port) and, unless --picker-only, Envoy
+in front of it; SIGTERM or SIGINT stops both."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+import threading
+from concurrent import futures
+
+from kvship.router.pool import POLICIES, Pool, endpoint_from_url
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", action="append", default=[], metavar="URL",
+                   help="a model server (`kvship serve`) to route to, e.g. http://10.0.0.5:8000; repeat or "
+                   "comma-separate for several")
+    p.add_argument("--host", default="0.0.0.0", help="Envoy's listening address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="Envoy's listening port (default: %(default)s)")
+    p.add_argument("--policy", choices=POLICIES, default="prefix",
+                   help="prefix: the endpoint that served the prompt's leading blocks, within a load bound; "
+                   "least-load: fewest queued; round-robin (default: %(default)s)")
+    p.add_argument("--picker-only", action="store_true",
+                   help="run only the endpoint picker, for a gateway that already runs Envoy")
+    p.add_argument("--picker-host", default="127.0.0.1",
+                   help="the picker's gRPC address (default: %(default)s; 0.0.0.0 with --picker-only)")
+    p.add_argument("--picker-port", type=int, default=9002, help="the picker's gRPC port (default: %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=9090,
+                   help="the picker's /health and /metrics port (default: %(default)s)")
+    p.add_argument("--envoy-admin-port", type=int, default=0,
+                   help="Envoy's admin port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--prefix-block-chars", type=int, default=64,
+                   help="characters of the rendered prompt in one prefix block (default: %(default)s)")
+    p.add_argument("--load-epsilon", type=float, default=0.25,
+                   help="prefix policy: an endpoint takes a request while its load stays within (1 + this) x "
+                   "the mean (default: %(default)s)")
+    p.add_argument("--scrape-interval", type=float, default=0.5,
+                   help="seconds between reads of each endpoint's /metrics (default: %(default)s)")
+    p.add_argument("--no-endpoint-header", dest="endpoint_header", action="store_false",
+                   help="do not add the response header x-kvship-endpoint naming the replica that served")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvship.router.envoy import EnvoyProcess, bootstrap
+    from kvship.router.extproc import Picker, add_to_server
+    from kvship.router.scrape import Scraper
+    from kvship.router.stats import RouterStats, StatsServer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    log = logging.getLogger("kvship.router")
+    try:
+        urls = [u.strip() for item in args.endpoint for u in item.split(",") if u.strip()]
+        endpoints = [endpoint_from_url(u) for u in urls]
+        if args.prefix_block_chars < 1 or args.load_epsilon < 0 or args.scrape_interval <= 0:
+            raise ValueError("--prefix-block-chars must be >= 1, --load-epsilon >= 0, --scrape-interval > 0")
+    except ValueError as exc:
+        print(f"kvship router: error: {exc}", file=sys.stderr)
+        return 2
+    if not endpoints:
+        log.warning("no --endpoint: every request gets 503 until endpoints are configured")
+
+    pool = Pool(endpoints, args.policy, args.load_epsilon)
+    stats = RouterStats(pool)
+    scraper = Scraper(pool, args.scrape_interval)
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvship-extproc"))
+    add_to_server(Picker(pool, stats, args.prefix_block_chars), grpc_server)
+    picker_port = grpc_server.add_insecure_port(f"{args.picker_host}:{args.picker_port}")
+    http = StatsServer(stats, args.picker_host if not args.picker_only else "0.0.0.0", args.metrics_port)
+    envoy = None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        scraper.start()
+        grpc_server.start()
+        http.start()
+        log.info("endpoint picker on %s:%d (gRPC ext_proc), /health and /metrics on :%d, policy %s, %d endpoints",
+                 args.picker_host, picker_port, http.port, args.policy, len(endpoints))
+        if not args.picker_only:
+            picker_host = "127.0.0.1" if args.picker_host in ("0.0.0.0", "") else args.picker_host
+            config = bootstrap(args.host, args.port, picker_host, picker_port,
+                               args.envoy_admin_port or _free_port(), endpoint_header=args.endpoint_header)
+            envoy = EnvoyProcess(config, log_level="warning" if args.log_level != "debug" else "info")
+            envoy.start()
+            log.info("kvship router listening on http://%s:%d (envoy)", args.host, args.port)
+        while not stop.wait(0.5):
+            if envoy is not None and envoy.poll() is not None:
+                log.error("envoy exited with %s", envoy.poll())
+                return 1
+        return 0
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        grpc_server.stop(grace=2).wait(5)
+        http.stop()
+        scraper.stop()

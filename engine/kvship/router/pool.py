@@ -1,0 +1,157 @@
+"""The endpoints the picker chooses from, their load, and the scoring policies.
+
+Load of an endpoint = requests running + waiting at its last /metrics scrape, plus picks the
+picker has sent it that have not had their response headers yet (the scrape lags by an interval)."""
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+POLICIES = ("prefix", "least-load", "round-robin")
+
+
+@dataclass
+class Endpoint:
+    address: str  # "ip:port", as Envoy's ORIGINAL_DST cluster dials it
+    url: str  # base URL, for /metrics
+    healthy: bool = True
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    in_flight: int = 0
+    last_scrape: float = 0.0
+
+    @property
+    def load(self) -> float:
+        return self.running + self.waiting + self.in_flight
+
+
+def endpoint_from_url(url: str) -> Endpoint:
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if not parts.hostname or not parts.port:
+        raise ValueError(f"endpoint needs a host and a port: {url!r}")
+    host = parts.hostname
+    address = f"[{host}]:{parts.port}" if ":" in host else f"{host}:{parts.port}"
+    return Endpoint(address=address, url=f"{parts.scheme}://{address}")
+
+
+@dataclass
+class Pick:
+    endpoint: Endpoint
+    fallbacks: list[Endpoint]
+    reason: str  # prefix-hit, prefix-miss, prefix-overload, least-load, round-robin
+
+
+class PrefixIndex:
+    """Per endpoint, the block hashes of prompts it was sent (LRU, bounded): where a prefix's KV lives."""
+
+    def __init__(self, max_blocks_per_endpoint: int = 100_000):
+        self._max = max_blocks_per_endpoint
+        self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+
+    def match(self, address: str, hashes: list[bytes]) -> int:
+        """Leading blocks of `hashes` this endpoint holds."""
+        held = self._blocks.get(address)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def record(self, address: str, hashes: list[bytes]) -> None:
+        held = self._blocks.setdefault(address, OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self._max:
+            held.popitem(last=False)
+
+    def forget(self, address: str) -> None:
+        self._blocks.pop(address, None)
+
+
+class Pool:
+    """Thread-safe: the gRPC handlers pick while the scraper updates load and health."""
+
+    def __init__(self, endpoints: list[Endpoint], policy: str = "prefix", load_epsilon: float = 0.25,
+                 max_fallbacks: int = 2):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.endpoints = endpoints
+        self.policy = policy
+        self.epsilon = load_epsilon
+        self.max_fallbacks = max_fallbacks
+        self.index = PrefixIndex()
+        self._rr = itertools.count()
+        self.lock = threading.Lock()
+
+    def healthy(self) -> list[Endpoint]:
+        return [e for e in self.endpoints if e.healthy]
+
+    def pick(self, block_hashes: list[bytes]) -> Pick | None:
+        with self.lock:
+            live = self.healthy()
+            if not live:
+                return None
+            if self.policy == "round-robin":
+                chosen, reason = live[next(self._rr) % len(live)], "round-robin"
+            elif self.policy == "least-load":
+                chosen, reason = min(live, key=self._load_key), "least-load"
+            else:
+                chosen, reason = self._pick_prefix(live, block_hashes)
+            self.index.record(chosen.address, block_hashes)
+            chosen.in_flight += 1
+            rest = sorted((e for e in live if e is not chosen), key=self._load_key)
+            return Pick(chosen, rest[:self.max_fallbacks], reason)
+
+    def done(self, endpoint: Endpoint) -> None:
+        with self.lock:
+            endpoint.in_flight = max(0, endpoint.in_flight - 1)
+
+    @staticmethod
+    def _load_key(e: Endpoint) -> tuple:
+        return (e.waiting + e.in_flight, e.kv_usage, e.running, e.address)
+
+    def _pick_prefix(self, live: list[Endpoint], hashes: list[bytes]) -> tuple[Endpoint, str]:
+        # Bounded load (consistent hashing with bounded loads): an endpoint takes a request only while
+        # its load + 1 stays within (1 + epsilon) x the mean load counting this request.
+        cap = math.ceil((1 + self.epsilon) * (sum(e.load for e in live) + 1) / len(live))
+        room = [e for e in live if e.load + 1 <= cap] or live
+        scored = sorted(((self.index.match(e.address, hashes), e) for e in live), key=lambda t: -t[0])
+        best_match = scored[0][0] if scored else 0
+        if best_match:
+            for n, e in scored:
+                if n == best_match and e in room:
+                    return e, "prefix-hit"
+            # The holders are over the bound: the least loaded with room, which will hold it from now on.
+            return min(room, key=self._load_key), "prefix-overload"
+        # A prefix seen nowhere: least loaded, ties broken by the first block's hash so that
+        # concurrent new prefixes spread instead of all landing on the first endpoint.
+        seed = zlib.crc32(hashes[0]) if hashes else 0
+        least = min(e.load for e in room)
+        tied = [e for e in room if e.load == least]
+        return tied[seed % len(tied)], "prefix-miss"
+
+    def update(self, endpoint: Endpoint, metrics: dict[str, float] | None) -> None:
+        with self.lock:
+            if metrics is None:
+                if endpoint.healthy:
+                    self.index.forget(endpoint.address)  # a restarted engine holds nothing
+                endpoint.healthy = False
+                return
+            endpoint.healthy = True
+            endpoint.running = metrics.get("kvship:num_requests_running", 0.0)
+            endpoint.waiting = metrics.get("kvship:num_requests_waiting", 0.0)
+            endpoint.kv_usage = metrics.get("kvship:kv_cache_usage_perc", 0.0)
+            endpoint.last_scrape = time.monotonic()
