@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     pool = Pool(endpoints, args.policy, args.load_epsilon)
     stats = RouterStats(pool)
     scraper = Scraper(pool, args.scrape_interval)
-    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvship-extproc"))
+    executor = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvship-extproc")
+    grpc_server = grpc.server(executor)
     add_to_server(Picker(pool, stats, args.prefix_block_chars), grpc_server)
     picker_port = grpc_server.add_insecure_port(f"{args.picker_host}:{args.picker_port}")
     http = StatsServer(stats, args.picker_host if not args.picker_only else "0.0.0.0", args.metrics_port)
@@ -107,5 +108,6 @@ def run(args: argparse.Namespace) -> int:
         if envoy is not None:
             envoy.stop()
         grpc_server.stop(grace=2).wait(5)
+        executor.shutdown(wait=False, cancel_futures=True)
         http.stop()
         scraper.stop()

@@ -66,4 +66,4 @@ class Scraper:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
-        self._workers.shutdown(wait=False, cancel_futures=True)
+        self._workers.shutdown(wait=True, cancel_futures=True)

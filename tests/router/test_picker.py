@@ -1,0 +1,207 @@
+"""The endpoint picker alone, through a real gRPC client speaking Envoy's ext_proc protocol on
+loopback: the pick arrives as the GIE header and `envoy.lb` metadata; an empty pool gets an
+immediate OpenAI-shaped error; load read from real /metrics pages steers least-load and the bound."""
+from __future__ import annotations
+
+import json
+import threading
+from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from kvship.router.extproc import Picker, add_to_server
+from kvship.router.pool import Endpoint, Pool, endpoint_from_url
+from kvship.router.scrape import Scraper
+from kvship.router.stats import RouterStats
+
+pytestmark = pytest.mark.timeout(60)
+
+ADDRESSES = ["127.0.0.1:18001", "127.0.0.1:18002", "127.0.0.1:18003"]
+
+
+class PickerServer:
+    def __init__(self, pool: Pool, block_chars: int = 64):
+        self.pool = pool
+        self.stats = RouterStats(pool)
+        self.executor = futures.ThreadPoolExecutor(max_workers=8)
+        self.server = grpc.server(self.executor)
+        add_to_server(Picker(pool, self.stats, block_chars), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+
+    def exchange(self, body: dict | None, path: str = "/v1/chat/completions") -> list[pb.ProcessingResponse]:
+        """One HTTP request's ext_proc stream, as Envoy sends it with a buffered body."""
+        method = "POST" if body is not None else "GET"
+        headers = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key=":method", raw_value=method.encode()),
+            base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
+            base_pb2.HeaderValue(key="traceparent", raw_value=b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+        ]), end_of_stream=body is None)
+        reqs = [pb.ProcessingRequest(request_headers=headers)]
+        if body is not None:
+            reqs.append(pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(body).encode(),
+                                                                      end_of_stream=True)))
+        return list(self.stub.Process(iter(reqs), timeout=10))
+
+    def close(self) -> None:
+        self.channel.close()
+        self.server.stop(0).wait(5)
+        self.executor.shutdown(wait=True)
+
+
+@pytest.fixture
+def picker_factory():
+    made: list[PickerServer] = []
+
+    def make(addresses=ADDRESSES, policy="prefix", **kw) -> PickerServer:
+        pool = Pool([endpoint_from_url(a) for a in addresses], policy)
+        p = PickerServer(pool, **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def chat(system: str, user: str) -> dict:
+    return {"model": "m", "max_tokens": 1,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+
+
+def picked(responses: list[pb.ProcessingResponse]) -> tuple[str, list[str]]:
+    """The destination header and the `envoy.lb` metadata list of the response that carries the pick."""
+    final = responses[-1]
+    common = final.request_body.response if final.HasField("request_body") else final.request_headers.response
+    sets = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    assert common.clear_route_cache
+    meta = final.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
+    return sets["x-gateway-destination-endpoint"], meta.string_value.split(",")
+
+
+def test_headers_and_body_in_endpoint_header_and_metadata_out(picker_factory):
+    p = picker_factory()
+    responses = p.exchange(chat("You are terse. " * 20, "hi"))
+    assert len(responses) == 2
+    assert responses[0].HasField("request_headers")  # headers: continue, the body decides
+    assert not responses[0].request_headers.response.header_mutation.set_headers
+    assert responses[1].HasField("request_body")
+    header, meta = picked(responses)
+    assert header in ADDRESSES
+    assert meta[0] == header  # the pick first, then fallbacks: the other endpoints, no repeats
+    assert sorted(meta) == sorted(ADDRESSES)
+
+
+def test_request_without_body_is_picked_on_its_headers(picker_factory):
+    p = picker_factory()
+    responses = p.exchange(None, path="/v1/models")
+    assert len(responses) == 1 and responses[0].HasField("request_headers")
+    header, meta = picked(responses)
+    assert header in ADDRESSES and meta[0] == header
+
+
+def test_empty_pool_is_an_immediate_openai_error(picker_factory):
+    p = picker_factory(addresses=[])
+    responses = p.exchange(chat("sys", "hi"))
+    final = responses[-1]
+    assert final.HasField("immediate_response")
+    assert final.immediate_response.status.code == 503
+    body = json.loads(final.immediate_response.body)
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == "no_endpoint" and body["error"]["message"]
+    hdrs = {h.header.key: h.header.raw_value for h in final.immediate_response.headers.set_headers}
+    assert hdrs["content-type"] == b"application/json" and "retry-after" in hdrs
+
+
+def test_prefix_groups_stick_and_spread(picker_factory):
+    p = picker_factory(addresses=ADDRESSES)
+    systems = [f"System prompt of tenant {g}: " + f"rule {g} applies. " * 30 for g in range(3)]
+    first = {}
+    for turn in range(4):
+        for g, system in enumerate(systems):
+            header, _ = picked(p.exchange(chat(system, f"question {turn}")))
+            p.pool.done(next(e for e in p.pool.endpoints if e.address == header))  # the answer came back
+            first.setdefault(g, header)
+            assert header == first[g], f"group {g} moved at turn {turn}"
+    assert len(set(first.values())) == 3  # new prefixes go to the least loaded endpoint
+    reasons: dict[str, float] = {}
+    for m in p.stats.registry.collect():
+        for s in m.samples:
+            if s.name == "kvship_router:picks_total":
+                reasons[s.labels["reason"]] = reasons.get(s.labels["reason"], 0) + s.value
+    assert reasons["prefix-hit"] == 9 and reasons["prefix-miss"] == 3
+
+
+def test_round_robin_spreads_one_prefix(picker_factory):
+    p = picker_factory(policy="round-robin")
+    seen = [picked(p.exchange(chat("same system " * 30, f"q{i}")))[0] for i in range(6)]
+    assert seen[:3] != [seen[0]] * 3 and sorted(seen[:3]) == sorted(ADDRESSES) and seen[3:] == seen[:3]
+
+
+def test_bounded_load_moves_an_overloaded_prefix_holder():
+    pool = Pool([Endpoint("a:1", "http://a:1"), Endpoint("b:1", "http://b:1")], "prefix", load_epsilon=0.25)
+    hashes = [b"h1", b"h2"]
+    first = pool.pick(hashes)
+    assert first.reason == "prefix-miss"
+    assert pool.pick(hashes).endpoint is first.endpoint  # load 1 vs 0: cap ceil(1.25 * 2 / 2) = 2
+    third = pool.pick(hashes)  # the holder at 2, the other at 0: 3 > ceil(1.25 * 3 / 2) = 2
+    assert third.reason == "prefix-overload" and third.endpoint is not first.endpoint
+    assert pool.pick(hashes).reason == "prefix-hit"  # both hold it now
+
+
+class MetricsPage:
+    """A real HTTP server with a model server's /metrics names, values set by the test."""
+
+    def __init__(self, waiting: float, running: float, kv: float):
+        text = (f"# TYPE kvship:num_requests_waiting gauge\nkvship:num_requests_waiting{{model_name=\"m\"}} {waiting}\n"
+                f"kvship:num_requests_running{{model_name=\"m\"}} {running}\n"
+                f"kvship:kv_cache_usage_perc{{model_name=\"m\"}} {kv}\n").encode()
+
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                self.send_response(200)
+                self.send_header("content-length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def test_least_load_from_scraped_metrics_and_dead_endpoint_skipped():
+    pages = [MetricsPage(5, 4, 0.9), MetricsPage(0, 1, 0.2), MetricsPage(2, 4, 0.5)]
+    dead = MetricsPage(0, 0, 0.0)
+    dead.close()  # nothing listens there any more
+    try:
+        pool = Pool([endpoint_from_url(p.url) for p in [*pages, dead]], "least-load")
+        scraper = Scraper(pool, 0.5)
+        scraper.scrape_once()
+        scraper.stop()
+        assert [e.healthy for e in pool.endpoints] == [True, True, True, False]
+        assert pool.endpoints[0].waiting == 5 and pool.endpoints[2].kv_usage == 0.5
+        picks = [pool.pick([]) for _ in range(4)]
+        assert all(p.endpoint is not pool.endpoints[3] for p in picks)
+        assert picks[0].endpoint is pool.endpoints[1]  # nothing waiting
+        assert picks[0].reason == "least-load"
+        # Its own picks count as load: after two more it is level with the third endpoint (2 waiting).
+        assert {p.endpoint.address for p in picks} == {pool.endpoints[1].address, pool.endpoints[2].address}
+    finally:
+        for p in pages:
+            p.close()
