@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvship.kernels import kv_quant as kvq
@@ -24,6 +25,68 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # rows of the flat batch whose next token is sampled
     num_decodes: int = 0  # the first sequences with one new token each (Batch.num_decodes)
     state_slots: torch.Tensor | None = None  # [B] each sequence's recurrent-state slot (hybrid models)
+
+
+# Scores held at once by the CPU path: a prefill chunk's queries are split so that one call's
+# [query heads, queries, keys] stays near this many elements, whatever the prompt's length.
+CPU_SCORE_ELEMENTS = 1 << 22
+
+
+def _cpu_attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over [Hkv, rows, D] queries and [Hkv, L, D] keys and values."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
+                        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The CPU path: each sequence attends over its own blocks only (those its queries can see),
+    never a batch padded to the longest context. The query heads of a KV head stand in the query
+    dimension, so keys are not repeated per head, and a long prefill chunk is split over its
+    queries: memory stays linear in the context. Same inputs and result as
+    kernels/paged_attention.py's ``paged_attention_torch``."""
+    t, num_q_heads, d = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    same = v_cache is k_cache
+    for b, ctx in enumerate(lens):
+        s, e = starts[b], starts[b + 1]
+        q_len = e - s
+        if q_len == 0:
+            continue
+        first = 0 if window is None else max(0, ctx - q_len - window + 1)  # the oldest key any query sees
+        b0 = first // block_size
+        blocks = block_tables[b, b0 : -(-ctx // block_size)].long()
+        lo, hi = first - b0 * block_size, ctx - b0 * block_size
+        k = kvq.pages(k_cache, k_scale, blocks, d).flatten(0, 1)[lo:hi].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+        v = k if same else kvq.pages(v_cache, v_scale, blocks, d).flatten(0, 1)[lo:hi].transpose(0, 1).to(q.dtype)
+        qs = q[s:e].view(q_len, num_kv_heads, group, d).permute(1, 0, 2, 3)  # [Hkv, q_len, group, D]
+        if q_len == 1:  # decode: every kept key is visible
+            o = _cpu_attend(qs.reshape(num_kv_heads, group, d), k, v, None, scale, softcap)
+            out[s] = o.reshape(num_q_heads, d)
+            continue
+        chunk = max(1, CPU_SCORE_ELEMENTS // (num_q_heads * (hi - lo)))
+        key_pos = torch.arange(first, ctx, device=q.device)
+        for i in range(0, q_len, chunk):
+            j = min(q_len, i + chunk)
+            q_pos = torch.arange(ctx - q_len + i, ctx - q_len + j, device=q.device)
+            end = ctx - q_len + j - first  # keys past the chunk's last query are never seen
+            mask = key_pos[None, :end] <= q_pos[:, None]
+            if window is not None:
+                mask &= key_pos[None, :end] > q_pos[:, None] - window
+            mask = mask[:, None, :].expand(j - i, group, end).reshape((j - i) * group, end)
+            qc = qs[:, i:j].reshape(num_kv_heads, (j - i) * group, d)
+            o = _cpu_attend(qc, k[:, :end], v[:, :end], mask, scale, softcap)  # [Hkv, rows, D]
+            out[s + i : s + j] = o.view(num_kv_heads, j - i, group, d).permute(1, 0, 2, 3).reshape(j - i, num_q_heads, d)
+    return out
 
 
 class PagedAttention(nn.Module):
@@ -108,6 +171,9 @@ class PagedAttention(nn.Module):
                  qk_norm)
         args = (self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
         options = dict(window=self.window, softcap=self.softcap)
+        if q.device.type == "cpu":  # no kernels: per-sequence attention over its own blocks
+            q = rotary_store_kv_torch(positions, q, k, v, *store)
+            return paged_attention_cpu(q, *args, *scales, **options)
         if self.force_torch:
             q = rotary_store_kv_torch(positions, q, k, v, *store)
             return pa.paged_attention_torch(q, *args, *scales, **options)
