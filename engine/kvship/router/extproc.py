@@ -4,7 +4,7 @@ following the Gateway API Inference Extension's endpoint-picker protocol.
 One gRPC stream per HTTP request: request headers (answered with CONTINUE, unless there is no
 body), then the buffered request body, parsed and scored; the answer sets the header
 `x-gateway-destination-endpoint: ip:port` and the same key in dynamic metadata under `envoy.lb`
-(the pick first, then fallbacks, comma-separated). Response headers close the pick's in-flight count.
+(the pick first, then fallbacks, comma-separated). The stream's end closes the pick's in-flight count.
 With no endpoint, an ImmediateResponse carries an OpenAI-shaped JSON error."""
 from __future__ import annotations
 
@@ -107,9 +107,6 @@ class Picker(pb_grpc.ExternalProcessorServicer):
                     yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
                                                 dynamic_metadata=metadata)
                 elif kind == "response_headers":
-                    if pick is not None:
-                        self.pool.done(pick.endpoint)
-                        pick = None
                     yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                 elif kind == "request_trailers":
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
@@ -124,7 +121,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):
             self.stats.picked("error", None)
             yield immediate_error(500, "the endpoint picker failed on this request", "server_error", "picker_error")
         finally:
-            if pick is not None:  # the stream ended without response headers (an upstream failure)
+            if pick is not None:  # Envoy closes the stream when the request ends
                 self.pool.done(pick.endpoint)
 
 

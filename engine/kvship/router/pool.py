@@ -1,7 +1,9 @@
 """The endpoints the picker chooses from, their load, and the scoring policies.
 
-Load of an endpoint = requests running + waiting at its last /metrics scrape, plus picks the
-picker has sent it that have not had their response headers yet (the scrape lags by an interval)."""
+Load of an endpoint = the picks it was sent whose ext_proc stream is still open (exact, as the
+picker sees it), plus requests waiting in its queue at the last /metrics scrape (traffic from
+elsewhere). Running requests and KV usage only break ties: a scrape lags by an interval, and a
+finished request still counted there would push a prefix off its replica under the load bound."""
 from __future__ import annotations
 
 import itertools
@@ -29,7 +31,7 @@ class Endpoint:
 
     @property
     def load(self) -> float:
-        return self.running + self.waiting + self.in_flight
+        return self.waiting + self.in_flight
 
 
 def endpoint_from_url(url: str) -> Endpoint:
@@ -121,7 +123,7 @@ class Pool:
 
     @staticmethod
     def _load_key(e: Endpoint) -> tuple:
-        return (e.waiting + e.in_flight, e.kv_usage, e.running, e.address)
+        return (e.load, e.kv_usage, e.running, e.address)
 
     def _pick_prefix(self, live: list[Endpoint], hashes: list[bytes]) -> tuple[Endpoint, str]:
         # Bounded load (consistent hashing with bounded loads): an endpoint takes a request only while

@@ -31,8 +31,8 @@ class _PoolCollector:
         healthy = GaugeMetricFamily("kvship_router:endpoint_healthy", "1 while the endpoint's /metrics answers.",
                                     labels=["endpoint"])
         load = GaugeMetricFamily("kvship_router:endpoint_load",
-                                 "Running + waiting at the last scrape + picks not yet answered.", labels=["endpoint"])
-        in_flight = GaugeMetricFamily("kvship_router:endpoint_in_flight", "Picks not yet answered.",
+                                 "Picks in flight + requests waiting at the last scrape.", labels=["endpoint"])
+        in_flight = GaugeMetricFamily("kvship_router:endpoint_in_flight", "Picks whose request has not ended.",
                                       labels=["endpoint"])
         with self.pool.lock:
             for e in self.pool.endpoints:

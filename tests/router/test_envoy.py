@@ -1,0 +1,164 @@
+"""Envoy + the endpoint picker + three `kvship serve` of the bundled model, all real processes on
+loopback: prefix groups stay on one replica each and spread over the replicas, round-robin
+spreads one group, SSE arrives chunk by chunk through Envoy, and a killed replica leaves the pool."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_utils import ServerProcess, free_port
+
+pytestmark = pytest.mark.timeout(900)
+
+MODEL = ""  # the served model's name, read from the first replica
+SERVE_ARGS = ("--max-model-len", "512", "--kv-cache-memory", "128MiB", "--shutdown-timeout", "2")
+
+
+class RouterProcess:
+    """`python -m kvship.cli router` on free ports; its log is shown when something goes wrong."""
+
+    def __init__(self, endpoints: list[str], policy: str):
+        self.port, self.picker_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="kvship-router-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvship.cli", "router", "--host", "127.0.0.1", "--port", str(self.port),
+             "--picker-port", str(self.picker_port), "--metrics-port", str(self.metrics_port),
+             "--policy", policy, "--scrape-interval", "0.2", *(a for e in endpoints for a in ("--endpoint", e))],
+            stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"router exited with {self.proc.returncode}:\n{self.log()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"router not ready after {timeout}s:\n{self.log()}")
+
+    def picker_metrics(self) -> str:
+        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    servers = [ServerProcess(*SERVE_ARGS) for _ in range(3)]  # load side by side
+    try:
+        for s in servers:
+            s.wait_ready()
+        global MODEL
+        MODEL = httpx.get(servers[0].url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        yield servers
+    finally:
+        for s in servers:
+            s.stop(15)
+
+
+@pytest.fixture(scope="module")
+def routers(replicas):
+    made = {policy: RouterProcess([s.url for s in replicas], policy) for policy in ("prefix", "round-robin")}
+    try:
+        for r in made.values():
+            r.wait_ready()
+        yield made
+    finally:
+        codes = {policy: r.stop() for policy, r in made.items()}
+        assert codes == {"prefix": 0, "round-robin": 0}, {p: r.log() for p, r in made.items()}
+
+
+SYSTEMS = [f"You are the assistant of tenant {g}. " + f"Tenant {g} policy clause {g}: answer briefly. " * 12
+           for g in range(4)]
+
+
+def ask(router: RouterProcess, system: str, user: str, client: httpx.Client) -> httpx.Response:
+    return client.post(router.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "max_tokens": 1, "temperature": 0,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
+
+
+def test_prefix_groups_land_on_one_replica_each(routers, replicas):
+    router = routers["prefix"]
+    addresses = {s.url.removeprefix("http://") for s in replicas}
+    hits_before = sum(s.metrics()["kvship:prefix_cache_hits_total"] for s in replicas)
+    served: dict[int, set[str]] = {g: set() for g in range(len(SYSTEMS))}
+    with httpx.Client() as client:
+        for turn in range(3):  # the groups interleaved
+            for g, system in enumerate(SYSTEMS):
+                r = ask(router, system, f"Question {turn}?", client)
+                assert r.status_code == 200, r.text
+                served[g].add(r.headers["x-kvship-endpoint"])
+    assert all(len(v) == 1 for v in served.values()), served
+    used = set().union(*served.values())
+    assert used <= addresses and len(used) >= 2, served  # groups spread over the replicas
+    hits = sum(s.metrics()["kvship:prefix_cache_hits_total"] for s in replicas) - hits_before
+    assert hits > 0  # the second and third turns found their prefix cached on their replica
+    picker = router.picker_metrics()
+    assert 'reason="prefix-hit"' in picker
+    for address in addresses:  # every request's ext_proc stream ended: nothing counted in flight
+        assert f'kvship_router:endpoint_in_flight{{endpoint="{address}"}} 0.0' in picker, picker
+
+
+def test_round_robin_spreads_one_group(routers, replicas):
+    with httpx.Client() as client:
+        seen = [ask(routers["round-robin"], SYSTEMS[0], f"Q{i}", client).headers["x-kvship-endpoint"]
+                for i in range(3)]
+    assert sorted(seen) == sorted(s.url.removeprefix("http://") for s in replicas)
+
+
+def test_sse_stream_arrives_chunk_by_chunk_through_envoy(routers):
+    arrivals: list[float] = []
+    with httpx.Client() as client, client.stream(
+            "POST", routers["prefix"].url + "/v1/chat/completions", timeout=120,
+            json={"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": True, "ignore_eos": True,
+                  "messages": [{"role": "user", "content": "Count from one to twenty."}]}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-kvship-endpoint"]
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                arrivals.append(time.monotonic())
+    assert len(arrivals) >= 10
+    # Buffered by the proxy, every event would arrive in one burst at the end.
+    assert arrivals[-1] - arrivals[0] > 0.05, arrivals
+
+
+def test_killed_replica_leaves_the_pool(routers, replicas):
+    router = routers["prefix"]
+    victim = replicas[0]
+    address = victim.url.removeprefix("http://")
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while f'kvship_router:endpoint_healthy{{endpoint="{address}"}} 0.0' not in router.picker_metrics():
+        assert time.monotonic() < deadline, router.picker_metrics()
+        time.sleep(0.1)
+    with httpx.Client() as client:
+        for turn in range(2):
+            for g, system in enumerate(SYSTEMS):
+                r = ask(router, system, f"After the loss {turn}?", client)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-kvship-endpoint"] != address
