@@ -24,14 +24,15 @@ SERVE_ARGS = ("--max-model-len", "512", "--kv-cache-memory", "128MiB", "--shutdo
 class RouterProcess:
     """`python -m kvship.cli router` on free ports; its log is shown when something goes wrong."""
 
-    def __init__(self, endpoints: list[str], policy: str):
+    def __init__(self, endpoints: list[str], policy: str, *extra: str):
         self.port, self.picker_port, self.metrics_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="kvship-router-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvship.cli", "router", "--host", "127.0.0.1", "--port", str(self.port),
              "--picker-port", str(self.picker_port), "--metrics-port", str(self.metrics_port),
-             "--policy", policy, "--scrape-interval", "0.2", *(a for e in endpoints for a in ("--endpoint", e))],
+             "--policy", policy, *(extra or ("--scrape-interval", "0.2")),
+             *(a for e in endpoints for a in ("--endpoint", e))],
             stdout=self._log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
@@ -80,14 +81,18 @@ def replicas():
 
 @pytest.fixture(scope="module")
 def routers(replicas):
-    made = {policy: RouterProcess([s.url for s in replicas], policy) for policy in ("prefix", "round-robin")}
+    urls = [s.url for s in replicas]
+    made = {policy: RouterProcess(urls, policy) for policy in ("prefix", "round-robin")}
+    # Replicas as an Envoy cluster (retries go to the picker's fallbacks), and a picker that
+    # reads /metrics too rarely to notice a dead replica within the test.
+    made["fallback"] = RouterProcess(urls, "prefix", "--envoy-cluster", "endpoints", "--scrape-interval", "60")
     try:
         for r in made.values():
             r.wait_ready()
         yield made
     finally:
         codes = {policy: r.stop() for policy, r in made.items()}
-        assert codes == {"prefix": 0, "round-robin": 0}, {p: r.log() for p, r in made.items()}
+        assert codes == {"prefix": 0, "round-robin": 0, "fallback": 0}, {p: r.log() for p, r in made.items()}
 
 
 SYSTEMS = [f"You are the assistant of tenant {g}. " + f"Tenant {g} policy clause {g}: answer briefly. " * 12
@@ -146,17 +151,34 @@ def test_sse_stream_arrives_chunk_by_chunk_through_envoy(routers):
     assert arrivals[-1] - arrivals[0] > 0.05, arrivals
 
 
-def test_killed_replica_leaves_the_pool(routers, replicas):
-    router = routers["prefix"]
-    victim = replicas[0]
-    address = victim.url.removeprefix("http://")
-    victim.proc.send_signal(signal.SIGKILL)
-    victim.proc.wait(10)
-    deadline = time.monotonic() + 10
-    while f'kvship_router:endpoint_healthy{{endpoint="{address}"}} 0.0' not in router.picker_metrics():
-        assert time.monotonic() < deadline, router.picker_metrics()
-        time.sleep(0.1)
+def picks_of(router: RouterProcess, address: str) -> float:
+    return sum(float(line.rpartition(" ")[2]) for line in router.picker_metrics().splitlines()
+               if line.startswith("kvship_router:picks_total{") and f'endpoint="{address}"' in line)
+
+
+def test_killed_replica_requests_still_answered(routers, replicas):
+    """Killed while the picker still counts it: Envoy retries the connect failure on the picker's
+    fallback; once a scrape fails, the picker leaves it out."""
     with httpx.Client() as client:
+        owners = {g: ask(routers["fallback"], system, "Before?", client).headers["x-kvship-endpoint"]
+                  for g, system in enumerate(SYSTEMS)}
+        victim = next(s for s in replicas if s.url.removeprefix("http://") == owners[0])
+        address = owners[0]
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(10)
+        picked_before = picks_of(routers["fallback"], address)
+        for g, system in enumerate(SYSTEMS):  # the fallback router's picker has not noticed
+            r = ask(routers["fallback"], system, "After the loss?", client)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvship-endpoint"] != address
+        assert f'kvship_router:endpoint_healthy{{endpoint="{address}"}} 1.0' in routers["fallback"].picker_metrics()
+        assert picks_of(routers["fallback"], address) > picked_before  # picked, dead, answered by a fallback
+
+        router = routers["prefix"]
+        deadline = time.monotonic() + 10
+        while f'kvship_router:endpoint_healthy{{endpoint="{address}"}} 0.0' not in router.picker_metrics():
+            assert time.monotonic() < deadline, router.picker_metrics()
+            time.sleep(0.1)
         for turn in range(2):
             for g, system in enumerate(SYSTEMS):
                 r = ask(router, system, f"After the loss {turn}?", client)

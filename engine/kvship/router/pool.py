@@ -6,8 +6,10 @@ elsewhere). Running requests and KV usage only break ties: a scrape lags by an i
 finished request still counted there would push a prefix off its replica under the load bound."""
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import math
+import socket
 import threading
 import time
 import zlib
@@ -41,6 +43,13 @@ def endpoint_from_url(url: str) -> Endpoint:
     if not parts.hostname or not parts.port:
         raise ValueError(f"endpoint needs a host and a port: {url!r}")
     host = parts.hostname
+    try:  # Envoy dials addresses, not names: resolve once, at start
+        ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            host = socket.getaddrinfo(host, parts.port, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError as exc:
+            raise ValueError(f"cannot resolve endpoint host {parts.hostname!r}: {exc}") from exc
     address = f"[{host}]:{parts.port}" if ":" in host else f"{host}:{parts.port}"
     return Endpoint(address=address, url=f"{parts.scheme}://{address}")
 
