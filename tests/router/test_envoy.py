@@ -121,6 +121,13 @@ def test_prefix_groups_land_on_one_replica_each(routers, replicas):
     assert used <= addresses and len(used) >= 2, served  # groups spread over the replicas
     hits = sum(s.metrics()["kvship:prefix_cache_hits_total"] for s in replicas) - hits_before
     assert hits > 0  # the second and third turns found their prefix cached on their replica
+    # A client's own destination header is overwritten by the pick: the picker's port is not reachable.
+    with httpx.Client() as client:
+        spoofed = client.post(router.url + "/v1/chat/completions", timeout=120,
+                              headers={"x-gateway-destination-endpoint": f"127.0.0.1:{router.metrics_port}"},
+                              json={"model": MODEL, "max_tokens": 1,
+                                    "messages": [{"role": "user", "content": SYSTEMS[0]}]})
+    assert spoofed.status_code == 200 and spoofed.headers["x-kvship-endpoint"] in addresses, spoofed.text
     picker = router.picker_metrics()
     assert 'reason="prefix-hit"' in picker
     for address in addresses:  # every request's ext_proc stream ended: nothing counted in flight

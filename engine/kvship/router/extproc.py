@@ -47,7 +47,9 @@ def immediate_error(status: int, message: str, type_: str, code: str) -> pb.Proc
 def _pick_mutation(pick: Pick) -> tuple[pb.CommonResponse, struct_pb2.Struct]:
     common = pb.CommonResponse(
         header_mutation=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=pick.endpoint.address.encode()))]),
+            # Overwrite: a client's own x-gateway-destination-endpoint must never pick the upstream.
+            header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=pick.endpoint.address.encode()),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)]),
         clear_route_cache=True)
     metadata = struct_pb2.Struct()
     addresses = [pick.endpoint.address, *(e.address for e in pick.fallbacks)]
