@@ -7,12 +7,16 @@ limit is the weight bytes a decode step reads (float32, the output projection in
 the copy bandwidth measured here, and the step's FLOPs over the float32 matmul rate measured
 here, whichever is slower.
 
-    python bench/cpu_latency.py [--prompt 128] [--output 64] [--batch 1 8] [--threads N]
+With ``--long N`` (default 2000; 0: off), also the time to the first token of one N-token
+prompt, kvship against transformers, and how much kvship's peak RSS rose during its prefill.
+
+    python bench/cpu_latency.py [--prompt 128] [--output 64] [--batch 1 8] [--long 2000] [--threads N]
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 
 import torch
@@ -90,6 +94,7 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--long", type=int, default=2000, help="one long prompt's TTFT and RSS rise (0: off)")
     ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args()
     if args.threads:
@@ -97,7 +102,7 @@ def main() -> None:
 
     path = bundled_model_path()
     # no prefix cache: every run prefills its prompt, as transformers does
-    llm = LLM(path, device="cpu", max_model_len=args.prompt + args.output + 8, seed=0, enable_prefix_caching=False)
+    llm = LLM(path, device="cpu", max_model_len=max(args.prompt + args.output, args.long) + 8, seed=0, enable_prefix_caching=False)
     model = llm.engine.runner.model
     cfg = llm.engine.runner.model_config
     params = sum(p.numel() for p in model.parameters())  # the tied table counted once: the head reads it
@@ -126,6 +131,27 @@ def main() -> None:
         limit = b / max((weight_bytes + b * kv_bytes) / bw, b * flops_per_token / mm)
         print(f"| {b} | {rate:.1f} | {first * 1e3:.0f} | {hf_rate:.1f} | {hf_first * 1e3:.0f} | {limit:.0f} | "
               f"{rate / limit:.0%} |")
+    if args.long:
+        long_prompt(llm, hf, args.long, vocab)
+
+
+def long_prompt(llm: LLM, hf, length: int, vocab: int) -> None:
+    """TTFT of one ``length``-token prompt (kvship, then transformers) and kvship's peak RSS rise."""
+    ids = prompts(1, length, vocab, seed=1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    llm.generate(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    first = time.perf_counter() - t
+    rise = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB on Linux
+    hf_first = float("nan")
+    if hf is not None:
+        x = torch.tensor(ids)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=1, do_sample=False, pad_token_id=0)
+        hf_first = time.perf_counter() - t
+    print(f"\nprompt of {length} tokens: kvship TTFT {first:.2f} s (peak RSS +{rise:.0f} MB), "
+          f"transformers TTFT {hf_first:.2f} s")
 
 
 if __name__ == "__main__":
