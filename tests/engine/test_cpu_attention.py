@@ -29,7 +29,8 @@ def _case(q_lens, ctxs, hq=6, hkv=2, d=16, block=4, seed=0):
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 30.0), (7, 20.0)])
 @pytest.mark.parametrize("q_lens,ctxs", [
-    ([1, 1, 1], [3, 17, 9]),  # decodes of different lengths
+    ([1, 1, 1], [3, 17, 9]),  # decodes of different lengths (one at a time)
+    ([1, 1, 1, 5], [12, 17, 9, 20]),  # decodes of similar lengths (one padded call), then a prefill
     ([13, 1, 6], [13, 21, 30]),  # a whole prompt, a decode, a chunk after a cached prefix
 ])
 def test_cpu_attention_matches_reference(q_lens, ctxs, window, softcap, monkeypatch):

@@ -47,7 +47,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                         window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """The CPU path: each sequence attends over its own blocks only (those its queries can see),
-    never a batch padded to the longest context. The query heads of a KV head stand in the query
+    never a batch padded to the longest context (decodes of similar lengths excepted: padded
+    to at most twice their keys, they go in one call). The query heads of a KV head stand in the query
     dimension, so keys are not repeated per head, and a long prefill chunk is split over its
     queries: memory stays linear in the context. Same inputs and result as
     kernels/paged_attention.py's ``paged_attention_torch``."""
@@ -57,7 +58,19 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     same = v_cache is k_cache
-    for b, ctx in enumerate(lens):
+    nd = 0  # the leading decodes (one query each)
+    while nd < len(lens) and starts[nd + 1] - starts[nd] == 1:
+        nd += 1
+    if nd > 1 and nd * max(lens[:nd]) <= 2 * sum(lens[:nd]):
+        # contexts of similar lengths: one padded call (at most twice their keys) beats a call
+        # per sequence, whose fixed cost dominates a short decode
+        out[:nd] = pa.paged_attention_torch(q[:nd], k_cache, v_cache, block_tables[:nd], seq_lens[:nd],
+                                            cu_seqlens_q[: nd + 1], scale, k_scale, v_scale, window=window,
+                                            softcap=softcap)
+    else:
+        nd = 0
+    for b in range(nd, len(lens)):
+        ctx = lens[b]
         s, e = starts[b], starts[b + 1]
         q_len = e - s
         if q_len == 0:
