@@ -237,7 +237,10 @@ def test_prefix_hits_and_preemption_change_nothing(kv, engines, greedy, prompts,
         assert same >= len(prompts) - 2
     assert llm.engine.kv.prefix_hits - hits_before >= sum((len(p) - 1) // 16 * 16 for p in prompts)
     assert_all_blocks_released(llm)
-    tight = LLM(device="cpu", kv_cache_dtype=kv, num_kv_blocks=12, enable_prefix_caching=False)
+    # every prompt admitted in one step (the CPU's small default budget would admit them a few at a
+    # time), so that their decodes outgrow the 12 blocks and force preemption
+    tight = LLM(device="cpu", kv_cache_dtype=kv, num_kv_blocks=12, enable_prefix_caching=False,
+                max_num_batched_tokens=8192)
     # 20 alternatives: the first run's token may fall to third or lower at a close call (with 2,
     # one AVX2 run found it in neither and could not tell its gap)
     params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=20)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvship.config import EngineConfig, default_token_budget
+from kvship.config import EngineConfig
 from kvship.core.grammar import Grammars
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.output_processor import Accepted, OutputProcessor
@@ -23,7 +23,7 @@ from kvship.core.scheduler import Scheduler
 from kvship.loader import DEFAULT_POOLING
 from kvship.outputs import RequestOutput
 from kvship.parallel import SINGLE
-from kvship.runner.model_runner import InFlightStep, ModelRunner, load_model, resolve_device
+from kvship.runner.model_runner import InFlightStep, ModelRunner, load_model
 from kvship.runner.tp.launch import TPRuntime
 from kvship.sampling_params import InvalidParamsError, SamplingParams
 from kvship.sequence import Batch, Sequence
@@ -35,8 +35,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         source, self.model_config = load_model(config)
-        if config.max_num_batched_tokens is None:
-            config.max_num_batched_tokens = default_token_budget(resolve_device(config.device).type)
         self.tokenizer = source.tokenizer
         self.model_name = config.served_model_name or source.name
         self.max_model_len = config.max_model_len

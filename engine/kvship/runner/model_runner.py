@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
-from kvship.config import EngineConfig
+from kvship.config import EngineConfig, default_token_budget
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import HAS_TRITON
 from kvship.kernels.graph_inputs import InFlightInputs
@@ -152,6 +152,8 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
+        if config.max_num_batched_tokens is None:  # the step's token budget depends on the device
+            config.max_num_batched_tokens = default_token_budget(self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
@@ -368,8 +370,8 @@ class ModelRunner:
         """FP8 scales for ``layers`` from one prefill of KV_SCALE_TOKENS
         random tokens drawn from KV_SCALE_SEED (the same on every tensor-parallel rank, so the
         collectives match) into a throw-away cache: they do not depend on the cache's size, and
-        the cache is left as it was."""
-        seq_len = min(KV_SCALE_TOKENS, self.max_model_len, self.config.max_num_batched_tokens)
+        the cache is left as it was, nor on the step's token budget (a CPU's is small)."""
+        seq_len = min(KV_SCALE_TOKENS, self.max_model_len)
         ids = torch.randint(0, self.model_config.vocab_size, (seq_len,),
                             generator=torch.Generator().manual_seed(KV_SCALE_SEED)).to(self.device)
         meta = self._prefill_meta(1, seq_len)
