@@ -96,13 +96,21 @@ class ServerProcess:
 
 
 def start_server(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
-    server = ServerProcess(*args, env=env)
-    try:
-        server.wait_ready()
-    except BaseException:
-        server.stop(5)
-        raise
-    return server
+    # free_port() only finds a port that was free: a process of the other test worker may take it
+    # before the server binds, so a server that lost that race starts again on another one.
+    for attempt in range(3):
+        server = ServerProcess(*args, env=env)
+        try:
+            server.wait_ready()
+            return server
+        except RuntimeError:
+            server.stop(5)
+            if attempt == 2 or "address already in use" not in server.log():
+                raise
+        except BaseException:
+            server.stop(5)
+            raise
+    raise AssertionError("unreachable")
 
 
 def assert_error(resp: httpx.Response, status: int, param: str | None = "ANY") -> dict:
