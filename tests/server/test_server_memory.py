@@ -90,8 +90,9 @@ def test_a_burst_of_large_bodies_leaves_the_rss_where_it_was(server):
         sampler.join(10)
     after = settled_rss(pid)
     print(f"RSS before {before:.0f} MB, peak {peak[0]:.0f} MB, after {after:.0f} MB")
-    # Eight 6 MB bodies at once: parsed two at a time, and what they used goes back afterwards.
-    assert after - before < 80, (before, peak[0], after)
+    # Eight 6 MB bodies at once: parsed two at a time, and what they used goes back afterwards
+    # (kept, the bursts left about 230 MB; given back, about 20, up to 83 seen beside another worker).
+    assert after - before < 130, (before, peak[0], after)
     assert peak[0] - before < 900, (before, peak[0], after)
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                    json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2})
