@@ -5,85 +5,15 @@ from __future__ import annotations
 
 import json
 import threading
-from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import grpc
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from kvship.router.extproc import Picker, add_to_server
 from kvship.router.pool import Endpoint, Pool, endpoint_from_url
 from kvship.router.scrape import Scraper
-from kvship.router.stats import RouterStats
+from picker_utils import ADDRESSES, chat, picked
 
 pytestmark = pytest.mark.timeout(60)
-
-ADDRESSES = ["127.0.0.1:18001", "127.0.0.1:18002", "127.0.0.1:18003"]
-
-
-class PickerServer:
-    def __init__(self, pool: Pool, block_chars: int = 64):
-        self.pool = pool
-        self.stats = RouterStats(pool)
-        self.executor = futures.ThreadPoolExecutor(max_workers=8)
-        self.server = grpc.server(self.executor)
-        add_to_server(Picker(pool, self.stats, block_chars), self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
-
-    def exchange(self, body: dict | None, path: str = "/v1/chat/completions") -> list[pb.ProcessingResponse]:
-        """One HTTP request's ext_proc stream, as Envoy sends it with a buffered body."""
-        method = "POST" if body is not None else "GET"
-        headers = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-            base_pb2.HeaderValue(key=":method", raw_value=method.encode()),
-            base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
-            base_pb2.HeaderValue(key="traceparent", raw_value=b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
-        ]), end_of_stream=body is None)
-        reqs = [pb.ProcessingRequest(request_headers=headers)]
-        if body is not None:
-            reqs.append(pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(body).encode(),
-                                                                      end_of_stream=True)))
-        return list(self.stub.Process(iter(reqs), timeout=10))
-
-    def close(self) -> None:
-        self.channel.close()
-        self.server.stop(0).wait(5)
-        self.executor.shutdown(wait=True)
-
-
-@pytest.fixture
-def picker_factory():
-    made: list[PickerServer] = []
-
-    def make(addresses=ADDRESSES, policy="prefix", **kw) -> PickerServer:
-        pool = Pool([endpoint_from_url(a) for a in addresses], policy)
-        p = PickerServer(pool, **kw)
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close()
-
-
-def chat(system: str, user: str) -> dict:
-    return {"model": "m", "max_tokens": 1,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
-
-
-def picked(responses: list[pb.ProcessingResponse]) -> tuple[str, list[str]]:
-    """The destination header and the `envoy.lb` metadata list of the response that carries the pick."""
-    final = responses[-1]
-    common = final.request_body.response if final.HasField("request_body") else final.request_headers.response
-    sets = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
-    assert common.clear_route_cache
-    meta = final.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
-    return sets["x-gateway-destination-endpoint"], meta.string_value.split(",")
 
 
 def test_headers_and_body_in_endpoint_header_and_metadata_out(picker_factory):

@@ -44,6 +44,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    "fallback (default: %(default)s)")
     p.add_argument("--no-endpoint-header", dest="endpoint_header", action="store_false",
                    help="do not add the response header x-kvship-endpoint naming the replica that served")
+    p.add_argument("--hold-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="scale from zero: with no ready endpoint, hold a request up to this long for one to become "
+                   "ready before answering 503 (default: 0, answer at once)")
+    p.add_argument("--hold-max-pending", type=int, default=256,
+                   help="most requests held at once; more get 503 at once (default: %(default)s)")
+    p.add_argument("--demand-command", default=None, metavar="CMD",
+                   help="run this command (no shell; KVSHIP_ROUTER_PENDING in its environment) when a request "
+                   "starts waiting with none before it: the signal that starts a replica")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -58,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
 
     from kvship.router.envoy import EnvoyProcess, bootstrap
     from kvship.router.extproc import Picker, add_to_server
+    from kvship.router.hold import Holding, demand_command
     from kvship.router.scrape import Scraper
     from kvship.router.stats import RouterStats, StatsServer
+    from kvship.router.tracing import PickTracer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -69,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         endpoints = [endpoint_from_url(u) for u in urls]
         if args.prefix_block_chars < 1 or args.load_epsilon < 0 or args.scrape_interval <= 0:
             raise ValueError("--prefix-block-chars must be >= 1, --load-epsilon >= 0, --scrape-interval > 0")
+        if args.hold_timeout < 0 or args.hold_max_pending < 1:
+            raise ValueError("--hold-timeout must be >= 0 and --hold-max-pending >= 1")
     except ValueError as exc:
         print(f"kvship router: error: {exc}", file=sys.stderr)
         return 2
@@ -76,11 +88,15 @@ def run(args: argparse.Namespace) -> int:
         log.warning("no --endpoint: every request gets 503 until endpoints are configured")
 
     pool = Pool(endpoints, args.policy, args.load_epsilon)
-    stats = RouterStats(pool)
+    holding = Holding(pool, args.hold_timeout, args.hold_max_pending,
+                      demand_command(args.demand_command) if args.demand_command else None)
+    stats = RouterStats(pool, holding)
     scraper = Scraper(pool, args.scrape_interval)
-    executor = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvship-extproc")
+    tracer = PickTracer.from_env()
+    # Held requests each keep a worker: room for all of them besides the ones being picked.
+    executor = futures.ThreadPoolExecutor(max_workers=64 + args.hold_max_pending, thread_name_prefix="kvship-extproc")
     grpc_server = grpc.server(executor)
-    add_to_server(Picker(pool, stats, args.prefix_block_chars), grpc_server)
+    add_to_server(Picker(pool, stats, args.prefix_block_chars, holding, tracer), grpc_server)
     picker_port = grpc_server.add_insecure_port(f"{args.picker_host}:{args.picker_port}")
     http = StatsServer(stats, args.picker_host if not args.picker_only else "0.0.0.0", args.metrics_port)
     envoy = None
@@ -97,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             picker_host = "127.0.0.1" if args.picker_host in ("0.0.0.0", "") else args.picker_host
             config = bootstrap(args.host, args.port, picker_host, picker_port,
                                args.envoy_admin_port or _free_port(), endpoint_header=args.endpoint_header,
+                               picker_timeout_s=10.0 + args.hold_timeout,
                                static_endpoints=[e.address for e in endpoints]
                                if args.envoy_cluster == "endpoints" else None)
             envoy = EnvoyProcess(config, log_level="warning" if args.log_level != "debug" else "info")
@@ -117,3 +134,5 @@ def run(args: argparse.Namespace) -> int:
         executor.shutdown(wait=False, cancel_futures=True)
         http.stop()
         scraper.stop()
+        if tracer is not None:
+            tracer.shutdown()

@@ -106,6 +106,7 @@ class Pool:
         self.index = PrefixIndex()
         self._rr = itertools.count()
         self.lock = threading.Lock()
+        self.became_ready = threading.Condition(self.lock)  # notified when an endpoint turns healthy
 
     def healthy(self) -> list[Endpoint]:
         return [e for e in self.endpoints if e.healthy]
@@ -161,6 +162,8 @@ class Pool:
                     self.index.forget(endpoint.address)  # a restarted engine holds nothing
                 endpoint.healthy = False
                 return
+            if not endpoint.healthy:
+                self.became_ready.notify_all()
             endpoint.healthy = True
             endpoint.running = metrics.get("kvship:num_requests_running", 0.0)
             endpoint.waiting = metrics.get("kvship:num_requests_waiting", 0.0)

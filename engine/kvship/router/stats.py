@@ -1,5 +1,6 @@
 """The picker's own HTTP port: /health (200 while an endpoint is healthy, else 503) and /metrics
-(picks by reason and endpoint, each endpoint's health and load as the picker sees it)."""
+(picks by reason and endpoint, each endpoint's health and load as the picker sees it, requests
+held for want of a ready endpoint: the demand that scales from zero)."""
 from __future__ import annotations
 
 import threading
@@ -8,24 +9,26 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from kvship.router.hold import Holding
 from kvship.router.pool import Pool
 
 
 class RouterStats:
-    def __init__(self, pool: Pool):
+    def __init__(self, pool: Pool, holding: Holding | None = None):
         self.pool = pool
         self.registry = CollectorRegistry()
         self.picks = Counter("kvship_router:picks", "Requests routed, by reason and chosen endpoint.",
                              ["reason", "endpoint"], registry=self.registry)
-        self.registry.register(_PoolCollector(pool))
+        self.registry.register(_PoolCollector(pool, holding))
 
     def picked(self, reason: str, endpoint: str | None) -> None:
         self.picks.labels(reason=reason, endpoint=endpoint or "").inc()
 
 
 class _PoolCollector:
-    def __init__(self, pool: Pool):
+    def __init__(self, pool: Pool, holding: Holding | None):
         self.pool = pool
+        self.holding = holding
 
     def collect(self):
         healthy = GaugeMetricFamily("kvship_router:endpoint_healthy", "1 while the endpoint's /metrics answers.",
@@ -39,9 +42,12 @@ class _PoolCollector:
                 healthy.add_metric([e.address], 1.0 if e.healthy else 0.0)
                 load.add_metric([e.address], e.load)
                 in_flight.add_metric([e.address], e.in_flight)
+            pending = self.holding.pending if self.holding else 0
         yield healthy
         yield load
         yield in_flight
+        yield GaugeMetricFamily("kvship_router:pending_requests",
+                                "Requests held until an endpoint is ready (scale from zero).", value=pending)
 
 
 class StatsServer:
