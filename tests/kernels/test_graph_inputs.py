@@ -1,7 +1,8 @@
 """The decode graphs' input staging kernel (kernels/graph_inputs.py) against its torch reference:
 rows as sent, in-flight inputs taken from the previous step's tokens, padding rows, a table
-narrower than the graph's (its other columns untouched), and the eager ``fill`` the other paths
-use. In the interpreter on CPU, on the device with a GPU; and compiled for sm_90."""
+narrower than the graph's (its other columns untouched), a hybrid model's recurrent-state slots
+(padding rows on the scratch slot), and the eager ``fill`` the other paths use. In the
+interpreter on CPU, on the device with a GPU; and compiled for sm_90."""
 from __future__ import annotations
 
 import pytest
@@ -67,6 +68,27 @@ def test_stage_matches_reference(n, bs, width, fix):
     assert torch.equal(dst.input_ids[bs:], dst_ref.input_ids[bs:])  # rows past the graph untouched
 
 
+@pytest.mark.parametrize("n,bs", [(1, 1), (5, 8), (3, 16)])
+def test_stage_state_slots_pad_to_the_scratch_slot(n, bs):
+    """A hybrid model's graph: rows [0, n) take the sequences' state slots, padding rows the
+    scratch slot (whatever an earlier, larger step left there), rows past the graph untouched."""
+    g = torch.Generator().manual_seed(n + bs)
+    scratch = 41
+    dsts = []
+    for _ in range(2):
+        dst = _static(32, 8, torch.Generator().manual_seed(5))
+        dst.state_slots, dst.state_scratch = torch.arange(100, 132, device=DEV), scratch
+        dsts.append(dst)
+    src = _step(n, 3, [], g)
+    src.state_slots = torch.randperm(40, generator=g)[:n].to(DEV)
+    gi.stage_inputs_torch(dsts[0], src, bs)
+    gi.stage_inputs_triton(dsts[1], src, bs)
+    for dst in dsts:
+        assert torch.equal(dst.state_slots[:n], src.state_slots)
+        assert (dst.state_slots[n:bs] == scratch).all()
+        assert torch.equal(dst.state_slots[bs:], torch.arange(100 + bs, 132, device=DEV))
+
+
 def test_fill_writes_in_flight_rows():
     g = torch.Generator().manual_seed(7)
     src = _step(4, 2, [(1, 2), (3, 0)], g)
@@ -80,8 +102,9 @@ def test_fill_writes_in_flight_rows():
 def test_stage_kernel_compiles_for_sm90():
     from sm90_compile import compile_in_child, ints
     types = {**{k: "*i64" for k in ("ids_ptr", "pos_ptr", "slot_ptr", "at_ptr", "rows_ptr", "tok_ptr",
-                                    "s_ids_ptr", "s_pos_ptr", "s_slot_ptr")},
+                                    "s_ids_ptr", "s_pos_ptr", "s_slot_ptr", "state_ptr", "s_state_ptr")},
              **{k: "*i32" for k in ("lens_ptr", "bt_ptr", "s_lens_ptr", "s_bt_ptr")},
-             **ints("n", "width", "num_fix", "stride_bt", "stride_sbt")}
+             **ints("n", "width", "num_fix", "stride_bt", "stride_sbt", "scratch")}
     compile_in_child([{"kernel": "kvship.kernels.graph_inputs:_stage_kernel", "types": types,
-                       "constexprs": {"BLOCK_FIX": 512, "BLOCK_W": 256}, "options": {"num_warps": 1}}])
+                       "constexprs": {"BLOCK_FIX": 512, "BLOCK_W": 256, "HAS_STATE": has_state},
+                       "options": {"num_warps": 1}} for has_state in (False, True)])

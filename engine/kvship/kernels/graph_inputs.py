@@ -3,8 +3,9 @@
 The step arrives as views of the runner's two packed tensors (token ids, positions, slots as
 int64; lengths and the block table as int32). A decode whose input token the step in flight is
 still sampling takes it from that step's tokens on the device (``InFlightInputs``). Rows [n, bs)
-of a graph of ``bs`` rows become padding (slot -1, length 1); table columns past the batch's
-width keep what they held (kernels read a table only up to its length). ``stage_inputs_torch``
+of a graph of ``bs`` rows become padding (slot -1, length 1, and a hybrid model's recurrent-state
+slot the scratch one, which padding rows may overwrite); table columns past the batch's width
+keep what they held (kernels read a table only up to its length). ``stage_inputs_torch``
 is the reference (some ten small launches); ``stage_inputs_triton`` one kernel, a program a row."""
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ class StaticInputs:
     slot_mapping: torch.Tensor  # [max_bs] int64
     seq_lens: torch.Tensor  # [max_bs] int32
     block_tables: torch.Tensor  # [max_bs, max_blocks] int32
+    state_slots: torch.Tensor | None = None  # [max_bs] int64, hybrid models only
+    state_scratch: int = 0  # the recurrent-state slot padding rows read and write
 
 
 @dataclass
@@ -49,6 +52,7 @@ class StepInputs:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     in_flight: InFlightInputs | None = None
+    state_slots: torch.Tensor | None = None  # [n] int64, hybrid models only
 
 
 def stage_inputs_torch(dst: StaticInputs, src: StepInputs, bs: int) -> None:
@@ -62,13 +66,16 @@ def stage_inputs_torch(dst: StaticInputs, src: StepInputs, bs: int) -> None:
     dst.seq_lens[:n].copy_(src.seq_lens)
     dst.seq_lens[n:bs].fill_(1)
     dst.block_tables[:n, :width].copy_(src.block_tables)
+    if dst.state_slots is not None:
+        dst.state_slots[:n].copy_(src.state_slots)
+        dst.state_slots[n:bs].fill_(dst.state_scratch)
 
 
 @triton.jit
 def _stage_kernel(ids_ptr, pos_ptr, slot_ptr, lens_ptr, bt_ptr, at_ptr, rows_ptr, tok_ptr,
-                  s_ids_ptr, s_pos_ptr, s_slot_ptr, s_lens_ptr, s_bt_ptr,
-                  n, width, num_fix, stride_bt, stride_sbt,
-                  BLOCK_FIX: tl.constexpr, BLOCK_W: tl.constexpr):
+                  s_ids_ptr, s_pos_ptr, s_slot_ptr, s_lens_ptr, s_bt_ptr, state_ptr, s_state_ptr,
+                  n, width, num_fix, stride_bt, stride_sbt, scratch,
+                  BLOCK_FIX: tl.constexpr, BLOCK_W: tl.constexpr, HAS_STATE: tl.constexpr):
     row = tl.program_id(0)
     if row < n:
         # the row's entry in the fix list, if any (rows are unique there): found by a vector
@@ -83,6 +90,8 @@ def _stage_kernel(ids_ptr, pos_ptr, slot_ptr, lens_ptr, bt_ptr, at_ptr, rows_ptr
         tl.store(s_pos_ptr + row, tl.load(pos_ptr + row))
         tl.store(s_slot_ptr + row, tl.load(slot_ptr + row))
         tl.store(s_lens_ptr + row, tl.load(lens_ptr + row))
+        if HAS_STATE:
+            tl.store(s_state_ptr + row, tl.load(state_ptr + row))
         row64 = row.to(tl.int64)
         for c0 in range(0, width, BLOCK_W):
             c = c0 + tl.arange(0, BLOCK_W)
@@ -91,6 +100,8 @@ def _stage_kernel(ids_ptr, pos_ptr, slot_ptr, lens_ptr, bt_ptr, at_ptr, rows_ptr
     else:  # padding: stores nothing, reads one (never stored) token
         tl.store(s_slot_ptr + row, -1)
         tl.store(s_lens_ptr + row, 1)
+        if HAS_STATE:
+            tl.store(s_state_ptr + row, scratch)
 
 
 def stage_inputs_triton(dst: StaticInputs, src: StepInputs, bs: int) -> None:
@@ -98,12 +109,14 @@ def stage_inputs_triton(dst: StaticInputs, src: StepInputs, bs: int) -> None:
     f = src.in_flight
     m = 0 if f is None else f.at.shape[0]
     fix_at, fix_rows, tokens = (f.at, f.rows, f.tokens) if m else (src.input_ids,) * 3
+    has_state = dst.state_slots is not None
+    state, s_state = (src.state_slots, dst.state_slots) if has_state else (src.positions, dst.positions)
     _stage_kernel[(bs,)](
         src.input_ids, src.positions, src.slot_mapping, src.seq_lens, src.block_tables, fix_at, fix_rows, tokens,
-        dst.input_ids, dst.positions, dst.slot_mapping, dst.seq_lens, dst.block_tables,
-        n, width, m, src.block_tables.stride(0), dst.block_tables.stride(0),
+        dst.input_ids, dst.positions, dst.slot_mapping, dst.seq_lens, dst.block_tables, state, s_state,
+        n, width, m, src.block_tables.stride(0), dst.block_tables.stride(0), dst.state_scratch,
         # the fix list holds at most one entry per row of the graph (a power of two: no recompiles per batch)
-        BLOCK_FIX=next_pow2(max(dst.input_ids.shape[0], 16)), BLOCK_W=256, num_warps=1,
+        BLOCK_FIX=next_pow2(max(dst.input_ids.shape[0], 16)), BLOCK_W=256, HAS_STATE=has_state, num_warps=1,
     )
 
 

@@ -139,7 +139,7 @@ class HybridModel(nn.Module):
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
     backbone = HybridModel
-    cuda_graphs = False  # the DeltaNet layers' torch paths sync with the host
+    cuda_graphs = True  # decode steps read no host values (the state slots are a graph input)
     packed = {
         **LlamaForCausalLM.packed,
         **{f"in_proj_{p}": ("in_proj", i) for i, p in enumerate(GatedDeltaNet.PARTS)},

@@ -3,7 +3,11 @@ cache exists, replayed with the batch written into static input buffers (kernels
 one launch). Removes the per-kernel launch cost that dominates small-batch decode. The graphs
 write their logits as float32, the sampler's dtype, into one buffer they share (the next
 replay overwrites it: the sampler's kernels are queued before it), so that no launch of its
-own converts them and no graph keeps logits of its own."""
+own converts them and no graph keeps logits of its own.
+
+A hybrid model's graphs take each sequence's recurrent-state slot as one more input; padding
+rows point at a scratch slot (``state_scratch``, no sequence's), where their throw-away state
+goes, so that a replay never touches a slot it was not given."""
 from __future__ import annotations
 
 import logging
@@ -22,7 +26,8 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, max_bs: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, model, max_bs: int, max_blocks_per_seq: int, device: torch.device,
+                 state_scratch: int | None = None):
         self.model = model
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
@@ -32,7 +37,10 @@ class DecodeGraphs:
             positions=torch.zeros(self.max_bs, dtype=i64, device=device),
             slot_mapping=torch.full((self.max_bs,), -1, dtype=i64, device=device),
             seq_lens=torch.ones(self.max_bs, dtype=i32, device=device),
-            block_tables=torch.zeros(self.max_bs, max_blocks_per_seq, dtype=i32, device=device))
+            block_tables=torch.zeros(self.max_bs, max_blocks_per_seq, dtype=i32, device=device),
+            state_slots=None if state_scratch is None else torch.full((self.max_bs,), state_scratch, dtype=i64,
+                                                                      device=device),
+            state_scratch=state_scratch or 0)
         self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=i32, device=device)
         self.rows = torch.arange(self.max_bs, dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -41,7 +49,8 @@ class DecodeGraphs:
     def _meta(self, bs: int) -> AttentionMetadata:
         s = self.inputs
         return AttentionMetadata(s.slot_mapping[:bs], s.block_tables[:bs], s.seq_lens[:bs],
-                                 self.cu_seqlens_q[: bs + 1], 1, self.rows[:bs])
+                                 self.cu_seqlens_q[: bs + 1], 1, self.rows[:bs], num_decodes=bs,
+                                 state_slots=None if s.state_slots is None else s.state_slots[:bs])
 
     def _forward(self, bs: int) -> None:
         hidden = self.model(self.inputs.input_ids[:bs], self.inputs.positions[:bs], self._meta(bs))
@@ -74,6 +83,6 @@ class DecodeGraphs:
         n = input_ids.shape[0]
         bs = next(s for s in self.sizes if s >= n)
         stage_inputs(self.inputs, StepInputs(input_ids, positions, meta.slot_mapping, meta.seq_lens,
-                                             meta.block_tables, in_flight), bs)
+                                             meta.block_tables, in_flight, meta.state_slots), bs)
         self.graphs[bs].replay()
         return self.logits[:n]

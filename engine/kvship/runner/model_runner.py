@@ -209,7 +209,8 @@ class ModelRunner:
                 and self.backend != "torch" \
                 and (HAS_TRITON or not model_config.num_experts) and self.model.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, AUTO_MAX_SEQS),
-                                       -(-max_model_len // self.block_size), self.device)
+                                       -(-max_model_len // self.block_size), self.device,
+                                       self.num_state_slots if self.num_state_slots else None)
             self.graphs.capture()
         self.measuring_kv_scales = self._set_up_kv_scales()  # after the runs above: real prefills only
 
@@ -322,7 +323,8 @@ class ModelRunner:
     def _bind_recurrent_state(self) -> int:
         """A hybrid model's recurrent-state slots (models/qwen3_next.py), one per sequence that may
         run; 0 for other models. On a GPU they take at most half of what the weights leave, and
-        fewer slots than --max-num-seqs lower it (the scheduler then runs no more)."""
+        fewer slots than --max-num-seqs lower it (the scheduler then runs no more). One slot more,
+        numbered after them, is the decode graphs' scratch (their padding rows' state)."""
         if not hasattr(self.model, "bind_state"):
             return 0
         if self.config.max_num_seqs is None:  # the slots come before the cache: no cap from its size
@@ -330,12 +332,12 @@ class ModelRunner:
         per_slot, slots = self.model.state_bytes_per_slot(self.dtype), self.config.max_num_seqs
         if self.device.type == "cuda":
             total = torch.cuda.mem_get_info(self.device)[1] * self.config.gpu_memory_utilization
-            slots = max(1, min(slots, int((total - torch.cuda.memory_allocated(self.device)) / 2 // per_slot)))
+            slots = max(1, min(slots, int((total - torch.cuda.memory_allocated(self.device)) / 2 // per_slot) - 1))
         if slots < self.config.max_num_seqs:
             log.warning("recurrent state: %d slots of %.1f MiB fit in half the memory left: --max-num-seqs "
                         "lowered from %d to %d", slots, per_slot / 2**20, self.config.max_num_seqs, slots)
             self.config.max_num_seqs = slots
-        self.model.bind_state(slots, self.dtype, self.device)
+        self.model.bind_state(slots + 1, self.dtype, self.device)
         log.info("recurrent state: %d slots of %.1f MiB (%.2f GiB)", slots, per_slot / 2**20, slots * per_slot / 2**30)
         return slots
 
