@@ -18,7 +18,7 @@ from typing import Any
 
 import kvship
 from kvship.cli_args import add_engine_args, add_server_args, parse_size
-from kvship.config import EngineConfig
+from kvship.config import EngineConfig, KVEventsConfig
 
 # The engine, the server and the tensor-parallel runtime are imported inside `serve` only:
 # they pull in torch, and `kvship --help` or a bad flag should answer at once.
@@ -66,6 +66,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _kv_events(text: str | None) -> KVEventsConfig | None:
+    if text is None:
+        return None
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as exc:
+        raise SystemExit(f"kvship serve: error: {exc}") from exc
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.model and args.model_opt and args.model != args.model_opt:
         raise SystemExit("kvship serve: error: MODEL given twice with different values")
@@ -86,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_events=_kv_events(args.kv_events_config),
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,

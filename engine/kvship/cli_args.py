@@ -67,6 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block (power of two)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish KV-cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
+                        '"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\' (docs/kv-cache.md)')
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.90,
                    help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,

@@ -1,11 +1,52 @@
 """The one configuration object: built from the CLI (or the operator's args) and passed down."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 TASKS = ("auto", "generate", "embed")
 QUANTIZATIONS = (None, "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
+
+
+@dataclass
+class KVEventsConfig:
+    """vLLM's KVEventsConfig fields, as `--kv-events-config` takes them in JSON."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: zmq when events are enabled
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVEventsConfig":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"--kv-events-config is not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown field(s) {', '.join(sorted(unknown))}")
+        config = cls(**data)
+        if config.publisher is None:
+            config.publisher = "zmq" if config.enable_kv_cache_events else "null"
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(f"--kv-events-config: publisher must be zmq or null, got {config.publisher!r}")
+        if config.replay_endpoint:
+            raise ValueError("--kv-events-config: replay_endpoint (replaying missed batches) is not implemented")
+        if not isinstance(config.endpoint, str) or "://" not in config.endpoint:
+            raise ValueError(f"--kv-events-config: endpoint must be a ZMQ address such as tcp://*:5557, "
+                             f"got {config.endpoint!r}")
+        return config
+
+    @property
+    def publishing(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
 @dataclass
@@ -32,6 +73,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
+    kv_events: KVEventsConfig | None = None  # publish KV-cache events (vLLM's --kv-events-config)
 
     gpu_memory_utilization: float = 0.90
     kv_cache_memory: int | None = None  # bytes for KV; overrides the utilisation rule

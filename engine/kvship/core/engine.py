@@ -18,6 +18,7 @@ import torch
 from kvship.config import EngineConfig
 from kvship.core.grammar import Grammars
 from kvship.core.kv_cache_manager import KVCacheManager
+from kvship.core.kv_events import open_publisher
 from kvship.core.output_processor import Accepted, OutputProcessor
 from kvship.core.scheduler import Scheduler
 from kvship.loader import DEFAULT_POOLING
@@ -51,6 +52,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self.model_config.kv_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv_events = open_publisher(config.kv_events)
+        if self.kv_events is not None:
+            self.kv.events = []
         self.outputs = OutputProcessor(self.tokenizer)
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_id)
         eos |= set(_as_list(source.generation_config.get("eos_token_id")))
@@ -164,6 +168,9 @@ class LLMEngine:
         ``release_memory=False`` (a finalizer) stops the ranks only: the model may still be
         referenced from outside and is freed with its last reference."""
         runner = getattr(self, "runner", None)
+        publisher, self.kv_events = getattr(self, "kv_events", None), None
+        if publisher is not None:
+            publisher.close()
         tp_runtime, self.tp_runtime = getattr(self, "tp_runtime", None), None
         if tp_runtime is not None:
             if runner is not None:
@@ -199,6 +206,8 @@ class LLMEngine:
             self.kv.cache_full_blocks(seq)  # after the read: a block's hash needs its tokens' values
         if not batch:
             outputs += self._unblock()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.take_events())
         if log.isEnabledFor(logging.DEBUG):  # what serving latency is made of, step by step
             log.debug("step: %d seqs, %d new tokens, %d waiting, %.1f ms", len(batch), batch.num_tokens,
                       len(self.scheduler.waiting), (time.perf_counter() - t0) * 1e3)

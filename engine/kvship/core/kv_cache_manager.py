@@ -10,12 +10,17 @@ whose tokens all lie before the window of a sequence's next position is never re
 sequence gives it back as soon as it schedules past it (its hash, if any, keeps it in the
 prefix cache), so a long generation holds about window / block_size + 1 blocks. The sequence
 keeps only the blocks it holds; ``num_released_blocks`` counts the ones given back before them.
+
+With ``events`` a list, every block entering the cache (BlockStored) and every cached block
+evicted (BlockRemoved) is recorded there, in vLLM's event format (kvship.core.kv_events), until
+the engine takes them after its step.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvship.core import kv_events
 from kvship.sequence import Sequence
 
 
@@ -41,6 +46,7 @@ class KVCacheManager:
         # each sequence holding blocks, so never more than the scheduler runs at once
         self.free_state_slots: list[int] = []
         self.num_state_slots = 0
+        self.events: list[list] | None = None  # a list: record KV-cache events (take_events)
 
     @property
     def num_blocks(self) -> int:
@@ -80,7 +86,7 @@ class KVCacheManager:
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash((hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
+            hashes.append(kv_events.block_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int | None]:
@@ -121,7 +127,32 @@ class KVCacheManager:
             if block.hash is None and hashes[i] not in self.cached:
                 block.hash = hashes[i]
                 self.cached[hashes[i]] = block.block_id
+                if self.events is not None:
+                    self._record_stored(hashes, i, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
         seq.num_cached_upto = num_full
+
+    # -- events ------------------------------------------------------------------------------
+    def _record_stored(self, hashes: list[int], i: int, tokens: list[int]) -> None:
+        """Block i of a chain entered the cache: one BlockStored event per run of consecutive blocks."""
+        parent = hashes[i - 1] if i else None
+        last = self.events[-1] if self.events else None
+        if last is not None and last[0] == "BlockStored" and last[1][-1] == parent:
+            last[1].append(hashes[i])
+            last[3].extend(tokens)
+        else:
+            self.events.append(kv_events.stored([hashes[i]], parent, list(tokens), self.block_size))
+
+    def _record_removed(self, h: int) -> None:
+        last = self.events[-1] if self.events else None
+        if last is not None and last[0] == "BlockRemoved":
+            last[1].append(h)
+        else:
+            self.events.append(kv_events.removed([h]))
+
+    def take_events(self) -> list[list]:
+        """The events recorded since the last call, oldest first."""
+        events, self.events = self.events or [], ([] if self.events is not None else None)
+        return events
 
     # -- allocation --------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, revived: list[int | None] = ()) -> bool:
@@ -147,6 +178,8 @@ class KVCacheManager:
             block = self.blocks[block_id]
             if block.hash is not None:  # evict the cached contents
                 del self.cached[block.hash]
+                if self.events is not None:
+                    self._record_removed(block.hash)
                 block.hash = None
             block.ref_count = 1
             seq.block_table.append(block_id)
