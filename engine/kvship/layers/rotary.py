@@ -98,3 +98,25 @@ class RotaryEmbedding(nn.Module):
             if factor != 1.0:
                 cache = cache * factor
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+
+class PartialRotary(nn.Module):
+    """The cos/sin table for heads whose first ``rotary_dim`` channels rotate (in pairs i,
+    i + rotary_dim / 2) and the rest pass. The paged attention's kernels rotate pairs i,
+    i + head_dim / 2 over a whole head, so q and k enter with their channels reordered
+    (``order``: the rotated halves at the two half-heads' starts) and the unrotated pairs get
+    frequency 0 (cos 1, sin 0). q.k is unchanged by the reordering; v is not reordered."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_positions: int, theta: float, scaling):
+        super().__init__()
+        if rope_attention_factor(scaling) != 1.0:
+            raise ValueError("partial rotary with a scaled attention factor (YaRN) is not supported")
+        inv = rope_inv_freq(rotary_dim, theta, scaling)
+        inv = torch.cat([inv, torch.zeros(head_dim // 2 - rotary_dim // 2, dtype=inv.dtype)])
+        cache = build_cos_sin_cache(max_positions, head_dim, inv_freq=inv, device=torch.get_default_device())
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        h, half, rest = rotary_dim // 2, head_dim // 2, head_dim - rotary_dim
+        order = [*range(h), *range(rotary_dim, rotary_dim + rest // 2),
+                 *range(h, rotary_dim), *range(rotary_dim + rest // 2, head_dim)]
+        assert len(order) == head_dim and half == h + rest // 2
+        self.register_buffer("order", torch.tensor(order, device=torch.get_default_device()), persistent=False)

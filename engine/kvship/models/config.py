@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvship.models.hybrid_config import HYBRID, LinearAttention, hybrid_fields, text_config
+from kvship.models.sigmoid_moe_config import PARTIAL_ROTARY, sigmoid_moe_fields
 from kvship.quant import QuantScheme, checkpoint_format
 
 
@@ -37,6 +38,8 @@ FAMILIES = {
     # DeepSeek-V3's architecture (Moonlight): the same, routed by sigmoid scores
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    # GLM-4.5/4.6/4.7: DeepSeek-V3's routed + shared experts behind GQA on part-rotated heads (models/glm4_moe.py)
+    "Glm4MoeForCausalLM": "glm4_moe",
     # base models without the output projection, as embedding models are saved
     "LlamaModel": "llama",
     "MistralModel": "llama",
@@ -47,7 +50,7 @@ _BY_MODEL_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_
                   "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
                 "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "deepseek_v2": "deepseek_v2",
-                  "deepseek_v3": "deepseek_v3"}
+                  "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe"}
 # architectures refused with a reason of their own
 _REFUSED = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (4B and larger) is not supported: kvship "
                                               "runs text-only Gemma 3 (Gemma3ForCausalLM, model_type gemma3_text)"}
@@ -122,6 +125,8 @@ class ModelConfig:
     rope_interleave: bool = True  # DeepSeek's rope channels rotate as adjacent pairs (V3 may say False)
     shared_experts_intermediate_size: int = 0  # DeepSeek's always-on experts, ungated, as one MLP
     linear_attention: LinearAttention | None = None  # the hybrid families' Gated DeltaNet layers
+    rotary_dim: int = 0  # channels of each head that rotate (GLM-4.5: half), 0 for the whole head
+    mtp_layers: int = 0  # multi-token-prediction layers stored past num_hidden_layers (GLM-4.5), kept unused
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -166,7 +171,7 @@ class ModelConfig:
                     rope_scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
         heads = cfg["num_attention_heads"]
         partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
-        if arch not in HYBRID and partial not in (None, 1, 1.0):  # Phi-4-mini rotates 3/4 of each head
+        if arch not in (*HYBRID, *PARTIAL_ROTARY) and partial not in (None, 1, 1.0):  # Phi-4-mini rotates 3/4 of each head
             raise UnsupportedModelError(f"partial rotary embeddings (partial_rotary_factor {partial}) are not supported yet")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         windows = _layer_windows(arch, cfg, window)
@@ -187,7 +192,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),
             attention_bias=bool(cfg.get("attention_bias", arch in ("qwen2", "qwen2_moe"))),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", *HYBRID),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3", *HYBRID) or (arch == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_list,
@@ -197,6 +202,7 @@ class ModelConfig:
             **_gemma_fields(arch, cfg, local_rope),
             **_deepseek_fields(arch, cfg),
             **hybrid_fields(arch, cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            **sigmoid_moe_fields(arch, cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
         )
 
 

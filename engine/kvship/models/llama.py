@@ -130,9 +130,14 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = self.rotary(cfg, max_positions)
         self.layers = nn.ModuleList(self.layer(cfg, rotary, tp, backend, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * cfg.num_hidden_layers)
+
+    @staticmethod
+    def rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        """The table every layer shares (a family that rotates part of each head builds its own)."""
+        return RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
@@ -145,6 +150,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     backbone = LlamaModel  # the decoder stack a family builds (models/gemma.py has its own)
     cuda_graphs = True  # decode steps may be captured (every layer's kernels are capturable)
+    optional_weights: tuple[str, ...] = ()  # parameter prefixes a checkpoint may leave out (GLM's MTP layers)
     # checkpoint name fragment -> (our parameter fragment, shard id)
     packed = {
         "q_proj": ("qkv_proj", "q"),
@@ -209,6 +215,7 @@ class LlamaForCausalLM(nn.Module):
                 loader(param, ref, shard_id)
             loaded.add(name)
         missing = set(params) - loaded - ({"lm_head.weight"} if self.cfg.tie_word_embeddings or not need_lm_head else set())
+        missing = {m for m in missing if not m.startswith(self.optional_weights)}
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 

@@ -17,15 +17,14 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from kvship.kernels.rotary import build_cos_sin_cache
 from kvship.layers.attention import AttentionMetadata, PagedAttention, QKNorm
 from kvship.layers.embedding import VocabParallelEmbedding
 from kvship.layers.gated_delta import GatedDeltaNet
 from kvship.layers.linear import QKVParallelLinear, RowParallelLinear
 from kvship.layers.norm import RMSNorm
-from kvship.layers.rotary import rope_attention_factor, rope_inv_freq
+from kvship.layers.rotary import PartialRotary
 from kvship.loader.source import RowView, apply_slices
-from kvship.models.config import ModelConfig, UnsupportedModelError
+from kvship.models.config import ModelConfig
 from kvship.models.llama import LlamaForCausalLM, LlamaMLP, SparseMoeBlock
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor
@@ -45,28 +44,6 @@ class OnePlusRMSNorm(RMSNorm):
     @staticmethod
     def weight_loader(param: nn.Parameter, ref, shard_id=None) -> None:
         param.data.copy_(ref.load().float() + 1.0)
-
-
-class PartialRotary(nn.Module):
-    """The cos/sin table for heads whose first ``rotary_dim`` channels rotate (in pairs i,
-    i + rotary_dim / 2) and the rest pass. The paged attention's kernels rotate pairs i,
-    i + head_dim / 2 over a whole head, so q and k enter with their channels reordered
-    (``order``: the rotated halves at the two half-heads' starts) and the unrotated pairs get
-    frequency 0 (cos 1, sin 0). q.k is unchanged by the reordering; v is not reordered."""
-
-    def __init__(self, head_dim: int, rotary_dim: int, max_positions: int, theta: float, scaling):
-        super().__init__()
-        if rope_attention_factor(scaling) != 1.0:
-            raise UnsupportedModelError("partial rotary with a scaled attention factor (YaRN) is not supported")
-        inv = rope_inv_freq(rotary_dim, theta, scaling)
-        inv = torch.cat([inv, torch.zeros(head_dim // 2 - rotary_dim // 2, dtype=inv.dtype)])
-        cache = build_cos_sin_cache(max_positions, head_dim, inv_freq=inv, device=torch.get_default_device())
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
-        h, half, rest = rotary_dim // 2, head_dim // 2, head_dim - rotary_dim
-        order = [*range(h), *range(rotary_dim, rotary_dim + rest // 2),
-                 *range(h, rotary_dim), *range(rotary_dim + rest // 2, head_dim)]
-        assert len(order) == head_dim and half == h + rest // 2
-        self.register_buffer("order", torch.tensor(order, device=torch.get_default_device()), persistent=False)
 
 
 class GatedAttention(nn.Module):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from kvship.models.config import ModelConfig
 from kvship.models.deepseek_v2 import DeepseekV2ForCausalLM
 from kvship.models.gemma import GemmaForCausalLM
+from kvship.models.glm4_moe import Glm4MoeForCausalLM
 from kvship.models.llama import LlamaForCausalLM
 from kvship.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -25,6 +26,7 @@ MODEL_CLASSES = {
     "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5": Qwen3NextForCausalLM,
     "qwen3_5_moe": Qwen3NextForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 
 

@@ -1,0 +1,116 @@
+"""GLM-4.5, 4.6 and 4.7 (Glm4MoeForCausalLM): Llama's pre-norm block with grouped-query attention
+(q/k/v biases, per-head q/k RMSNorm when use_qk_norm) on heads of which only the first
+rotary_dim channels rotate, and DeepSeek-V3's feed-forward: dense on the first
+first_k_dense_replace layers, then experts routed by sigmoid scores with a correction bias in
+groups, beside an ungated shared expert (models/deepseek_v2.py's DeepseekV2MoE).
+
+Partial rotary: layers/rotary.py's PartialRotary; q and k enter attention with their channels
+reordered so the kernels' whole-head rotation turns only the rotary ones.
+
+Multi-token prediction: the checkpoint's layers past num_hidden_layers (num_nextn_predict_layers)
+are loaded into ``mtp`` and kept for speculative decoding, which kvship does not run yet (a log
+line says so); their copies of the embedding and output head, where stored, are not kept."""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvship.layers.attention import AttentionMetadata, QKNorm
+from kvship.layers.linear import ColumnParallelLinear
+from kvship.layers.norm import RMSNorm
+from kvship.layers.rotary import PartialRotary
+from kvship.models.config import ModelConfig
+from kvship.models.deepseek_v2 import DeepseekV2MoE
+from kvship.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from kvship.parallel import SINGLE, TPContext
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# an MTP layer's copies of the model's embedding and output head (as DeepSeek-V3 stores them)
+_MTP_COPIES = ("embed_tokens.", "shared_head.head.")
+
+
+class Glm4MoeAttention(LlamaAttention):
+    """LlamaAttention whose q and k channels are reordered for PartialRotary (v is not)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: PartialRotary, tp: TPContext, backend: str,
+                 window: int | None = None, reduce: bool = False):
+        super().__init__(cfg, rotary, tp, backend, window, reduce)
+        self.order = rotary.order
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = self.qkv_proj(x).split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = q.view(-1, hq, d).index_select(-1, self.order)
+        k = k.view(-1, hkv, d).index_select(-1, self.order)
+        norm = None
+        if self.qk_norm:  # per-head norms are order-blind but for their weights
+            norm = QKNorm(self.q_norm.weight[self.order], self.k_norm.weight[self.order], self.q_norm.eps)
+        out = self.attn(positions, q, k, v.view(-1, hkv, d), meta, norm)
+        return self.o_proj(out.flatten(1))
+
+
+class Glm4MoeDecoderLayer(LlamaDecoderLayer):
+    attention = Glm4MoeAttention
+    sparse_mlp = DeepseekV2MoE
+
+
+class Glm4MoeMTPLayer(Glm4MoeDecoderLayer):
+    """A multi-token-prediction layer as stored: the next token's embedding and the last hidden
+    state, each normed (enorm, hnorm), joined by eh_proj, then a decoder block and shared_head's
+    norm. Held for speculative decoding; never run."""
+
+    def __init__(self, cfg: ModelConfig, rotary: PartialRotary, tp: TPContext, backend: str, index: int):
+        super().__init__(cfg, rotary, tp, backend, index)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = ColumnParallelLinear(2 * cfg.hidden_size, cfg.hidden_size, False, SINGLE, cfg.quantization)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Glm4MoeModel(LlamaModel):
+    layer = Glm4MoeDecoderLayer
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
+        super().__init__(cfg, max_positions, tp, backend)
+        rotary = self.layers[0].self_attn.attn.rotary
+        n = cfg.num_hidden_layers
+        self.mtp = nn.ModuleList(Glm4MoeMTPLayer(cfg, rotary, tp, backend, n + i) for i in range(cfg.mtp_layers))
+
+    @staticmethod
+    def rotary(cfg: ModelConfig, max_positions: int) -> PartialRotary:
+        return PartialRotary(cfg.head_dim, cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+
+class Glm4MoeForCausalLM(LlamaForCausalLM):
+    backbone = Glm4MoeModel
+    optional_weights = ("model.mtp.",)  # a checkpoint saved without them (as transformers saves one)
+
+    def load_weights(self, weights: Iterable[tuple[str, object]], need_lm_head: bool = True) -> None:
+        """Layers past num_hidden_layers go to ``mtp`` (module docstring); one the model was not
+        built for (a checkpoint that stores more than its config names) is refused by the loader."""
+        n, seen = self.cfg.num_hidden_layers, set()
+
+        def renamed(weights):
+            for name, ref in weights:
+                m = _LAYER.search(name)
+                if m is None or int(m.group(1)) < n:
+                    yield name, ref
+                    continue
+                rest = name[m.end():]
+                if rest.startswith(_MTP_COPIES):
+                    continue
+                seen.add(int(m.group(1)))
+                yield f"model.mtp.{int(m.group(1)) - n}.{rest}", ref
+        super().load_weights(renamed(weights), need_lm_head)
+        if not seen:
+            self.model.mtp = nn.ModuleList()  # nothing to keep
+        else:
+            log.info("GLM-4 MoE: %d multi-token-prediction layer(s) loaded and kept; speculative decoding with them "
+                     "is not run yet", len(seen))
