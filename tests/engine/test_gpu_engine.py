@@ -21,7 +21,7 @@ def prompts(n=8):
 
 def test_gpu_greedy_matches_transformers(tiny_models):
     folder, ref = tiny_models["llama-gqa-tied"]
-    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16)
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_kv_blocks=64)
     assert llm.engine.runner.graphs is not None
     ps = prompts()
     agree = gpu_greedy_agreement(llm, ref, ps, 12)
@@ -33,13 +33,13 @@ def test_gpu_greedy_matches_transformers(tiny_models):
 
 def test_cuda_graph_replay_equals_eager(tiny_models):
     folder, _ = tiny_models["qwen3-qknorm"]
-    llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=16)
+    llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=16, num_kv_blocks=64)
     assert_graph_step_equals_eager(llm, prompts(11))  # 11 pads to the 16-wide graph
 
 
 def test_gpu_seeded_sampling_reproducible(tiny_models):
     folder, _ = tiny_models["llama-mha-untied"]
-    llm = LLM(str(folder), device="cuda", max_model_len=256, max_num_seqs=16)
+    llm = LLM(str(folder), device="cuda", max_model_len=256, max_num_seqs=16, num_kv_blocks=64)
     ps = prompts(4)
     p = SamplingParams(temperature=0.8, top_k=50, seed=7, max_tokens=16)
     alone = llm.generate([ps[2]], p)[0].outputs[0].token_ids

@@ -450,7 +450,7 @@ def test_moe_model_in_cuda_graphs_matches_transformers(tiny_models, arch):
     from kvship.sampling_params import SamplingParams
 
     folder, ref = tiny_models[arch]
-    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16)
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_kv_blocks=64)
     graphs = llm.engine.runner.graphs
     replays = []
     replay = graphs.run

@@ -383,12 +383,12 @@ def test_gpu_decode_in_cuda_graphs(models, arch):
 
     folder, ref = models[arch]
     prompts = _prompts(3) + [[3, 1, 4, 1, 5]]
-    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16)
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_kv_blocks=64)
     assert llm.engine.runner.graphs is not None
     # a near-tie may flip between kernels' summation orders
     assert gpu_greedy_agreement(llm, ref, prompts, 10) >= len(prompts) - 1
     del llm
-    llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=16)
+    llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=16, num_kv_blocks=64)
     assert_graph_step_equals_eager(llm, prompts)
 
 
@@ -401,7 +401,7 @@ def test_gpu_insitu_quantized_decode(models, method):
 
     folder, ref = models["v2"]
     prompts = _prompts(5)
-    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, quantization=method)
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_kv_blocks=64, quantization=method)
     assert llm.engine.runner.graphs is not None
     assert gpu_greedy_agreement(llm, _dequantized(ref, method), prompts, 10) >= len(prompts) - 1
 
@@ -413,7 +413,7 @@ def test_gpu_fp8_latent_cache_in_cuda_graphs(models, kv):
     from its CUDA graph gives the eager step's logits."""
     from kvship.llm import LLM
 
-    llm = LLM(str(models["v3"][0]), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=16,
+    llm = LLM(str(models["v3"][0]), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=16, num_kv_blocks=64,
               kv_cache_dtype=kv)
     assert llm.engine.runner.graphs is not None
     assert_graph_step_equals_eager(llm, _prompts(6) + [[3, 1, 4, 1, 5]])
