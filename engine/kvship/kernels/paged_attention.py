@@ -60,6 +60,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
     return kvq.pages(cache, scales, block_table[:n_blocks].long(), head_dim).flatten(0, 1)[:length]
 
 
+def chunk_start(pos: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The first key a query at ``pos`` sees under chunked local attention."""
+    return pos - pos % chunk
+
+
 def _attend_torch(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v in fp32; with ``softcap`` the scores are capped first,
     which scaled_dot_product_attention cannot do, so that case is written out."""
@@ -70,7 +75,8 @@ def _attend_torch(q, k, v, mask, scale: float, softcap: float | None) -> torch.T
 
 
 def _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: float, group: int,
-                            k_scale, v_scale, window: int | None, softcap: float | None) -> torch.Tensor:
+                            k_scale, v_scale, window: int | None, softcap: float | None,
+                            chunk: int | None = None) -> torch.Tensor:
     """One new token per sequence: gather every context into a padded [B, Hkv, L, D] batch and
     attend in one call, the query heads of a KV head standing in the query-length dimension."""
     batch, block_size, d = q.shape[0], k_cache.shape[1], q.shape[-1]
@@ -83,6 +89,8 @@ def _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: 
     mask = pos < seq_lens[:, None]
     if window is not None:  # the query sits at seq_len - 1
         mask &= pos >= seq_lens[:, None] - window
+    if chunk is not None:
+        mask &= pos >= chunk_start(seq_lens[:, None] - 1, chunk)
     out = _attend_torch(qg, k, v, mask[:, None, None, :], scale, softcap)
     return out.reshape(q.shape).to(q.dtype)
 
@@ -100,12 +108,14 @@ def paged_attention_torch(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
+    """``chunk``: chunked local attention (Llama 4), a query at p sees keys from p - p % chunk."""
     num_q_heads, num_kv_heads, d = q.shape[1], k_cache.shape[2], q.shape[2]
     group = num_q_heads // num_kv_heads
     if q.shape[0] == seq_lens.shape[0] and bool((seq_lens > 0).all()):
         return _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, group, k_scale, v_scale,
-                                       window, softcap)
+                                       window, softcap, chunk)
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     for b, ctx in enumerate(seq_lens.tolist()):
@@ -124,6 +134,8 @@ def paged_attention_torch(
         mask = k_pos <= q_pos  # causal with a cached prefix
         if window is not None:
             mask &= k_pos > q_pos - window
+        if chunk is not None:
+            mask &= k_pos >= chunk_start(q_pos, chunk)
         ob = _attend_torch(qb.float(), kb.float(), vb.float(), mask, scale, softcap)
         out[s:e] = ob.transpose(0, 1).to(q.dtype)
     return out

@@ -45,7 +45,8 @@ def _cpu_attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Ten
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                        window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                        window: int | None = None, softcap: float | None = None,
+                        chunk: int | None = None) -> torch.Tensor:
     """The CPU path: each sequence attends over its own blocks only (those its queries can see),
     never a batch padded to the longest context (decodes of similar lengths excepted: padded
     to at most twice their keys, they go in one call). The query heads of a KV head stand in the query
@@ -66,7 +67,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # per sequence, whose fixed cost dominates a short decode
         out[:nd] = pa.paged_attention_torch(q[:nd], k_cache, v_cache, block_tables[:nd], seq_lens[:nd],
                                             cu_seqlens_q[: nd + 1], scale, k_scale, v_scale, window=window,
-                                            softcap=softcap)
+                                            softcap=softcap, chunk=chunk)
     else:
         nd = 0
     for b in range(nd, len(lens)):
@@ -76,6 +77,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if q_len == 0:
             continue
         first = 0 if window is None else max(0, ctx - q_len - window + 1)  # the oldest key any query sees
+        if chunk is not None:
+            first = (ctx - q_len) - (ctx - q_len) % chunk
         b0 = first // block_size
         blocks = block_tables[b, b0 : -(-ctx // block_size)].long()
         lo, hi = first - b0 * block_size, ctx - b0 * block_size
@@ -86,15 +89,17 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             o = _cpu_attend(qs.reshape(num_kv_heads, group, d), k, v, None, scale, softcap)
             out[s] = o.reshape(num_q_heads, d)
             continue
-        chunk = max(1, CPU_SCORE_ELEMENTS // (num_q_heads * (hi - lo)))
+        per_call = max(1, CPU_SCORE_ELEMENTS // (num_q_heads * (hi - lo)))
         key_pos = torch.arange(first, ctx, device=q.device)
-        for i in range(0, q_len, chunk):
-            j = min(q_len, i + chunk)
+        for i in range(0, q_len, per_call):
+            j = min(q_len, i + per_call)
             q_pos = torch.arange(ctx - q_len + i, ctx - q_len + j, device=q.device)
             end = ctx - q_len + j - first  # keys past the chunk's last query are never seen
             mask = key_pos[None, :end] <= q_pos[:, None]
             if window is not None:
                 mask &= key_pos[None, :end] > q_pos[:, None] - window
+            if chunk is not None:
+                mask &= key_pos[None, :end] >= pa.chunk_start(q_pos[:, None], chunk)
             mask = mask[:, None, :].expand(j - i, group, end).reshape((j - i) * group, end)
             qc = qs[:, i:j].reshape(num_kv_heads, (j - i) * group, d)
             o = _cpu_attend(qc, k[:, :end], v[:, :end], mask, scale, softcap)  # [Hkv, rows, D]
@@ -115,6 +120,8 @@ class PagedAttention(nn.Module):
 
     ``scale`` multiplies the scores (default head_dim ** -0.5); ``window`` limits this layer to
     the last ``window`` positions, ``softcap`` caps its scores (kernels/paged_attention.py).
+    ``chunk``: chunked local attention (Llama 4), run by the torch reference on the GPU too (the
+    Triton kernels do not mask by chunk); a model passes it only where a context can pass one.
 
     The runner sizes and allocates each layer's cache from num_kv_heads and head_dim, a key and
     a value cache each, or a key cache alone where ``cache_values`` is False (LatentAttention)."""
@@ -122,13 +129,15 @@ class PagedAttention(nn.Module):
     cache_values = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding, backend: str,
-                 scale: float | None = None, window: int | None = None, softcap: float | None = None):
+                 scale: float | None = None, window: int | None = None, softcap: float | None = None,
+                 chunk: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.chunk = chunk
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window, self.softcap = window, softcap
         self.rotary = rotary
-        self.force_torch = backend == "torch"
+        self.force_torch = backend == "torch" or chunk is not None
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None
@@ -186,10 +195,10 @@ class PagedAttention(nn.Module):
         options = dict(window=self.window, softcap=self.softcap)
         if q.device.type == "cpu":  # no kernels: per-sequence attention over its own blocks
             q = rotary_store_kv_torch(positions, q, k, v, *store)
-            return paged_attention_cpu(q, *args, *scales, **options)
+            return paged_attention_cpu(q, *args, *scales, **options, chunk=self.chunk)
         if self.force_torch:
             q = rotary_store_kv_torch(positions, q, k, v, *store)
-            return pa.paged_attention_torch(q, *args, *scales, **options)
+            return pa.paged_attention_torch(q, *args, *scales, **options, chunk=self.chunk)
         q = rotary_store_kv(positions, q, k, v, *store)  # transformed by k_transform too
         return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1],
                                   num_decodes=meta.num_decodes, **options)

@@ -120,3 +120,14 @@ class PartialRotary(nn.Module):
                  *range(h, rotary_dim), *range(rotary_dim + rest // 2, head_dim)]
         assert len(order) == head_dim and half == h + rest // 2
         self.register_buffer("order", torch.tensor(order, device=torch.get_default_device()), persistent=False)
+
+
+class NoRotary(nn.Module):
+    """A table that turns nothing (cos 1, sin 0): position-free layers (Llama 4's NoPE layers)
+    through the same rotary + KV-store path as the others."""
+
+    def __init__(self, head_dim: int, max_positions: int):
+        super().__init__()
+        half = head_dim // 2
+        cache = torch.cat([torch.ones(max_positions, half), torch.zeros(max_positions, half)], dim=-1)
+        self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()), persistent=False)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvship.models.hybrid_config import HYBRID, LinearAttention, hybrid_fields, text_config
-from kvship.models.sigmoid_moe_config import PARTIAL_ROTARY, sigmoid_moe_fields
+from kvship.models.sigmoid_moe_config import PARTIAL_ROTARY, Llama4Layers, sigmoid_moe_fields
 from kvship.quant import QuantScheme, checkpoint_format
 
 
@@ -40,6 +40,9 @@ FAMILIES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     # GLM-4.5/4.6/4.7: DeepSeek-V3's routed + shared experts behind GQA on part-rotated heads (models/glm4_moe.py)
     "Glm4MoeForCausalLM": "glm4_moe",
+    # Llama 4 (Scout, Maverick), text only: the vision tower of ...ForConditionalGeneration is not served (models/llama4.py)
+    "Llama4ForCausalLM": "llama4",
+    "Llama4ForConditionalGeneration": "llama4",
     # base models without the output projection, as embedding models are saved
     "LlamaModel": "llama",
     "MistralModel": "llama",
@@ -50,7 +53,8 @@ _BY_MODEL_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_
                   "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
                 "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "deepseek_v2": "deepseek_v2",
-                  "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe"}
+                  "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe",
+                  "llama4_text": "llama4", "llama4": "llama4"}
 # architectures refused with a reason of their own
 _REFUSED = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (4B and larger) is not supported: kvship "
                                               "runs text-only Gemma 3 (Gemma3ForCausalLM, model_type gemma3_text)"}
@@ -127,6 +131,7 @@ class ModelConfig:
     linear_attention: LinearAttention | None = None  # the hybrid families' Gated DeltaNet layers
     rotary_dim: int = 0  # channels of each head that rotate (GLM-4.5: half), 0 for the whole head
     mtp_layers: int = 0  # multi-token-prediction layers stored past num_hidden_layers (GLM-4.5), kept unused
+    llama4: Llama4Layers | None = None
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -149,7 +154,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         arch = family_of(cfg)
-        cfg = text_config(cfg) if arch in HYBRID else cfg
+        cfg = text_config(cfg) if arch in (*HYBRID, "llama4") else cfg
         # transformers >= 5 writes rope settings under rope_parameters (Gemma 3: one set per layer type).
         rope_params = dict(cfg.get("rope_parameters") or {})
         local_rope = rope_params.pop("sliding_attention", None) or {}

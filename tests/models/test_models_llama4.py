@@ -1,0 +1,140 @@
+"""Llama 4 text (llama4_text) against transformers on tiny random checkpoints: chunked local
+attention on the rotary layers (chunks of 8, so the prompts cross several), position-free global
+layers with temperature tuning (floor_scale 4, so it moves within the prompts), the weightless
+q/k norm, interleaved routed (top-1 sigmoid scaling the input, a shared expert) and dense layers.
+Logits in fp32 (batched, in chunks over the cached prefix), greedy tokens through the engine
+(batched, chunked prefill, a prefix hit, preemption); the ...ForConditionalGeneration layout."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import write_word_tokenizer
+from kvship.models.config import ModelConfig, UnsupportedModelError
+from kvship.sampling_params import SamplingParams
+from test_models import DEVICES, assert_greedy_matches, assert_logits_match
+
+pytestmark = pytest.mark.timeout(300)
+
+BASE = dict(vocab_size=320, hidden_size=64, num_attention_heads=4, max_position_embeddings=256, eos_token_id=319,
+            bos_token_id=0, num_key_value_heads=2, head_dim=16, num_hidden_layers=4, intermediate_size=32,
+            intermediate_size_mlp=96, num_local_experts=4, interleave_moe_layer_step=2, attention_chunk_size=8,
+            no_rope_layer_interval=2, floor_scale=4, attn_scale=0.5)
+LLAMA4 = {
+    "scout-like": BASE,
+    # every layer routed, no q/k norm, no temperature tuning, llama3 rope scaling
+    "all-moe": BASE | dict(interleave_moe_layer_step=1, use_qk_norm=False, attn_temperature_tuning=False,
+                           rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 16}),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Attention weights scaled up so that attention (chunks, rotary layout, temperature) moves
+    the logits well past the tolerance; transformers' fused experts drawn (it leaves zeros)."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("llama4")
+    out = {}
+    for name, spec in LLAMA4.items():
+        torch.manual_seed(0)
+        ref = transformers.AutoModelForCausalLM.from_config(transformers.Llama4TextConfig(**spec),
+                                                            dtype=torch.float32).eval()
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for pname, p in ref.named_parameters():
+                if "norm" in pname:
+                    p.normal_(1.0, 0.1, generator=g)
+                if ".self_attn." in pname:
+                    p.mul_(8.0)
+                if ".experts." in pname:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        ref.save_pretrained(root / name)
+        write_word_tokenizer(root / name, 320)
+        out[name] = (root / name, ref)
+    return out
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 319, (n,), generator=g).tolist() for n in (5, 17, 45)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", list(LLAMA4))
+def test_logits_match_transformers(models, arch, device):
+    folder, ref = models[arch]
+    assert_logits_match(folder, ref, _prompts(1), device, chunks=(None, 7))
+
+
+@pytest.mark.parametrize("arch", list(LLAMA4))
+def test_greedy_matches_transformers_batched_chunked_and_cached(models, arch):
+    prompts = _prompts(2)
+    prompts.append(prompts[2][:24] + [5, 6, 7])
+    assert_greedy_matches(*models[arch], prompts, 10)
+
+
+def test_preempted_sequences_give_the_same_tokens(models):
+    from kvship.llm import LLM
+
+    folder, ref = models["scout-like"]
+    prompts = _prompts(3)[1:] + [_prompts(4)[2][:30]]
+    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=30, block_size=4, max_num_batched_tokens=64,
+              max_model_len=96)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    for p, got in zip(prompts, ours):
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert got == want[0, len(p):].tolist()
+
+
+def test_conditional_generation_checkpoint_reads_its_language_model(models, tmp_path):
+    """Llama4ForConditionalGeneration's layout: the text config nested, the language model's
+    tensors under language_model., the vision tower's skipped; the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    folder, ref = models["scout-like"]
+    inner = json.loads((folder / "config.json").read_text())
+    cfg = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+           "text_config": {**inner, "model_type": "llama4_text"}, "vision_config": {"num_hidden_layers": 1}}
+    tensors = {"language_model." + k: v for k, v in load_file(folder / "model.safetensors").items()}
+    tensors["vision_model.patch_embedding.linear.weight"] = torch.zeros(4, 4)
+    tensors["multi_modal_projector.linear_1.weight"] = torch.zeros(4, 4)
+    out = tmp_path / "cond"
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((folder / f).read_bytes())
+    assert ModelConfig.from_hf(cfg).llama4 is not None
+    assert_logits_match(out, ref, _prompts(5)[1:])
+
+
+def test_scout_config():
+    """Llama-4-Scout's text config (the fields kvship reads)."""
+    cfg = ModelConfig.from_hf(dict(
+        architectures=["Llama4ForCausalLM"], model_type="llama4_text", hidden_size=5120, intermediate_size=8192,
+        intermediate_size_mlp=16384, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+        head_dim=128, vocab_size=202048, num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1,
+        attention_chunk_size=8192, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(48)], use_qk_norm=True,
+        attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192}))
+    spec = cfg.llama4
+    assert cfg.sparse_layers == frozenset(range(48)) and cfg.moe_intermediate_size == 8192
+    assert spec.rope_layers == frozenset(i for i in range(48) if i % 4 != 3) and spec.chunk == 8192
+    assert spec.dense_intermediate_size == 16384 and spec.temperature == (8192.0, 0.1) and spec.l2_qk_norm
+
+
+@pytest.mark.parametrize("key,value", [("num_experts_per_tok", 2), ("attention_bias", True)])
+def test_unsupported_settings_are_refused(key, value):
+    cfg = dict(architectures=["Llama4ForCausalLM"], hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+               num_attention_heads=4, vocab_size=320, **{key: value})
+    with pytest.raises(UnsupportedModelError, match=key):
+        ModelConfig.from_hf(cfg)
