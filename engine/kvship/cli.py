@@ -107,6 +107,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         max_waiting_requests=args.max_waiting_requests,
         task=args.task,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 

@@ -94,6 +94,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(default) and triton run the Triton kernels on a GPU (when triton is installed) and the "
                         "torch reference on a CPU")
 
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) on the base model")
+    g.add_argument("--max-loras", type=_positive_int, default=1,
+                   help="adapters held on the device at once, each usable by any number of requests in a batch")
+    g.add_argument("--max-lora-rank", type=_positive_int, default=16, help="the largest adapter rank accepted")
+    g.add_argument("--max-cpu-loras", type=_positive_int, default=None,
+                   help="adapters kept in host memory, least recently used out first (default: --max-loras)")
+
 
 # The formats kvship.server.tools and kvship.server.reasoning parse (named here, where the CLI
 # and the operator's validation of engine args both read them without importing the server).

@@ -86,6 +86,12 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"  # auto | torch | triton
 
+    # LoRA adapters (vLLM's options): device slots, the largest rank they take, host copies kept
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
     max_waiting_requests: int = 1024  # beyond this the server answers 503
 
     # What the model serves: "generate" (completions and chat), "embed" (/v1/embeddings), or
@@ -109,6 +115,15 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.enable_lora:
+            if self.tensor_parallel_size > 1:
+                raise ValueError("LoRA adapters are not sharded over tensor-parallel ranks yet: serve them with "
+                                 "--tensor-parallel-size 1")
+            if self.task == "embed":
+                raise ValueError("LoRA adapters are served for generation, not embeddings (--task embed)")
+            if min(self.max_loras, self.max_lora_rank) < 1:
+                raise ValueError("max_loras and max_lora_rank must be at least 1")
+            self.max_cpu_loras = max(self.max_cpu_loras or self.max_loras, self.max_loras)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence as Seq
 
 from kvship.config import EngineConfig
 from kvship.core.engine import LLMEngine
+from kvship.lora_request import LoRARequest
 from kvship.outputs import RequestOutput
 from kvship.sampling_params import SamplingParams
 
@@ -37,19 +38,24 @@ class LLM:
             engine.shutdown(release_memory=False)
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Prompts are strings (tokenized with the model's tokenizer) or token-id lists."""
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Prompts are strings (tokenized with the model's tokenizer) or token-id lists.
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt."""
         if "engine" not in self.__dict__:
             raise RuntimeError("this LLM has been shut down")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         per_prompt = params if isinstance(params, Seq) else [params] * len(prompts)
+        loras = lora_request if isinstance(lora_request, Seq) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         order = []
-        for prompt, p in zip(prompts, per_prompt):
+        for prompt, p, lora in zip(prompts, per_prompt, loras):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p)
+            self.engine.add_request(rid, ids, p, lora_request=lora)
             order.append(rid)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_work():

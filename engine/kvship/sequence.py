@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvship.lora_request import LoRARequest
 from kvship.sampling_params import SamplingParams
 
 
@@ -36,6 +37,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     leader: "Sequence | None" = None  # n > 1: wait until the leader's prompt is cached, then share it
     generator: torch.Generator | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     grammar: object | None = None  # an xgrammar GrammarMatcher when the output is constrained (core/grammar.py)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -75,6 +77,10 @@ class Sequence:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def lora_id(self) -> int | None:
+        return None if self.lora is None else self.lora.lora_int_id
 
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
         """Record why the sequence ended: "stop", "length", "abort" or "error". "length" is

@@ -22,6 +22,8 @@ from kvship.core.kv_events import open_publisher
 from kvship.core.output_processor import Accepted, OutputProcessor
 from kvship.core.scheduler import Scheduler
 from kvship.loader import DEFAULT_POOLING
+from kvship.loader.lora_adapter import LoRAAdapterError
+from kvship.lora_request import LoRARequest
 from kvship.outputs import RequestOutput
 from kvship.parallel import SINGLE
 from kvship.runner.model_runner import InFlightStep, ModelRunner, load_model
@@ -51,7 +53,8 @@ class LLMEngine:
             self.tp_runtime.ready = True
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  self.model_config.kv_window)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_loras if config.enable_lora else None)
         self.kv_events = open_publisher(config.kv_events)
         if self.kv_events is not None:
             self.kv.events = []
@@ -71,9 +74,10 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         """``arrival_time`` (time.monotonic()): when the request was accepted, if earlier than now
-        (a server stamps it before the request waits for the engine)."""
+        (a server stamps it before the request waits for the engine). ``lora_request``: the
+        adapter to run it with (read now if new: a bad one is refused here, not mid-step)."""
         if self.task != "generate":
             raise InvalidParamsError("this model serves embeddings (task embed), not completions", "model")
         if request_id in self.outputs.requests:
@@ -85,11 +89,13 @@ class LLMEngine:
             if params.ignore_eos:  # the grammar ends where end-of-text is allowed: past it nothing is constrained
                 raise InvalidParamsError("ignore_eos cannot be combined with structured output", "ignore_eos")
             self.grammars.prepare(params.structured)  # compiled already when the server prepared it
+        if lora_request is not None:
+            self.add_lora(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(request_id, i, list(prompt_token_ids), params, leader=seqs[0] if seqs else None,
-                           arrival_time=arrival)
+                           arrival_time=arrival, lora=lora_request)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + i)
             if params.structured is not None:
@@ -98,6 +104,16 @@ class LLMEngine:
         self.outputs.add(request_id, prompt_token_ids, params, seqs, arrival)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter (kept in the host cache); InvalidParamsError naming what this
+        engine cannot serve."""
+        if self.runner.lora is None:
+            raise InvalidParamsError("LoRA adapters are not enabled: start the engine with --enable-lora", "model")
+        try:
+            self.runner.lora.check(lora_request)
+        except LoRAAdapterError as e:
+            raise InvalidParamsError(str(e), "model") from None
 
     def _check_prompt(self, ids: list[int], room: int, param: str = "prompt") -> None:
         """Refuse a prompt that is empty, holds ids outside the vocabulary, or leaves fewer than

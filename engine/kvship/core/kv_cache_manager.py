@@ -24,6 +24,11 @@ from kvship.core import kv_events
 from kvship.sequence import Sequence
 
 
+def lora_root(lora_id: int | None) -> int | None:
+    """Where a sequence's hash chain starts: its LoRA adapter's own root (ids after a -1 are no
+    block's tokens), so that no block is shared with the base model or another adapter."""
+    return None if lora_id is None else kv_events.block_hash(None, (-1, lora_id))
+
 @dataclass
 class Block:
     block_id: int
@@ -82,11 +87,13 @@ class KVCacheManager:
     # -- prefix cache -----------------------------------------------------------------------
     def full_block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """Chain hashes of seq's first num_blocks blocks, computed once per block and kept on seq
-        (tokens of a full block never change, so neither does its hash)."""
+        (tokens of a full block never change, so neither does its hash). The chain starts from the
+        sequence's LoRA adapter: the same tokens under another adapter have other keys and values."""
         hashes, bs = seq.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(kv_events.block_hash(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else lora_root(seq.lora_id)
+            hashes.append(kv_events.block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[:num_blocks]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int | None]:

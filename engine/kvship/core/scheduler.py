@@ -4,7 +4,8 @@ Each step: running decodes first, one token each; then prefills (prompts part-wa
 chunked prefill, and waiting sequences) share what is left of the budget, the fewest remaining
 tokens first, so that a short request starts at once beside a long prompt, which goes on with
 the rest. The batch lists its one-token entries first (Batch.decodes_first), for the attention
-kernels. When blocks run out, the newest running sequence not yet in the batch is preempted
+kernels. A sequence with a LoRA adapter waits while the running ones already use as many
+distinct adapters as the device has slots (``max_loras``). When blocks run out, the newest running sequence not yet in the batch is preempted
 (its blocks freed, recomputed later from its tokens; the prefix cache usually makes that cheap).
 """
 from __future__ import annotations
@@ -18,8 +19,10 @@ from kvship.sequence import Batch, SeqStatus, Sequence
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int | None = None):
         self.kv = kv
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -86,6 +89,7 @@ class Scheduler:
         # equals, then arrival order): a short prompt is not queued behind a long prompt's chunks.
         # Waiting sequences are admitted only while nothing had to be preempted this step.
         admitting = not preempted
+        loras = {seq.lora_id for seq in self.running if seq.lora is not None}
         waiting = [seq for seq in self.waiting if not seq.gated] if admitting else []
         for seq in sorted(prefills + waiting, key=lambda seq: seq.num_tokens - seq.num_computed_tokens):
             if budget == 0:
@@ -96,6 +100,8 @@ class Scheduler:
                 admitting = admitting and not preempted
             elif seq in prefills or not admitting or len(self.running) >= self.max_num_seqs:
                 continue  # preempted meanwhile, or no admissions this step
+            elif seq.lora is not None and seq.lora_id not in loras and len(loras) >= (self.max_loras or len(loras) + 1):
+                continue  # every adapter slot is taken by running sequences
             else:
                 n = self._admit(seq, budget)
                 fits = n > 0
@@ -103,6 +109,8 @@ class Scheduler:
             if fits:
                 batch.add(seq, n)
                 budget -= n
+                if seq.lora is not None:
+                    loras.add(seq.lora_id)
         return batch.decodes_first()
 
     def _fit(self, seq: Sequence, n: int, batch: Batch, preempted: bool) -> tuple[bool, bool]:

@@ -24,6 +24,7 @@ from kvship.parallel import SINGLE, TPContext
 from kvship.quant import QuantScheme
 from kvship.runner.cuda_graph import DecodeGraphs
 from kvship.runner.dummy_weights import dummy_weights
+from kvship.runner.lora_manager import LoRAManager
 from kvship.runner.sampler import PendingSample, Sampler, SamplerOutput, SamplerRow
 from kvship.sequence import Batch, Sequence
 
@@ -184,6 +185,7 @@ class ModelRunner:
             weights = tqdm(weights, desc="Loading weights", unit=" tensors", leave=False)
         self.model.load_weights(weights, need_lm_head=config.task != "embed")
         _drop_weight_loaders(self.model)
+        self.lora = self._wrap_lora() if config.enable_lora else None  # before the KV cache: its slots take memory
         # Weights go straight into the tensors the model was built with, one checkpoint tensor at a
         # time (in-situ quantization holds one 16-bit matrix more): the peak should stay near them.
         self.weight_bytes = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
@@ -207,12 +209,19 @@ class ModelRunner:
         # torch (the torch attention reference syncs with the host too)
         if self.device.type == "cuda" and not config.enforce_eager and config.task != "embed" \
                 and self.backend != "torch" \
-                and (HAS_TRITON or not model_config.num_experts) and self.model.cuda_graphs:
+                and (HAS_TRITON or not (model_config.num_experts or self.lora)) and self.model.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, AUTO_MAX_SEQS),
                                        -(-max_model_len // self.block_size), self.device,
                                        self.num_state_slots if self.num_state_slots else None)
+            if self.lora is not None:  # the graphs run the adapters' kernels whatever a step holds
+                self.lora.batch.active = True
             self.graphs.capture()
         self.measuring_kv_scales = self._set_up_kv_scales()  # after the runs above: real prefills only
+
+    def _wrap_lora(self) -> LoRAManager:
+        c = self.config
+        return LoRAManager(self.model, self.model_config.hidden_size, c.max_loras, c.max_lora_rank, c.max_cpu_loras,
+                           max(c.max_num_batched_tokens, KV_SCALE_TOKENS, AUTO_MAX_SEQS), self.dtype, self.device)
 
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (before tearing down the communicators captured in them)."""
@@ -497,6 +506,8 @@ class ModelRunner:
         """Float32 logits [num_sampled, vocab] for the sequences whose prompt is complete (and,
         for sequences that asked, prompt logprobs appended to seq.prompt_logprobs)."""
         input_ids, positions, meta, in_flight = self.prepare(batch, previous)
+        if self.lora is not None:
+            self.lora.prepare(batch)
         wanted = self._prompt_logprob_rows(batch)
         if in_flight is not None and (wanted or self.tp.runtime is not None):  # these run on the ids as sent
             input_ids, in_flight = in_flight.fill(input_ids), None

@@ -1,0 +1,130 @@
+"""Multi-LoRA in the engine: a batch mixing adapters of different ranks (one rsLoRA) and the base
+model gives, for each request, the greedy tokens of transformers on the model with that adapter
+merged into its weights; with chunked prefill, prefix-cache hits (never across adapters), and
+an adapter loaded into a device slot once whatever number of requests use it."""
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from kvship.llm import LLM
+from kvship.lora_request import LoRARequest
+from kvship.sampling_params import InvalidParamsError, SamplingParams
+from lora_adapters import greedy, make_adapter
+
+PROMPTS = [[1, 5, 9, 13, 21, 34, 55, 89, 144, 233, 7, 3, 2, 17, 19, 23, 29, 31, 37, 41, 43, 47], [2, 4, 8, 16, 32, 64],
+           [10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140, 150, 160, 170, 180]]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_lora(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_model(root / "base", "llama-gqa-tied")
+    adapters = {
+        "r4": (make_adapter(root / "r4", base, rank=4, alpha=8, seed=1), LoRARequest("r4", 1, str(root / "r4"))),
+        "r8-attn": (make_adapter(root / "r8", base, rank=8, alpha=16, seed=2, targets=("q_proj", "v_proj", "o_proj")),
+                    LoRARequest("r8-attn", 2, str(root / "r8"))),
+        "r16-rs": (make_adapter(root / "r16", base, rank=16, alpha=4, seed=3, rslora=True),
+                   LoRARequest("r16-rs", 3, str(root / "r16"))),
+    }
+    return root, base, adapters
+
+
+def _llm(root, **kw):
+    kw = {"max_lora_rank": 16} | kw
+    return LLM(str(root / "base"), device="cpu", dtype="float32", num_kv_blocks=128, block_size=4,
+               max_num_batched_tokens=16, max_model_len=128, enable_lora=True, **kw)
+
+
+@pytest.mark.timeout(300)
+def test_mixed_batch_matches_merged_models(tiny_lora):
+    root, base, adapters = tiny_lora
+    llm = _llm(root, max_loras=3)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    jobs = [(p, name) for p in PROMPTS for name in [None, *adapters]]
+    outs = llm.generate([p for p, _ in jobs], params,
+                        lora_request=[adapters[n][1] if n else None for _, n in jobs])
+    base_tokens = {}
+    for (prompt, name), out in zip(jobs, outs):
+        want = greedy(adapters[name][0] if name else base, prompt, MAX_TOKENS)
+        assert out.outputs[0].token_ids == want, (name, prompt)
+        if name is None:
+            base_tokens[tuple(prompt)] = want
+    assert any(out.outputs[0].token_ids != base_tokens[tuple(p)] for (p, n), out in zip(jobs, outs) if n)
+    assert llm.engine.runner.lora.loads == 3  # one load per adapter for all their requests
+    # the same prompt again: a prefix hit under its own adapter only
+    again = llm.generate([PROMPTS[0]] * 2, params, lora_request=[adapters["r4"][1], None])
+    assert again[0].num_cached_tokens > 0 and again[0].outputs[0].token_ids == greedy(adapters["r4"][0], PROMPTS[0], MAX_TOKENS)
+    fresh = LoRARequest("r4-again", 9, adapters["r4"][1].lora_path)  # same files, another adapter id: no hit
+    third = llm.generate([PROMPTS[0]], params, lora_request=fresh)[0]
+    assert third.num_cached_tokens == 0 and third.outputs[0].token_ids == again[0].outputs[0].token_ids
+
+
+@pytest.mark.timeout(300)
+def test_more_adapters_than_slots_take_turns(tiny_lora):
+    """One device slot, three adapters in one call: they run in turns (the scheduler holds back
+    a request whose adapter has no slot) and each still matches its merged model."""
+    root, base, adapters = tiny_lora
+    llm = _llm(root, max_loras=1, max_cpu_loras=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    names = list(adapters)
+    outs = llm.generate([PROMPTS[1]] * 3, params, lora_request=[adapters[n][1] for n in names])
+    for name, out in zip(names, outs):
+        assert out.outputs[0].token_ids == greedy(adapters[name][0], PROMPTS[1], 4), name
+    assert len(llm.engine.runner.lora.cpu) == 2
+
+
+def test_bad_adapters_are_refused_by_name(tiny_lora, tmp_path):
+    root, base, _ = tiny_lora
+    llm = _llm(root, max_lora_rank=8)
+    params = SamplingParams(max_tokens=1)
+    make_adapter(tmp_path / "big", base, rank=16, alpha=16, seed=4)
+    with pytest.raises(InvalidParamsError, match="rank r=16 exceeds --max-lora-rank 8"):
+        llm.generate([[1, 2]], params, lora_request=LoRARequest("big", 1, str(tmp_path / "big")))
+    make_adapter(tmp_path / "head", base, rank=4, alpha=8, seed=5, targets=("q_proj", "lm_head"))
+    with pytest.raises(InvalidParamsError, match="lm_head"):
+        llm.generate([[1, 2]], params, lora_request=LoRARequest("head", 2, str(tmp_path / "head")))
+    with pytest.raises(InvalidParamsError, match="adapter_config.json"):
+        llm.generate([[1, 2]], params, lora_request=LoRARequest("none", 3, str(tmp_path)))
+    plain = LLM(str(root / "base"), device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=64)
+    with pytest.raises(InvalidParamsError, match="--enable-lora"):
+        plain.generate([[1, 2]], params, lora_request=LoRARequest("r", 1, str(tmp_path / "big")))
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        LLM(str(root / "base"), device="cpu", enable_lora=True, tensor_parallel_size=2)
+
+
+def test_lora_layers_add_only_the_adapters_rows():
+    """The wrapped layer leaves rows without an adapter exactly as the base layer computes them."""
+    from kvship.layers.linear import QKVParallelLinear
+    from kvship.layers.lora import LoRABatch, LoRALinear
+    from kvship.parallel import SINGLE
+
+    base = QKVParallelLinear(16, 4, 2, 1, False, SINGLE)
+    base.weight.data.normal_()
+    batch = LoRABatch(8, torch.device("cpu"))
+    layer = LoRALinear(base, 16, [("q", 8), ("k", 4), ("v", 4)], 2, 4, batch, torch.float32, torch.device("cpu"))
+    a, b = torch.randn(2, 16), torch.randn(4, 2)
+    layer.set_slot(1, "k", a, b)
+    x = torch.randn(3, 16)
+    batch.token_slots[:3] = torch.tensor([1, -1, 0])
+    batch.active = True
+    y = layer(x)
+    want = base(x)
+    torch.testing.assert_close(y[1:], want[1:])  # slot 0 is empty, -1 has none
+    want[0, 8:12] += b @ a @ x[0]
+    torch.testing.assert_close(y[0], want[0])
+
+
+@pytest.mark.timeout(300)
+def test_preempted_requests_resume_on_their_adapter(tiny_lora):
+    """A KV cache too small for every request at once: preempted sequences are recomputed with
+    the adapter they started with."""
+    root, base, adapters = tiny_lora
+    llm = LLM(str(root / "base"), device="cpu", dtype="float32", num_kv_blocks=14, block_size=4,
+              max_num_batched_tokens=16, max_model_len=64, enable_lora=True, max_loras=3, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    names = list(adapters)
+    outs = llm.generate([PROMPTS[2]] * 3, params, lora_request=[adapters[n][1] for n in names])
+    assert llm.engine.scheduler.num_preemptions > 0
+    for name, out in zip(names, outs):
+        assert out.outputs[0].token_ids == greedy(adapters[name][0], PROMPTS[2], MAX_TOKENS), name
