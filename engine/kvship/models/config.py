@@ -43,6 +43,8 @@ FAMILIES = {
     # Llama 4 (Scout, Maverick), text only: the vision tower of ...ForConditionalGeneration is not served (models/llama4.py)
     "Llama4ForCausalLM": "llama4",
     "Llama4ForConditionalGeneration": "llama4",
+    # MiniMax-M2: sigmoid-routed experts, q/k RMSNorm over all heads at once (models/minimax_m2.py)
+    "MiniMaxM2ForCausalLM": "minimax_m2",
     # base models without the output projection, as embedding models are saved
     "LlamaModel": "llama",
     "MistralModel": "llama",
@@ -54,7 +56,7 @@ _BY_MODEL_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_
                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
                 "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "deepseek_v2": "deepseek_v2",
                   "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe",
-                  "llama4_text": "llama4", "llama4": "llama4"}
+                  "llama4_text": "llama4", "llama4": "llama4", "minimax_m2": "minimax_m2"}
 # architectures refused with a reason of their own
 _REFUSED = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (4B and larger) is not supported: kvship "
                                               "runs text-only Gemma 3 (Gemma3ForCausalLM, model_type gemma3_text)"}

@@ -10,6 +10,7 @@ from kvship.models.gemma import GemmaForCausalLM
 from kvship.models.glm4_moe import Glm4MoeForCausalLM
 from kvship.models.llama import LlamaForCausalLM
 from kvship.models.llama4 import Llama4ForCausalLM
+from kvship.models.minimax_m2 import MiniMaxM2ForCausalLM
 from kvship.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES = {
@@ -29,6 +30,7 @@ MODEL_CLASSES = {
     "qwen3_5_moe": Qwen3NextForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "llama4": Llama4ForCausalLM,
+    "minimax_m2": MiniMaxM2ForCausalLM,
 }
 
 

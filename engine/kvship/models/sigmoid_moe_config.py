@@ -1,14 +1,14 @@
 """Hyper-parameters of the families whose experts are chosen by sigmoid scores, read by
 ModelConfig.from_hf: GLM-4.5/4.6/4.7 (glm4_moe: DeepSeek-V3's router with a correction bias, in
-groups, beside a shared expert) and Llama 4 (llama4: top-1 scaling the expert's input, chunked
-local attention, position-free global layers). What their model files do not run is refused
+groups, beside a shared expert), Llama 4 (llama4: top-1 scaling the expert's input, chunked
+local attention, position-free global layers) and MiniMax-M2 (minimax_m2: top-k with a bias). What their model files do not run is refused
 here by name."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-PARTIAL_ROTARY = ("glm4_moe",)  # families whose heads may rotate only in part
+PARTIAL_ROTARY = ("glm4_moe", "minimax_m2")  # families whose heads may rotate only in part
 
 
 def sigmoid_moe_fields(arch: str, cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
@@ -16,6 +16,8 @@ def sigmoid_moe_fields(arch: str, cfg: dict[str, Any], head_dim: int) -> dict[st
         return _glm4_moe(cfg, head_dim)
     if arch == "llama4":
         return _llama4(cfg)
+    if arch == "minimax_m2":
+        return _minimax_m2(cfg, head_dim)
     return {}
 
 
@@ -77,3 +79,18 @@ def _llama4(cfg: dict[str, Any]) -> dict[str, Any]:
                           bool(cfg.get("use_qk_norm", True)), temperature, cfg.get("intermediate_size_mlp", 16384))
     return dict(num_experts=cfg.get("num_local_experts", 16), num_experts_per_tok=1,
                 moe_intermediate_size=cfg["intermediate_size"], sparse_layers=frozenset(moe), llama4=layers)
+
+
+def _minimax_m2(cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Every layer routed (experts intermediate_size wide), top-k by sigmoid score plus a bias,
+    renormalized, no shared expert; rotary_dim channels of each head rotate."""
+    _refuse("MiniMax-M2", cfg, (("hidden_act", "silu"), ("scoring_func", "sigmoid"), ("use_routing_bias", True),
+                                ("shared_intermediate_size", 0), ("qk_norm_type", "per_layer"),
+                                ("attention_bias", False)))
+    rope = cfg.get("rope_parameters") or {}
+    rotary = cfg.get("rotary_dim") or int(head_dim * cfg.get("partial_rotary_factor",
+                                                               rope.get("partial_rotary_factor", 1.0)))
+    n = cfg["num_hidden_layers"]
+    return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                sparse_layers=frozenset(range(n)), moe_groups=(1, 1), moe_scoring="sigmoid", rotary_dim=rotary)
