@@ -12,6 +12,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 
 from . import builders as b
+from . import router_builders as rb
 from . import spec as s
 from .kube import Kube
 
@@ -25,6 +26,11 @@ def contains(actual: Any, desired: Any) -> bool:
     if isinstance(desired, list):
         return isinstance(actual, list) and len(actual) == len(desired) and all(map(contains, actual, desired))
     return actual == desired or str(actual) == str(desired)
+
+
+def owned_by(obj: dict | None, owner: b.Owner) -> bool:
+    refs = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == owner.uid for r in refs)
 
 
 def api_message(e: ApiException) -> str:
@@ -94,7 +100,7 @@ def apply_children(kube: Kube, owner: b.Owner, parsed: s.LLMDeploymentSpec, pdb_
     others from their update. Returns (changes, {"Kind name": error}, namespace_terminating)."""
     changes: list[str] = []
     errors: dict[str, str] = {}
-    for obj in b.build(owner, parsed, pdb_api_version=pdb_api_version, replicas=replicas):
+    for obj in rb.children(owner, parsed, pdb_api_version=pdb_api_version, replicas=replicas):
         kind, child = obj["kind"], obj["metadata"]["name"]
         try:
             before = kube.get(obj["apiVersion"], kind, owner.namespace, child)

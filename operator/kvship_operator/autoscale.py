@@ -16,17 +16,12 @@ from . import builders as b
 from . import metrics_client, tracing
 from . import spec as s
 from . import status as st
-from .apply import api_message
+from .apply import api_message, owned_by
 from .kube import Kube
 from .schema import SpecError
 from .validate import valid_spec
 
 EVENT_REASONS = {"ScaleUp": "ScaledUp", "ScaleDown": "ScaledDown", "OutOfBounds": "ScaledIntoBounds"}
-
-
-def _owned_by(obj: dict | None, owner: b.Owner) -> bool:
-    refs = ((obj or {}).get("metadata") or {}).get("ownerReferences") or []
-    return any(r.get("uid") == owner.uid for r in refs)
 
 
 def ensure_autoscaling_object(kube: Kube, cr: Any, owner: b.Owner, spec: s.LLMDeploymentSpec,
@@ -47,7 +42,7 @@ def ensure_autoscaling_object(kube: Kube, cr: Any, owner: b.Owner, spec: s.LLMDe
             if wanted is not None and wanted["kind"] == kind:
                 continue
             current = kube.get(api_version, kind, owner.namespace, owner.name)
-            if current is not None and _owned_by(current, owner):
+            if current is not None and owned_by(current, owner):
                 kube.delete(api_version, kind, owner.namespace, owner.name)
                 changes.append(f"deleted {kind} {owner.name}")
         if wanted is None:

@@ -63,6 +63,11 @@ def traffic_labels(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, str]:
     return {**selector_labels(owner), ROLE_LABEL: "leader"} if multi_node(spec) else selector_labels(owner)
 
 
+def router_selector_labels(owner: Owner) -> dict[str, str]:
+    """The router's pods (spec.routing): never matched by the engines' selectors."""
+    return {"app.kubernetes.io/name": "kvship-router", INSTANCE_LABEL: owner.name}
+
+
 def worker_labels(owner: Owner, leader: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "kvship-engine-worker",  # never matched by the leaders' selectors
@@ -467,7 +472,8 @@ def service(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
         "metadata": _meta(owner, owner.name, extra),
         "spec": {
             "type": spec.service.type,
-            "selector": traffic_labels(owner, spec),
+            # mode envoy: the router's pods, which pick a replica per request
+            "selector": router_selector_labels(owner) if spec.routing.mode == "envoy" else traffic_labels(owner, spec),
             "ports": [{"name": "http", "port": spec.service.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }

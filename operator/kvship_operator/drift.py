@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from . import builders as b
+from . import router_builders as rb
 from . import spec as s
 from .apply import claim_change_refused, contains
 from .kube import Kube
@@ -16,7 +17,7 @@ def drifted(kube: Kube, owner: b.Owner, parsed: s.LLMDeploymentSpec, kind: str, 
     """Why the child ``kind``/``child`` no longer matches what the spec builds (None: it
     does, or it is not a child the spec builds). ``replicas``: what the StatefulSet's
     replicas should be now (the rollout's step)."""
-    wanted = next((o for o in b.build(owner, parsed, pdb_api_version=pdb_api_version, replicas=replicas)
+    wanted = next((o for o in rb.children(owner, parsed, pdb_api_version=pdb_api_version, replicas=replicas)
                    if o["kind"] == kind and o["metadata"]["name"] == child), None)
     if wanted is None:
         return None

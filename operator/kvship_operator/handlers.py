@@ -14,10 +14,11 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import apply, drift, metrics_client, rollout, tracing, webhook
+from . import apply, drift, metrics_client, rollout, router_apply, tracing, webhook
 from . import autoscale as autoscaling
 from . import autoscaler as asc
 from . import builders as b
+from . import router_builders as rb
 from . import spec as s
 from . import status as st
 from .kube import Kube, bearer_token
@@ -95,8 +96,9 @@ def refresh_status(kube: Kube, namespace: str, name: str, *, generation: int | N
         if generation is not None and (observed is None or generation > observed):
             observed = generation
         served = metrics_client.served_models(pods, kube.pod_address)
+        router = kube.get("apps/v1", "Deployment", namespace, rb.router_name(owner)) if rb.routed(parsed) else None
         new = st.compute(owner, parsed, sts=sts, pods=pods, previous=previous, observed_generation=observed,
-                         apply_errors=apply_errors, served=served)
+                         apply_errors=apply_errors, served=served, router=router)
         if all(previous.get(k) == v for k, v in new.items()):
             return new
         try:
@@ -155,6 +157,7 @@ def ensure_children(kube: Kube, cr: Any, pdb_api_version: str, logger: logging.L
             return False
         changes += rollout.replace_pods(kube, owner, step, logger)
     changes += autoscaling.ensure_autoscaling_object(kube, cr, owner, parsed, logger)
+    changes += router_apply.ensure_routing(kube, cr, owner, parsed, logger)
     if changes:
         message = "; ".join(changes)
         logger.info(message)
@@ -244,12 +247,13 @@ def _child_event(body: Any, type: str | None, memo: kopf.Memo, logger: logging.L
             except kopf.TemporaryError as e:
                 logger.warning(f"re-applying after drift: {e}")  # the reconcile handler retries
             return
-        if kind != "StatefulSet":
+        if kind not in ("StatefulSet", "Deployment"):
             return
     refresh_status(kube, namespace, name)
 
 
-for _group, _version, _plural in [("apps", "v1", "statefulsets"), ("", "v1", "pods"), ("", "v1", "services"),
+for _group, _version, _plural in [("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"),
+                                  ("", "v1", "pods"), ("", "v1", "services"),
                                   ("", "v1", "persistentvolumeclaims"), ("policy", None, "poddisruptionbudgets")]:
     # a versionless selector watches the server's preferred version (policy/v1 or v1beta1)
     _args = (_group, _version, _plural) if _version else (_group, _plural)

@@ -18,6 +18,8 @@ from .builders import FIELD_MANAGER
 # plural names of the kinds the operator applies
 PLURALS = {
     "StatefulSet": "statefulsets",
+    "Deployment": "deployments",
+    "InferencePool": "inferencepools",
     "Service": "services",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "PodDisruptionBudget": "poddisruptionbudgets",

@@ -210,6 +210,13 @@ class Autoscaling:
     prometheus_server_address: Optional[str] = field(
         None, description="Prometheus URL queried by a KEDA ScaledObject.", pattern=r"^https?://", max_length=2048
     )
+    idle_seconds: int = field(
+        600,
+        description="With minReplicas 0: how long no request may run, wait or be held by the router before the "
+        "last replica is removed.",
+        minimum=30,
+        maximum=86400,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -403,6 +410,43 @@ class ServiceSpec:
     annotations: dict[str, str] = field({}, description="Service annotations.")
 
 
+ROUTING_MODES = ["service", "envoy", "gateway"]
+ROUTING_POLICIES = ["prefix", "least-load", "round-robin"]
+
+
+@dataclass
+class Routing:
+    """How requests reach the replicas. service: the Service selects the replicas (connections
+    spread by Kubernetes); envoy: a router Deployment (`kvship router`: Envoy and kvship's endpoint
+    picker) behind the Service picks a replica per request; gateway: the endpoint picker alone,
+    named by a Gateway API Inference Extension InferencePool for a gateway the cluster runs."""
+
+    mode: str = field("service", description="service, envoy or gateway.", enum=ROUTING_MODES)
+    replicas: int = field(1, description="Router pods.", minimum=1, maximum=20)
+    policy: str = field(
+        "prefix",
+        description="prefix: the replica holding the prompt's leading blocks, within a load bound; "
+        "least-load; round-robin.",
+        enum=ROUTING_POLICIES,
+    )
+    load_bound_percent: int = field(
+        25,
+        description="prefix policy: a replica takes a request while its load stays within (100 + this)% of the "
+        "mean (the picker's --load-epsilon).",
+        minimum=0,
+        maximum=1000,
+    )
+    prefix_block_chars: int = field(
+        64, description="Characters of the rendered prompt in one prefix block.", minimum=1, maximum=65536
+    )
+    endpoint_header: bool = field(True, description="Add the response header x-kvship-endpoint (mode envoy).")
+    image: Optional[str] = field(
+        None, description="Router image (default: engine.image, which ships `kvship router`).", min_length=1,
+        max_length=512,
+    )
+    resources: Resources = field({}, description="CPU and memory of the router container.")
+
+
 @dataclass
 class LocalObjectReference:
     """A reference to an object in the same namespace."""
@@ -442,6 +486,20 @@ class LLMDeploymentSpec:
             check=lambda s: s.gpu.count is None or s.gpu.count % s.nodes_per_replica == 0,
         ),
         Rule(
+            cel="!self.autoscaling.enabled || self.autoscaling.minReplicas > 0 || self.routing.mode != 'service'",
+            message="autoscaling.minReplicas 0 (scale from zero) needs routing.mode envoy or gateway: the router "
+            "holds requests while no replica runs and tells the operator about them",
+            check=lambda s: not s.autoscaling.enabled or s.autoscaling.min_replicas > 0
+            or s.routing.mode != "service",
+        ),
+        Rule(
+            cel="!self.autoscaling.enabled || self.autoscaling.minReplicas > 0 || self.autoscaling.provider != 'hpa'",
+            message="autoscaling.provider hpa cannot scale to zero (an HPA's minReplicas is at least 1): use "
+            "provider builtin or keda with minReplicas 0",
+            check=lambda s: not s.autoscaling.enabled or s.autoscaling.min_replicas > 0
+            or s.autoscaling.provider != "hpa",
+        ),
+        Rule(
             cel="!self.autoscaling.enabled || (self.replicas >= self.autoscaling.minReplicas && "
             "self.replicas <= self.autoscaling.maxReplicas)",
             message="replicas must lie within autoscaling.minReplicas..maxReplicas when autoscaling is enabled",
@@ -476,6 +534,7 @@ class LLMDeploymentSpec:
     affinity: Optional[Affinity] = field(None, description="Affinity of the pods (core/v1 Affinity).")
     model_cache: ModelCache = field({}, description="Model cache volume.")
     service: ServiceSpec = field({}, description="The Service exposing the OpenAI API.")
+    routing: Routing = field({}, description="How requests reach the replicas: the Service alone, or a router.")
     shm_size: Quantity = field(Quantity("8Gi"), description="Size of the /dev/shm memory volume (NCCL).")
     shutdown_timeout_seconds: int = field(
         30,
@@ -527,10 +586,22 @@ class AutoscalingStatus:
 
 
 @dataclass
+class RouterStatus:
+    """The router (spec.routing envoy or gateway)."""
+
+    mode: Optional[str] = field(None, description="envoy or gateway.")
+    replicas: Optional[int] = field(None, description="Router pods wanted.")
+    ready_replicas: Optional[int] = field(None, description="Router pods ready.")
+    picker: Optional[str] = field(None, description="The endpoint picker's gRPC address (host:port).")
+
+
+@dataclass
 class LLMDeploymentStatus:
     """Observed state, written by the operator."""
 
-    conditions: list[Condition] = field([], description="Ready, ModelCached, WorkloadReady, Synced and Progressing.")
+    conditions: list[Condition] = field(
+        [], description="Ready, ModelCached, WorkloadReady, Synced, Progressing and (with a router) RouterReady."
+    )
     observed_generation: Optional[int] = field(None, description="The spec generation this status describes.")
     replicas: Optional[int] = field(None, description="Current replicas (pods created).")
     ready_replicas: Optional[int] = field(None, description="Replicas passing readiness.")
@@ -544,3 +615,4 @@ class LLMDeploymentStatus:
     endpoint: Optional[str] = field(None, description="In-cluster URL of the OpenAI API.")
     served_model_name: Optional[str] = field(None, description="Model name clients use.")
     autoscaling: Optional[AutoscalingStatus] = field(None, description="Autoscaler state.")
+    router: Optional[RouterStatus] = field(None, description="Router state (spec.routing envoy or gateway).")

@@ -10,6 +10,7 @@ from typing import Any
 
 from . import builders as b
 from . import rollout
+from . import router_builders as rb
 from . import spec as s
 
 READY = "Ready"
@@ -17,7 +18,8 @@ MODEL_CACHED = "ModelCached"
 WORKLOAD_READY = "WorkloadReady"
 SYNCED = "Synced"
 PROGRESSING = "Progressing"
-TYPES = (READY, MODEL_CACHED, WORKLOAD_READY, SYNCED, PROGRESSING)
+ROUTER_READY = "RouterReady"
+TYPES = (READY, MODEL_CACHED, WORKLOAD_READY, SYNCED, PROGRESSING, ROUTER_READY)
 
 
 def now_rfc3339() -> str:
@@ -158,6 +160,22 @@ def _progressing(spec: s.LLMDeploymentSpec, sts: dict[str, Any] | None, revision
     return condition(PROGRESSING, "False", "Complete", f"all {desired} replica(s) run the current spec")
 
 
+def router_status(owner: b.Owner, spec: s.LLMDeploymentSpec,
+                  router: dict[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(status.router, the RouterReady condition) from the router Deployment; (None, None)
+    without routing."""
+    if not rb.routed(spec):
+        return None, None
+    ready = int(((router or {}).get("status") or {}).get("readyReplicas") or 0)
+    view = {"mode": spec.routing.mode, "replicas": spec.routing.replicas, "readyReplicas": ready,
+            "picker": f"{rb.router_name(owner)}.{owner.namespace}.svc:{rb.PICKER_PORT}"}
+    if router is None:
+        return view, condition(ROUTER_READY, "False", "NotCreated", f"Deployment {rb.router_name(owner)} not there yet")
+    if ready == 0:
+        return view, condition(ROUTER_READY, "False", "Starting", f"no ready pod of Deployment {rb.router_name(owner)}")
+    return view, condition(ROUTER_READY, "True", "Ready", f"{ready}/{spec.routing.replicas} router pod(s) ready")
+
+
 def merge_conditions(
     previous: list[dict[str, Any]], new: list[dict[str, Any]], generation: int | None, now: str
 ) -> list[dict[str, Any]]:
@@ -185,6 +203,7 @@ def compute(
     now: str | None = None,
     apply_errors: list[str] | None = None,
     served: dict[str, str] | None = None,
+    router: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole status for a valid spec. ``apply_errors``: children the server refused in
     this reconcile (None when not reconciling: the previous Synced condition stays).
@@ -217,6 +236,11 @@ def compute(
                           f"{current_ready}/{spec.replicas} on the current spec")
     else:
         ready = condition(READY, "False", workload["reason"], workload["message"])
+    router_view, router_ready = router_status(owner, spec, router)
+    if spec.routing.mode == "envoy" and router_ready["status"] != "True" and ready["status"] == "True":
+        # the Service sends every request through the router
+        ready = condition(READY, "False", "RouterNotReady", router_ready["message"])
+    conditions = [ready, cached, workload, synced, _progressing(spec, sts, revision, views)]
     return {
         "observedGeneration": observed_generation,
         "replicas": len(live),
@@ -227,10 +251,10 @@ def compute(
         "selector": b.selector_string(owner),
         "endpoint": b.endpoint(owner, spec),
         "servedModelName": b.served_model_name(owner, spec),
+        "router": router_view,
         "conditions": merge_conditions(
             (previous or {}).get("conditions") or [],
-            [ready, cached, workload, synced, _progressing(spec, sts, revision, views)],
-            observed_generation, now,
+            conditions + ([router_ready] if router_ready else []), observed_generation, now,
         ),
     }
 
@@ -241,7 +265,7 @@ def failed(
     """Status for a spec the operator cannot act on (invalid, or applying failed)."""
     now = now or now_rfc3339()
     prev_conditions = (previous or {}).get("conditions") or []
-    keep = [c for c in prev_conditions if c.get("type") in (MODEL_CACHED, WORKLOAD_READY, SYNCED, PROGRESSING)]
+    keep = [c for c in prev_conditions if c.get("type") in TYPES and c.get("type") != READY]
     conditions = [condition(READY, "False", reason, message)] + [
         {k: v for k, v in c.items() if k not in ("lastTransitionTime", "observedGeneration")} for c in keep
     ]

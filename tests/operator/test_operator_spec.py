@@ -100,6 +100,10 @@ def test_defaults_applied():
         ({"modelCache": {"size": "lots"}}, "spec.modelCache.size"),
         ({"engine": {"args": "--x"}}, "spec.engine.args"),
         ({"model": {}}, "spec.model"),
+        ({"routing": {"mode": "istio"}}, "spec.routing.mode"),
+        ({"routing": {"mode": "envoy", "replicas": 0}}, "spec.routing.replicas"),
+        ({"routing": {"policy": "random"}}, "spec.routing.policy"),
+        ({"autoscaling": {"idleSeconds": 5}}, "spec.autoscaling.idleSeconds"),
     ],
 )
 def test_bounds_refused_by_parser(patch, where):
@@ -133,6 +137,17 @@ CASES = [  # (spec, the message of the rule that must fail, or None)
      "set value or valueFrom, not both"),
     ({**GOOD, "modelCache": {"existingClaim": "c", "storageClassName": "fast"}}, "storageClassName applies only"),
     ({**GOOD, "modelCache": {"existingClaim": "c"}}, None),
+    # scale from zero (issue 51): a router must hold the requests, and an HPA cannot reach zero
+    ({**GOOD, "replicas": 0, "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2}},
+     "autoscaling.minReplicas 0 (scale from zero) needs routing.mode envoy or gateway"),
+    ({**GOOD, "replicas": 0, "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2},
+      "routing": {"mode": "envoy"}}, None),
+    ({**GOOD, "replicas": 1, "routing": {"mode": "gateway"},
+      "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2, "provider": "hpa"}},
+     "autoscaling.provider hpa cannot scale to zero"),
+    ({**GOOD, "replicas": 0, "routing": {"mode": "gateway"}, "autoscaling": {
+        "enabled": True, "minReplicas": 0, "maxReplicas": 2, "provider": "keda",
+        "prometheusServerAddress": "http://prom:9090"}}, None),
 ]
 
 

@@ -10,6 +10,7 @@ import sys
 import threading
 from concurrent import futures
 
+from kvship.router.discovery import parse_target
 from kvship.router.pool import POLICIES, Pool, endpoint_from_url
 
 
@@ -17,6 +18,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", action="append", default=[], metavar="URL",
                    help="a model server (`kvship serve`) to route to, e.g. http://10.0.0.5:8000; repeat or "
                    "comma-separate for several")
+    p.add_argument("--discover", metavar="HOST:PORT",
+                   help="the model servers are every address HOST resolves to, read again every 2 s (in "
+                   "Kubernetes: a headless Service of the ready replicas); instead of --endpoint")
     p.add_argument("--host", default="0.0.0.0", help="Envoy's listening address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="Envoy's listening port (default: %(default)s)")
     p.add_argument("--policy", choices=POLICIES, default="prefix",
@@ -64,6 +68,7 @@ def _free_port() -> int:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    from kvship.router.discovery import Discovery
     from kvship.router.envoy import EnvoyProcess, bootstrap
     from kvship.router.extproc import Picker, add_to_server
     from kvship.router.hold import Holding, demand_command
@@ -77,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         urls = [u.strip() for item in args.endpoint for u in item.split(",") if u.strip()]
         endpoints = [endpoint_from_url(u) for u in urls]
+        if args.discover:
+            parse_target(args.discover)
+            if endpoints or args.envoy_cluster == "endpoints":
+                raise ValueError("--discover takes the place of --endpoint (and of --envoy-cluster endpoints)")
         if args.prefix_block_chars < 1 or args.load_epsilon < 0 or args.scrape_interval <= 0:
             raise ValueError("--prefix-block-chars must be >= 1, --load-epsilon >= 0, --scrape-interval > 0")
         if args.hold_timeout < 0 or args.hold_max_pending < 1:
@@ -84,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvship router: error: {exc}", file=sys.stderr)
         return 2
-    if not endpoints:
+    if not endpoints and not args.discover:
         log.warning("no --endpoint: every request gets 503 until endpoints are configured")
 
     pool = Pool(endpoints, args.policy, args.load_epsilon)
@@ -93,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     stats = RouterStats(pool, holding)
     scraper = Scraper(pool, args.scrape_interval)
     tracer = PickTracer.from_env()
+    discovery = Discovery(pool, args.discover) if args.discover else None
     # Held requests each keep a worker: room for all of them besides the ones being picked.
     executor = futures.ThreadPoolExecutor(max_workers=64 + args.hold_max_pending, thread_name_prefix="kvship-extproc")
     grpc_server = grpc.server(executor)
@@ -104,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
+        if discovery is not None:
+            discovery.start()
         scraper.start()
         grpc_server.start()
         http.start()
@@ -136,3 +148,5 @@ def run(args: argparse.Namespace) -> int:
         scraper.stop()
         if tracer is not None:
             tracer.shutdown()
+        if discovery is not None:
+            discovery.stop()

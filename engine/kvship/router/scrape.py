@@ -43,7 +43,8 @@ class Scraper:
         self.interval = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvship-router-scrape", daemon=True)
-        self._workers = ThreadPoolExecutor(max(1, min(16, len(pool.endpoints))), thread_name_prefix="kvship-scrape")
+        # threads start only as needed; discovered endpoints may outnumber those given at start
+        self._workers = ThreadPoolExecutor(16, thread_name_prefix="kvship-scrape")
 
     def scrape_once(self) -> None:
         timeout = max(0.2, self.interval * 2)
