@@ -18,8 +18,8 @@ MODEL_CACHED = "ModelCached"
 WORKLOAD_READY = "WorkloadReady"
 SYNCED = "Synced"
 PROGRESSING = "Progressing"
-ROUTER_READY = "RouterReady"
-TYPES = (READY, MODEL_CACHED, WORKLOAD_READY, SYNCED, PROGRESSING, ROUTER_READY)
+TYPES = (READY, MODEL_CACHED, WORKLOAD_READY, SYNCED, PROGRESSING)
+ROUTER_READY = "RouterReady"  # only with spec.routing envoy or gateway
 
 
 def now_rfc3339() -> str:
@@ -265,7 +265,7 @@ def failed(
     """Status for a spec the operator cannot act on (invalid, or applying failed)."""
     now = now or now_rfc3339()
     prev_conditions = (previous or {}).get("conditions") or []
-    keep = [c for c in prev_conditions if c.get("type") in TYPES and c.get("type") != READY]
+    keep = [c for c in prev_conditions if c.get("type") in (*TYPES, ROUTER_READY) and c.get("type") != READY]
     conditions = [condition(READY, "False", reason, message)] + [
         {k: v for k, v in c.items() if k not in ("lastTransitionTime", "observedGeneration")} for c in keep
     ]

@@ -122,6 +122,9 @@ def test_helm_install_operator_runs_as_its_service_account(cluster, api, crd_ins
         ns = objects.ns
         assert _access(sa_api, "patch", "statefulsets", "apps", ns)
         assert _access(sa_api, "patch", "llmdeployments", "kvship.io", ns, "status")
+        # spec.routing: the router Deployment and mode gateway's InferencePool
+        assert _access(sa_api, "create", "deployments", "apps", ns)
+        assert _access(sa_api, "patch", "inferencepools", "inference.networking.k8s.io", ns)
         for verb, resource, group, sub in [
             ("get", "secrets", "", ""),
             ("delete", "statefulsets", "apps", ""),
@@ -129,7 +132,7 @@ def test_helm_install_operator_runs_as_its_service_account(cluster, api, crd_ins
             ("delete", "llmdeployments", "kvship.io", ""),
             ("update", "llmdeployments", "kvship.io", ""),
             ("create", "customresourcedefinitions", "apiextensions.k8s.io", ""),
-            ("create", "deployments", "apps", ""),
+            ("create", "daemonsets", "apps", ""),
             ("create", "pods", "", "exec"),
         ]:
             assert not _access(sa_api, verb, resource, group, ns, sub), f"SA may {verb} {resource}/{sub}"
