@@ -13,7 +13,8 @@ from kubernetes.client.exceptions import ApiException
 
 from . import autoscaler as asc
 from . import builders as b
-from . import metrics_client, tracing
+from . import metrics_client, scale_zero, tracing
+from . import router_builders as rb
 from . import spec as s
 from . import status as st
 from .apply import api_message, owned_by
@@ -21,7 +22,8 @@ from .kube import Kube
 from .schema import SpecError
 from .validate import valid_spec
 
-EVENT_REASONS = {"ScaleUp": "ScaledUp", "ScaleDown": "ScaledDown", "OutOfBounds": "ScaledIntoBounds"}
+EVENT_REASONS = {"ScaleUp": "ScaledUp", "ScaleDown": "ScaledDown", "OutOfBounds": "ScaledIntoBounds",
+                 "ScaleFromZero": "ScaledFromZero", "ScaleToZero": "ScaledToZero"}
 
 
 def ensure_autoscaling_object(kube: Kube, cr: Any, owner: b.Owner, spec: s.LLMDeploymentSpec,
@@ -114,7 +116,13 @@ def autoscale_once(kube: Kube, namespace: str, name: str, state: asc.Autoscaler,
     now = clock()
     state.observe(now, scrape.total)
     starting = starting_pods(pods, spec.startup_timeout_seconds)
-    decision = state.decide(asc.Policy.from_spec(a), now, spec.replicas, starting=len(starting))
+    decision = None
+    if a.min_replicas == 0 and rb.routed(spec):
+        routers = kube.list_pods(namespace, rb.router_selector_string(owner))
+        signal = scale_zero.read_routers(routers, pod_address)
+        decision = scale_zero.decide(state, now, spec.replicas, scrape.total, signal, a.idle_seconds)
+    if decision is None:
+        decision = state.decide(asc.Policy.from_spec(a), now, spec.replicas, starting=len(starting))
     if scrape.failed:
         logger.debug(f"autoscaler: no metrics from {scrape.failed}")
 

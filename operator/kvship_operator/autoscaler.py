@@ -17,9 +17,9 @@ still starting). The autoscaler
    period): removing replicas then could take away the pod that is loading the model, and
    its load is not visible yet.
 
-Replicas outside ``[min, max]`` (the bounds were edited) are brought back at once. The
-built-in autoscaler cannot scale from zero (no pod, no metric): the effective lower bound
-is ``max(min, 1)``.
+Replicas outside ``[min, max]`` (the bounds were edited) are brought back at once. Without
+pods there is no load to read: the lower bound here is ``max(min, 1)``, and going to zero and
+back (minReplicas 0, with a router) is decided in ``scale_zero`` from the router's signal.
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class Decision:
 
     @property
     def changed(self) -> bool:
-        return self.reason in ("ScaleUp", "ScaleDown", "OutOfBounds")
+        return self.reason in ("ScaleUp", "ScaleDown", "OutOfBounds", "ScaleFromZero", "ScaleToZero")
 
 
 @dataclass
@@ -82,6 +82,9 @@ class Autoscaler:
     samples: deque = field(default_factory=deque)  # (time, total waiting+running)
     recommendations: deque = field(default_factory=deque)  # (time, replicas)
     first_seen: Optional[float] = None
+    # scale to zero (scale_zero.py): when work was last seen, and the router's refusals then
+    last_busy: Optional[float] = None
+    router_refused: Optional[float] = None
 
     def observe(self, now: float, total: Optional[float]) -> None:
         if self.first_seen is None:

@@ -63,9 +63,12 @@ def traffic_labels(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, str]:
     return {**selector_labels(owner), ROLE_LABEL: "leader"} if multi_node(spec) else selector_labels(owner)
 
 
+ROUTER_APP = "kvship-router"
+
+
 def router_selector_labels(owner: Owner) -> dict[str, str]:
     """The router's pods (spec.routing): never matched by the engines' selectors."""
-    return {"app.kubernetes.io/name": "kvship-router", INSTANCE_LABEL: owner.name}
+    return {"app.kubernetes.io/name": ROUTER_APP, INSTANCE_LABEL: owner.name}
 
 
 def worker_labels(owner: Owner, leader: str) -> dict[str, str]:
@@ -589,12 +592,21 @@ def horizontal_pod_autoscaler(owner: Owner, spec: s.LLMDeploymentSpec,
     }
 
 
-def keda_query(owner: Owner) -> str:
+# Requests a router holds (or queues) for want of a ready replica: what brings the first
+# replica up at zero (scale_zero.py reads it from the router pods; KEDA through Prometheus).
+ROUTER_PENDING_METRIC = "kvship_router:pending_requests"
+
+
+def keda_query(owner: Owner, spec: s.LLMDeploymentSpec) -> str:
     """PromQL: waiting + running requests over this LLMDeployment's pods (the usual
-    Kubernetes service-discovery labels `namespace` and `pod`)."""
+    Kubernetes service-discovery labels `namespace` and `pod`), plus what its router holds."""
     match = f'namespace="{owner.namespace}",pod=~"{owner.name}-[0-9]+"'
-    return (f"sum(kvship:num_requests_waiting{{{match}}} or vector(0)) + "
-            f"sum(kvship:num_requests_running{{{match}}} or vector(0))")
+    query = (f"sum(kvship:num_requests_waiting{{{match}}} or vector(0)) + "
+             f"sum(kvship:num_requests_running{{{match}}} or vector(0))")
+    if spec.routing.mode != "service":
+        router = f'namespace="{owner.namespace}",pod=~"{owner.name}-router-.+"'
+        query += f" + sum({ROUTER_PENDING_METRIC}{{{router}}} or vector(0))"
+    return query
 
 
 def scaled_object(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
@@ -615,7 +627,7 @@ def scaled_object(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
                 "type": "prometheus",
                 "metadata": {
                     "serverAddress": a.prometheus_server_address or "",
-                    "query": keda_query(owner),
+                    "query": keda_query(owner, spec),
                     "threshold": str(a.target_requests_per_replica),
                 },
             }],

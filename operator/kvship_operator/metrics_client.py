@@ -14,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from . import router_builders as rb
 from . import spec as s
+from .builders import ROUTER_APP
 
 WAITING = "kvship:num_requests_waiting"
 RUNNING = "kvship:num_requests_running"
@@ -50,9 +52,12 @@ def is_ready(pod: dict[str, Any]) -> bool:
 
 
 def pod_ip_address(pod: dict[str, Any]) -> Optional[str]:
-    """host:port of a pod's engine in a cluster; None before the pod has an IP."""
+    """host:port of a pod's /metrics in a cluster (an engine's, or a router's: spec.routing);
+    None before the pod has an IP."""
     ip = (pod.get("status") or {}).get("podIP")
-    return f"{ip}:{s.ENGINE_PORT}" if ip else None
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    router = labels.get("app.kubernetes.io/name") == ROUTER_APP
+    return f"{ip}:{rb.METRICS_PORT if router else s.ENGINE_PORT}" if ip else None
 
 
 PodAddress = Callable[[dict[str, Any]], Optional[str]]

@@ -17,9 +17,6 @@ PICKER_PORT = 9002  # the picker's gRPC ext_proc, as GIE's endpoint picker
 METRICS_PORT = 9090  # the picker's /health and /metrics
 INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
 INFERENCE_POOL_CRD = "inferencepools.inference.networking.k8s.io"
-# Requests the router holds (or queues) for want of a ready replica: the operator's signal to
-# scale from zero (scale_zero.py reads it from each router pod's /metrics).
-PENDING_METRIC = "kvship_router:pending_requests"
 
 
 def routed(spec: s.LLMDeploymentSpec) -> bool:

@@ -579,7 +579,8 @@ class AutoscalingStatus:
     )
     scraped_pods: Optional[int] = field(None, description="Ready pods whose metrics were read at the last poll.")
     reason: Optional[str] = field(
-        None, description="Last decision: ScaleUp, ScaleDown, OutOfBounds, Steady, Stabilizing, PodsStarting, NoMetrics."
+        None, description="Last decision: ScaleUp, ScaleDown, OutOfBounds, Steady, Stabilizing, PodsStarting, "
+        "NoMetrics, and with minReplicas 0: ScaleFromZero, ScaleToZero, Idle."
     )
     last_scale_time: Optional[str] = field(None, description="When replicas were last changed (RFC 3339).")
     message: Optional[str] = field(None, description="Why.")
