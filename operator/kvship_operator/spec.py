@@ -440,6 +440,16 @@ class Routing:
         64, description="Characters of the rendered prompt in one prefix block.", minimum=1, maximum=65536
     )
     endpoint_header: bool = field(True, description="Add the response header x-kvship-endpoint (mode envoy).")
+    hold_seconds: int = field(
+        300,
+        description="With autoscaling.minReplicas 0: how long the router holds a request while no replica is ready "
+        "(one is starting) before answering 503 with Retry-After.",
+        minimum=1,
+        maximum=3600,
+    )
+    hold_max_pending: int = field(
+        256, description="Most requests held at once; more get 503 at once.", minimum=1, maximum=100000
+    )
     image: Optional[str] = field(
         None, description="Router image (default: engine.image, which ships `kvship router`).", min_length=1,
         max_length=512,

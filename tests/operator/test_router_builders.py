@@ -39,7 +39,7 @@ def test_envoy_mode_puts_the_router_behind_the_service():
     args = c["args"]
     assert args[:3] == ["router", "--discover", f"qwen-serving.team-a.svc:{s.ENGINE_PORT}"]
     assert args[args.index("--policy") + 1] == "least-load" and args[args.index("--load-epsilon") + 1] == "0.5"
-    assert "--no-endpoint-header" in args and "--picker-only" not in args
+    assert "--no-endpoint-header" in args and "--picker-only" not in args and "--hold-timeout" not in args
     assert {p["name"] for p in c["ports"]} == {"http", "grpc", "metrics"}
     assert c["readinessProbe"] == {"tcpSocket": {"port": "http"}, "periodSeconds": 5, "timeoutSeconds": 3}
     # the OpenAI Service selects the router's pods; the engines' selectors never match them
@@ -54,6 +54,14 @@ def test_envoy_mode_puts_the_router_behind_the_service():
     assert serving["spec"]["selector"] == b.traffic_labels(OWNER, parse(s.LLMDeploymentSpec, {"model": {"hub": "a"}}))
     for o in objs.values():
         assert o["metadata"]["ownerReferences"][0]["uid"] == "uid-123"
+
+
+def test_scale_from_zero_makes_the_router_hold_requests():
+    _, objs = build(routing={"mode": "envoy", "holdSeconds": 90}, replicas=0,
+                    autoscaling={"enabled": True, "minReplicas": 0, "maxReplicas": 2})
+    args = objs[("Deployment", "qwen-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--hold-timeout") + 1] == "90" and args[args.index("--hold-max-pending") + 1] == "256"
+    assert objs[("StatefulSet", "qwen")]["spec"]["replicas"] == 0
 
 
 def test_gateway_mode_runs_the_picker_alone_for_an_inference_pool():
