@@ -64,13 +64,15 @@ def test_back_to_zero_after_the_idle_window_only():
 
 
 class RouterPage:
-    """A real HTTP server answering /metrics with a router's text."""
+    """A real HTTP server answering /metrics with the text last set."""
 
     def __init__(self, text: str):
-        body = text.encode()
+        page = self
+        self.set(text)
 
         class H(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
+                body = page.body
                 self.send_response(200)
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
@@ -82,6 +84,9 @@ class RouterPage:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.address = f"127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def set(self, text: str) -> None:
+        self.body = text.encode()
 
     def close(self):
         self.httpd.shutdown()
