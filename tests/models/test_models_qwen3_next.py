@@ -224,3 +224,75 @@ def test_fp8_block_checkpoint_matches_its_dequantized_weights(tmp_path, arch):
     got = our_logits(folder, [prompt])[0]
     torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def _mtp_tensors(model, fused_experts: bool) -> dict[str, torch.Tensor]:
+    """One MTP layer as the checkpoints name it (mtp.fc, its two input norms, mtp.layers.0 as a
+    full-attention decoder layer of the model, mtp.norm), random; the experts fused as
+    transformers saves them or one matrix per expert, as Qwen3-Next's checkpoints hold them."""
+    g = torch.Generator().manual_seed(9)
+    sd = model.state_dict()
+    out = {"mtp.fc.weight": torch.randn(64, 128, generator=g)}
+    for norm in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
+        out[norm] = torch.randn(64, generator=g)
+    for name, t in sd.items():  # layer 1 is full attention: its shapes are the MTP layer's
+        if not name.startswith("model.layers.1."):
+            continue
+        rest = name[len("model.layers.1."):]
+        t = torch.randn(t.shape, generator=g)
+        if rest.startswith("mlp.experts.") and not fused_experts:
+            for e in range(t.shape[0]):
+                if rest.endswith("gate_up_proj"):
+                    gate, up = t[e].chunk(2)
+                    out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate
+                    out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = up
+                else:
+                    out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = t[e]
+        else:
+            out[f"mtp.layers.0.{rest}"] = t
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
+def test_mtp_layer_is_loaded(hybrids, tmp_path, arch):
+    """A checkpoint whose config announces an MTP layer: its tensors land in model.mtp (norms as
+    1 + w, q/k/v and gate/up fused, experts stacked), and the model's logits are unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    src, ref = hybrids[arch]
+    folder = tmp_path / arch
+    folder.mkdir()
+    mtp = _mtp_tensors(ref, fused_experts=arch == "qwen3_5_moe")
+    save_file({**load_file(src / "model.safetensors"), **mtp}, folder / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["mtp_num_hidden_layers" if arch == "qwen3_5_moe" else "num_nextn_predict_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(cfg))
+    write_word_tokenizer(folder, 320)
+    source = resolve_model(str(folder))
+    runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+                                      enforce_eager=True, max_model_len=128),
+                         ModelConfig.from_hf(source.hf_config), source.weights())
+    m = runner.model.model.mtp
+    assert m is not None and len(m.layers) == 1 and not m.layers[0].linear
+    assert torch.equal(m.fc.weight, mtp["mtp.fc.weight"])
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        assert torch.equal(getattr(m, norm).weight, mtp[f"mtp.{norm}.weight"] + 1)
+    layer, p = m.layers[0], "mtp.layers.0."
+    qkv = torch.cat([mtp[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
+    assert torch.equal(layer.self_attn.q_norm.weight, mtp[p + "self_attn.q_norm.weight"] + 1)
+    assert torch.equal(layer.input_layernorm.weight, mtp[p + "input_layernorm.weight"] + 1)
+    experts = layer.mlp.experts
+    if arch == "qwen3_5_moe":
+        assert torch.equal(experts.w13, mtp[p + "mlp.experts.gate_up_proj"])
+        assert torch.equal(experts.w2, mtp[p + "mlp.experts.down_proj"])
+    else:
+        assert torch.equal(experts.w13[3], torch.cat([mtp[p + f"mlp.experts.3.{x}_proj.weight"] for x in ("gate", "up")]))
+        assert torch.equal(experts.w2[5], mtp[p + "mlp.experts.5.down_proj.weight"])
+    assert torch.equal(layer.mlp.shared_expert.down_proj.weight, mtp[p + "mlp.shared_expert.down_proj.weight"])
+    assert torch.equal(layer.mlp.gate.weight, mtp[p + "mlp.gate.weight"])
+    prompt = list(range(5, 30))
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(our_logits(folder, [prompt])[0], want, atol=ATOL, rtol=0)

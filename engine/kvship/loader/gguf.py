@@ -21,6 +21,7 @@ from kvship.quant import QuantizedTensor, QuantRef
 from .errors import ModelSourceError
 from .gguf_blocks import NATIVE_TORCH, SPLITTABLE, GGMLType, split_tensor
 from .gguf_file import GGUFFile, GGUFTensorInfo
+from .gguf_hybrid import HYBRID_ARCHS, HybridTensors, hybrid_config, hybrid_hf_name
 from .gguf_names import arch_layer_name, gguf_to_hf_name
 from .source import ModelSource, WeightRef, apply_slices
 from .tokenizer import Tokenizer
@@ -40,6 +41,7 @@ _ARCHS = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),  # Phi-3, Phi-3.5 and Phi-4
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # and V3's architecture: _deepseek_config
+    **HYBRID_ARCHS,  # Gated DeltaNet + gated attention: gguf_hybrid.py
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norms multiply by the weight
 # alone); kvship's Gemma norms multiply by 1 + w, as transformers' do: the loader subtracts 1.
@@ -54,7 +56,7 @@ _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 _PERMUTED_ARCHS = {"llama", "mistral"}
 # llama.cpp stores no norm_topk_prob: its graphs renormalize the top-k router weights for
 # Qwen3-MoE (and Mixtral) and not for Qwen2-MoE, and transformers' GGUF reader assumes the same.
-_NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True}
+_NORM_TOPK_PROB = {"qwen2moe": False, "qwen3moe": True, "qwen3next": True, "qwen35moe": True}
 
 
 def shard_paths(path: str) -> list[str]:
@@ -124,7 +126,9 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int],
         "architectures": [cls],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(meta[p + "feed_forward_length"]),
+        # Qwen3.5-MoE files have no dense feed-forward, nor its size
+        "intermediate_size": int(meta.get(p + "feed_forward_length", 0) if arch == "qwen35moe"
+                                 else meta[p + "feed_forward_length"]),
         "num_hidden_layers": int(meta[p + "block_count"]),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv),
@@ -148,6 +152,9 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int],
         cfg.update(_deepseek_config(meta, heads))
         return cfg
     cfg.update(_moe_config(meta, arch, tensor_names, cfg["num_hidden_layers"]))
+    if arch in HYBRID_ARCHS:
+        cfg.update(hybrid_config(meta, arch, cfg))
+        return cfg
     cfg.update(_gemma_config(meta, arch, cfg))
     rope_dims = meta.get(p + "rope.dimension_count")
     if rope_dims and int(rope_dims) != head_dim:  # Phi-4-mini rotates 96 of 128 channels: refused by name
@@ -293,7 +300,8 @@ def _make_ref(info: GGUFTensorInfo, permute_heads: int | None, hf_shape: tuple[i
 # Linear layers' matrices, and the output matrix (layers/embedding.py ParallelLMHead): kept in
 # their quantized blocks when their type is in SPLITTABLE.
 _LINEARS = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                                         "lm_head", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"))
+                                         "lm_head", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "in_proj_qkv",
+                                         "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_ba", "out_proj"))
 
 
 def _make_quant_ref(info: GGUFTensorInfo, permute_heads: int | None) -> QuantRef:
@@ -340,6 +348,8 @@ _ROUTER_BIAS = re.compile(r"^blk\.(\d+)\.exp_probs_b\.bias$")
 
 
 def _hf_name(gname: str, arch: str) -> str | None:
+    if arch in HYBRID_ARCHS and (hf := hybrid_hf_name(gname)):
+        return hf
     m = _SPLIT_EXPERT.match(gname)
     if m:
         return f"model.layers.{m[1]}.mlp.experts.{m[3]}.{m[2]}_proj.weight"
@@ -442,6 +452,8 @@ def load_gguf(path: str) -> ModelSource:
         log.info("GGUF: the tied output matrix (token_embd.weight %s) is also kept in its blocks for the "
                  "LM head", embed.type_name)
 
+    hybrid = HybridTensors(arch, cfg) if arch in HYBRID_ARCHS else None
+
     def weights() -> Iterator[tuple[str, WeightRef]]:
         for gname, info in tensors.items():
             hf = names[gname]
@@ -462,6 +474,12 @@ def load_gguf(path: str) -> ModelSource:
                 heads = n_head
             elif permute and hf.endswith(("k_proj.weight", "k_proj.bias")):
                 heads = n_kv
+            if hybrid is not None:
+                ref = _make_quant_ref(info, None) if gname in kept else _make_ref(info, None)
+                moved = hybrid.refs(hf, ref, gname in kept)
+                if moved is not None:
+                    yield from moved
+                    continue
             if arch in _NORM_PLUS_ONE and hf.endswith("norm.weight"):
                 yield hf, _minus_one(_make_ref(info, None))
                 continue

@@ -1,5 +1,5 @@
 """GGUF (llama.cpp) tensor names -> Hugging Face parameter names for the Llama block, and where
-Gemma 2 / 3, Phi-3 and DeepSeek name theirs otherwise."""
+Gemma 2 / 3, Phi-3, DeepSeek and the hybrid Qwen3-Next / Qwen3.5 name theirs otherwise."""
 from __future__ import annotations
 
 import re
@@ -42,6 +42,16 @@ _ARCH_LAYER["deepseek2"] = {
     "attn_kv_b": "self_attn.kv_b_proj", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
     "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
+# The hybrid Gated DeltaNet families (loader/gguf_hybrid.py): Qwen3.5's HF names for the DeltaNet
+# projections (Qwen3-Next's in_proj_qkvz is stored as Qwen3.5's in_proj_qkv and in_proj_z), and the
+# norm after attention, which these files name post_attention_norm.
+_ARCH_LAYER["qwen35"] = {
+    "post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z", "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+_ARCH_LAYER["qwen35moe"] = _ARCH_LAYER["qwen3next"] = _ARCH_LAYER["qwen35"]
 
 # Tensors llama.cpp stores that carry no parameter of their own (e.g. llama-3 rope factors,
 # which the config's rope scaling already describes).

@@ -132,7 +132,8 @@ class ModelConfig:
     shared_experts_intermediate_size: int = 0  # DeepSeek's always-on experts, ungated, as one MLP
     linear_attention: LinearAttention | None = None  # the hybrid families' Gated DeltaNet layers
     rotary_dim: int = 0  # channels of each head that rotate (GLM-4.5: half), 0 for the whole head
-    mtp_layers: int = 0  # multi-token-prediction layers stored past num_hidden_layers (GLM-4.5), kept unused
+    # multi-token-prediction layers, kept unused: stored past num_hidden_layers (GLM-4.5), as mtp.* (Qwen3.5)
+    mtp_layers: int = 0
     llama4: Llama4Layers | None = None
 
     def is_sparse(self, layer: int) -> bool:

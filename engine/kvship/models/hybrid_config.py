@@ -57,7 +57,8 @@ def hybrid_fields(arch: str, cfg: dict[str, Any], head_dim: int) -> dict[str, An
                              cfg.get("linear_key_head_dim", 128), cfg.get("linear_value_head_dim", 128),
                              cfg.get("linear_conv_kernel_dim", 4),
                              frozenset(i for i, t in enumerate(types) if t == "full_attention"), rotary)
-    fields: dict[str, Any] = dict(linear_attention=linear)
+    mtp = cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0  # Qwen3.5's, Qwen3-Next's
+    fields: dict[str, Any] = dict(linear_attention=linear, mtp_layers=int(mtp))
     experts = cfg.get("num_experts") or 0
     if arch != "qwen3_5" and experts:
         step = cfg.get("decoder_sparse_step", 1) or 1

@@ -7,8 +7,9 @@ The feed-forward is the gated MLP, or routed experts with a shared expert (llama
 
 Qwen3-Next stores its DeltaNet projections grouped per key head (in_proj_qkvz, in_proj_ba);
 they are reordered at load into Qwen3.5's layout (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
-A ...ForConditionalGeneration checkpoint is read for its language model: the vision tower and
-the multi-token-prediction layer are skipped (each with a log line)."""
+A ...ForConditionalGeneration checkpoint is read for its language model: the vision tower is
+skipped (a log line). The multi-token-prediction layers the config announces are loaded into
+HybridModel.mtp (models/hybrid_mtp.py), not run by generation."""
 from __future__ import annotations
 
 import logging
@@ -25,6 +26,7 @@ from kvship.layers.norm import RMSNorm
 from kvship.layers.rotary import PartialRotary
 from kvship.loader.source import RowView, apply_slices
 from kvship.models.config import ModelConfig
+from kvship.models.hybrid_mtp import HybridMTP
 from kvship.models.llama import LlamaForCausalLM, LlamaMLP, SparseMoeBlock
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor
@@ -75,16 +77,20 @@ class GatedAttention(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: PartialRotary, tp: TPContext, backend: str, index: int):
+    """``mtp``: a multi-token-prediction layer (full attention, routed when the model routes)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: PartialRotary, tp: TPContext, backend: str, index: int,
+                 mtp: bool = False):
         super().__init__()
-        self.linear = cfg.linear_attention.is_linear(index)
+        self.linear = not mtp and cfg.linear_attention.is_linear(index)
         self.input_layernorm = OnePlusRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * index)
         if self.linear:
             self.linear_attn = GatedDeltaNet(cfg, tp, backend)
         else:
             self.self_attn = GatedAttention(cfg, rotary, tp, backend)
         self.post_attention_layernorm = OnePlusRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * index + 1)
-        self.mlp = SparseMoeBlock(cfg, tp) if cfg.is_sparse(index) else LlamaMLP(cfg, tp)
+        sparse = cfg.num_experts > 0 if mtp else cfg.is_sparse(index)
+        self.mlp = SparseMoeBlock(cfg, tp) if sparse else LlamaMLP(cfg, tp)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -105,6 +111,9 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, rotary, tp, backend, i)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = OnePlusRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * cfg.num_hidden_layers)
+        self.mtp = HybridMTP(cfg.hidden_size, cfg.mtp_layers,
+                             lambda i: HybridDecoderLayer(cfg, rotary, tp, backend, i, mtp=True),
+                             lambda: OnePlusRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)) if cfg.mtp_layers else None
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed_tokens(input_ids), None
@@ -137,17 +146,25 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         for layer in self.state_layers():
             layer.bind_state(num_slots, dtype, device)
 
+    optional_weights = ("model.mtp.",)  # a checkpoint saved without them (as transformers saves one)
+
     def load_weights(self, weights: Iterable[tuple[str, object]], need_lm_head: bool = True) -> None:
         super().load_weights(self._renamed(weights), need_lm_head)
+        if self.model.mtp is not None and not self._mtp_loaded:
+            self.model.mtp = None  # announced by the config, absent from the checkpoint: nothing to keep
 
     def _renamed(self, weights) -> Iterator[tuple[str, object]]:
         """The checkpoint's tensors under the names (and in the layouts) LlamaForCausalLM's
         loader places: language model prefix dropped, DeltaNet projections split into in_proj's
         parts, fused experts split per expert, (1 + w) norms marked by their loaders."""
         skipped: dict[str, int] = {}
+        mtp = 0
         for name, ref in weights:
-            if name.startswith(("mtp.", "model.visual.", "visual.", "model.mtp.")):
-                part = "multi-token-prediction" if "mtp." in name else "vision"
+            is_mtp = name.startswith(("mtp.", "model.mtp."))
+            if is_mtp and self.model.mtp is not None:  # load_weights puts "model." before "mtp."
+                mtp += 1
+            elif is_mtp or name.startswith(("model.visual.", "visual.")):
+                part = "multi-token-prediction" if is_mtp else "vision"
                 skipped[part] = skipped.get(part, 0) + 1
                 continue
             name = name.replace("model.language_model.", "model.").replace("language_model.model.", "model.")
@@ -156,6 +173,10 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
             yield from self._split(name, ref)
         for part, n in skipped.items():
             log.info("skipped the checkpoint's %s weights (%d tensors): not served", part, n)
+        self._mtp_loaded = mtp > 0
+        if mtp:
+            log.info("loaded the checkpoint's multi-token-prediction layers (%d tensors) into model.mtp: "
+                     "not run by generation until speculative decoding drives them", mtp)
 
     def _split(self, name: str, ref) -> Iterator[tuple[str, object]]:
         la = self.cfg.linear_attention
