@@ -6,8 +6,9 @@ of a sequence lives in block block_table[t // block_size], row t % block_size.
 Batch: new tokens flattened, q [T, Hq, D]; cu_seqlens_q [B+1] delimits them; seq_lens [B] counts
 each context *including* the new tokens (already stored); block_tables [B, max_blocks]. New token
 i of sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally. Options per
-layer: ``window`` (a query at p sees keys p - window < k <= p) and ``softcap`` (scores become
-tanh(s / softcap) * softcap before the softmax). The torch reference also takes one cache as both
+layer: ``window`` (a query at p sees keys p - window < k <= p), ``softcap`` (scores become
+tanh(s / softcap) * softcap before the softmax) and ``sinks`` (gpt-oss: a learned logit per query
+head that joins the softmax's denominator and attends to nothing). The torch reference also takes one cache as both
 (latent attention).
 
 The plain-torch reference (CPU path, the kernels' oracle) comes first, then the Triton kernels
@@ -65,18 +66,27 @@ def chunk_start(pos: torch.Tensor, chunk: int) -> torch.Tensor:
     return pos - pos % chunk
 
 
-def _attend_torch(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v in fp32; with ``softcap`` the scores are capped first,
-    which scaled_dot_product_attention cannot do, so that case is written out."""
-    if softcap is None:
+def attend_torch(q, k, v, mask, scale: float, softcap: float | None, sinks: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v; with ``softcap`` the scores are capped first, and
+    ``sinks`` (broadcast against the scores' [..., rows, 1]) join the softmax as one more column
+    that is then dropped: what scaled_dot_product_attention cannot do is written out."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    s = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
-    return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(s, dim=-1) @ v
+    s = torch.cat([s, sinks.to(s.dtype).expand(*s.shape[:-1], 1)], dim=-1)
+    return torch.softmax(s, dim=-1)[..., :-1] @ v
 
 
 def _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: float, group: int,
                             k_scale, v_scale, window: int | None, softcap: float | None,
-                            chunk: int | None = None) -> torch.Tensor:
+                            sinks: torch.Tensor | None, chunk: int | None = None) -> torch.Tensor:
     """One new token per sequence: gather every context into a padded [B, Hkv, L, D] batch and
     attend in one call, the query heads of a KV head standing in the query-length dimension."""
     batch, block_size, d = q.shape[0], k_cache.shape[1], q.shape[-1]
@@ -91,7 +101,8 @@ def _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: 
         mask &= pos >= seq_lens[:, None] - window
     if chunk is not None:
         mask &= pos >= chunk_start(seq_lens[:, None] - 1, chunk)
-    out = _attend_torch(qg, k, v, mask[:, None, None, :], scale, softcap)
+    sinks = None if sinks is None else sinks.float().view(k.shape[1], group, 1)
+    out = attend_torch(qg, k, v, mask[:, None, None, :], scale, softcap, sinks)
     return out.reshape(q.shape).to(q.dtype)
 
 
@@ -109,13 +120,14 @@ def paged_attention_torch(
     window: int | None = None,
     softcap: float | None = None,
     chunk: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``chunk``: chunked local attention (Llama 4), a query at p sees keys from p - p % chunk."""
     num_q_heads, num_kv_heads, d = q.shape[1], k_cache.shape[2], q.shape[2]
     group = num_q_heads // num_kv_heads
     if q.shape[0] == seq_lens.shape[0] and bool((seq_lens > 0).all()):
         return _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, group, k_scale, v_scale,
-                                       window, softcap, chunk)
+                                       window, softcap, sinks, chunk)
     out = torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     for b, ctx in enumerate(seq_lens.tolist()):
@@ -136,21 +148,22 @@ def paged_attention_torch(
             mask &= k_pos > q_pos - window
         if chunk is not None:
             mask &= k_pos >= chunk_start(q_pos, chunk)
-        ob = _attend_torch(qb.float(), kb.float(), vb.float(), mask, scale, softcap)
+        head_sinks = None if sinks is None else sinks.float().view(num_q_heads, 1, 1)
+        ob = attend_torch(qb.float(), kb.float(), vb.float(), mask, scale, softcap, head_sinks)
         out[s:e] = ob.transpose(0, 1).to(q.dtype)
     return out
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q: int, out=None,
                     k_scale=None, v_scale=None, window: int | None = None, softcap: float | None = None,
-                    num_decodes: int = 0):
+                    num_decodes: int = 0, sinks: torch.Tensor | None = None):
     if use_triton(q):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q, out=out,
-            k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap, num_decodes=num_decodes,
+            k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap, num_decodes=num_decodes, sinks=sinks,
         )
     o = paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale, v_scale,
-                              window=window, softcap=softcap)
+                              window=window, softcap=softcap, sinks=sinks)
     if out is not None:
         out.copy_(o)
         return out
@@ -201,7 +214,7 @@ def head_block(head_dim: int, kv_mode: int) -> int:
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, sinks_ptr,
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh,
@@ -210,7 +223,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False, SINKS: tl.constexpr = False,
 ):
     # The step's metadata comes from the host and no kernel writes it: read before the PDL wait,
     # overlapping the kernel before.
@@ -261,6 +274,8 @@ def _decode_kernel(
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, start, end, end, qk_scale, offs_n, offs_d, dmask,
                                   BLOCK_SIZE, 1 + (WINDOW > 0), KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET,
                                   HEAD_DIM)
+    if SINKS and NUM_SPLITS == 1:  # split contexts: the reduce kernel adds the sink once
+        l_i += sink_weight(sinks_ptr, heads, gmask, m_i)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     if NUM_SPLITS == 1:
         o_ptr = out_ptr + q_row * stride_ot + heads[:, None] * stride_oh
@@ -276,6 +291,14 @@ def _decode_kernel(
 
 
 @triton.jit
+def sink_weight(sinks_ptr, heads, mask, m_i):
+    """exp(sink - max score) of each row's head, the sink's share of the softmax denominator
+    beside keys summed relative to m_i (log2 domain); 0 for a row that saw no key."""
+    sink = tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    return tl.where(m_i > float("-inf"), tl.exp2(sink - m_i), 0.0)
+
+
+@triton.jit
 def _store_rows(o_ptr, o, channels, gmask, vs_ptr, HEAD_DIM: tl.constexpr, KV_MODE: tl.constexpr):
     """The decode output's ``channels`` of each head (o_ptr: each head's row [BLOCK_G, 1]), FP8
     values' scale applied."""
@@ -286,9 +309,10 @@ def _store_rows(o_ptr, o, channels, gmask, vs_ptr, HEAD_DIM: tl.constexpr, KV_MO
 
 @triton.jit
 def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, cuq_ptr, out_ptr,
+    mid_o_ptr, mid_lse_ptr, cuq_ptr, out_ptr, sinks_ptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    SINKS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -310,6 +334,11 @@ def _decode_reduce_kernel(
         mask=smask[:, None] & dmask[None, :], other=0.0,
     )
     denom = tl.sum(w, 0)
+    if SINKS:  # the head's sink as one more split that attends to nothing
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(m, sink)
+        w = w * tl.exp2(m - top)
+        denom = denom * tl.exp2(m - top) + tl.exp2(sink - top)
     denom = tl.where(denom > 0.0, denom, 1.0)
     res = tl.sum(o * w[:, None], 0) / denom
     tl.store(out_ptr + q_row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=dmask)
@@ -317,14 +346,14 @@ def _decode_reduce_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr,
+    q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, sinks_ptr,
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_gb, stride_gs, stride_gh,
     stride_ksb, stride_ksh, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, SINKS: tl.constexpr = False,
 ):
     h, mblk, b, q_start, q_len, ctx, has_rows = prefill_block(cuq_ptr, seqlens_ptr, BLOCK_M)
     if not has_rows:
@@ -368,6 +397,8 @@ def _prefill_kernel(
                                   dmask, BLOCK_SIZE, 0, KV_MODE, WINDOW, SOFTCAP)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, full_end, hi, ctx, qk_scale, offs_n, offs_d,
                                   dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP)
+    if SINKS:
+        l_i += sink_weight(sinks_ptr, h + 0 * offs_m, offs_m >= 0, m_i)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if KV_MODE == 1:
@@ -375,17 +406,18 @@ def _prefill_kernel(
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=qmask)
 
 
-def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, cu_seqlens_q: torch.Tensor, out: torch.Tensor) -> None:
+def decode_reduce(mid_o: torch.Tensor, mid_lse: torch.Tensor, cu_seqlens_q: torch.Tensor, out: torch.Tensor,
+                  sinks: torch.Tensor | None = None) -> None:
     """A split decode's partial outputs (mid_o [B, H, splits, D] fp32, mid_lse [B, H, splits],
     log2 domain) merged by their log-sum-exp into out's row of each sequence (its cu_seqlens_q
     start): the second kernel of every split-context decode (this file's, kernels/mla_attention.py's)."""
     batch, num_heads, num_splits, head_dim = mid_o.shape
     _decode_reduce_kernel[(batch, num_heads)](
-        mid_o, mid_lse, cu_seqlens_q, out,
+        mid_o, mid_lse, cu_seqlens_q, out, mid_lse if sinks is None else sinks,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        num_warps=4, **pdl_launch(out),
+        SINKS=sinks is not None, num_warps=4, **pdl_launch(out),
     )
 
 
@@ -424,6 +456,7 @@ def paged_attention_triton(
     softcap: float | None = None,
     decode_config: dict | None = None,
     num_decodes: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``paged_attention_torch`` (same layouts and semantics).
 
@@ -439,7 +472,7 @@ def paged_attention_triton(
     if max_seqlen_q > 1 and 0 < num_decodes < seq_lens.shape[0]:
         # Both kernels find their query rows through cu_seqlens_q, so q and out stay whole.
         options = dict(out=out, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, window=window,
-                       softcap=softcap, decode_config=decode_config)
+                       softcap=softcap, decode_config=decode_config, sinks=sinks)
         d = num_decodes
         paged_attention_triton(q, k_cache, v_cache, block_tables[:d], seq_lens[:d], cu_seqlens_q[:d + 1], scale, 1,
                                **options)
@@ -453,7 +486,8 @@ def paged_attention_triton(
     if num_tokens == 0 or batch == 0:
         return out
     qk_scale = float(scale) * LOG2E
-    options = dict(WINDOW=window or 0, SOFTCAP=(softcap or 0.0) * LOG2E)  # compile-time, per model
+    options = dict(WINDOW=window or 0, SOFTCAP=(softcap or 0.0) * LOG2E, SINKS=sinks is not None)  # per model
+    sinks_arg = q if sinks is None else sinks  # unread without sinks
     kv_mode = kvq.kv_mode(k_cache)
     block_d = head_block(head_dim, kv_mode)
     group_strides = kvq.scale_strides(kv_mode, k_scale, v_scale)
@@ -485,7 +519,7 @@ def paged_attention_triton(
             mid_lse.stride(0), mid_lse.stride(1),
         )
         _decode_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse,
+            q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, mid_o, mid_lse, sinks_arg,
             qk_scale, *common, *mid_strides,
             GROUP=group, BLOCK_G=query_rows(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
             BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, KV_MODE=kv_mode, **options,
@@ -493,14 +527,14 @@ def paged_attention_triton(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(q),
         )
         if num_splits > 1:
-            decode_reduce(mid_o, mid_lse, cu_seqlens_q, out)
+            decode_reduce(mid_o, mid_lse, cu_seqlens_q, out, sinks)
         return out
 
     cfg = PREFILL_CONFIG.get(head_dim, PREFILL_CONFIG[128])
     block_m = min(cfg["block_m"], max(16, next_pow2(max_seqlen_q)))
     grid = (num_q_heads, triton.cdiv(max_seqlen_q, block_m), batch)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out,
+        q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, sinks_arg,
         qk_scale, *common,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], KV_MODE=kv_mode, **options,

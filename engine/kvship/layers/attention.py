@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvship.kernels import kv_quant as kvq
@@ -32,21 +31,19 @@ class AttentionMetadata:
 CPU_SCORE_ELEMENTS = 1 << 22
 
 
-def _cpu_attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
-    """softmax(q k^T * scale) v over [Hkv, rows, D] queries and [Hkv, L, D] keys and values."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    s = torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap)) * softcap
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+def _row_sinks(sinks: torch.Tensor | None, num_kv_heads: int, queries: int) -> torch.Tensor | None:
+    """Each score row's sink for [Hkv, queries * group] rows (query-major): [Hkv, rows, 1]."""
+    if sinks is None:
+        return None
+    per_head = sinks.view(num_kv_heads, 1, -1)
+    return per_head.expand(num_kv_heads, queries, per_head.shape[-1]).reshape(num_kv_heads, -1, 1)
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                         window: int | None = None, softcap: float | None = None,
-                        chunk: int | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """The CPU path: each sequence attends over its own blocks only (those its queries can see),
     never a batch padded to the longest context (decodes of similar lengths excepted: padded
     to at most twice their keys, they go in one call). The query heads of a KV head stand in the query
@@ -67,7 +64,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # per sequence, whose fixed cost dominates a short decode
         out[:nd] = pa.paged_attention_torch(q[:nd], k_cache, v_cache, block_tables[:nd], seq_lens[:nd],
                                             cu_seqlens_q[: nd + 1], scale, k_scale, v_scale, window=window,
-                                            softcap=softcap, chunk=chunk)
+                                            softcap=softcap, sinks=sinks, chunk=chunk)
     else:
         nd = 0
     for b in range(nd, len(lens)):
@@ -86,7 +83,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = k if same else kvq.pages(v_cache, v_scale, blocks, d).flatten(0, 1)[lo:hi].transpose(0, 1).to(q.dtype)
         qs = q[s:e].view(q_len, num_kv_heads, group, d).permute(1, 0, 2, 3)  # [Hkv, q_len, group, D]
         if q_len == 1:  # decode: every kept key is visible
-            o = _cpu_attend(qs.reshape(num_kv_heads, group, d), k, v, None, scale, softcap)
+            o = pa.attend_torch(qs.reshape(num_kv_heads, group, d), k, v, None, scale, softcap,
+                                _row_sinks(sinks, num_kv_heads, 1))
             out[s] = o.reshape(num_q_heads, d)
             continue
         per_call = max(1, CPU_SCORE_ELEMENTS // (num_q_heads * (hi - lo)))
@@ -102,7 +100,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                 mask &= key_pos[None, :end] >= pa.chunk_start(q_pos[:, None], chunk)
             mask = mask[:, None, :].expand(j - i, group, end).reshape((j - i) * group, end)
             qc = qs[:, i:j].reshape(num_kv_heads, (j - i) * group, d)
-            o = _cpu_attend(qc, k[:, :end], v[:, :end], mask, scale, softcap)  # [Hkv, rows, D]
+            o = pa.attend_torch(qc, k[:, :end], v[:, :end], mask, scale, softcap,
+                                _row_sinks(sinks, num_kv_heads, j - i))  # [Hkv, rows, D]
             out[s + i : s + j] = o.view(num_kv_heads, j - i, group, d).permute(1, 0, 2, 3).reshape(j - i, num_q_heads, d)
     return out
 
@@ -119,7 +118,8 @@ class PagedAttention(nn.Module):
     place, so captured CUDA graphs read the new values.
 
     ``scale`` multiplies the scores (default head_dim ** -0.5); ``window`` limits this layer to
-    the last ``window`` positions, ``softcap`` caps its scores (kernels/paged_attention.py).
+    the last ``window`` positions, ``softcap`` caps its scores; forward's ``sinks`` (float32, one
+    per query head) join each softmax's denominator (kernels/paged_attention.py).
     ``chunk``: chunked local attention (Llama 4), run by the torch reference on the GPU too (the
     Triton kernels do not mask by chunk); a model passes it only where a context can pass one.
 
@@ -182,7 +182,7 @@ class PagedAttention(nn.Module):
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-        qk_norm: QKNorm | None = None,
+        qk_norm: QKNorm | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D], not yet normed (``qk_norm``) nor rotated -> attention
         output [T, Hq, D]."""
@@ -192,7 +192,7 @@ class PagedAttention(nn.Module):
         store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, *scales, self.k_transform,
                  qk_norm)
         args = (self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
-        options = dict(window=self.window, softcap=self.softcap)
+        options = dict(window=self.window, softcap=self.softcap, sinks=sinks)
         if q.device.type == "cpu":  # no kernels: per-sequence attention over its own blocks
             q = rotary_store_kv_torch(positions, q, k, v, *store)
             return paged_attention_cpu(q, *args, *scales, **options, chunk=self.chunk)

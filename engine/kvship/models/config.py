@@ -45,6 +45,8 @@ FAMILIES = {
     "Llama4ForConditionalGeneration": "llama4",
     # MiniMax-M2: sigmoid-routed experts, q/k RMSNorm over all heads at once (models/minimax_m2.py)
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    # gpt-oss: attention sinks, biases, clamped SwiGLU experts, MXFP4 experts (models/gpt_oss.py)
+    "GptOssForCausalLM": "gpt_oss",
     # base models without the output projection, as embedding models are saved
     "LlamaModel": "llama",
     "MistralModel": "llama",
@@ -56,7 +58,7 @@ _BY_MODEL_TYPE = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_
                   "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
                 "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "deepseek_v2": "deepseek_v2",
                   "deepseek_v3": "deepseek_v3", "glm4_moe": "glm4_moe",
-                  "llama4_text": "llama4", "llama4": "llama4", "minimax_m2": "minimax_m2"}
+                  "llama4_text": "llama4", "llama4": "llama4", "minimax_m2": "minimax_m2", "gpt_oss": "gpt_oss"}
 # architectures refused with a reason of their own
 _REFUSED = {"Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (4B and larger) is not supported: kvship "
                                               "runs text-only Gemma 3 (Gemma3ForCausalLM, model_type gemma3_text)"}
@@ -135,6 +137,9 @@ class ModelConfig:
     # multi-token-prediction layers, kept unused: stored past num_hidden_layers (GLM-4.5), as mtp.* (Qwen3.5)
     mtp_layers: int = 0
     llama4: Llama4Layers | None = None
+    # gpt-oss (models/gpt_oss.py): experts stored as "mxfp4" (None: the model's dtype), its SwiGLU's clamp
+    expert_format: str | None = None
+    swiglu_limit: float = 7.0
 
     def is_sparse(self, layer: int) -> bool:
         return layer in self.sparse_layers
@@ -204,19 +209,35 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_list,
-            quantization=_quantization(cfg),
+            quantization=_quantization(arch, cfg),
             layer_windows=windows,
             **_moe_fields(arch, cfg),
             **_gemma_fields(arch, cfg, local_rope),
             **_deepseek_fields(arch, cfg),
+            **_gpt_oss_fields(arch, cfg),
             **hybrid_fields(arch, cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
             **sigmoid_moe_fields(arch, cfg, cfg.get("head_dim") or cfg["hidden_size"] // heads),
         )
 
 
-def _quantization(cfg: dict[str, Any]) -> QuantScheme | None:
+def _quantization(arch: str, cfg: dict[str, Any]) -> QuantScheme | None:
     fmt = checkpoint_format(cfg.get("quantization_config"))
+    if fmt is not None and fmt.name == "mxfp4":  # the experts' storage (expert_format); the rest is 16-bit
+        if arch != "gpt_oss":
+            raise UnsupportedModelError(f"MXFP4 checkpoints are supported for gpt-oss only, not {arch}")
+        return None
     return None if fmt is None else QuantScheme(checkpoint=fmt.name)
+
+
+def _gpt_oss_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    if arch != "gpt_oss":
+        return {}
+    method = str((cfg.get("quantization_config") or {}).get("quant_method", "")).lower()
+    return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                sparse_layers=frozenset(range(cfg["num_hidden_layers"])),
+                expert_format="mxfp4" if method == "mxfp4" else None,
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
 
 
 def _layer_windows(arch: str, cfg: dict[str, Any], window: int | None) -> tuple[int | None, ...]:

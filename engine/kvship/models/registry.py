@@ -8,6 +8,7 @@ from kvship.models.config import ModelConfig
 from kvship.models.deepseek_v2 import DeepseekV2ForCausalLM
 from kvship.models.gemma import GemmaForCausalLM
 from kvship.models.glm4_moe import Glm4MoeForCausalLM
+from kvship.models.gpt_oss import GptOssForCausalLM
 from kvship.models.llama import LlamaForCausalLM
 from kvship.models.llama4 import Llama4ForCausalLM
 from kvship.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -31,6 +32,7 @@ MODEL_CLASSES = {
     "glm4_moe": Glm4MoeForCausalLM,
     "llama4": Llama4ForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

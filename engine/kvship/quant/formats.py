@@ -212,6 +212,8 @@ def checkpoint_format(cfg: dict | None) -> CheckpointFormat | None:
                                 {"group_size": int(cfg.get("group_size", cfg.get("q_group_size", 128)))})
     if method == "compressed-tensors":
         return _compressed_tensors(cfg)
+    if method == "mxfp4":  # gpt-oss's experts, read by their layer (layers/gpt_oss_moe.py) as stored
+        return CheckpointFormat("mxfp4", (), ())
     if method == "gguf":  # the GGUF loader hands over each kept-quantized matrix itself
         return CheckpointFormat("gguf", (), ())
     raise UnsupportedQuantization(f"quantization method {method or 'unknown'!r} is not supported; kvship reads "

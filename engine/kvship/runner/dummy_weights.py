@@ -35,12 +35,16 @@ def dummy_weights(build, model_config: ModelConfig, max_model_len: int, backend:
 
     def weights():
         for name, p in full.named_parameters():
+            mod_name, _, leaf = name.rpartition(".")
+            mod = modules[mod_name]
+            if hasattr(mod, "dummy_checkpoint"):  # a layer that names and draws its checkpoint's tensors itself
+                if leaf == next(iter(dict(mod.named_parameters()))):  # once, at its first parameter
+                    yield from mod.dummy_checkpoint(mod_name, g, dtype, device)
+                continue
             if "norm" in name:
                 t = torch.ones(p.shape, dtype=dtype, device=device)
             else:
                 t = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=g)
-            mod_name, _, leaf = name.rpartition(".")
-            mod = modules[mod_name]
             if isinstance(mod, QKVParallelLinear):
                 q, kv = mod.num_heads * mod.head_dim, mod.num_kv_heads * mod.head_dim
                 base = mod_name.rpartition(".")[0]
