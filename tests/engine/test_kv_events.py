@@ -3,6 +3,10 @@ that enters the prefix cache (hashes chained as a subscriber can recompute them 
 the tokens themselves, the parent), each evicted block, and the cache cleared at shutdown."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import msgpack
 import pytest
 import zmq
@@ -26,6 +30,13 @@ def test_config_is_vllms_json_and_refuses_what_it_does_not_do():
                          ('{"publisher": "kafka"}', "zmq or null"), ("[1]", "JSON object"), ("{", "not JSON")):
         with pytest.raises(ValueError, match=message):
             KVEventsConfig.from_json(bad)
+
+
+def test_block_hashes_are_the_same_in_another_process():
+    code = "from kvship.core.kv_events import block_hashes; print(block_hashes(list(range(40)), 16))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "123"}).stdout
+    assert out.strip() == str(block_hashes(list(range(40)), 16))
 
 
 class Subscriber:

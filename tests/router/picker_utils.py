@@ -1,4 +1,5 @@
-"""The endpoint picker on a loopback gRPC port, and a client that speaks Envoy's side of ext_proc."""
+"""The endpoint picker on a loopback gRPC port, and a client that speaks Envoy's side of ext_proc
+(a helper module, not a conftest: tests elsewhere import tests/conftest.py by that name)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from kvship.router.extproc import Picker, add_to_server
 from kvship.router.hold import Holding
-from kvship.router.pool import Pool
+from kvship.router.pool import Pool, endpoint_from_url
 from kvship.router.stats import RouterStats
 from kvship.router.tracing import PickTracer
 
@@ -71,3 +72,17 @@ def picked(responses: list[pb.ProcessingResponse]) -> tuple[str, list[str]]:
     final = responses[-1]
     meta = final.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
     return set_headers(final)["x-gateway-destination-endpoint"], meta.string_value.split(",")
+
+
+def picker_factory():
+    """A test's pickers (a generator for a fixture: `yield from`), all closed at its end."""
+    made: list[PickerServer] = []
+
+    def make(addresses=ADDRESSES, policy="prefix", **kw) -> PickerServer:
+        p = PickerServer(Pool([endpoint_from_url(a) for a in addresses], policy), **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()

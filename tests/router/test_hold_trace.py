@@ -12,11 +12,17 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+import picker_utils
 from kvship.router.hold import Holding
 from kvship.router.tracing import PickTracer
 from picker_utils import TRACEPARENT, chat, picked, set_headers
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def picker_factory():
+    yield from picker_utils.picker_factory()
 
 
 def held_picker(picker_factory, timeout_s: float, max_pending: int = 8, on_demand=None):

@@ -9,11 +9,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import picker_utils
 from kvship.router.pool import Endpoint, Pool, endpoint_from_url
 from kvship.router.scrape import Scraper
 from picker_utils import ADDRESSES, chat, picked
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def picker_factory():
+    yield from picker_utils.picker_factory()
 
 
 def test_headers_and_body_in_endpoint_header_and_metadata_out(picker_factory):

@@ -20,10 +20,14 @@ from kvship.config import KVEventsConfig
 log = logging.getLogger(__name__)
 
 
+# Stands for "no parent" inside the hash: None's own hash is its address before Python 3.12.
+_ROOT = 0x6B76736869700000
+
+
 def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    """The prefix cache's key for a full block: stable across processes (a tuple of ints and
-    None hashes the same everywhere), so a subscriber can compute it from a prompt's tokens."""
-    return hash((parent, tuple(tokens)))
+    """The prefix cache's key for a full block: the same in every process (a tuple of ints hashes
+    alike everywhere), so a subscriber can compute it from a prompt's tokens."""
+    return hash((_ROOT if parent is None else parent, tuple(tokens)))
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:

@@ -8,10 +8,11 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from concurrent import futures
 
 from kvship.router.discovery import parse_target
-from kvship.router.pool import POLICIES, Pool, endpoint_from_url
+from kvship.router.pool import POLICIES, Endpoint, Pool, endpoint_from_url
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -48,6 +49,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    "fallback (default: %(default)s)")
     p.add_argument("--no-endpoint-header", dest="endpoint_header", action="store_false",
                    help="do not add the response header x-kvship-endpoint naming the replica that served")
+    p.add_argument("--kv-events", action="append", default=[], metavar="ZMQ_ADDRESS",
+                   help="an endpoint's KV-cache events (its `kvship serve --kv-events-config` endpoint), e.g. "
+                   "tcp://10.0.0.5:5557: one per --endpoint, in the same order; the prefix policy then scores "
+                   "what each engine reports caching")
+    p.add_argument("--kv-events-port", type=int, default=None, metavar="PORT",
+                   help="every endpoint publishes its KV-cache events on this port of its own host")
+    p.add_argument("--kv-events-topic", default="", help="the events' ZMQ topic (default: all)")
     p.add_argument("--hold-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="scale from zero: with no ready endpoint, hold a request up to this long for one to become "
                    "ready before answering 503 (default: 0, answer at once)")
@@ -57,6 +65,28 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="run this command (no shell; KVSHIP_ROUTER_PENDING in its environment) when a request "
                    "starts waiting with none before it: the signal that starts a replica")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def kv_event_sources(endpoints: list[Endpoint], addresses: list[str], port: int | None,
+                     discover: bool) -> Callable[[Pool], dict[str, str]] | None:
+    """What the subscriber connects to, read again as the pool changes: endpoint address -> its
+    KV-event ZMQ address, from --kv-events (one per --endpoint) or --kv-events-port (any host)."""
+    if addresses and port is not None:
+        raise ValueError("give --kv-events or --kv-events-port, not both")
+    if port is not None:
+        return lambda pool: {e.address: f"tcp://{e.address.rpartition(':')[0]}:{port}" for e in pool.endpoints}
+    if not addresses:
+        return None
+    if discover:
+        raise ValueError("--discover finds endpoints as they come: give their events' port (--kv-events-port)")
+    if len(addresses) != len(endpoints):
+        raise ValueError(f"--kv-events: one per --endpoint, in order ({len(endpoints)} endpoints, "
+                         f"{len(addresses)} event addresses)")
+    for a in addresses:
+        if "://" not in a:
+            raise ValueError(f"--kv-events: not a ZMQ address such as tcp://10.0.0.5:5557: {a!r}")
+    fixed = {e.address: a for e, a in zip(endpoints, addresses)}
+    return lambda pool: fixed
 
 
 def _free_port() -> int:
@@ -72,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from kvship.router.envoy import EnvoyProcess, bootstrap
     from kvship.router.extproc import Picker, add_to_server
     from kvship.router.hold import Holding, demand_command
+    from kvship.router.kv_events import CachedBlocks, EventSubscriber
     from kvship.router.scrape import Scraper
     from kvship.router.stats import RouterStats, StatsServer
     from kvship.router.tracing import PickTracer
@@ -90,13 +121,17 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--prefix-block-chars must be >= 1, --load-epsilon >= 0, --scrape-interval > 0")
         if args.hold_timeout < 0 or args.hold_max_pending < 1:
             raise ValueError("--hold-timeout must be >= 0 and --hold-max-pending >= 1")
+        event_sources = kv_event_sources(endpoints, args.kv_events, args.kv_events_port, bool(args.discover))
     except ValueError as exc:
         print(f"kvship router: error: {exc}", file=sys.stderr)
         return 2
     if not endpoints and not args.discover:
         log.warning("no --endpoint: every request gets 503 until endpoints are configured")
 
-    pool = Pool(endpoints, args.policy, args.load_epsilon)
+    cached = CachedBlocks() if event_sources else None
+    pool = Pool(endpoints, args.policy, args.load_epsilon, cached=cached)
+    subscriber = (EventSubscriber(cached, lambda: event_sources(pool), args.kv_events_topic)
+                  if event_sources else None)
     holding = Holding(pool, args.hold_timeout, args.hold_max_pending,
                       demand_command(args.demand_command) if args.demand_command else None)
     stats = RouterStats(pool, holding)
@@ -117,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         if discovery is not None:
             discovery.start()
         scraper.start()
+        if subscriber is not None:
+            subscriber.start()
         grpc_server.start()
         http.start()
         log.info("endpoint picker on %s:%d (gRPC ext_proc), /health and /metrics on :%d, policy %s, %d endpoints",
@@ -146,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         executor.shutdown(wait=False, cancel_futures=True)
         http.stop()
         scraper.stop()
+        if subscriber is not None:
+            subscriber.stop()
         if tracer is not None:
             tracer.shutdown()
         if discovery is not None:

@@ -3,7 +3,10 @@
 Load of an endpoint = the picks it was sent whose ext_proc stream is still open (exact, as the
 picker sees it), plus requests waiting in its queue at the last /metrics scrape (traffic from
 elsewhere). Running requests and KV usage only break ties: a scrape lags by an interval, and a
-finished request still counted there would push a prefix off its replica under the load bound."""
+finished request still counted there would push a prefix off its replica under the load bound.
+
+Where a prefix lives: what the engines report caching (their KV-cache events, `cached`:
+kvship.router.kv_events), else the picker's own record of where it sent each prompt's blocks."""
 from __future__ import annotations
 
 import ipaddress
@@ -58,7 +61,9 @@ def endpoint_from_url(url: str) -> Endpoint:
 class Pick:
     endpoint: Endpoint
     fallbacks: list[Endpoint]
-    reason: str  # prefix-hit, prefix-miss, prefix-overload, least-load, round-robin
+    # prefix-cached (the engine reported the blocks), prefix-hit (the picker sent them there),
+    # prefix-miss, prefix-overload, least-load, round-robin
+    reason: str
 
 
 class PrefixIndex:
@@ -96,7 +101,7 @@ class Pool:
     """Thread-safe: the gRPC handlers pick while the scraper updates load and health."""
 
     def __init__(self, endpoints: list[Endpoint], policy: str = "prefix", load_epsilon: float = 0.25,
-                 max_fallbacks: int = 2):
+                 max_fallbacks: int = 2, cached=None):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.endpoints = endpoints
@@ -104,6 +109,7 @@ class Pool:
         self.epsilon = load_epsilon
         self.max_fallbacks = max_fallbacks
         self.index = PrefixIndex()
+        self.cached = cached  # the engines' reported blocks (kv_events.CachedBlocks), or None
         self._rr = itertools.count()
         self.lock = threading.Lock()
         self.became_ready = threading.Condition(self.lock)  # notified when an endpoint turns healthy
@@ -111,7 +117,9 @@ class Pool:
     def healthy(self) -> list[Endpoint]:
         return [e for e in self.endpoints if e.healthy]
 
-    def pick(self, block_hashes: list[bytes]) -> Pick | None:
+    def pick(self, block_hashes: list[bytes], cached_hashes: list | None = None) -> Pick | None:
+        """`block_hashes`: the prompt text's blocks; `cached_hashes`: its token blocks as the engines
+        hash them (kv_events.request_block_hashes), scored against what they report caching."""
         with self.lock:
             live = self.healthy()
             if not live:
@@ -121,7 +129,7 @@ class Pool:
             elif self.policy == "least-load":
                 chosen, reason = min(live, key=self._load_key), "least-load"
             else:
-                chosen, reason = self._pick_prefix(live, block_hashes)
+                chosen, reason = self._pick_prefix(live, block_hashes, cached_hashes)
             self.index.record(chosen.address, block_hashes)
             chosen.in_flight += 1
             rest = sorted((e for e in live if e is not chosen), key=self._load_key)
@@ -135,17 +143,27 @@ class Pool:
     def _load_key(e: Endpoint) -> tuple:
         return (e.load, e.kv_usage, e.running, e.address)
 
-    def _pick_prefix(self, live: list[Endpoint], hashes: list[bytes]) -> tuple[Endpoint, str]:
+    def _matches(self, live: list[Endpoint], hashes: list[bytes], cached_hashes: list | None) -> tuple[list, str]:
+        """(leading blocks held, endpoint) per endpoint: from the engines' reports when any holds
+        some of this prompt, else from the picker's own record (blocks in flight count there)."""
+        if cached_hashes and self.cached is not None:
+            found = [(self.cached.match(e.address, cached_hashes), e) for e in live]
+            if any(n for n, _ in found):
+                return found, "prefix-cached"
+        return [(self.index.match(e.address, hashes), e) for e in live], "prefix-hit"
+
+    def _pick_prefix(self, live: list[Endpoint], hashes: list[bytes], cached_hashes: list | None) -> tuple[Endpoint, str]:
         # Bounded load (consistent hashing with bounded loads): an endpoint takes a request only while
         # its load + 1 stays within (1 + epsilon) x the mean load counting this request.
         cap = math.ceil((1 + self.epsilon) * (sum(e.load for e in live) + 1) / len(live))
         room = [e for e in live if e.load + 1 <= cap] or live
-        scored = sorted(((self.index.match(e.address, hashes), e) for e in live), key=lambda t: -t[0])
+        matches, hit = self._matches(live, hashes, cached_hashes)
+        scored = sorted(matches, key=lambda t: -t[0])
         best_match = scored[0][0] if scored else 0
         if best_match:
             for n, e in scored:
                 if n == best_match and e in room:
-                    return e, "prefix-hit"
+                    return e, hit
             # The holders are over the bound: the least loaded with room, which will hold it from now on.
             return min(room, key=self._load_key), "prefix-overload"
         # A prefix seen nowhere: least loaded, ties broken by the first block's hash so that
@@ -160,6 +178,8 @@ class Pool:
             if metrics is None:
                 if endpoint.healthy:
                     self.index.forget(endpoint.address)  # a restarted engine holds nothing
+                    if self.cached is not None:
+                        self.cached.forget(endpoint.address)
                 endpoint.healthy = False
                 return
             if not endpoint.healthy:

@@ -16,6 +16,8 @@ class ParsedRequest:
     model: str | None = None
     text: str = ""
     block_hashes: list[bytes] = field(default_factory=list)
+    tokenize: dict | None = None  # the /tokenize body that gives the engine's tokens for this prompt
+    token_ids: list[int] | None = None  # a completion prompt given as token ids
 
 
 def render(body: dict) -> str:
@@ -47,6 +49,20 @@ def block_hashes(text: str, block_chars: int) -> list[bytes]:
     return out
 
 
+def tokenize_body(body: dict, model: str | None) -> tuple[dict | None, list[int] | None]:
+    """What the engine's /tokenize needs to give this prompt's tokens (or the ids themselves)."""
+    if isinstance(body.get("messages"), list):
+        return {"model": model, "messages": body["messages"]}, None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # several prompts: the first decides, as for the text
+    if isinstance(prompt, str):
+        return {"model": model, "prompt": prompt}, None
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return None, prompt
+    return None, None
+
+
 def parse(body: bytes, block_chars: int) -> ParsedRequest:
     """A body that is not a JSON object gives an empty request: the engine answers it with its own 4xx."""
     try:
@@ -57,4 +73,6 @@ def parse(body: bytes, block_chars: int) -> ParsedRequest:
         return ParsedRequest()
     model = data.get("model") if isinstance(data.get("model"), str) else None
     text = render(data)
-    return ParsedRequest(model=model, text=text, block_hashes=block_hashes(text, block_chars))
+    tokenize, token_ids = tokenize_body(data, model)
+    return ParsedRequest(model=model, text=text, block_hashes=block_hashes(text, block_chars), tokenize=tokenize,
+                         token_ids=token_ids)

@@ -37,15 +37,22 @@ class _PoolCollector:
                                  "Picks in flight + requests waiting at the last scrape.", labels=["endpoint"])
         in_flight = GaugeMetricFamily("kvship_router:endpoint_in_flight", "Picks whose request has not ended.",
                                       labels=["endpoint"])
+        cached = GaugeMetricFamily("kvship_router:endpoint_cached_blocks",
+                                   "KV-cache blocks the endpoint's engine reports holding (its KV-cache events).",
+                                   labels=["endpoint"])
         with self.pool.lock:
             for e in self.pool.endpoints:
                 healthy.add_metric([e.address], 1.0 if e.healthy else 0.0)
                 load.add_metric([e.address], e.load)
                 in_flight.add_metric([e.address], e.in_flight)
+                if self.pool.cached is not None:
+                    cached.add_metric([e.address], self.pool.cached.count(e.address))
             pending = self.holding.pending if self.holding else 0
         yield healthy
         yield load
         yield in_flight
+        if self.pool.cached is not None:
+            yield cached
         yield GaugeMetricFamily("kvship_router:pending_requests",
                                 "Requests held until an endpoint is ready (scale from zero).", value=pending)
 
