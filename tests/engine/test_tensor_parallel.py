@@ -83,6 +83,24 @@ def test_quantized_kv_cache_sharded_equals_single_rank(tiny_models, kv):
     assert tokens == ref_tokens
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_hybrid_sharded_equals_single_rank(tmp_path, arch):
+    """Gated DeltaNet over two ranks (a key head each, with its value heads, conv channels and
+    state) and the gated attention's heads: every step's logits and the greedy tokens as one
+    rank's, prompts prefilled in chunks (the state carried in each rank's slots)."""
+    from test_models_qwen3_next import make_hybrid
+
+    make_hybrid(tmp_path / arch, arch)
+    prompts = PROMPTS + [list(range(50, 90))]
+    ref_tokens, ref_steps = _run(tmp_path / arch, 1, prompts, max_num_batched_tokens=16)
+    tokens, steps = _run(tmp_path / arch, 2, prompts, max_num_batched_tokens=16)
+    assert len(steps) == len(ref_steps)
+    for a, b in zip(steps, ref_steps):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert tokens == ref_tokens
+
+
 @pytest.mark.parametrize("arch", ["qwen2-bias", "qwen2-moe"])
 def test_dummy_weights_do_not_depend_on_tp(tiny_models, arch):
     folder = tiny_models[arch][0]

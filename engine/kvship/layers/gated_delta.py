@@ -7,6 +7,11 @@ read at the start of its step and written at its end. A sequence with nothing co
 the step (seq_lens equal to its new tokens: a new or recomputed one) starts from zeros, so a
 preempted sequence rebuilds its state from its tokens. Without slots (the runner's start-up
 prefills) every sequence starts from zeros and nothing is kept.
+
+Tensor parallelism shards the key heads, each rank taking its value heads with them (the value
+heads are grouped by key head): its rows of every in_proj part, its q, k and v conv channels,
+its A_log and dt_bias entries, out_proj's matching input columns (partial sums, reduced by the
+post-attention norm), and its slice of the recurrent state.
 """
 from __future__ import annotations
 
@@ -31,25 +36,42 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg, tp: TPContext, backend: str):
         super().__init__()
         la = cfg.linear_attention
-        if tp.size > 1:
-            raise ValueError("Gated DeltaNet layers are not sharded over tensor-parallel ranks yet; "
-                             "serve this model with --tensor-parallel-size 1")
-        self.hk, self.hv, self.dk, self.dv = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim
-        self.width, self.conv_dim = la.conv_kernel, la.conv_dim
+        self.tp = tp
+        self.hk = tp.shard(la.num_key_heads, "linear_num_key_heads")  # this rank's heads
+        self.hv = tp.shard(la.num_value_heads, "linear_num_value_heads")
+        self.dk, self.dv, self.width = la.key_head_dim, la.value_head_dim, la.conv_kernel
         key_dim, value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * key_dim + value_dim
         self.sizes = [key_dim, key_dim, value_dim, value_dim, self.hv, self.hv]
-        self.in_proj = MergedColumnParallelLinear(cfg.hidden_size, self.sizes, False, tp, quant=cfg.quantization)
+        self.in_proj = MergedColumnParallelLinear(cfg.hidden_size, [n * tp.size for n in self.sizes], False, tp,
+                                                  quant=cfg.quantization)
         self.in_proj.checkpoint_parts = tuple(f"in_proj_{p}" for p in self.PARTS)  # the names it loads under
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.width), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
-        self.norm_weight = nn.Parameter(torch.ones(self.dv), requires_grad=False)
+        for p in (self.conv_weight, self.A_log, self.dt_bias):
+            p.weight_loader = self._load_sharded
+        self.norm_weight = nn.Parameter(torch.ones(self.dv), requires_grad=False)  # per value head, shared
         self.eps = cfg.rms_norm_eps
         # partial sums, as LlamaAttention's o_proj: the post-attention norm reduces them
-        self.out_proj = RowParallelLinear(value_dim, cfg.hidden_size, False, tp, reduce=False, quant=cfg.quantization)
+        self.out_proj = RowParallelLinear(value_dim * tp.size, cfg.hidden_size, False, tp, reduce=False,
+                                          quant=cfg.quantization)
         self.force_torch = backend == "torch"
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K-1], bound by bind_state
         self.delta_state: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] float32
+
+    def _load_sharded(self, param: nn.Parameter, ref, shard_id=None) -> None:
+        """This rank's rows: of A_log and dt_bias its value heads; of the conv its q, k and v
+        channels (the checkpoint's rows are all q, then all k, then all v)."""
+        r = self.tp.rank
+        if param is not self.conv_weight:
+            param.data.copy_(ref.load((slice(r * self.hv, (r + 1) * self.hv),)))
+            return
+        parts, start = [], 0
+        for size in self.sizes[:3]:
+            parts.append(ref.load((slice(start + r * size, start + (r + 1) * size),)))
+            start += size * self.tp.size
+        param.data.copy_(torch.cat(parts))
 
     def state_shapes(self, dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """One slot's tensors: the conv inputs in the model's dtype, the delta rule's matrices in
