@@ -168,8 +168,15 @@ def serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_request_body_size,
                     tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser, body_timeout_s=args.timeout_request_body,
-                    responses_store_bytes=args.max_stored_responses_size)
+                    responses_store_bytes=args.max_stored_responses_size,
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     state = app.state.kvship
+    try:
+        _register_lora_modules(state.loras, engine, args.lora_modules)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        engine.shutdown()
+        return 2
     uv_config = uvicorn.Config(
         app,
         host=args.host,
@@ -215,6 +222,23 @@ def serve(args: argparse.Namespace) -> int:
         return 1  # e.g. the port was taken; uvicorn has said so
     logger.info("kvship stopped")
     return 0
+
+
+def _register_lora_modules(loras, engine, modules: list[str]) -> None:
+    """--lora-modules: each adapter read and checked now, so that a bad one stops the start."""
+    from kvship.server.lora import parse_lora_module
+
+    if modules and not loras.enabled:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for text in modules:
+        name, path = parse_lora_module(text)
+        lora = loras.new_request(name, path)
+        try:
+            engine.add_lora(lora).result()
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules {name}: {exc}") from None
+        loras.adapters[name] = lora
+        logger.info("LoRA adapter %s from %s", name, path)
 
 
 def port_problem(host: str, port: int) -> str | None:

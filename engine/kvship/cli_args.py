@@ -135,3 +135,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="how much the server logs (default: info)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora), each as name=path or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ...}'; a request's model names one")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")

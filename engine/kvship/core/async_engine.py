@@ -6,18 +6,20 @@ stats(). Moving the loop into its own process would change only this file.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvship.config import EngineConfig
 from kvship.core.engine import LLMEngine
+from kvship.lora_request import LoRARequest
 from kvship.outputs import RequestOutput
 from kvship.sampling_params import InvalidParamsError, SamplingParams, StructuredOutput
 
@@ -44,6 +46,10 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # LoRA adapters (names) of running and waiting requests, and requests submitted per adapter
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    lora_requests_total: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -95,8 +101,9 @@ class AsyncEngine:
 
     # -- client side -------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as they come. ``arrival_time`` (time.monotonic()): when the
+                       arrival_time: float | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come (with ``lora_request``'s adapter, if given). ``arrival_time`` (time.monotonic()): when the
         server accepted it, before tokenizing; default now. Queue time, TTFT and latency count
         from there, so they include the wait for the engine thread and the server's own work."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -105,7 +112,7 @@ class AsyncEngine:
         with self._lock:
             self._streams[request_id] = stream
             self._pending += 1
-        self._inbox.put(("add", (request_id, list(prompt_token_ids), params, arrival_time)))
+        self._inbox.put(("add", (request_id, list(prompt_token_ids), params, arrival_time, lora_request)))
         finished = False
         try:
             while True:
@@ -157,6 +164,14 @@ class AsyncEngine:
             with self._lock:
                 self._embeddings.discard(result)
 
+    def add_lora(self, lora_request: LoRARequest) -> concurrent.futures.Future:
+        """Read and check an adapter on the engine thread (LLMEngine.add_lora); the future fails
+        with InvalidParamsError naming what cannot be served."""
+        self._check_accepting()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("lora", (lora_request, done)))
+        return done
+
     def stats(self) -> EngineStats:
         e, kv = self.engine, self.engine.kv
         sched = e.scheduler
@@ -171,6 +186,9 @@ class AsyncEngine:
             num_preemptions=sched.num_preemptions,
             prompt_tokens_total=e.prompt_tokens_total,
             generation_tokens_total=e.generation_tokens_total,
+            running_lora_adapters=sorted({s.lora.lora_name for s in list(sched.running) if s.lora is not None}),
+            waiting_lora_adapters=sorted({s.lora.lora_name for s in list(sched.waiting) if s.lora is not None}),
+            lora_requests_total=dict(e.lora_requests_total),
         )
 
     def is_alive(self) -> bool:
@@ -211,12 +229,12 @@ class AsyncEngine:
                 return
             block = False
             if kind == "add":
-                request_id, ids, params, arrival_time = arg
+                request_id, ids, params, arrival_time, lora_request = arg
                 with self._lock:
                     self._pending -= 1
                     stream = self._streams.get(request_id)
                 try:
-                    self.engine.add_request(request_id, ids, params, arrival_time)
+                    self.engine.add_request(request_id, ids, params, arrival_time, lora_request)
                 except Exception as e:  # a client mistake: hand it back to the caller
                     if stream is not None:
                         stream.put(_Rejected(e))
@@ -229,6 +247,13 @@ class AsyncEngine:
                 except InvalidParamsError as e:  # a client mistake: hand it back to the caller
                     value, error = None, e
                 loop.call_soon_threadsafe(_settle, result, value, error)
+            elif kind == "lora":
+                lora_request, done = arg
+                try:
+                    self.engine.add_lora(lora_request)
+                    done.set_result(None)
+                except Exception as e:  # a bad adapter: the caller says why
+                    done.set_exception(e)
             elif kind == "abort":
                 final = self.engine.abort(arg)
                 with self._lock:

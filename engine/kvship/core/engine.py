@@ -71,6 +71,7 @@ class LLMEngine:
         self.in_flight: InFlightStep | None = None  # the last launched step, its tokens not read yet
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.lora_requests_total: dict[str, int] = {}  # adapter name -> requests submitted
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -91,6 +92,8 @@ class LLMEngine:
             self.grammars.prepare(params.structured)  # compiled already when the server prepared it
         if lora_request is not None:
             self.add_lora(lora_request)
+            name = lora_request.lora_name
+            self.lora_requests_total[name] = self.lora_requests_total.get(name, 0) + 1
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs: list[Sequence] = []
         for i in range(params.n):
@@ -113,7 +116,7 @@ class LLMEngine:
         try:
             self.runner.lora.check(lora_request)
         except LoRAAdapterError as e:
-            raise InvalidParamsError(str(e), "model") from None
+            raise InvalidParamsError(str(e), "lora_path" if e.reason == "not_found" else "model") from None
 
     def _check_prompt(self, ids: list[int], room: int, param: str = "prompt") -> None:
         """Refuse a prompt that is empty, holds ids outside the vocabulary, or leaves fewer than

@@ -23,6 +23,8 @@ from kvship.server.completions import router as completions_router
 from kvship.server.embeddings import router as embeddings_router
 from kvship.server.engine_client import EngineClient
 from kvship.server.errors import SafeJSONResponse, error_body, install_error_handlers
+from kvship.server.lora import adapter_cards
+from kvship.server.lora import router as lora_router
 from kvship.server.memory import MemoryTrimmer, TrimAfterLargeRequests
 from kvship.server.metrics import ServerMetrics
 from kvship.server.metrics import router as metrics_router
@@ -87,7 +89,8 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
               max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-              responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES) -> FastAPI:
+              responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """An app serving `engine` (an AsyncEngine, or None while it loads: then everything but
     /health, /version and /metrics answers 503). Traces go to `tracer_provider` when given,
     else to one built from the OTEL_* environment (none when those are unset). A request body
@@ -99,7 +102,8 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
             tool_format(engine.tokenizer, tool_call_parser)
     state = ServerState(engine, config, api_key, max_prompts_per_request=max_prompts_per_request,
                         max_body_bytes=max_body_bytes, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser, responses_store_bytes=responses_store_bytes)
+                        reasoning_parser=reasoning_parser, responses_store_bytes=responses_store_bytes,
+                        allow_runtime_lora_updating=allow_runtime_lora_updating)
     tracing = ServerTracing.create(tracer_provider)
 
     @asynccontextmanager
@@ -148,13 +152,15 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(request.app.state.kvship)]}
+        s: ServerState = request.app.state.kvship
+        return {"object": "list", "data": [model_card(s), *adapter_cards(s.loras, s.model_name, s.created)]}
 
     @app.get("/v1/models/{model_id:path}")  # ids may hold slashes (hub names: org/model)
     async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
         s: ServerState = request.app.state.kvship
         s.check_model(model_id)
-        return model_card(s)
+        adapter = [c for c in adapter_cards(s.loras, s.model_name, s.created) if c["id"] == model_id]
+        return adapter[0] if adapter and model_id != s.model_name else model_card(s)
 
     app.include_router(chat_router)
     app.include_router(completions_router)
@@ -162,6 +168,7 @@ def build_app(engine: EngineClient | None, config: EngineConfig | None, api_key:
     app.include_router(responses_router)
     app.include_router(metrics_router)
     app.include_router(tokenize_router)
+    app.include_router(lora_router)
 
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=body_timeout_s)
     app.state.kvship_trimmer = MemoryTrimmer()

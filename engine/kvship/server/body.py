@@ -29,7 +29,7 @@ async def accept(raw_request: Request, model: type[M], task: str = "generate"
     state: ServerState = raw_request.app.state.kvship
     body = await parse_body(raw_request, model, state.max_body_bytes)
     state.check_model(getattr(body, "model", None))
-    engine = state.engine_or_503()
+    engine = state.engine_for(getattr(body, "model", None))
     if engine.task != task:
         raise bad_request(f"The model `{engine.model_name}` is served for {_TASK_NAMES[engine.task]}, not for "
                           f"{_TASK_NAMES[task]} (kvship serve --task).", param="model", code="wrong_task")

@@ -83,7 +83,7 @@ async def create_chat_completion(raw_request: Request) -> Response:
         except ClientDisconnected:
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        envelope = Envelope(request_id, "chat.completion.chunk", state.model_name, with_usage=include_usage)
+        envelope = Envelope(request_id, "chat.completion.chunk", engine.model_name, with_usage=include_usage)
         shapers = [MessageShaper(state.reasoning_parser, plan) for _ in range(params.n)]
         return sse_response(stream, request_id, _stream_chunks(stream, first, envelope, shapers, token_text))
 
@@ -106,7 +106,7 @@ async def create_chat_completion(raw_request: Request) -> Response:
         )
     completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     prompt_tokens = len(final.prompt_token_ids) if final.prompt_token_ids else len(prompt_ids)
-    envelope = Envelope(request_id, "chat.completion", state.model_name)
+    envelope = Envelope(request_id, "chat.completion", engine.model_name)
     return JSONResponse(envelope.body(choices, usage=usage_json(prompt_tokens, completion_tokens)))
 
 

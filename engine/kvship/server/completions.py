@@ -92,7 +92,7 @@ async def create_completion(raw_request: Request) -> Response:
         except ClientDisconnected:
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        envelope = Envelope(request_id, "text_completion", state.model_name, with_usage=include_usage)
+        envelope = Envelope(request_id, "text_completion", engine.model_name, with_usage=include_usage)
         return sse_response(stream, request_id,
                             _stream_chunks(stream, first, envelope, n, prompt_ids, echo_texts, want_logprobs,
                                            token_text))
@@ -124,7 +124,7 @@ async def create_completion(raw_request: Request) -> Response:
                     "finish_reason": finish_reason(c),
                 }
             )
-    envelope = Envelope(request_id, "text_completion", state.model_name)
+    envelope = Envelope(request_id, "text_completion", engine.model_name)
     return SafeJSONResponse(envelope.body(choices, usage=usage_json(prompt_tokens, completion_tokens)))
 
 

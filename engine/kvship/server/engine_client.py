@@ -7,6 +7,7 @@ not change. Nothing here imports FastAPI: the protocol is the seam between the t
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -15,6 +16,7 @@ from kvship.config import EngineConfig
 from kvship.core.async_engine import EngineStats
 from kvship.loader.pooling import Pooling
 from kvship.loader.tokenizer import Tokenizer
+from kvship.lora_request import LoRARequest
 from kvship.outputs import RequestOutput
 from kvship.sampling_params import SamplingParams, StructuredOutput
 
@@ -36,11 +38,17 @@ class EngineClient(Protocol):
         ...
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                 arrival_time: float | None = None, lora_request: LoRARequest | None = None
+                 ) -> AsyncIterator[RequestOutput]:
         """Submit a request and stream its outputs; closing the iterator early aborts it.
         ``arrival_time`` (time.monotonic()): when the server accepted it; latency metrics count
         from there (default: now).
         Raises QueueFullError / EngineDeadError / InvalidParamsError on its first read."""
+        ...
+
+    def add_lora(self, lora_request: LoRARequest) -> Future:
+        """Read and check a LoRA adapter; the future fails with InvalidParamsError naming what
+        the engine cannot serve."""
         ...
 
     def abort(self, request_id: str) -> None: ...

@@ -5,6 +5,8 @@ Two sources:
 - `EngineStatsCollector` reads `engine.stats()` at scrape time: running / waiting requests,
   KV-cache usage, prefix-cache queries and hits, preemptions, prompt and generation tokens,
   and the cache's configuration (`kvship:cache_config_info`: block count, block size, dtype).
+- With --enable-lora, `kvship:lora_requests_info` (vLLM's: adapters of running / waiting requests
+  and max_lora as labels) and `kvship:lora_requests_total` per adapter.
 - `RequestMetrics` is fed by the server as each engine request ends (`RequestObserver`): outcomes
   by finish reason and latency / size histograms, from the timestamps in `RequestOutput`.
 
@@ -109,6 +111,22 @@ class EngineStatsCollector(Collector):
                                   labels=[*labels, "num_gpu_blocks", "block_size", "cache_dtype"])
         cache.add_metric([*values, str(total), str(engine.config.block_size), engine.config.kv_cache_dtype], 1.0)
         yield cache
+        if engine.config.enable_lora:
+            yield from _lora_metrics(labels, values, engine.config.max_loras, s)
+
+
+def _lora_metrics(labels: list[str], values: list[str], max_loras: int, s) -> Iterator[Metric]:
+    """vLLM's lora_requests_info (adapters as comma-joined labels, the scrape time as its value:
+    the Gateway API Inference Extension's LoRA-affinity scorer reads it) and requests per adapter."""
+    info = GaugeMetricFamily("kvship:lora_requests_info", "LoRA adapters of running and waiting requests.",
+                             labels=[*labels, "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    info.add_metric([*values, str(max_loras), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)],
+                    time.time())
+    yield info
+    per = CounterMetricFamily("kvship:lora_requests", "Requests submitted per LoRA adapter.", labels=[*labels, "lora_name"])
+    for name, n in sorted(s.lora_requests_total.items()):
+        per.add_metric([*values, name], n)
+    yield per
 
 
 class RequestMetrics:

@@ -175,7 +175,7 @@ async def create_response(raw_request: Request) -> Response:
                                      size=chat_size(chat.messages))
     params = fit_to_context(params, [len(prompt_ids)], engine.max_model_len, "input")
 
-    shell = ResponseShell(_id("resp"), body, state.model_name)
+    shell = ResponseShell(_id("resp"), body, engine.model_name)
     observer = observe_request(raw_request, shell.id, params)
     state.admission.reserve(engine, 1)
     stream = GenerationStream(engine, [prompt_ids], params, shell.id, state.active, observer, state.admission,

@@ -11,6 +11,7 @@ from kvship.config import EngineConfig
 from kvship.server.engine_client import EngineClient
 from kvship.server.errors import APIError, ServerShuttingDown, queue_full
 from kvship.server.generation import GenerationStream
+from kvship.server.lora import AdapterEngine, LoRARegistry
 
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any prompt that fits a 128k-token context
@@ -85,7 +86,8 @@ class ServerState:
                  max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None,
-                 responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES):
+                 responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES,
+                 allow_runtime_lora_updating: bool = False):
         self.engine = engine
         self.config = config
         self.api_key = api_key
@@ -98,6 +100,7 @@ class ServerState:
         self.tool_call_parser = tool_call_parser  # --tool-call-parser; None: chosen from the chat template
         self.reasoning_parser = reasoning_parser
         self.responses = ResponseStore(max_bytes=responses_store_bytes)
+        self.loras = LoRARegistry(bool(config and config.enable_lora), allow_runtime_lora_updating)
         # Large bodies parsed at once: each costs several times its size while it is parsed.
         self.large_body_slots = asyncio.Semaphore(LARGE_BODY_PARSES)
 
@@ -139,8 +142,15 @@ class ServerState:
             raise APIError(503, "The inference engine has stopped.", code="engine_dead")
         return self.engine
 
+    def engine_for(self, model: str | None) -> EngineClient:
+        """The engine (engine_or_503) as a request naming ``model`` uses it: with the LoRA
+        adapter of that name, if it is one."""
+        engine = self.engine_or_503()
+        lora = self.loras.get(model) if model != self.model_name else None
+        return engine if lora is None else AdapterEngine(engine, lora)
+
     def check_model(self, model: str | None) -> None:
-        if model is None or model == self.model_name:
+        if model is None or model == self.model_name or self.loras.get(model) is not None:
             return
         raise APIError(
             404,
