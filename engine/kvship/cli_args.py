@@ -106,7 +106,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 # The formats kvship.server.tools and kvship.server.reasoning parse (named here, where the CLI
 # and the operator's validation of engine args both read them without importing the server).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "harmony")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -128,8 +128,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="the model's own tool-call format: hermes (Qwen2.5/Qwen3, <tool_call> JSON), llama3_json "
                         "(Llama 3.x JSON calls), mistral ([TOOL_CALLS] JSON); default: chosen from the chat template")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                   help="split the model's thinking from its answer: qwen3 or deepseek_r1 (<think>...</think>); "
-                        "the thinking goes to message.reasoning_content")
+                   help="split the model's thinking from its answer: qwen3 or deepseek_r1 (<think>...</think>), "
+                        "harmony (gpt-oss: the analysis channel, and its tool calls); the thinking goes to "
+                        "message.reasoning_content")
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

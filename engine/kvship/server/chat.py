@@ -15,7 +15,13 @@ from kvship.server.errors import bad_request
 from kvship.server.generation import ClientDisconnected, GenerationStream, final_outputs, first_output
 from kvship.server.message import MessageShaper
 from kvship.server.metrics import observe_request
-from kvship.server.params import fit_to_context, prepare_grammar, sampling_params, with_tool_constraint
+from kvship.server.params import (
+    fit_to_context,
+    prepare_grammar,
+    sampling_params,
+    with_reasoning_markers,
+    with_tool_constraint,
+)
 from kvship.server.prompts import chat_prompt_ids, chat_size, check_text_fits, generation_prompt, run_tokenizer
 from kvship.server.protocol import ChatCompletionRequest
 from kvship.server.responses import Envelope, TokenText, finish_reason, new_id, safe_logprob, usage_json
@@ -58,6 +64,7 @@ async def create_chat_completion(raw_request: Request) -> Response:
     params = sampling_params(body, engine)
     plan = tool_plan(body, tool_format(engine.tokenizer, state.tool_call_parser).parser)
     params = with_tool_constraint(params, plan)
+    params = with_reasoning_markers(params, state.reasoning_parser)
     await prepare_grammar(params, engine)
     check_text_fits(engine.tokenizer, chat_size(body.messages), engine.max_model_len, "messages")
     template_kwargs = dict(body.chat_template_kwargs or {})

@@ -108,6 +108,13 @@ def sampling_params(body: ChatCompletionRequest | CompletionRequest, engine: Eng
         raise bad_request(str(exc), param=exc.param) from None
 
 
+def with_reasoning_markers(params: SamplingParams, reasoning_parser: str | None) -> SamplingParams:
+    """harmony's channel and message markers are special tokens: kept in the text for its parser."""
+    if reasoning_parser == "harmony":
+        return dataclasses.replace(params, skip_special_tokens=False)
+    return params
+
+
 def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
     """A required or named tool call is generated under its grammar (ToolPlan.constraint); it
     cannot be combined with another output constraint. Every tool's `parameters` must be an

@@ -24,7 +24,13 @@ from kvship.server.errors import SafeJSONResponse, bad_request, utf8_safe, valid
 from kvship.server.generation import ClientDisconnected, GenerationStream, final_outputs, first_output
 from kvship.server.message import MessageShaper
 from kvship.server.metrics import observe_request
-from kvship.server.params import fit_to_context, prepare_grammar, sampling_params, with_tool_constraint
+from kvship.server.params import (
+    fit_to_context,
+    prepare_grammar,
+    sampling_params,
+    with_reasoning_markers,
+    with_tool_constraint,
+)
 from kvship.server.prompts import chat_prompt_ids, chat_size, check_text_fits, run_tokenizer
 from kvship.server.protocol import ChatCompletionRequest, ChatMessage, ResponseMessageItem, ResponsesRequest
 from kvship.server.sse import sse_response
@@ -168,6 +174,7 @@ async def create_response(raw_request: Request) -> Response:
     params = sampling_params(chat, engine)
     plan = tool_plan(chat, tool_format(engine.tokenizer, state.tool_call_parser).parser)
     params = with_tool_constraint(params, plan)
+    params = with_reasoning_markers(params, state.reasoning_parser)
     await prepare_grammar(params, engine)
     check_text_fits(engine.tokenizer, chat_size(chat.messages), engine.max_model_len, "input")
     template_kwargs = {"tools": plan.template_tools()} if plan is not None else {}
