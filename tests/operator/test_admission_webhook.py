@@ -132,3 +132,28 @@ def test_review_refuses_what_the_reconciler_refuses():
     with pytest.raises(kopf.AdmissionError, match="name"):  # the name check, with the server's five characters
         webhook.review({"metadata": {"generateName": "a" * 60}, "spec": GOOD}, None, "CREATE")
     webhook.review({"metadata": {"generateName": "llama-"}, "spec": GOOD}, None, "CREATE")
+
+
+@pytest.mark.parametrize("spec, expect", [
+    ({**GOOD, "replicas": 0, "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2}},
+     "spec: autoscaling.minReplicas 0 (scale from zero) needs routing.mode envoy or gateway"),
+    ({**GOOD, "routing": {"mode": "gateway"},
+      "autoscaling": {"enabled": True, "provider": "hpa", "minReplicas": 0, "maxReplicas": 2}},
+     "spec: autoscaling.provider hpa cannot scale to zero"),
+    ({**GOOD, "routing": {"mode": "nginx"}},
+     "spec.routing.mode: Unsupported value 'nginx': supported values: 'service', 'envoy', 'gateway'"),
+    ({**GOOD, "routing": {"mode": "envoy", "loadBoundPercent": -1}},
+     "spec.routing.loadBoundPercent: should be greater than or equal to 0"),
+])
+def test_review_refuses_bad_routing_specs(spec, expect):
+    """Issue 51: a routing or scale-from-zero spec the operator cannot act on is refused at
+    admission with the reconciler's message, which names the field and the way out."""
+    import kopf
+
+    from kvship_operator import webhook
+
+    with pytest.raises(kopf.AdmissionError) as e:
+        webhook.review({"metadata": {"name": "x"}, "spec": spec}, None, "CREATE")
+    assert str(e.value) == reconciler_message("x", spec) and expect in str(e.value), str(e.value)
+    fixed = {**spec, "routing": {"mode": "envoy"}, "autoscaling": {**spec.get("autoscaling", {}), "provider": "builtin"}}
+    webhook.review({"metadata": {"name": "x"}, "spec": fixed}, None, "CREATE")

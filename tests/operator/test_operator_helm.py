@@ -163,6 +163,24 @@ def test_helm_install_operator_runs_as_its_service_account(cluster, api, crd_ins
 
 
 @needs_helm
+@pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={team-a}"]])
+def test_rbac_covers_routing(values):
+    """spec.routing (issue 51): the router Deployment is applied, watched and deleted like the
+    other children, mode gateway's InferencePool made, and the router's Services deleted when
+    routing turns off."""
+    out = helm("template", "kvship", str(CHART), *values)
+    (role,) = [d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] in ("Role", "ClusterRole")
+               and not d["metadata"]["name"].endswith("-discovery")]
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}
+    for verb in ("get", "list", "watch", "create", "patch", "delete"):
+        assert ("apps", "deployments", verb) in granted
+    for verb in ("get", "create", "patch", "delete"):
+        assert ("inference.networking.k8s.io", "inferencepools", verb) in granted
+    assert ("", "services", "delete") in granted and ("", "persistentvolumeclaims", "delete") not in granted
+
+
+@needs_helm
 def test_bad_values_refused():
     out = helm("template", "kvship", str(CHART), "--set", "logLevel=LOUD", check=False)
     assert out.returncode != 0 and "logLevel" in out.stderr, out.stderr
