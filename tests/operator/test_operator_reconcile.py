@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvship_operator import builders as b
+from kvship_operator import router_builders as rb
 from kvship_operator import spec as s
 from kvship_operator.apply import contains
 from kvship_operator.schema import parse
@@ -17,7 +18,8 @@ from operator_helpers import REPO, load_yaml_docs, wait_for
 from test_operator_cluster import cond
 
 PLURALS = {"StatefulSet": "statefulsets", "Service": "services", "PersistentVolumeClaim": "persistentvolumeclaims",
-           "PodDisruptionBudget": "poddisruptionbudgets", "HorizontalPodAutoscaler": "horizontalpodautoscalers"}
+           "PodDisruptionBudget": "poddisruptionbudgets", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+           "Deployment": "deployments"}
 
 
 def live_children(objects, cr: dict) -> dict[tuple[str, str], dict]:
@@ -25,7 +27,7 @@ def live_children(objects, cr: dict) -> dict[tuple[str, str], dict]:
     owner = b.Owner(cr["metadata"]["name"], objects.ns, cr["metadata"]["uid"])
     pdb_version = "policy/v1" if _has(objects, "policy/v1") else "policy/v1beta1"
     out = {}
-    for obj in b.build(owner, parse(s.LLMDeploymentSpec, cr["spec"]), pdb_api_version=pdb_version):
+    for obj in rb.children(owner, parse(s.LLMDeploymentSpec, cr["spec"]), pdb_api_version=pdb_version):
         key = (obj["kind"], obj["metadata"]["name"])
         out[key] = (obj, objects.get(obj["apiVersion"], PLURALS[obj["kind"]], obj["metadata"]["name"]))
     return out

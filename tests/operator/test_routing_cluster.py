@@ -94,6 +94,14 @@ def test_routing_modes(api, objects, run_operator):
     finally:
         kubelet.stop()
 
+    # a router child deleted or scaled by hand is put back
+    objects._call("DELETE", f"/api/v1/namespaces/{objects.ns}/services/r-serving")
+    objects._call("PATCH", f"/apis/apps/v1/namespaces/{objects.ns}/deployments/r-router", {"spec": {"replicas": 3}},
+                  "application/merge-patch+json")
+    wait_for(lambda: objects.get("v1", "services", "r-serving"), 30, what="r-serving restored")
+    wait_for(lambda: objects.get("apps/v1", "deployments", "r-router")["spec"]["replicas"] == 1, 30,
+             what="router replicas restored")
+
     # gateway without the InferencePool CRD: the picker runs alone, and a warning says why no pool
     objects.patch_llmd_spec("r", {"routing": {"mode": "gateway"}})
     wait_for(lambda: "--picker-only" in objects.get("apps/v1", "deployments", "r-router")["spec"]["template"]["spec"][
