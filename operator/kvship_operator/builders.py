@@ -5,6 +5,7 @@ No API calls here: every function returns plain dicts, ready for server-side app
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import posixpath
 from dataclasses import dataclass
@@ -260,6 +261,19 @@ def group_env(owner: Owner, spec: s.LLMDeploymentSpec, leader: str | None) -> li
     return out
 
 
+KV_EVENTS_PORT = 5557  # where a routed engine publishes its KV-cache events (ZMQ PUB), for the router
+
+
+def kv_events(spec: s.LLMDeploymentSpec) -> bool:
+    return spec.routing.mode != "service" and spec.routing.kv_events
+
+
+def kv_events_config() -> str:
+    """The engine's --kv-events-config (vLLM's KVEventsConfig as JSON)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}"},
+                      separators=(",", ":"))
+
+
 def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
     requests = dict(spec.resources.requests)
     limits = dict(spec.resources.limits)
@@ -317,10 +331,12 @@ def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
             str(spec.tensor_parallel_size),
             "--shutdown-timeout",
             str(spec.shutdown_timeout_seconds),
+            *(["--kv-events-config", kv_events_config()] if kv_events(spec) else []),
             *spec.engine.args,
         ],
         "ports": [{"name": "http", "containerPort": s.ENGINE_PORT, "protocol": "TCP"}]
-        + ([{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}] if multi_node(spec) else []),
+        + ([{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}] if multi_node(spec) else [])
+        + ([{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"}] if kv_events(spec) else []),
         "env": env,
         "startupProbe": {
             **probe,

@@ -44,8 +44,10 @@ def _parser() -> _Parser:
     return p
 
 
-def check(args: list[str]) -> None:
-    """Raise SpecError (path spec.engine.args) naming the first problem."""
+def check(args: list[str], also_owned: dict[str, str] | None = None) -> None:
+    """Raise SpecError (path spec.engine.args) naming the first problem. ``also_owned``: more
+    parser destinations the spec sets in this case (dest -> what sets it)."""
+    owned = {**OWNED, **(also_owned or {})}
     parser = _parser()
     try:
         given = vars(parser.parse_args(list(args)))
@@ -54,7 +56,7 @@ def check(args: list[str]) -> None:
             if "unrecognized arguments" in str(e) else ""
         raise SpecError(WHERE, f"{e}{hint}") from None
     for dest in given:
-        if dest in OWNED:
+        if dest in owned:
             flags = next((a.option_strings for a in parser._actions if a.dest == dest), [])
             shown = "/".join(flags) or "a positional MODEL"
-            raise SpecError(WHERE, f"may not set {shown}: it comes from {OWNED[dest]}")
+            raise SpecError(WHERE, f"may not set {shown}: it comes from {owned[dest]}")

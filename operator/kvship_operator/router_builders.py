@@ -62,6 +62,8 @@ def router_args(owner: b.Owner, spec: s.LLMDeploymentSpec) -> list[str]:
         "--policy", r.policy, "--load-epsilon", f"{r.load_bound_percent / 100:g}",
         "--prefix-block-chars", str(r.prefix_block_chars),
     ]
+    if b.kv_events(spec):
+        args += ["--kv-events-port", str(b.KV_EVENTS_PORT)]
     if spec.autoscaling.enabled and spec.autoscaling.min_replicas == 0:
         # scale from zero: a request waits for the replica it brings up (the ext_proc stream stays open)
         args += ["--hold-timeout", str(r.hold_seconds), "--hold-max-pending", str(r.hold_max_pending)]

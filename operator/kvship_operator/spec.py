@@ -440,6 +440,11 @@ class Routing:
         64, description="Characters of the rendered prompt in one prefix block.", minimum=1, maximum=65536
     )
     endpoint_header: bool = field(True, description="Add the response header x-kvship-endpoint (mode envoy).")
+    kv_events: bool = field(
+        True,
+        description="The engines publish their KV-cache events (vLLM's format, ZMQ on port 5557) and the router "
+        "scores the prefix policy by the blocks each engine reports holding (envoy, gateway).",
+    )
     hold_seconds: int = field(
         300,
         description="With autoscaling.minReplicas 0: how long the router holds a request while no replica is ready "

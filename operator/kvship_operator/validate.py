@@ -12,5 +12,8 @@ def valid_spec(cr: dict) -> s.LLMDeploymentSpec:
     """The parsed spec of the LLMDeployment ``cr``; SpecError when a check refuses it."""
     parsed = parse(s.LLMDeploymentSpec, dict(cr.get("spec") or {}))
     s.check_name(cr["metadata"]["name"])
-    engine_args.check(parsed.engine.args)
+    routed_events = parsed.routing.mode != "service" and parsed.routing.kv_events
+    engine_args.check(parsed.engine.args, {"kv_events_config": "spec.routing.kvEvents (the operator points the "
+                                           "router at the events; set kvEvents false to configure them yourself)"}
+                      if routed_events else None)
     return parsed

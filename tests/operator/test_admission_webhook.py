@@ -144,6 +144,8 @@ def test_review_refuses_what_the_reconciler_refuses():
      "spec.routing.mode: Unsupported value 'nginx': supported values: 'service', 'envoy', 'gateway'"),
     ({**GOOD, "routing": {"mode": "envoy", "loadBoundPercent": -1}},
      "spec.routing.loadBoundPercent: should be greater than or equal to 0"),
+    ({**GOOD, "routing": {"mode": "gateway"}, "engine": {"args": ["--kv-events-config", "{}"]}},
+     "spec.engine.args: may not set --kv-events-config: it comes from spec.routing.kvEvents"),
 ])
 def test_review_refuses_bad_routing_specs(spec, expect):
     """Issue 51: a routing or scale-from-zero spec the operator cannot act on is refused at
@@ -155,5 +157,6 @@ def test_review_refuses_bad_routing_specs(spec, expect):
     with pytest.raises(kopf.AdmissionError) as e:
         webhook.review({"metadata": {"name": "x"}, "spec": spec}, None, "CREATE")
     assert str(e.value) == reconciler_message("x", spec) and expect in str(e.value), str(e.value)
-    fixed = {**spec, "routing": {"mode": "envoy"}, "autoscaling": {**spec.get("autoscaling", {}), "provider": "builtin"}}
+    fixed = {**spec, "routing": {"mode": "envoy", "kvEvents": False},
+             "autoscaling": {**spec.get("autoscaling", {}), "provider": "builtin"}}
     webhook.review({"metadata": {"name": "x"}, "spec": fixed}, None, "CREATE")

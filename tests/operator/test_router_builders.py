@@ -2,6 +2,8 @@
 Kubernetes' own schemas, and the status that reports the router."""
 from __future__ import annotations
 
+import json
+
 import kubernetes_validate
 import pytest
 
@@ -18,6 +20,18 @@ def build(**spec):
     spec.setdefault("model", {"hub": "Qwen/Qwen3-0.6B"})
     parsed = parse(s.LLMDeploymentSpec, spec)
     return parsed, {(o["kind"], o["metadata"]["name"]): o for o in rb.children(OWNER, parsed)}
+
+
+def test_kv_events_config_is_what_the_engine_takes():
+    from kvship.config import KVEventsConfig
+
+    config = KVEventsConfig.from_json(b.kv_events_config())  # what `kvship serve` does with it
+    assert config.publishing and config.endpoint == f"tcp://*:{b.KV_EVENTS_PORT}"
+    _, objs = build(routing={"mode": "envoy", "kvEvents": False})
+    engine = objs[("StatefulSet", "qwen")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--kv-events-config" not in engine["args"]
+    assert "--kv-events-port" not in objs[("Deployment", "qwen-router")]["spec"]["template"]["spec"]["containers"][0][
+        "args"]
 
 
 def test_service_mode_builds_no_router():
@@ -41,6 +55,12 @@ def test_envoy_mode_puts_the_router_behind_the_service():
     assert args[args.index("--policy") + 1] == "least-load" and args[args.index("--load-epsilon") + 1] == "0.5"
     assert "--no-endpoint-header" in args and "--picker-only" not in args and "--hold-timeout" not in args
     assert {p["name"] for p in c["ports"]} == {"http", "grpc", "metrics"}
+    # the engines publish their KV-cache events; the router subscribes to each one it discovers
+    assert args[args.index("--kv-events-port") + 1] == str(b.KV_EVENTS_PORT)
+    engine = objs[("StatefulSet", "qwen")]["spec"]["template"]["spec"]["containers"][0]
+    config = json.loads(engine["args"][engine["args"].index("--kv-events-config") + 1])
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{b.KV_EVENTS_PORT}"}
+    assert {"name": "kv-events", "containerPort": b.KV_EVENTS_PORT, "protocol": "TCP"} in engine["ports"]
     assert c["readinessProbe"] == {"tcpSocket": {"port": "http"}, "periodSeconds": 5, "timeoutSeconds": 3}
     # the OpenAI Service selects the router's pods; the engines' selectors never match them
     main = objs[("Service", "qwen")]

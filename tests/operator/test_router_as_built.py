@@ -1,0 +1,114 @@
+"""The router and engine as the operator builds them, run for real (issue 51): the router
+Deployment's and the engine container's arguments (KV-cache events, the hold for scale from
+zero) are taken as built, only their addresses moved to loopback. A request sent while no replica
+runs is held by the router; the operator's reader sees it as pending (what brings the first
+replica up in a cluster, test_routing_cluster); it is answered once the replica is ready."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvship_operator import builders as b
+from kvship_operator import router_builders as rb
+from kvship_operator import scale_zero
+from kvship_operator import spec as s
+from kvship_operator.schema import parse
+from operator_helpers import wait_for
+from server_utils import free_port
+
+pytest.importorskip("grpc")
+pytestmark = pytest.mark.timeout(300)
+
+
+def _set(args: list[str], flag: str, value: str) -> None:
+    args[args.index(flag) + 1] = value
+
+
+def _start(args: list[str]) -> tuple[subprocess.Popen, tempfile._TemporaryFileWrapper]:
+    log = tempfile.NamedTemporaryFile(prefix="kvship-as-built-", suffix=".log")
+    proc = subprocess.Popen([sys.executable, "-m", "kvship.cli", *args], stdout=log, stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_request_held_at_zero_is_seen_pending_then_answered(bundled):
+    spec = parse(s.LLMDeploymentSpec, {
+        "model": {"hub": "a/b"}, "servedModelName": "smol", "gpu": {"count": 0}, "replicas": 0,
+        "engine": {"args": ["--max-model-len", "512", "--kv-cache-memory", "256MiB"]},
+        "routing": {"mode": "envoy", "holdSeconds": 150},
+        "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 1}})
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in rb.children(b.Owner("smol", "default", "u"), spec)}
+    engine_args = list(objs[("StatefulSet", "smol")]["spec"]["template"]["spec"]["containers"][0]["args"])
+    router_args = list(objs[("Deployment", "smol-router")]["spec"]["template"]["spec"]["containers"][0]["args"])
+
+    engine_port, kv_port = free_port(), free_port()
+    router_port, picker_port, metrics_port = free_port(), free_port(), free_port()
+    engine_args[1] = bundled
+    _set(engine_args, "--host", "127.0.0.1")
+    _set(engine_args, "--port", str(engine_port))
+    events = json.loads(engine_args[engine_args.index("--kv-events-config") + 1])
+    _set(engine_args, "--kv-events-config", json.dumps({**events, "endpoint": f"tcp://127.0.0.1:{kv_port}"}))
+    for flag, value in [("--discover", f"127.0.0.1:{engine_port}"), ("--host", "127.0.0.1"),
+                        ("--port", str(router_port)), ("--picker-host", "127.0.0.1"),
+                        ("--picker-port", str(picker_port)), ("--metrics-port", str(metrics_port)),
+                        ("--kv-events-port", str(kv_port))]:
+        _set(router_args, flag, value)
+    assert router_args[router_args.index("--hold-timeout") + 1] == "150"
+
+    router_pod = {"metadata": {"name": "smol-router-0"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+    def pending() -> float | None:
+        signal = scale_zero.read_routers([router_pod], lambda _: f"127.0.0.1:{metrics_port}")
+        return None if signal is None else signal.pending
+
+    router, router_log = _start(router_args)
+    engine = engine_log = None
+    answer: dict = {}
+
+    def ask() -> None:
+        body = {"model": "smol", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4}
+        try:
+            answer["response"] = httpx.post(f"http://127.0.0.1:{router_port}/v1/chat/completions", json=body,
+                                            timeout=200)
+        except httpx.HTTPError as e:
+            answer["error"] = repr(e)
+
+    client = threading.Thread(target=ask, daemon=True)
+    try:
+        wait_for(lambda: pending() == 0, 60, what="the router's /metrics",
+                 show=lambda: (router.poll(), open(router_log.name).read()[-2000:]))
+        client.start()
+        wait_for(lambda: pending() == 1, 30, what="the request held and reported pending")
+        t_held = time.monotonic()
+        engine, engine_log = _start(engine_args)  # what the operator does on that signal: a replica
+        client.join(200)
+        assert not client.is_alive() and "error" not in answer, (answer, open(engine_log.name).read()[-2000:])
+        resp = answer["response"]
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-kvship-endpoint"] == f"127.0.0.1:{engine_port}"
+        assert resp.json()["choices"][0]["message"]["content"]
+        assert pending() == 0
+        print(f"\n[as built] held request answered {time.monotonic() - t_held:.1f} s after the replica was started")
+    finally:
+        for proc in (engine, router):
+            if proc is not None:
+                _stop(proc)
+        for log in (engine_log, router_log):
+            if log is not None:
+                log.close()
