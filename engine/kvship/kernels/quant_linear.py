@@ -32,6 +32,7 @@ from kvship.kernels.fp8_matmul import (
     quantize_fp8_rows,
 )
 from kvship.kernels.numerics import small_int_to_float
+from kvship.kernels.nvfp4_linear import dequantize_nvfp4_torch, nvfp4_linear
 from kvship.kernels.quant_gemv import (
     GATED_ACTS,
     fits,
@@ -64,6 +65,7 @@ class QWeight:
     bits: int
     group_size: int
     k: int  # input features (the packed width may round up)
+    e2m1: bool = False  # NVFP4 codes, multiplied by kernels/nvfp4_linear.py
 
     @property
     def fp8(self) -> bool:
@@ -84,16 +86,18 @@ def pack(qt: QuantizedTensor, device: torch.device | str) -> QWeight:
         if codes.shape[1] % 2:
             codes = F.pad(codes, (0, 1))
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    sdtype = torch.float32 if qt.is_fp8 else torch.float16
+    sdtype = torch.float32 if qt.is_fp8 or qt.e2m1 else torch.float16  # NVFP4's: FP8 times a float32 factor
     return QWeight(codes.contiguous(), qt.scales.to(device, sdtype).contiguous(),
                    None if qt.biases is None else qt.biases.to(device, sdtype).contiguous(),
                    None if qt.g_idx is None else qt.g_idx.to(device, torch.int32).contiguous(),
-                   qt.bits, qt.group_size, qt.codes.shape[1])
+                   qt.bits, qt.group_size, qt.codes.shape[1], qt.e2m1)
 
 
 def dequantize_torch(w: QWeight) -> torch.Tensor:
     """[N, K] float32."""
     q = w.qweight
+    if w.e2m1:
+        return dequantize_nvfp4_torch(q, w.scales, w.k)
     if w.bits == 4:
         codes = torch.stack((q & 15, q >> 4), -1).view(q.shape[0], -1)[:, :w.k].float()
     else:
@@ -420,6 +424,8 @@ def _dense_matmul(x2: torch.Tensor, w: QWeight, bias: torch.Tensor | None) -> to
 
 
 def quant_linear(x: torch.Tensor, w: QWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if w.e2m1:
+        return nvfp4_linear(x, w.qweight, w.scales, w.k, bias)
     if use_triton(x):
         return quant_linear_triton(x, w, bias)
     return quant_linear_torch(x, w, bias)
@@ -430,7 +436,7 @@ def quant_linear_gated(x: torch.Tensor, w: QWeight, act: str) -> torch.Tensor:
     one 16-bit row in the epilogue of the pairs GEMV (kernels/quant_gemv.py, GATED), which then
     writes the activations alone; otherwise the product, then act_and_mul."""
     x2 = x.reshape(-1, x.shape[-1])
-    if use_triton(x) and x2.shape[0] == 1 and act in GATED_ACTS and w.n % 2 == 0:
+    if use_triton(x) and x2.shape[0] == 1 and act in GATED_ACTS and w.n % 2 == 0 and not w.e2m1:
         cfg = _one_row_config(w, x.dtype)
         if "pairs" in cfg and cfg["block_n"] % 2 == 0:
             return qgemv_pairs_triton(x2.contiguous(), w.qweight, w.scales, w.biases, None, w.bits, w.group_size,

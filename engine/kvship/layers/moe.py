@@ -61,6 +61,8 @@ class MoEExperts(nn.Module):
         if self.quant.insitu is not None:  # one matrix at a time, on the device
             src = quantize((src.dequantize() if isinstance(src, QuantizedTensor) else src).to(stack.device),
                            self.quant.insitu)
+        if isinstance(src, QuantizedTensor) and src.e2m1:  # NVFP4: exact as 8-bit integer codes (fused_moe's)
+            src = src.e2m1_as_int8()
         if isinstance(src, QuantizedTensor) and src.g_idx is not None:  # checked on every matrix: GPTQ
             # drops the table of one whose groups happen to be in order, so the first may pass
             raise ValueError(f"expert {expert}'s {'down' if part is None else 'gate/up'} matrix is quantized with "

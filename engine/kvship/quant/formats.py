@@ -25,9 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 
 import torch
 
+from .nvfp4 import nvfp4, nvfp4_options
 from .tensor import QuantizedTensor, code_centre
 
 
@@ -171,7 +173,7 @@ def _awq(t, group_size=128):
 
 
 _CONVERTERS = {"fp8": _fp8_block, "compressed-tensors-fp8": _fp8_block, "compressed-tensors-packed": _ct_packed,
-               "compressed-tensors-int8": _ct_int8, "gptq": _gptq, "awq": _awq}
+               "compressed-tensors-int8": _ct_int8, "gptq": _gptq, "awq": _awq, "nvfp4": nvfp4}
 
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -214,10 +216,12 @@ def checkpoint_format(cfg: dict | None) -> CheckpointFormat | None:
         return _compressed_tensors(cfg)
     if method == "mxfp4":  # gpt-oss's experts, read by their layer (layers/gpt_oss_moe.py) as stored
         return CheckpointFormat("mxfp4", (), ())
+    if method == "modelopt":
+        return _modelopt(cfg)
     if method == "gguf":  # the GGUF loader hands over each kept-quantized matrix itself
         return CheckpointFormat("gguf", (), ())
     raise UnsupportedQuantization(f"quantization method {method or 'unknown'!r} is not supported; kvship reads "
-                                  "fp8, gptq, awq and compressed-tensors checkpoints (and GGUF files)")
+                                  "fp8, gptq, awq, compressed-tensors and ModelOpt NVFP4 checkpoints (and GGUF files)")
 
 
 def _compressed_tensors(cfg: dict) -> CheckpointFormat:
@@ -229,6 +233,13 @@ def _compressed_tensors(cfg: dict) -> CheckpointFormat:
     ignore = tuple(cfg.get("ignore") or ())
     bits, kind, strategy = int(w.get("num_bits", 8)), str(w.get("type", "int")), str(w.get("strategy", "tensor"))
     acts = groups[0].get("input_activations")
+    if fmt == "nvfp4-pack-quantized":
+        try:
+            nvfp4_options(w, acts, "compressed-tensors nvfp4")
+        except ValueError as e:
+            raise UnsupportedQuantization(str(e)) from None
+        return CheckpointFormat("nvfp4", ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"),
+                                ("weight_packed", "weight_scale", "weight_global_scale"), ignore)
     if acts and not acts.get("dynamic", False):
         raise UnsupportedQuantization("compressed-tensors checkpoints with static activation scales are not supported")
     if kind == "float" and bits == 8 and fmt in ("float-quantized", "naive-quantized", ""):
@@ -250,6 +261,22 @@ def _compressed_tensors(cfg: dict) -> CheckpointFormat:
                                   f"({strategy}) is not supported")
 
 
+def _modelopt(cfg: dict) -> CheckpointFormat:
+    algo = str(cfg.get("quant_algo", "")).upper()
+    if algo != "NVFP4":
+        raise UnsupportedQuantization(f"ModelOpt {algo or '?'} checkpoints are not supported (NVFP4 is)")
+    if cfg.get("kv_cache_quant_algo"):
+        raise UnsupportedQuantization("ModelOpt checkpoints with a quantized KV cache (kv_cache_quant_algo) are not "
+                                      "supported; use --kv-cache-dtype instead")
+    try:
+        nvfp4_options({"group_size": cfg.get("group_size", 16)}, {"nvfp4": True}, "ModelOpt NVFP4")
+    except ValueError as e:
+        raise UnsupportedQuantization(str(e)) from None
+    return CheckpointFormat("nvfp4", ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+                            ("weight", "weight_scale", "weight_scale_2"),
+                            tuple(cfg.get("exclude_modules") or cfg.get("ignore") or ()), {"layout": "modelopt"})
+
+
 def group_tensors(weights: Iterable[tuple[str, object]], fmt: CheckpointFormat) -> Iterator[tuple[str, object]]:
     """The checkpoint's tensors with each quantized layer's parts gathered into one
     ``<layer>.weight`` QuantRef; everything else (norms, embeddings, ignored layers) as it is."""
@@ -257,7 +284,7 @@ def group_tensors(weights: Iterable[tuple[str, object]], fmt: CheckpointFormat) 
     order: list[str] = []
     for name, ref in weights:
         prefix, _, suffix = name.rpartition(".")
-        if suffix in fmt.suffixes and not any(f in prefix for f in fmt.ignore):
+        if suffix in fmt.suffixes and not any(f in prefix or fnmatch(prefix, f) for f in fmt.ignore):
             if prefix not in layers:
                 layers[prefix] = {}
                 order.append(prefix)

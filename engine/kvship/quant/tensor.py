@@ -5,7 +5,8 @@ optional offset per group of inputs of each row:
 
     W[n, k] = codes[n, k] * scales[n, g(k)] + biases[n, g(k)]      g(k) = k // group_size, or g_idx[k]
 
-or, for symmetric integer codes (no biases), W[n, k] = (codes[n, k] - 2**(bits - 1)) * scales[n, g(k)].
+or, for symmetric integer codes (no biases), W[n, k] = (codes[n, k] - 2**(bits - 1)) * scales[n, g(k)],
+or, for e2m1 codes (NVFP4: 4-bit floats, sign in bit 3), W[n, k] = E2M1[codes[n, k]] * scales[n, g(k)].
 
 GPTQ and AWQ (bias = -zero * scale), compressed-tensors, block-wise FP8 (a 128 x 128 block's
 scale repeated over its rows), GGUF k-quants (bias = -min) and in-situ quantization all land
@@ -27,6 +28,7 @@ class QuantizedTensor:
     bits: int  # 4 or 8 (integer codes), 8 for FP8 codes
     group_size: int  # inputs per group; the full K for one scale per row
     g_idx: torch.Tensor | None = None  # [K] int32 group of each input (GPTQ act-order); None: k // group_size
+    e2m1: bool = False  # 4-bit float codes (NVFP4), the values E2M1[code]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -40,12 +42,12 @@ class QuantizedTensor:
         """Output features [start, start + size) (a column-parallel shard, or one of q/k/v)."""
         s = slice(start, start + size)
         return QuantizedTensor(self.codes[s], self.scales[s], None if self.biases is None else self.biases[s],
-                               self.bits, self.group_size, self.g_idx)
+                               self.bits, self.group_size, self.g_idx, self.e2m1)
 
     def map_rows(self, fn) -> "QuantizedTensor":
         """The same tensor with ``fn`` (a reordering of the first dimension) applied to every row-indexed part."""
         return QuantizedTensor(fn(self.codes), fn(self.scales), None if self.biases is None else fn(self.biases),
-                               self.bits, self.group_size, self.g_idx)
+                               self.bits, self.group_size, self.g_idx, self.e2m1)
 
     def cols(self, start: int, size: int) -> "QuantizedTensor":
         """Input features [start, start + size) (a row-parallel shard). Groups must not be split:
@@ -57,14 +59,14 @@ class QuantizedTensor:
                                    self.g_idx[start:start + size])
         g = self.group_size
         if g >= k:  # one scale per row applies to any subset of the row
-            return QuantizedTensor(codes, self.scales, self.biases, self.bits, size)
+            return QuantizedTensor(codes, self.scales, self.biases, self.bits, size, e2m1=self.e2m1)
         if start % g or (size % g and start + size != k):
             raise ValueError(f"a tensor-parallel shard of inputs [{start}, {start + size}) would split a "
                              f"quantization group of {g} inputs; use a tensor-parallel size that divides "
                              f"the {k // g} groups")
         gs = slice(start // g, -(-(start + size) // g))
         return QuantizedTensor(codes, self.scales[:, gs], None if self.biases is None else self.biases[:, gs],
-                               self.bits, g)
+                               self.bits, g, e2m1=self.e2m1)
 
     def group_index(self) -> torch.Tensor:
         """[K] the group of each input."""
@@ -74,6 +76,8 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         gi = self.group_index()
+        if self.e2m1:
+            return (e2m1_values(self.codes) * self.scales.float()[:, gi]).to(dtype)
         codes = self.codes.float()
         centre = code_centre(self.bits, self.is_fp8, self.biases is not None)
         if centre:
@@ -82,6 +86,23 @@ class QuantizedTensor:
         if self.biases is not None:
             w += self.biases.float()[:, gi]
         return w.to(dtype)
+
+
+    def e2m1_as_int8(self) -> "QuantizedTensor":
+        """The same values as symmetric 8-bit integer codes: every e2m1 value times 2 is an
+        integer in [-12, 12], so codes 2v + 128 with half the scales are exact (for kernels that
+        take integer codes only: the routed experts)."""
+        codes = (e2m1_values(self.codes) * 2 + 128).to(torch.uint8)
+        return QuantizedTensor(codes, self.scales / 2, None, 8, self.group_size, self.g_idx)
+
+
+# e2m1 (OCP FP4): sign bit 3, then 2 exponent bits (bias 1) and 1 mantissa bit; exponent 0 is 0 or 0.5
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 e2m1 codes (one a byte, 0..15) -> float32 values."""
+    return torch.tensor(E2M1, dtype=torch.float32, device=codes.device)[codes.long()]
 
 
 def code_centre(bits: int, fp8: bool = False, biased: bool = False) -> int:
@@ -98,6 +119,10 @@ def widened(t: QuantizedTensor, bits: int, group: int, explicit_bias: bool) -> Q
     """The same values with ``bits``-bit codes, groups of ``group`` (a divisor of t's) and, if
     asked, the offset stored explicitly instead of implied by symmetric codes."""
     codes, biases = t.codes, t.biases
+    if t.e2m1:
+        if (bits, group, explicit_bias) != (t.bits, t.group_size, False):
+            raise ValueError("e2m1 (NVFP4) codes cannot be widened into integer codes")
+        return t
     if t.bits != bits and biases is None:  # symmetric: re-centre the codes on the wider middle
         codes = (codes.to(torch.int16) + (code_centre(bits) - code_centre(t.bits))).to(torch.uint8)
     scales = t.scales
@@ -119,6 +144,8 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     first = parts[0]
     if any(p.is_fp8 != first.is_fp8 for p in parts):
         raise ValueError("a fused layer mixes FP8 and integer quantized tensors")
+    if any(p.e2m1 != first.e2m1 or (p.e2m1 and p.group_size != first.group_size) for p in parts):
+        raise ValueError("a fused layer mixes NVFP4 tensors with tensors stored otherwise")
     if any((p.g_idx is None) != (first.g_idx is None) or (p.g_idx is not None and not torch.equal(p.g_idx, first.g_idx))
            for p in parts):
         raise ValueError("a fused layer's quantized tensors have different act-order group tables")
@@ -130,4 +157,5 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     explicit = any(p.biases is not None for p in parts)
     parts = [widened(p, bits, group, explicit) for p in parts]
     return QuantizedTensor(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                           torch.cat([p.biases for p in parts]) if explicit else None, bits, group, first.g_idx)
+                           torch.cat([p.biases for p in parts]) if explicit else None, bits, group, first.g_idx,
+                           first.e2m1)
