@@ -11,6 +11,15 @@ from pathlib import Path
 
 import torch
 
+_GPT_OSS = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+                num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_experts_per_tok=4, sliding_window=128,
+                attention_bias=True, vocab_size=201088, rope_theta=150000.0, swiglu_limit=7.0,
+                rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "truncate": False, "original_max_position_embeddings": 4096},
+                max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                quantization_config={"quant_method": "mxfp4"}, torch_dtype="bfloat16", bos_token_id=0,
+                eos_token_id=1)
+
 SHAPES = {
     "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -65,6 +74,12 @@ SHAPES = {
                               scoring_func="sigmoid", n_group=1, topk_group=1, norm_topk_prob=True,
                               rope_theta=50000.0, rope_scaling=None, max_position_embeddings=8192, rms_norm_eps=1e-5,
                               tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
+    # gpt-oss: 4 of 32 (20b) or of 128 (120b) experts in MXFP4 as OpenAI ships them, attention
+    # sinks, sliding-window (128) layers alternating with full ones, YaRN
+    "gpt-oss-20b": dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32,
+                        layer_types=["sliding_attention", "full_attention"] * 12),
+    "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
+                         layer_types=["sliding_attention", "full_attention"] * 18),
 }
 
 

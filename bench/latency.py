@@ -4,6 +4,11 @@ transformers' eager generate on the same shape. With --quantization, each weight
 same run (in-situ quantized from the same random weights), each beside its own roofline: the
 bytes its layers really hold (codes, scales, offsets) plus the 16-bit output projection and KV.
 
+gpt-oss shapes (gpt-oss-20b, gpt-oss-120b) hold their experts in MXFP4 as OpenAI ships them;
+their roofline counts the bytes the loaded model reads per token (codes, scales and biases of
+the k experts a token picks, the 16-bit rest), HF is left out (its MXFP4 path needs kernels
+fetched from the hub), and one MXFP4 MoE layer is timed per token count.
+
 For a shape with routed experts (qwen3-30b-a3b) the roofline counts the bytes a token reads:
 the attention, norms and router of every layer, only the experts it picks, and the output
 projection; a second table times one MoE layer (router and fused experts) alone, replayed in a
@@ -39,6 +44,7 @@ from common import (
     weight_bytes_per_token,
     write_shape_folder,
 )
+from kvship.kernels import gpt_oss_moe
 from kvship.kernels.fused_moe import fused_moe, fused_moe_torch
 from kvship.layers.moe import route
 from kvship.llm import LLM
@@ -136,6 +142,42 @@ def moe_layer_rows(shape: str, bw: float, token_counts=(1, 4, 16, 64)) -> list[l
     return rows
 
 
+def is_mxfp4(shape: str) -> bool:
+    return (SHAPES[shape].get("quantization_config") or {}).get("quant_method") == "mxfp4"
+
+
+@torch.inference_mode()
+def mxfp4_moe_rows(shape: str, bw: float, token_counts=(1, 4, 16, 64)) -> list[list[str]]:
+    """One gpt-oss MoE layer (random MXFP4 experts, bf16 router) per token count, replayed in a
+    CUDA graph, against the bytes of the distinct experts its tokens pick (codes and scales)."""
+    c = SHAPES[shape]
+    e, k, h, inter = c["num_local_experts"], c["num_experts_per_tok"], c["hidden_size"], c["intermediate_size"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def codes(n, kk):
+        return (torch.randint(0, 256, (e, n, kk // 2), generator=g, device="cuda", dtype=torch.uint8),
+                torch.randint(119, 123, (e, n, kk // 32), generator=g, device="cuda", dtype=torch.uint8))
+
+    (w13, s13), (w2, s2) = codes(2 * inter, h), codes(h, inter)
+    bias13 = torch.zeros(e, 2 * inter, device="cuda")
+    experts = gpt_oss_moe.GptOssExperts(w13, bias13, w2, torch.zeros(e, h, device="cuda"), s13, s2)
+    router = torch.randn(e, h, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    per_expert = 3 * h * inter // 2 + 3 * h * inter // 32
+    rows = []
+    for t in token_counts:
+        x = torch.randn(t, h, generator=g, device="cuda", dtype=torch.bfloat16)
+
+        def layer():
+            return gpt_oss_moe.gpt_oss_moe(x, experts, *route(x @ router.T, k, True))
+
+        fused = _graph_time(layer)
+        distinct = route(x @ router.T, k, True)[1].unique().numel()
+        nbytes = distinct * per_expert
+        rows.append([str(t), str(distinct), f"{nbytes / 1e6:.1f}", f"{fused * 1e6:.1f}",
+                     f"{nbytes / fused / 1e9:.0f}", f"{100 * nbytes / fused / bw:.0f}%"])
+    return rows
+
+
 def use_settings(settings: list) -> None:
     """Put [shape key, setting] pairs into the kernels' per-shape tables (the engine runs in this
     process): 16-bit GEMV settings for (N, K) keys (gemv_sweep.py --best-json); quantized ones
@@ -169,30 +211,37 @@ def main() -> None:
     if args.quantization:
         return compare_formats(args)
     bw, mm = measure_ceilings()
-    parts = bytes_read_per_token(args.shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_shape_folder(args.shape, tmp)
+        ttft_g, rate_g, replay, loaded_bytes = kvship_latency(folder, args.prompt, args.output, eager=False)
+        ttft_e, rate_e, _, _ = kvship_latency(folder, args.prompt, args.output, eager=True)
+    mxfp4 = is_mxfp4(args.shape)
+    parts = {"weights as loaded (k experts in MXFP4)": loaded_bytes} if mxfp4 else bytes_read_per_token(args.shape)
     weight_bytes = sum(parts.values())
     avg_ctx = args.prompt + args.output / 2
     roofline = bw / (weight_bytes + avg_ctx * kv_bytes_per_token(args.shape))
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = write_shape_folder(args.shape, tmp)
-        ttft_g, rate_g, replay, _ = kvship_latency(folder, args.prompt, args.output, eager=False)
-        ttft_e, rate_e, _, _ = kvship_latency(folder, args.prompt, args.output, eager=True)
     rows = [
         ["kvship (CUDA graphs)", f"{rate_g:.1f}", f"{100 * rate_g / roofline:.0f}%", f"{ttft_g * 1e3:.1f}"],
         ["kvship decode graph replayed alone (GPU only, no sampling or host work)", f"{replay:.1f}",
          f"{100 * replay / roofline:.0f}%", "-"],
         ["kvship (eager)", f"{rate_e:.1f}", f"{100 * rate_e / roofline:.0f}%", f"{ttft_e * 1e3:.1f}"],
     ]
-    if not args.no_hf:
+    if not args.no_hf and not mxfp4:
         hf = hf_latency(args.shape, args.prompt, args.output)
         rows.append(["HF transformers generate (eager)", f"{hf:.1f}", f"{100 * hf / roofline:.0f}%", "-"])
     rows.append(["roofline (bytes / copy BW)", f"{roofline:.1f}", "100%", "-"])
-    print(header(f"Batch-1 latency, {args.shape} shape, bf16, prompt {args.prompt}, output {args.output}"))
+    weights = "bf16, experts MXFP4" if mxfp4 else "bf16"
+    print(header(f"Batch-1 latency, {args.shape} shape, {weights}, prompt {args.prompt}, output {args.output}"))
     read = ", ".join(f"{name} {n / 1e9:.3f} GB" for name, n in parts.items())
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s; weights read per token: {read}; "
           f"KV at the average context {avg_ctx * kv_bytes_per_token(args.shape) / 1e6:.0f} MB\n")
     print(table(rows, ["engine", "decode tok/s", "of roofline", "TTFT ms"]))
-    if SHAPES[args.shape].get("num_experts"):
+    if mxfp4:
+        print(f"\nOne MXFP4 MoE layer (router + experts, {args.shape}), GPU time per call; bytes: the distinct "
+              "experts its tokens pick (codes + scales)\n")
+        print(table(mxfp4_moe_rows(args.shape, bw), ["tokens", "experts read", "MB", "grouped us (graph)", "GB/s",
+                                                     "of copy BW"]))
+    elif SHAPES[args.shape].get("num_experts"):
         print(f"\nOne MoE layer (router + experts, {args.shape}), GPU time per call; bytes: the distinct "
               "experts its tokens pick\n")
         print(table(moe_layer_rows(args.shape, bw), ["tokens", "experts read", "MB", "fused us (graph)", "GB/s",

@@ -172,3 +172,23 @@ def test_what_is_not_supported_is_refused(gpt_oss):
         ModelConfig.from_hf(llama_mxfp4)
     with pytest.raises(ValueError, match="gpt-oss is served as its checkpoint stores it"):
         LLM(str(gpt_oss[0]), device="cpu", dtype="float32", quantization="fp8", num_kv_blocks=16, max_model_len=64)
+
+
+def test_random_mxfp4_weights_for_benchmarks(gpt_oss, tmp_path):
+    """load_format "dummy" (bench/latency.py's gpt-oss shapes): the experts drawn as an MXFP4
+    checkpoint's tensors (codes, scales near 2 ** -6, biases) and kept packed; the model runs."""
+    from conftest import write_word_tokenizer
+    from kvship.llm import LLM
+
+    cfg = json.loads((gpt_oss[0] / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    write_word_tokenizer(tmp_path, cfg["vocab_size"])
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", load_format="dummy", num_kv_blocks=16, block_size=4,
+              max_model_len=64)
+    experts = llm.engine.runner.model.model.layers[1].mlp.experts
+    assert experts.w13.dtype == torch.uint8 and int(experts.w13.max()) > 200
+    assert 119 <= int(experts.w2_scale.min()) and int(experts.w2_scale.max()) <= 122
+    assert experts.w13_bias.abs().max() > 0
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
