@@ -1,0 +1,129 @@
+"""Multi-LoRA speed: decode and offline throughput with rank-16 adapters spread over the batch,
+against the same engine without --enable-lora (the reference, same run), and batch 1 with one
+adapter against the batch-1 roofline (weight + adapter + KV bytes per token / measured copy
+bandwidth). Random weights of a model shape; adapters random too (speed does not depend on them).
+
+    python bench/lora.py [--shape llama3-8b] [--adapters 8] [--rank 16] [--batch 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import (
+    SHAPES,
+    header,
+    kv_bytes_per_token,
+    measure_ceilings,
+    table,
+    weight_bytes_per_token,
+    write_shape_folder,
+)
+from kvship.llm import LLM
+from kvship.lora_request import LoRARequest
+from kvship.sampling_params import SamplingParams
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(folder: Path, shape: str, rank: int, seed: int) -> int:
+    """A PEFT adapter on every projection of every layer; its bytes (bf16)."""
+    c = SHAPES[shape]
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    d = c.get("head_dim", h // c["num_attention_heads"])
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+            "up_proj": (h, inter), "down_proj": (inter, h)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(c["num_hidden_layers"]):
+        for name, (i, o) in dims.items():
+            part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, i, generator=g) * 0.01).bfloat16()
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(o, rank, generator=g) * 0.01).bfloat16()
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                            "target_modules": list(TARGETS)}))
+    return sum(t.numel() * 2 for t in tensors.values())
+
+
+def tokens_per_second(llm, prompts, out_len: int, loras) -> float:
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    llm.generate(prompts[:2], params, lora_request=loras[:2] if isinstance(loras, list) else loras)  # warm-up
+    t0 = time.monotonic()
+    outs = llm.generate(prompts, params, lora_request=loras)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.monotonic() - t0)
+
+
+def run(folder: str, args, adapters: list[LoRARequest] | None) -> dict[str, float]:
+    """tok/s of each case; with ``adapters`` each request takes one (batch 1: the first)."""
+    lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=args.rank) if adapters else {}
+    llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=args.prompt + args.output + 16,
+              **lora)
+    vocab = llm.engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+
+    def prompts(n):
+        return [torch.randint(2, vocab, (args.prompt,), generator=g).tolist() for _ in range(n)]
+
+    def spread(n):
+        return [adapters[i % len(adapters)] for i in range(n)] if adapters else None
+
+    out = {"batch 1 decode": tokens_per_second(llm, prompts(1), args.output, adapters[0] if adapters else None),
+           f"batch {args.batch} decode": tokens_per_second(llm, prompts(args.batch), args.output, spread(args.batch)),
+           f"offline ({args.offline} requests)": tokens_per_second(llm, prompts(args.offline), args.output,
+                                                                  spread(args.offline))}
+    out["weight bytes"] = weight_bytes_per_token(llm.engine.runner.model)
+    llm.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--offline", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--output", type=int, default=128)
+    args = ap.parse_args()
+    bw, _ = measure_ceilings()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_shape_folder(args.shape, Path(tmp) / "model")
+        adapter_bytes = 0
+        adapters = []
+        for i in range(args.adapters):
+            adapter_bytes = write_adapter(Path(tmp) / f"a{i}", args.shape, args.rank, i)
+            adapters.append(LoRARequest(f"a{i}", i + 1, str(Path(tmp) / f"a{i}")))
+        base = run(folder, args, None)
+        with_lora = run(folder, args, adapters)
+    kv = kv_bytes_per_token(args.shape) * (args.prompt + args.output // 2)
+    roof_base = bw / (base["weight bytes"] + kv)
+    roof_lora = bw / (base["weight bytes"] + adapter_bytes + kv)
+    targets = {"batch 1 decode": 0.90}
+    rows = []
+    for case in [k for k in base if k != "weight bytes"]:
+        ratio = with_lora[case] / base[case]
+        target = targets.get(case, 0.80)
+        rows.append([case, f"{base[case]:,.0f}", f"{with_lora[case]:,.0f}", f"{ratio:.0%}", f">= {target:.0%}",
+                     "ok" if ratio >= target else "below"])
+    print(header(f"Multi-LoRA: {args.shape}, {args.adapters} adapters of rank {args.rank} (bf16)"))
+    print(table(rows, ["case", "base tok/s (no --enable-lora)", "LoRA tok/s", "LoRA / base", "target", ""]))
+    print(f"\nbatch-1 roofline: base {roof_base:,.0f} tok/s, with one adapter's {adapter_bytes / 2**20:.0f} MiB "
+          f"{roof_lora:,.0f} tok/s (copy bandwidth {bw / 1e12:.2f} TB/s); batch-1 LoRA at "
+          f"{with_lora['batch 1 decode'] / roof_lora:.0%} of it")
+
+
+if __name__ == "__main__":
+    main()
