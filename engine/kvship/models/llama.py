@@ -126,13 +126,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer = LlamaDecoderLayer
+    final_norm = RMSNorm  # a family whose norms multiply by (1 + w) names its own (models/qwen3_next.py)
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = self.rotary(cfg, max_positions)
         self.layers = nn.ModuleList(self.layer(cfg, rotary, tp, backend, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * cfg.num_hidden_layers)
+        self.norm = self.final_norm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * cfg.num_hidden_layers)
 
     @staticmethod
     def rotary(cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from kvship.layers.attention import AttentionMetadata, PagedAttention, QKNorm
-from kvship.layers.embedding import VocabParallelEmbedding
 from kvship.layers.gated_delta import GatedDeltaNet
 from kvship.layers.linear import QKVParallelLinear, RowParallelLinear
 from kvship.layers.norm import RMSNorm
@@ -27,7 +26,7 @@ from kvship.layers.rotary import PartialRotary
 from kvship.loader.source import RowView, apply_slices
 from kvship.models.config import ModelConfig
 from kvship.models.hybrid_mtp import HybridMTP
-from kvship.models.llama import LlamaForCausalLM, LlamaMLP, SparseMoeBlock
+from kvship.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, SparseMoeBlock
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor
 
@@ -102,25 +101,26 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class HybridModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        rotary = PartialRotary(cfg.head_dim, cfg.linear_attention.rotary_dim, max_positions, cfg.rope_theta,
-                               cfg.rope_scaling)
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, rotary, tp, backend, i)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = OnePlusRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, tp, site=2 * cfg.num_hidden_layers)
-        self.mtp = HybridMTP(cfg.hidden_size, cfg.mtp_layers,
-                             lambda i: HybridDecoderLayer(cfg, rotary, tp, backend, i, mtp=True),
-                             lambda: OnePlusRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)) if cfg.mtp_layers else None
+class HybridModel(LlamaModel):
+    """Llama's stack of this family's layers, (1 + w) final norm and partial rotary, with the
+    checkpoint's MTP layers kept beside it (``mtp``, not run)."""
 
-    def forward(self, input_ids, positions, meta):
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+    layer = HybridDecoderLayer
+    final_norm = OnePlusRMSNorm
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
+        super().__init__(cfg, max_positions, tp, backend)
+        self.mtp = None
+        if cfg.mtp_layers:  # they share the attention layers' rotary table
+            rotary = next(layer.self_attn.attn.rotary for layer in self.layers if not layer.linear)
+            self.mtp = HybridMTP(cfg.hidden_size, cfg.mtp_layers,
+                                 lambda i: HybridDecoderLayer(cfg, rotary, tp, backend, i, mtp=True),
+                                 lambda: OnePlusRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+
+    @staticmethod
+    def rotary(cfg: ModelConfig, max_positions: int) -> PartialRotary:
+        return PartialRotary(cfg.head_dim, cfg.linear_attention.rotary_dim, max_positions, cfg.rope_theta,
+                             cfg.rope_scaling)
 
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
