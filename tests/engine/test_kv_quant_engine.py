@@ -283,7 +283,7 @@ def test_gpu_kernels_and_graphs_agree_with_reference(kv, calculate, tiny_models,
     from test_gpu_engine import prompts as random_prompts
 
     folder, _ = tiny_models["llama-gqa-tied"]
-    common = dict(model=str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
+    common = dict(model=str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_kv_blocks=64,
                   kv_cache_dtype=kv, calculate_kv_scales=calculate)
     ps = random_prompts(16)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -36,14 +36,67 @@ class Block:
     hash: int | None = None
 
 
+class BlockTable:
+    """Block objects made on first use: a small model on a large GPU has millions of blocks,
+    and building them all up front cost seconds and hundreds of MB at every start."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.made: dict[int, Block] = {}
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __getitem__(self, block_id: int) -> Block:
+        block = self.made.get(block_id)
+        if block is None:
+            if not 0 <= block_id < self.num_blocks:
+                raise IndexError(f"block {block_id} out of {self.num_blocks}")
+            block = self.made[block_id] = Block(block_id)
+        return block
+
+    def __iter__(self):
+        return (self[i] for i in range(self.num_blocks))
+
+
+class FreeBlocks:
+    """The free queue, in the order blocks are reused: blocks freed with nothing cached (latest
+    first), then blocks never used (a counter, not a list), then cached blocks, least recently
+    freed first, so that the prefix cache keeps what was used last."""
+
+    def __init__(self, num_blocks: int):
+        self.uncached: OrderedDict[int, None] = OrderedDict()
+        self.next_fresh, self.num_blocks = 0, num_blocks
+        self.cached: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.uncached) + self.num_blocks - self.next_fresh + len(self.cached)
+
+    def pop(self) -> int:
+        if self.uncached:
+            return self.uncached.popitem(last=True)[0]
+        if self.next_fresh < self.num_blocks:
+            self.next_fresh += 1
+            return self.next_fresh - 1
+        return self.cached.popitem(last=False)[0]
+
+    def push(self, block_id: int, cached: bool) -> None:
+        (self.cached if cached else self.uncached)[block_id] = None
+
+    def remove(self, block_id: int) -> None:
+        """A free block revived by a prefix hit."""
+        if self.cached.pop(block_id, 0) is not None:
+            del self.uncached[block_id]
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  window: int | None = None):
         self.block_size = block_size
         self.window = window  # ModelConfig.kv_window: None keeps every block while its sequence runs
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.blocks = BlockTable(num_blocks)
+        self.free_queue = FreeBlocks(num_blocks)
         self.cached: dict[int, int] = {}  # hash -> block id
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found
@@ -181,7 +234,7 @@ class KVCacheManager:
             self._take(block_id)
             seq.block_table.append(block_id)
         for _ in range(need):
-            block_id, _ = self.free_queue.popitem(last=False)
+            block_id = self.free_queue.pop()
             block = self.blocks[block_id]
             if block.hash is not None:  # evict the cached contents
                 del self.cached[block.hash]
@@ -215,7 +268,7 @@ class KVCacheManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_queue[block_id]
+            self.free_queue.remove(block_id)
         block.ref_count += 1
 
     def free(self, seq: Sequence) -> None:
@@ -238,6 +291,4 @@ class KVCacheManager:
         assert block.ref_count > 0, f"block {block_id} freed more often than taken"
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free_queue[block_id] = None
-            if block.hash is None:  # nothing worth keeping: reuse it first
-                self.free_queue.move_to_end(block_id, last=False)
+            self.free_queue.push(block_id, cached=block.hash is not None)
