@@ -33,6 +33,18 @@ def owned_by(obj: dict | None, owner: b.Owner) -> bool:
     return any(r.get("uid") == owner.uid for r in refs)
 
 
+def apply_reported(kube: Kube, obj: dict) -> list[str]:
+    """Server-side apply one object; what changed, as the Applied event says it."""
+    meta = obj["metadata"]
+    before = kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+    after = kube.apply(obj)
+    if before is None:
+        return [f"created {obj['kind']} {meta['name']}"]
+    if before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
+        return [f"updated {obj['kind']} {meta['name']}"]
+    return []
+
+
 def api_message(e: ApiException) -> str:
     """The server's own message for a refused request."""
     try:

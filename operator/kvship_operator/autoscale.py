@@ -17,7 +17,7 @@ from . import metrics_client, scale_zero, tracing
 from . import router_builders as rb
 from . import spec as s
 from . import status as st
-from .apply import api_message, owned_by
+from .apply import api_message, apply_reported, owned_by
 from .kube import Kube
 from .schema import SpecError
 from .validate import valid_spec
@@ -55,12 +55,7 @@ def ensure_autoscaling_object(kube: Kube, cr: Any, owner: b.Owner, spec: s.LLMDe
             logger.warning(message)
             kopf.warn(cr, reason="KEDANotInstalled", message=message)
             return changes
-        before = kube.get(wanted["apiVersion"], wanted["kind"], owner.namespace, owner.name)
-        after = kube.apply(wanted)
-        if before is None:
-            changes.append(f"created {wanted['kind']} {owner.name}")
-        elif before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
-            changes.append(f"updated {wanted['kind']} {owner.name}")
+        changes += apply_reported(kube, wanted)
     except ApiException as e:
         message = f"autoscaling object for {owner.name}: {api_message(e)}"
         logger.warning(message)

@@ -13,7 +13,7 @@ from kubernetes.client.exceptions import ApiException
 from . import builders as b
 from . import router_builders as rb
 from . import spec as s
-from .apply import api_message, owned_by
+from .apply import api_message, apply_reported, owned_by
 from .kube import Kube
 
 
@@ -44,13 +44,7 @@ def ensure_routing(kube: Kube, cr: Any, owner: b.Owner, spec: s.LLMDeploymentSpe
             logger.warning(message)
             kopf.warn(cr, reason="InferencePoolCRDMissing", message=message)
             return changes
-        wanted = rb.inference_pool(owner, spec)
-        before = kube.get(wanted["apiVersion"], "InferencePool", owner.namespace, owner.name)
-        after = kube.apply(wanted)
-        if before is None:
-            changes.append(f"created InferencePool {owner.name}")
-        elif before["metadata"].get("resourceVersion") != after["metadata"].get("resourceVersion"):
-            changes.append(f"updated InferencePool {owner.name}")
+        changes += apply_reported(kube, rb.inference_pool(owner, spec))
     except ApiException as e:
         message = f"routing objects of {owner.name}: {api_message(e)}"
         logger.warning(message)
