@@ -33,14 +33,14 @@ bench() {  # name, time limit (s), command...
   echo "== $name exit $?" | tee -a "$OUT/log"
   cat "$OUT/$name.md"
 }
-bench tests 580 python3 -m pytest tests/engine tests/kernels tests/models tests/loader -m gpu -q -p no:cacheprovider --tb=short
+bench tests 580 python3 -m pytest tests/engine tests/kernels tests/models tests/loader -m gpu -q -p no:cacheprovider --tb=short \
+  -rfE --durations=15
 bench latency-bf16 200 python3 bench/latency.py --quantization none --no-hf
 bench latency-fp8 200 python3 bench/latency.py --quantization fp8 --no-hf
 bench latency-int4 300 python3 bench/latency.py --quantization int4 q4_k_m --no-hf
-# each configuration in its own process: a second engine in one process runs out of memory (issue 55)
-bench throughput 580 bash -c "python3 bench/throughput.py --hf-prompts 0 && \
-  python3 bench/throughput.py --hf-prompts 0 --kv-cache-dtype fp8 && \
-  python3 bench/throughput.py --hf-prompts 0 --kv-cache-dtype fp8 --quantization fp8"
+# every configuration in one process: each engine gives its memory back to the next
+bench throughput 580 python3 bench/throughput.py --hf-prompts 0 --num-prompts 500 --kv-cache-dtype auto fp8 \
+  --quantization none fp8
 bench serve 300 python3 bench/serve.py --concurrency 1 8 32 64
 bench startup 300 python3 bench/startup.py --quantization none fp8
 bench kv 300 python3 bench/kv_decode.py
