@@ -17,17 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
-from kvship.kernels.fused_moe import align_by_expert, moe_config
+from kvship.kernels.fused_moe import _dot, align_by_expert, moe_config
+from kvship.kernels.nvfp4_linear import _e2m1
+from kvship.quant.tensor import e2m1_values
 
 MXFP4_BLOCK = 32  # inputs per e8m0 scale
-# e2m1: sign, 2 exponent bits (bias 1), 1 mantissa bit; exponent 0 is subnormal (0 or 0.5)
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes [..., N, K / 2] uint8 and scales [..., N, K / 32] uint8 -> [..., N, K] in ``dtype``."""
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    values = torch.stack([lut[(codes & 15).long()], lut[(codes >> 4).long()]], dim=-1).flatten(-2)
+    values = torch.stack([e2m1_values(codes & 15), e2m1_values(codes >> 4)], dim=-1).flatten(-2)
     factor = torch.exp2(scales.float() - 127).repeat_interleave(MXFP4_BLOCK, dim=-1)
     return (values * factor).to(dtype)
 
@@ -83,16 +82,6 @@ def gpt_oss_moe_torch(x: torch.Tensor, experts: GptOssExperts, weights: torch.Te
 
 
 @triton.jit
-def _e2m1(code):
-    """e2m1 codes (int32, 0..15) -> float32: exponent 0 gives m / 2, else (2 + m) * 2 ** (e - 2)."""
-    mag = code & 7
-    e = mag >> 1
-    m = (mag & 1).to(tl.float32)
-    value = tl.where(e == 0, m * 0.5, (2.0 + m) * tl.exp2((e - 2).to(tl.float32)))
-    return tl.where(code >= 8, -value, value)
-
-
-@triton.jit
 def _weight_tile(w_rows, s_rows, nmask, k0, K, dtype, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """W[rows, k0 : k0 + BLOCK_K] as [BLOCK_N, BLOCK_K] in ``dtype``: MXFP4 decoded in registers."""
@@ -113,15 +102,6 @@ def _weight_tile(w_rows, s_rows, nmask, k0, K, dtype, MXFP4: tl.constexpr, BLOCK
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows[:, None] + offs_k[None, :], mask=nmask[:, None] & (offs_k < K)[None, :], other=0.0)
         return w.to(dtype)
-
-
-@triton.jit
-def _dot(a, w, acc):
-    """fp32 inputs in full precision (not TF32), 16-bit ones on the tensor cores."""
-    if a.dtype == tl.float32:
-        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, tl.trans(w), acc)
 
 
 @triton.jit
@@ -150,11 +130,11 @@ def _gpt_oss_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, sorted_
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-        acc = _dot(a, _weight_tile(gate_w, gate_s, nmask, k0, K, a.dtype, MXFP4, BLOCK_N, BLOCK_K), acc)
+        acc = _dot(a, tl.trans(_weight_tile(gate_w, gate_s, nmask, k0, K, a.dtype, MXFP4, BLOCK_N, BLOCK_K)), acc)
         if GATED:
             up = _weight_tile(gate_w + N * stride_wn, gate_s + N * stride_sn, nmask, k0, K, a.dtype, MXFP4,
                               BLOCK_N, BLOCK_K)
-            acc_up = _dot(a, up, acc_up)
+            acc_up = _dot(a, tl.trans(up), acc_up)
         a_ptrs += BLOCK_K
     b_e = bias_ptr + expert * stride_be
     acc += tl.load(b_e + offs_n, mask=nmask, other=0.0)[None, :]
