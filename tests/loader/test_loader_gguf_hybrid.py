@@ -8,6 +8,8 @@ its linear matrices in Q8_0 blocks (value heads reordered in their blocks) match
 on the same blocks dequantized."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,7 @@ from gguf import quants
 
 from kvship.loader import resolve_model
 from kvship.sampling_params import SamplingParams
+from test_loader_gguf_moe import dense_metadata
 from test_models_qwen3_next import COMMON, SPECS, greedy_reference, our_logits
 
 pytestmark = pytest.mark.timeout(300)
@@ -117,16 +120,9 @@ def _converted(model, gguf_arch: str) -> dict[str, np.ndarray]:
 def write_gguf(path, model, gguf_arch: str, linear_type=QT.F32) -> None:
     c = model.config
     w = gguf.GGUFWriter(str(path), gguf_arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    if gguf_arch != "qwen35moe":
-        w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
+    # Qwen3.5-MoE has no dense feed-forward: its files state a size of 0 (or none)
+    dense_metadata(w, SimpleNamespace(**{**c.to_dict(), "intermediate_size": getattr(c, "intermediate_size", 0)}))
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
     w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
@@ -140,10 +136,6 @@ def write_gguf(path, model, gguf_arch: str, linear_type=QT.F32) -> None:
         w.add_expert_used_count(c.num_experts_per_tok)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"t{i}" for i in range(c.vocab_size - 1)] + ["</s>"])
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
     for name, arr in _converted(model, gguf_arch).items():
         quantize = arr.ndim == 2 and name.startswith("blk.") and any(p in name for p in QUANTIZED)
         qtype = linear_type if quantize else QT.F32
