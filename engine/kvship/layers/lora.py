@@ -25,6 +25,7 @@ class LoRABatch:
     def __init__(self, max_tokens: int, device: torch.device):
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.active = False
+        self.blocks: torch.Tensor | None = None  # an eager step's runs of one adapter (kernels/lora.py)
 
     def slots(self, num_tokens: int) -> torch.Tensor:
         if num_tokens > self.token_slots.shape[0]:
@@ -65,10 +66,10 @@ class LoRALinear(nn.Module):
         if self.gated_input and x.shape[-1] != self.in_features:
             x = act_and_mul(x, self.base.act)  # the delta needs the activated input too
         y = self.base(x)  # a gate/up layer's whole product: the down projection applies the activation
-        slots = self.batch.slots(x.shape[0])
-        h = lora_shrink(x, self.lora_a, slots)
+        slots, blocks = self.batch.slots(x.shape[0]), self.batch.blocks
+        h = lora_shrink(x, self.lora_a, slots, blocks)
         for i, b in enumerate(self.lora_b):
-            lora_expand(y, h, b, slots, i * self.max_rank, self.col_starts[i])
+            lora_expand(y, h, b, slots, i * self.max_rank, self.col_starts[i], blocks)
         return y
 
     def set_slot(self, slot: int, slice_id, a: torch.Tensor | None, b: torch.Tensor | None) -> None:

@@ -13,6 +13,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from kvship.kernels.lora import segment_blocks
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvship.layers.lora import LoRABatch, LoRALinear
 from kvship.loader.lora_adapter import LoRAAdapter, LoRAAdapterError, read_adapter
@@ -113,12 +114,17 @@ class LoRAManager:
         return slot
 
     def prepare(self, batch: Batch) -> None:
-        """Each token's slot for this step, into the shared buffer (one copy)."""
+        """Each token's slot for this step, into the shared buffer (one copy); for a step with a
+        prompt chunk (never a graph's) also its runs of one adapter, for the grouped kernels."""
         requests = {s.lora.lora_int_id: s.lora for s in batch.seqs if s.lora is not None}
         slots = {i: self._slot(r, set(requests)) for i, r in requests.items()}
-        per_token = torch.cat([torch.full((n,), -1 if s.lora is None else slots[s.lora.lora_int_id],
-                                          dtype=torch.int32) for s, n in zip(batch.seqs, batch.num_new_tokens)])
-        if self.device.type == "cuda":
-            per_token = per_token.pin_memory()
-        self.batch.slots(per_token.shape[0]).copy_(per_token, non_blocking=True)
+        per_token = [-1 if s.lora is None else slots[s.lora.lora_int_id]
+                     for s, n in zip(batch.seqs, batch.num_new_tokens) for _ in range(n)]
+        cuda = self.device.type == "cuda"
+        host = torch.tensor(per_token, dtype=torch.int32, pin_memory=cuda)
+        self.batch.slots(len(per_token)).copy_(host, non_blocking=True)
         self.batch.active = bool(requests)
+        self.batch.blocks = None
+        if cuda and requests and max(batch.num_new_tokens) > 1:
+            blocks = torch.tensor(segment_blocks(per_token), dtype=torch.int32).T.contiguous()
+            self.batch.blocks = blocks.pin_memory().to(self.device, non_blocking=True)
