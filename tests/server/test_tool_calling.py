@@ -74,6 +74,13 @@ def _every_split(make_stream, text: str, want: tuple[str, list[dict]]) -> None:
     ("llama3_json", "Plain answer.", "Plain answer.", []),
     ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 5, "b": 6}}]', "", [("add", {"a": 5, "b": 6})]),
     ("mistral", "[TOOL plain text", "[TOOL plain text", []),
+    # GLM-4.5's format: values JSON unless the schema says string (a numeric-looking city stays text)
+    ("glm45", "Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>2024</arg_value>\n"
+              "<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>\n<tool_call>add\n<arg_key>a</arg_key>"
+              "\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n<arg_value>-2</arg_value>\n</tool_call>\n",
+     "Let me check.", [("get_weather", {"city": "2024", "unit": "c"}), ("add", {"a": 1, "b": -2})]),
+    ("glm45", "<tool_call>not a\ncall</tool_call> done", "<tool_call>not a\ncall</tool_call> done", []),
+    ("glm45", "No tools: 2 < 3 and <tool is not a tag.", "No tools: 2 < 3 and <tool is not a tag.", []),
 ])
 def test_tool_call_parsers_on_any_stream_split(parser, text, content, calls):
     want = (content, [{"name": n, "arguments": json.dumps(a)} for n, a in calls])

@@ -198,7 +198,8 @@ def test_template_probe(qwen_folder, template, shows):
 
 
 @pytest.mark.parametrize("mark,parser", [("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
-                                         ("<tool_call>", "hermes"), ("<|tool|>", "hermes")])
+                                         ("<tool_call>", "hermes"), ("<|tool|>", "hermes"),
+                                         ("<tool_call><arg_key>", "glm45")])  # GLM-4.5's beside its <tool_call>
 def test_parser_from_the_template(qwen_folder, mark, parser):
     tok = _tokenizer(qwen_folder)
     tok.chat_template = ("{% for t in tools or [] %}{{ t | tojson }}{% endfor %}{% for m in messages %}"

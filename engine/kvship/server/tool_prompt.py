@@ -3,8 +3,8 @@ that cannot show tools (docs/tools.md).
 
 `tool_format`: the parser that reads the model's own calls under tool_choice "auto" is the one
 given (--tool-call-parser), else the one the chat template's tool format names (`<tool_call>`:
-hermes, `[TOOL_CALLS]`: mistral, `<|python_tag|>` / ipython: llama3_json), else hermes. Decided
-once per tokenizer and logged.
+hermes, `<arg_key>` beside it: glm45, `[TOOL_CALLS]`: mistral, `<|python_tag|>` / ipython:
+llama3_json), else hermes. Decided once per tokenizer and logged.
 
 Whether the template can show tools is found by rendering a probe conversation (tool
 definitions, an assistant call, a tool result) and looking for each in the text: plain ChatML
@@ -28,7 +28,7 @@ logger = logging.getLogger("kvship.server")
 DEFAULT_PARSER = "hermes"
 
 # Marks of a template's own call format, in the order they are looked for.
-_TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
+_TEMPLATE_MARKS = (("<arg_key>", "glm45"), ("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
                    ("ipython", "llama3_json"))
 
 TOOL_PROMPT_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

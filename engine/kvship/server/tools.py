@@ -29,6 +29,7 @@ from kvship.core.grammar import canonical_json, check_schema
 from kvship.core.stop import held_back
 from kvship.sampling_params import StructuredOutput
 from kvship.server.errors import bad_request
+from kvship.server.glm_tools import glm_call_arguments
 from kvship.server.protocol import ChatCompletionRequest, Tool
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
@@ -283,6 +284,8 @@ class ToolStream:
             return "", self._scan(self._buf)
         if self.plan.parser == "hermes":
             return self._hermes(final=False)
+        if self.plan.parser == "glm45":
+            return self._glm45(final=False)
         return self._prefixed(final=False)
 
     def end(self) -> tuple[str, list[dict[str, object]]]:
@@ -294,6 +297,8 @@ class ToolStream:
             return ("", deltas) if self.calls else (self._buf, [])
         if self.plan.parser == "hermes":
             return self._hermes(final=True)
+        if self.plan.parser == "glm45":
+            return self._glm45(final=True)
         return self._prefixed(final=True)
 
     # -- per format
@@ -370,6 +375,33 @@ class ToolStream:
             else:  # not a call after all: the text stays text
                 content += self._text(self._buf[:end + len(self.HERMES_END) if end >= 0 else None])
             self._buf = self._buf[end + len(self.HERMES_END):] if end >= 0 else ""
+            if end < 0:
+                return content, deltas
+
+    def _glm45(self, final: bool) -> tuple[str, list[dict[str, object]]]:
+        """GLM's `<tool_call>name<arg_key>..` blocks (server/glm_tools.py), each emitted whole
+        once closed; a block that names no function stays text."""
+        content, deltas = "", []
+        start_tag, end_tag = self.HERMES_START, self.HERMES_END
+        while True:
+            start = self._buf.find(start_tag)
+            if start < 0:
+                keep = 0 if final else held_back(self._buf, [start_tag])
+                content += self._text(self._buf[:len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                return content, deltas
+            content += self._text(self._buf[:start])
+            self._buf = self._buf[start:]
+            end = self._buf.find(end_tag)
+            if end < 0 and not final:
+                return content, deltas
+            call = None if end < 0 else glm_call_arguments(self._buf[len(start_tag):end], self.plan.tools)
+            if call is None:
+                content += self._text(self._buf if end < 0 else self._buf[:end + len(end_tag)])
+            else:
+                deltas += self._emit([Call(*call)])[1]
+                self._after_call = True
+            self._buf = "" if end < 0 else self._buf[end + len(end_tag):]
             if end < 0:
                 return content, deltas
 
