@@ -84,17 +84,26 @@ def test_quantized_kv_cache_sharded_equals_single_rank(tiny_models, kv):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen35moe-gguf"])
 def test_hybrid_sharded_equals_single_rank(tmp_path, arch):
     """Gated DeltaNet over two ranks (a key head each, with its value heads, conv channels and
     state) and the gated attention's heads: every step's logits and the greedy tokens as one
-    rank's, prompts prefilled in chunks (the state carried in each rank's slots)."""
+    rank's, prompts prefilled in chunks (the state carried in each rank's slots). The GGUF file's
+    value heads, tiled by llama.cpp's converter, are put back before each rank takes its own."""
     from test_models_qwen3_next import make_hybrid
 
-    make_hybrid(tmp_path / arch, arch)
+    if arch.endswith("-gguf"):
+        from test_loader_gguf_hybrid import interval_hybrid, write_gguf
+
+        model = interval_hybrid("qwen3_5_moe", tmp_path / "hf")
+        path = tmp_path / "tiny-qwen35moe.gguf"
+        write_gguf(path, model, "qwen35moe")
+    else:
+        make_hybrid(tmp_path / arch, arch)
+        path = tmp_path / arch
     prompts = PROMPTS + [list(range(50, 90))]
-    ref_tokens, ref_steps = _run(tmp_path / arch, 1, prompts, max_num_batched_tokens=16)
-    tokens, steps = _run(tmp_path / arch, 2, prompts, max_num_batched_tokens=16)
+    ref_tokens, ref_steps = _run(path, 1, prompts, max_num_batched_tokens=16)
+    tokens, steps = _run(path, 2, prompts, max_num_batched_tokens=16)
     assert len(steps) == len(ref_steps)
     for a, b in zip(steps, ref_steps):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

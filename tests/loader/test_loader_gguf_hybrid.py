@@ -35,7 +35,7 @@ QUANTIZED = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "attn_qkv.", "attn
              "ssm_beta.", "ssm_ba.", "ffn_gate.", "ffn_up.", "ffn_down.", "_shexp.")
 
 
-def _model(arch: str, folder, **overrides):
+def interval_hybrid(arch: str, folder, **overrides):
     """The tiny transformers model of tests/models/test_models_qwen3_next.py with llama.cpp's
     layer pattern (Qwen3-Next: every layer routed, as llama.cpp builds it), saved to ``folder``."""
     import transformers
@@ -153,7 +153,7 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf-hybrid")
     out = {}
     for arch, g in GGUF_ARCH.items():
-        model = _model(arch, root / arch)
+        model = interval_hybrid(arch, root / arch)
         path = root / f"tiny-{g}-F32.gguf"
         write_gguf(path, model, g)
         out[arch] = path, root / arch, model
@@ -197,11 +197,11 @@ def test_quantized_hybrid_keeps_blocks_through_value_reorder(tmp_path):
     """Q8_0 projections of a Qwen3.5 file whose value heads (32 channels: a Q8_0 block each)
     llama.cpp tiled: the DeltaNet's rows and out_proj's columns put back in their blocks, the
     logits those blocks define against transformers on the same blocks dequantized."""
-    ref = _model("qwen3_5", tmp_path / "st", linear_value_head_dim=32)
+    ref = interval_hybrid("qwen3_5", tmp_path / "st", linear_value_head_dim=32)
     path = tmp_path / "tiny-qwen35-Q8_0.gguf"
     write_gguf(path, ref, "qwen35", QT.Q8_0)
     assert resolve_model(str(path)).hf_config["quantization_config"] == {"quant_method": "gguf"}
-    deq = _model("qwen3_5", tmp_path / "deq", linear_value_head_dim=32)
+    deq = interval_hybrid("qwen3_5", tmp_path / "deq", linear_value_head_dim=32)
     with torch.no_grad():
         for name, p in deq.named_parameters():
             if p.dim() == 2 and ".layers." in name and "norm" not in name:
