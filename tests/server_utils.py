@@ -25,8 +25,8 @@ class ServerProcess:
     """`python -m kvship.cli serve --host 127.0.0.1 --port P ARGS...`; output goes to a log file
     (shown when something goes wrong)."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None):
-        self.port = free_port()
+    def __init__(self, *args: str, env: dict[str, str] | None = None, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "kvship.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = tempfile.NamedTemporaryFile(prefix="kvship-server-", suffix=".log", delete=False)

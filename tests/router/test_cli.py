@@ -80,6 +80,24 @@ def test_empty_pool_answers_503_through_envoy_and_stops_cleanly():
     assert code == 0, out
 
 
+def test_hold_timeout_through_envoy_is_a_503_with_retry_after():
+    port, metrics = free_port(), free_port()
+    proc = start("--host", "127.0.0.1", "--port", str(port), "--picker-port", str(free_port()),
+                 "--metrics-port", str(metrics), "--endpoint", f"127.0.0.1:{free_port()}", "--hold-timeout", "1.5")
+    try:
+        wait_http(f"http://127.0.0.1:{metrics}/health", proc)
+        wait_http(f"http://127.0.0.1:{port}/v1/models", proc)  # held too, then 503
+        start_at = time.monotonic()
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=20, json={"model": "m", "prompt": "hi"})
+        assert time.monotonic() - start_at >= 1.5
+        err = assert_error(r, 503, param=None)
+        assert err["code"] == "no_endpoint" and "1.5s" in err["message"] and r.headers["retry-after"] == "2"
+        assert 'reason="hold-timeout"' in httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=5).text
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+
+
 def test_picker_only_runs_no_envoy():
     picker, metrics = free_port(), free_port()
     proc = start("--picker-only", "--picker-host", "127.0.0.1", "--picker-port", str(picker),

@@ -4,65 +4,18 @@ spreads one group, SSE arrives chunk by chunk through Envoy, and a killed replic
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from server_utils import ServerProcess, free_port
+from router_utils import RouterProcess
+from server_utils import ServerProcess
 
 pytestmark = pytest.mark.timeout(900)
 
 MODEL = ""  # the served model's name, read from the first replica
 SERVE_ARGS = ("--max-model-len", "512", "--kv-cache-memory", "128MiB", "--shutdown-timeout", "2")
-
-
-class RouterProcess:
-    """`python -m kvship.cli router` on free ports; its log is shown when something goes wrong."""
-
-    def __init__(self, endpoints: list[str], policy: str, *extra: str):
-        self.port, self.picker_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = tempfile.NamedTemporaryFile(prefix="kvship-router-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvship.cli", "router", "--host", "127.0.0.1", "--port", str(self.port),
-             "--picker-port", str(self.picker_port), "--metrics-port", str(self.metrics_port),
-             "--policy", policy, *(extra or ("--scrape-interval", "0.2")),
-             *(a for e in endpoints for a in ("--endpoint", e))],
-            stdout=self._log, stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        return Path(self._log.name).read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"router exited with {self.proc.returncode}:\n{self.log()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"router not ready after {timeout}s:\n{self.log()}")
-
-    def picker_metrics(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +144,34 @@ def test_killed_replica_requests_still_answered(routers, replicas):
                 r = ask(router, system, f"After the loss {turn}?", client)
                 assert r.status_code == 200, r.text
                 assert r.headers["x-kvship-endpoint"] != address
+
+
+def test_replica_rejoins_after_restart(routers, replicas):
+    """A replica that died (the test above, or killed here when run alone) is out of the picks;
+    started again on its address, it is picked again once a scrape finds it."""
+    dead = next((i for i, s in enumerate(replicas) if s.proc.poll() is not None), None)
+    if dead is None:
+        dead = 0
+        replicas[0].proc.kill()
+        replicas[0].proc.wait(10)
+    address = replicas[dead].url.removeprefix("http://")
+    router = routers["round-robin"]
+    deadline = time.monotonic() + 10
+    while router.metric("kvship_router:endpoint_healthy", address) != 0.0:
+        assert time.monotonic() < deadline, router.picker_metrics()
+        time.sleep(0.1)
+    with httpx.Client() as client:
+        seen = {ask(router, SYSTEMS[1], f"While down {i}?", client).headers["x-kvship-endpoint"] for i in range(4)}
+        assert address not in seen and len(seen) == 2
+        back = replicas[dead] = ServerProcess(*SERVE_ARGS, port=replicas[dead].port)
+        try:
+            back.wait_ready()
+            deadline = time.monotonic() + 10
+            while router.metric("kvship_router:endpoint_healthy", address) != 1.0:
+                assert time.monotonic() < deadline, router.picker_metrics()
+                time.sleep(0.1)
+            seen = [ask(router, SYSTEMS[1], f"Back {i}?", client) for i in range(3)]
+        finally:
+            back.stop(15)  # a process this test started ends with it
+    assert all(r.status_code == 200 for r in seen), [r.text for r in seen]
+    assert sorted(r.headers["x-kvship-endpoint"] for r in seen) == sorted(s.url.removeprefix("http://") for s in replicas)
