@@ -21,6 +21,7 @@ from kvship.quant import QuantizedTensor, QuantRef
 from .errors import ModelSourceError
 from .gguf_blocks import NATIVE_TORCH, SPLITTABLE, GGMLType, split_tensor
 from .gguf_file import GGUFFile, GGUFTensorInfo
+from .gguf_gpt_oss import gpt_oss_config, gpt_oss_weights
 from .gguf_hybrid import HYBRID_ARCHS, HybridTensors, hybrid_config, hybrid_hf_name
 from .gguf_names import arch_layer_name, gguf_to_hf_name
 from .source import ModelSource, WeightRef, apply_slices
@@ -41,6 +42,7 @@ _ARCHS = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),  # Phi-3, Phi-3.5 and Phi-4
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # and V3's architecture: _deepseek_config
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),  # loader/gguf_gpt_oss.py
     **HYBRID_ARCHS,  # Gated DeltaNet + gated attention: gguf_hybrid.py
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norms multiply by the weight
@@ -89,9 +91,10 @@ def _f32(v: Any) -> float:
 
 
 def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int],
-                   rope_factors: dict[str, list[float]] | None = None) -> dict:
+                   rope_factors: dict[str, list[float]] | None = None, tensors: dict | None = None) -> dict:
     """The HF config.json a GGUF file's metadata describes; ``rope_factors``: Phi-3's longrope
-    factor tensors ("long", "short"), read from the file."""
+    factor tensors ("long", "short"), read from the file; ``tensors``: the file's (gpt-oss reads
+    its experts' type there)."""
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise ModelSourceError(
@@ -150,6 +153,9 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int],
         cfg["attention_bias"] = True
     if arch == "deepseek2":
         cfg.update(_deepseek_config(meta, heads))
+        return cfg
+    if arch == "gpt-oss":
+        cfg.update(gpt_oss_config(meta, tensors or {}, cfg))
         return cfg
     cfg.update(_moe_config(meta, arch, tensor_names, cfg["num_hidden_layers"]))
     if arch in HYBRID_ARCHS:
@@ -425,7 +431,7 @@ def load_gguf(path: str) -> ModelSource:
     factors = {kind: tensors[f"rope_factors_{kind}.weight"].load(None).flatten().tolist()
                for kind in ("long", "short") if f"rope_factors_{kind}.weight" in tensors}
     try:
-        cfg = gguf_hf_config(meta, set(tensors), [t.ggml_type for t in tensors.values()], factors)
+        cfg = gguf_hf_config(meta, set(tensors), [t.ggml_type for t in tensors.values()], factors, tensors)
     except KeyError as e:
         raise ModelSourceError(f"GGUF file {path!r} lacks metadata key {e}; is it a complete model?") from None
     try:
@@ -440,7 +446,8 @@ def load_gguf(path: str) -> ModelSource:
     permute = arch in _PERMUTED_ARCHS
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     names = {g: _hf_name(g, arch) for g in tensors}
-    kept = {g for g, hf in names.items() if hf is not None and _kept_quantized(hf, tensors[g])}
+    # gpt-oss keeps its experts in MXFP4 (gguf_gpt_oss.py) and the rest in 16 bits
+    kept = {g for g, hf in names.items() if hf is not None and _kept_quantized(hf, tensors[g]) and arch != "gpt-oss"}
     if kept:
         cfg["quantization_config"] = {"quant_method": "gguf"}
     _log_storage(tensors, kept)
@@ -455,6 +462,9 @@ def load_gguf(path: str) -> ModelSource:
     hybrid = HybridTensors(arch, cfg) if arch in HYBRID_ARCHS else None
 
     def weights() -> Iterator[tuple[str, WeightRef]]:
+        if arch == "gpt-oss":
+            yield from gpt_oss_weights(tensors, names)
+            return
         for gname, info in tensors.items():
             hf = names[gname]
             if arch == "deepseek2" and gname.endswith(("attn_k_b.weight", "attn_v_b.weight")):

@@ -38,6 +38,7 @@ class GGMLType:
     I64 = 27
     F64 = 28
     BF16 = 30
+    MXFP4 = 39  # gpt-oss's experts: read by loader/gguf_gpt_oss.py, kept MXFP4
 
 
 TYPE_INFO: dict[int, tuple[str, int, int]] = {
@@ -59,6 +60,7 @@ TYPE_INFO: dict[int, tuple[str, int, int]] = {
     GGMLType.Q4_K: ("Q4_K", 256, 144),
     GGMLType.Q5_K: ("Q5_K", 256, 176),
     GGMLType.Q6_K: ("Q6_K", 256, 210),
+    GGMLType.MXFP4: ("MXFP4", 32, 17),
 }
 
 NATIVE_TORCH = {

@@ -52,6 +52,9 @@ _ARCH_LAYER["qwen35"] = {
     "ssm_out": "linear_attn.out_proj",
 }
 _ARCH_LAYER["qwen35moe"] = _ARCH_LAYER["qwen3next"] = _ARCH_LAYER["qwen35"]
+# gpt-oss: the norm after attention, the per-head sinks and the router (its experts: loader/gguf_gpt_oss.py)
+_ARCH_LAYER["gpt-oss"] = {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                          "ffn_gate_inp": "mlp.router"}
 
 # Tensors llama.cpp stores that carry no parameter of their own (e.g. llama-3 rope factors,
 # which the config's rope scaling already describes).
