@@ -2,10 +2,10 @@
 slot each token's request runs with (none: -1).
 
 The base layer is left as it is (16-bit, quantized, fused with its activation): the low-rank
-delta is added to whatever it returns. A fused projection (q/k/v, gate/up) has one A per slice,
-stacked so that one shrink serves them all, and one B per slice, expanded into the slice's
-columns. Adapter weights live in ``max_loras`` fixed slots (runner/lora_manager.py fills them,
-the scale folded into B), so a step's kernels and the decode graphs never change shape.
+delta is added to whatever it returns. A fused projection (q/k/v, gate/up) has one A per slice
+and one B per slice, each kind stacked so that one shrink and one expand serve them all.
+Adapter weights live in ``max_loras`` fixed slots (runner/lora_manager.py fills them, the scale
+folded into B), so a step's kernels and the decode graphs never change shape.
 """
 from __future__ import annotations
 
@@ -50,15 +50,10 @@ class LoRALinear(nn.Module):
         self.col_starts = [sum(self.slice_sizes[:i]) for i in range(len(slices))]
         self.register_buffer("lora_a", torch.zeros(max_loras, len(slices) * max_rank, in_features, dtype=dtype,
                                                    device=device), persistent=False)
-        for i, n in enumerate(self.slice_sizes):
-            self.register_buffer(f"lora_b{i}", torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device),
-                                 persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, sum(self.slice_sizes), max_rank, dtype=dtype,
+                                                   device=device), persistent=False)
         # a row-parallel layer that takes a gate/up output applies the activation itself
         self.gated_input = getattr(base, "gated_input", False)
-
-    @property
-    def lora_b(self) -> list[torch.Tensor]:
-        return [getattr(self, f"lora_b{i}") for i in range(len(self.slice_sizes))]
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
         if not self.batch.active:
@@ -68,23 +63,19 @@ class LoRALinear(nn.Module):
         y = self.base(x)  # a gate/up layer's whole product: the down projection applies the activation
         slots, blocks = self.batch.slots(x.shape[0]), self.batch.blocks
         h = lora_shrink(x, self.lora_a, slots, blocks)
-        for i, b in enumerate(self.lora_b):
-            lora_expand(y, h, b, slots, i * self.max_rank, self.col_starts[i], blocks)
+        lora_expand(y, h, self.lora_b, slots, self.slice_sizes, blocks)
         return y
 
     def set_slot(self, slot: int, slice_id, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Write one slice of an adapter into ``slot`` (A [r, in], B [out, r] already scaled;
         None: the adapter leaves this slice alone)."""
         i = self.slice_ids.index(slice_id)
-        rows = slice(i * self.max_rank, (i + 1) * self.max_rank)
-        self.lora_a[slot, rows].zero_()
-        self.lora_b[i][slot].zero_()
+        ranks = slice(i * self.max_rank, (i + 1) * self.max_rank)
+        cols = slice(self.col_starts[i], self.col_starts[i] + self.slice_sizes[i])
+        self.lora_a[slot, ranks].zero_()
+        self.lora_b[slot, cols].zero_()
         if a is not None:
             r = a.shape[0]
-            self.lora_a[slot, rows][:r].copy_(a)
-            self.lora_b[i][slot, :, :r].copy_(b)
+            self.lora_a[slot, ranks][:r].copy_(a)
+            self.lora_b[slot, cols, :r].copy_(b)
 
-    def clear_slot(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        for b in self.lora_b:
-            b[slot].zero_()

@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from kvship.kernels.lora import segment_blocks
+from kvship.kernels.lora_segments import segment_blocks
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvship.layers.lora import LoRABatch, LoRALinear
 from kvship.loader.lora_adapter import LoRAAdapter, LoRAAdapterError, read_adapter
