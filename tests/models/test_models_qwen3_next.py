@@ -296,3 +296,22 @@ def test_mtp_layer_is_loaded(hybrids, tmp_path, arch):
     with torch.no_grad():
         want = ref(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(our_logits(folder, [prompt])[0], want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.timeout(300)
+def test_mtp_announced_but_absent_is_not_kept(hybrids, tmp_path):
+    """A config that names an MTP layer whose checkpoint lacks it (as transformers saves one):
+    the model loads, and keeps no MTP module."""
+    import shutil
+
+    src, _ = hybrids["qwen3_5"]
+    folder = tmp_path / "no-mtp"
+    shutil.copytree(src, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    source = resolve_model(str(folder))
+    mc = ModelConfig.from_hf(source.hf_config)
+    assert mc.mtp_layers == 1
+    runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+                                      enforce_eager=True, max_model_len=128), mc, source.weights())
+    assert runner.model.model.mtp is None
