@@ -15,7 +15,13 @@ import torch
 from conftest import make_tiny_model
 from kvship.models.config import ModelConfig, UnsupportedModelError
 from kvship.sampling_params import SamplingParams
-from test_models import DEVICES, assert_greedy_matches, assert_logits_match
+from test_models import (
+    DEVICES,
+    assert_graph_step_equals_eager,
+    assert_greedy_matches,
+    assert_logits_match,
+    gpu_greedy_agreement,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -137,16 +143,21 @@ def _mxfp4_checkpoint(src, dst):
     return dequantized
 
 
+def _with_experts(ref, experts: dict[str, torch.Tensor]):
+    """A copy of ``ref`` with the named expert tensors replaced."""
+    hf = type(ref)(ref.config).eval()
+    hf.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        for name, t in experts.items():
+            hf.get_parameter(name).copy_(t)
+    return hf
+
+
 def test_mxfp4_checkpoint_kept_packed_matches_transformers_dequantized(gpt_oss, tmp_path):
     from kvship.llm import LLM
 
     folder, ref = gpt_oss
-    dequantized = _mxfp4_checkpoint(folder, tmp_path / "mxfp4")
-    hf = type(ref)(ref.config).eval()
-    hf.load_state_dict(ref.state_dict())
-    with torch.no_grad():
-        for name, t in dequantized.items():
-            hf.get_parameter(name).copy_(t)
+    hf = _with_experts(ref, _mxfp4_checkpoint(folder, tmp_path / "mxfp4"))
     assert_logits_match(tmp_path / "mxfp4", hf, _prompts(4), chunks=(None, 7))
     llm = LLM(str(tmp_path / "mxfp4"), device="cpu", dtype="float32", num_kv_blocks=16, block_size=4,
               max_model_len=64)
@@ -192,3 +203,25 @@ def test_random_mxfp4_weights_for_benchmarks(gpt_oss, tmp_path):
     assert experts.w13_bias.abs().max() > 0
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_gpu_decode_in_cuda_graphs(gpt_oss, tmp_path, mxfp4):
+    """On the GPU: sinks in the Triton attention (split decode, prefill), the experts' grouped
+    GEMMs (MXFP4 decoded in registers), all captured in CUDA graphs: greedy tokens of a batch
+    equal transformers' in fp32, and a bf16 decode step replayed from its graph gives the eager
+    step's logits."""
+    from kvship.llm import LLM
+
+    folder, ref = gpt_oss
+    if mxfp4:
+        dequantized = _mxfp4_checkpoint(folder, tmp_path / "mxfp4")
+        folder, ref = tmp_path / "mxfp4", _with_experts(ref, dequantized)
+    prompts = _prompts(5) + [[3, 1, 4, 1, 5]]
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_kv_blocks=64)
+    assert llm.engine.runner.graphs is not None
+    assert gpu_greedy_agreement(llm, ref, prompts, 10) >= len(prompts) - 1  # a near-tie may flip
+    del llm
+    llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=16, num_kv_blocks=64)
+    assert_graph_step_equals_eager(llm, prompts)
