@@ -315,3 +315,31 @@ def test_mtp_announced_but_absent_is_not_kept(hybrids, tmp_path):
     runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
                                       enforce_eager=True, max_model_len=128), mc, source.weights())
     assert runner.model.model.mtp is None
+
+
+@pytest.mark.timeout(300)
+def test_fp8_checkpoint_mtp_layer_is_loaded(hybrids, tmp_path):
+    """An FP8 block-wise checkpoint with its MTP layer (fc and the layer's projections in FP8
+    blocks too, as Qwen3.6-27B-FP8 ships it): the layer loads, fc dequantized to the model's dtype."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = hybrids["qwen3_5"]
+    folder = tmp_path / "fp8-mtp"
+    folder.mkdir()
+    mtp = _mtp_tensors(make_hybrid(tmp_path / "dense", "qwen3_5"), fused_experts=True)
+    fc, fc_deq = _fp8_block({"mtp.fc.proj.weight": mtp.pop("mtp.fc.weight")})
+    out, _ = _fp8_block({**load_file(src / "model.safetensors"), **mtp})
+    out.update({k.replace("fc.proj", "fc"): v for k, v in fc.items()})
+    save_file(out, folder / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(mtp_num_hidden_layers=1, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                             "weight_block_size": [32, 32]})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    write_word_tokenizer(folder, 320)
+    source = resolve_model(str(folder))
+    runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+                                      enforce_eager=True, max_model_len=128),
+                         ModelConfig.from_hf(source.hf_config), source.weights())
+    m = runner.model.model.mtp
+    assert torch.equal(m.fc.weight, fc_deq["mtp.fc.proj.weight"])
+    assert m.layers[0].self_attn.qkv_proj.weight.shape == (128 + 64, 64)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from torch import nn
 
 from kvship.layers.linear import ReplicatedLinear
+from kvship.quant import QuantizedTensor
 
 
 class HybridMTP(nn.Module):
@@ -21,7 +22,14 @@ class HybridMTP(nn.Module):
                  norm: Callable[[], nn.Module]):
         super().__init__()
         self.fc = ReplicatedLinear(2 * hidden_size, hidden_size, bias=False)
+        self.fc.weight.weight_loader = _dense
         self.pre_fc_norm_embedding = norm()
         self.pre_fc_norm_hidden = norm()
         self.layers = nn.ModuleList(layer(i) for i in range(num_layers))
         self.norm = norm()
+
+
+def _dense(param, ref, shard_id=None) -> None:
+    """fc in the model's dtype, whatever the checkpoint stores (an FP8 checkpoint's blocks)."""
+    w = ref.load()
+    param.data.copy_(w.dequantize(param.dtype) if isinstance(w, QuantizedTensor) else w)
