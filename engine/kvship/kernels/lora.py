@@ -66,19 +66,29 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, K, R, K_PER_SPLIT, stride_x, 
 
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, RANK, C1, C2, stride_hs, stride_h, stride_bs, stride_bn,
-                   stride_y, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                   stride_y, SPLIT: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     if slot >= 0:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N
         offs_r = tl.arange(0, BLOCK_R)
-        mask = nmask[:, None] & (offs_r < RANK)[None, :]
-        part = (offs_n >= C1).to(tl.int32) + (offs_n >= C2).to(tl.int32)  # q/k/v or gate/up: its ranks in h
-        h_rows = h_ptr + t.to(tl.int64) * stride_h + part[:, None] * RANK + offs_r[None, :]
-        h = tl.zeros([BLOCK_N, BLOCK_R], tl.float32)
+        rmask = offs_r < RANK
+        mask = nmask[:, None] & rmask[None, :]
+        # each part's ranks of this row, the shrink's partial sums added up
+        h_row = h_ptr + t.to(tl.int64) * stride_h + offs_r
+        h0 = tl.zeros([BLOCK_R], tl.float32)
+        h1 = tl.zeros([BLOCK_R], tl.float32)
+        h2 = tl.zeros([BLOCK_R], tl.float32)
         for s in tl.static_range(SPLIT):
-            h += tl.load(h_rows + s * stride_hs, mask=mask, other=0.0)
+            h0 += tl.load(h_row + s * stride_hs, mask=rmask, other=0.0)
+            if PARTS > 1:
+                h1 += tl.load(h_row + s * stride_hs + RANK, mask=rmask, other=0.0)
+            if PARTS > 2:
+                h2 += tl.load(h_row + s * stride_hs + 2 * RANK, mask=rmask, other=0.0)
+        part = ((offs_n >= C1).to(tl.int32) + (offs_n >= C2).to(tl.int32))[:, None]  # q/k/v or gate/up
+        h = tl.where(part == 0, h0[None, :], tl.where(part == 1, h1[None, :], h2[None, :]))
         b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
                     mask=mask, other=0.0)
         delta = tl.sum(b.to(tl.float32) * h, 1)
@@ -88,16 +98,19 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, RANK, C1, C2, stride_hs, s
 
 
 SHRINK_BLOCK_K = 64
+# The shrink's split of the input features: enough programs for about two an SM, but at most
+# this many partial sums for the expand to add up.
+MAX_SPLIT = 8
 
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     t, k = x.shape
     r = a.shape[1]
-    block_r = min(next_pow2(r), 64)
+    block_r = min(next_pow2(r), 16)
     r_blocks = triton.cdiv(r, block_r)
     k_blocks = triton.cdiv(k, SHRINK_BLOCK_K)
-    split = max(1, min(k_blocks, triton.cdiv(2 * device_sms(x), t * r_blocks)))  # about two programs an SM
+    split = max(1, min(k_blocks, MAX_SPLIT, triton.cdiv(2 * device_sms(x), t * r_blocks)))
     k_per_split = triton.cdiv(k_blocks, split) * SHRINK_BLOCK_K
     split = triton.cdiv(k, k_per_split)
     h = torch.empty(split, t, r, dtype=torch.float32, device=x.device)
@@ -116,7 +129,8 @@ def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots:
     block_n = max(16, min(128, 4096 // block_r))
     _expand_kernel[(t, triton.cdiv(n, block_n))](h, b, slots, y, n, rank, starts[0], starts[1], h.stride(0),
                                                  h.stride(1), b.stride(0), b.stride(1), y.stride(0),
-                                                 SPLIT=h.shape[0], BLOCK_N=block_n, BLOCK_R=block_r)
+                                                 SPLIT=h.shape[0], PARTS=len(slices), BLOCK_N=block_n,
+                                                 BLOCK_R=block_r)
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor | None = None
