@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from kvship.kernels._triton import tl, triton, use_triton
 from kvship.kernels.fused_moe import _dot, align_by_expert, moe_config
 from kvship.kernels.nvfp4_linear import _e2m1
+from kvship.kernels.tuning.moe import GPT_OSS_GEMV_DOWN as GEMV_DOWN
+from kvship.kernels.tuning.moe import GPT_OSS_GEMV_GATE_UP as GEMV_GATE_UP
 from kvship.quant.tensor import e2m1_values
 
 MXFP4_BLOCK = 32  # inputs per e8m0 scale
@@ -136,16 +138,53 @@ def _gpt_oss_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, sorted_
                               BLOCK_N, BLOCK_K)
             acc_up = _dot(a, tl.trans(up), acc_up)
         a_ptrs += BLOCK_K
-    b_e = bias_ptr + expert * stride_be
+    rw = tl.load(rw_ptr + pairs, mask=valid, other=0.0)
+    acc = _epilogue(acc, acc_up, bias_ptr + expert * stride_be, offs_n, nmask, N, rw, alpha, limit, GATED)
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _epilogue(acc, acc_up, b_e, offs_n, nmask, N, rw, alpha, limit, GATED: tl.constexpr):
+    """Rows [M, BLOCK_N] of the products: biases added, then the clamped SwiGLU of gate (acc) and
+    up (acc_up) for GATED, else times each row's router weight (rw [M])."""
     acc += tl.load(b_e + offs_n, mask=nmask, other=0.0)[None, :]
     if GATED:
         gate = tl.minimum(acc, limit)
         up = tl.minimum(tl.maximum(acc_up + tl.load(b_e + N + offs_n, mask=nmask, other=0.0)[None, :], -limit), limit)
-        acc = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+        return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
     else:
-        acc = acc * tl.load(rw_ptr + pairs, mask=valid, other=0.0)[:, None]
-    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+        return acc * rw[:, None]
+
+
+@triton.jit
+def _gpt_oss_gemv_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr, N, K, stride_a, stride_we,
+                         stride_wn, stride_se, stride_sn, stride_be, stride_out, alpha, limit, A_DIV: tl.constexpr,
+                         GATED: tl.constexpr, MXFP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The GEMM kernel's out[pair, n] for one pair (program_id 1) by FMAs in float32, summed once
+    at the end: no alignment by expert and no padded rows, for one token's k pairs."""
+    pair = tl.program_id(1)
+    row = (pair // A_DIV).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    n64 = offs_n.to(tl.int64)
+    gate_w = w_ptr + expert * stride_we + n64 * stride_wn
+    gate_s = s_ptr + expert * stride_se + n64 * stride_sn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + row * stride_a + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+        acc += _weight_tile(gate_w, gate_s, nmask, k0, K, tl.float32, MXFP4, BLOCK_N, BLOCK_K) * a
+        if GATED:
+            acc_up += _weight_tile(gate_w + N * stride_wn, gate_s + N * stride_sn, nmask, k0, K, tl.float32, MXFP4,
+                                   BLOCK_N, BLOCK_K) * a
+    rw = tl.load(rw_ptr + pair + tl.zeros([1], dtype=tl.int32))
+    y = _epilogue(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], bias_ptr + expert * stride_be, offs_n, nmask,
+                  N, rw, alpha, limit, GATED)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=nmask[None, :])
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor, out: torch.Tensor,
@@ -163,13 +202,36 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, bias: to
         BLOCK_N=block_n, BLOCK_K=max(cfg.block_k, MXFP4_BLOCK), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
+def gpt_oss_moe_gemv(x: torch.Tensor, experts: GptOssExperts, weights: torch.Tensor, ids: torch.Tensor,
+                     gate_up: dict | None = None, down: dict | None = None) -> torch.Tensor:
+    """gpt_oss_moe_triton's result by the GEMV kernel, a program per (pair, BLOCK_N rows)."""
+    tokens, top_k = ids.shape
+    inter, hidden, pairs = experts.w13.shape[1] // 2, x.shape[1], ids.numel()
+    ids, rw = ids.flatten().contiguous(), weights.flatten().float().contiguous()
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    for a, w, scale, bias, out, a_div, gated, cfg in (
+            (x.contiguous(), experts.w13, experts.w13_scale, experts.w13_bias, h, top_k, True, gate_up or GEMV_GATE_UP),
+            (h, experts.w2, experts.w2_scale, experts.w2_bias, y, 1, False, down or GEMV_DOWN)):
+        s = w if scale is None else scale  # unread for 16-bit weights
+        _gpt_oss_gemv_kernel[(triton.cdiv(out.shape[1], cfg["block_n"]), pairs)](
+            a, w, s, bias, out, rw, ids, out.shape[1], a.shape[1], a.stride(0), w.stride(0), w.stride(1),
+            s.stride(0), s.stride(1), bias.stride(0), out.stride(0), float(experts.alpha), float(experts.limit),
+            A_DIV=a_div, GATED=gated, MXFP4=scale is not None, BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y.view(tokens, top_k, hidden).sum(dim=1)
+
+
 def gpt_oss_moe_triton(x: torch.Tensor, experts: GptOssExperts, weights: torch.Tensor, ids: torch.Tensor,
                        config=None) -> torch.Tensor:
-    """The two grouped GEMMs (fused_moe's alignment), then the k rows of each token summed."""
+    """The two grouped GEMMs (fused_moe's alignment), then the k rows of each token summed; for one
+    token (and no tiles asked for) ``gpt_oss_moe_gemv``."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = experts.w13.shape[0], experts.w13.shape[1] // 2, x.shape[1]
     if tokens == 0:
         return torch.zeros_like(x)
+    if config is None and tokens == 1:
+        return gpt_oss_moe_gemv(x, experts, weights, ids)
     cfg = config or moe_config(tokens, top_k, num_experts)
     x = x.contiguous()
     aligned = align_by_expert(ids, num_experts, cfg.block_m)

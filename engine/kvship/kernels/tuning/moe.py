@@ -6,6 +6,10 @@
 # holds all top-k experts' rows, in K tiles of 256 that divide the 768 inputs.
 GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 2, "num_stages": 3}
 GEMV_DOWN = {"block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 3}
+# gpt-oss's one-token GEMV (kernels/gpt_oss_moe.py): untuned starting points, 2880-wide rows of
+# MXFP4 codes (K tiles of whole 32-input scale groups)
+GPT_OSS_GEMV_GATE_UP = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}
+GPT_OSS_GEMV_DOWN = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}
 
 # The grouped GEMMs' tiles (block_m, block_n, block_k, num_warps, num_stages) by the pairs each
 # expert gets on average, up to each bound (None: any more). Few pairs (decode): narrow tiles,
