@@ -96,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_events=_kv_events(args.kv_events_config),
+        num_state_checkpoints=args.num_state_checkpoints,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,

@@ -70,6 +70,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help='publish KV-cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
                         '"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\' (docs/kv-cache.md)')
+    g.add_argument("--num-state-checkpoints", type=int, default=None,
+                   help="hybrid models (Qwen3.5, Qwen3-Next): recurrent-state checkpoints kept for prefix-cache hits "
+                        "(default: one per --max-num-seqs; 0 turns their prefix cache off)")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.90,
                    help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,

@@ -74,6 +74,9 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (vLLM's --kv-events-config)
+    # Hybrid models: recurrent-state checkpoints a prefix hit resumes from (core/state_checkpoints.py);
+    # None: as many as the sequences' state slots; 0 turns their prefix cache off.
+    num_state_checkpoints: int | None = None
 
     gpu_memory_utilization: float = 0.90
     kv_cache_memory: int | None = None  # bytes for KV; overrides the utilisation rule
@@ -105,6 +108,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
+            raise ValueError("num_state_checkpoints must be at least 0")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
         if self.tp_all_reduce not in ("nccl", "one-shot", "fused"):

@@ -108,6 +108,11 @@ class Batch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    # a hybrid model's recurrent-state copies (core/state_checkpoints.py), (from slot, to slot):
+    # checkpoints into the slots of sequences resuming after a prefix hit, before the forward;
+    # sequences' slots into checkpoints, after it
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -131,7 +136,8 @@ class Batch:
         if 1 not in self.num_new_tokens[self.num_decodes:]:
             return self
         order = sorted(range(len(self.seqs)), key=lambda i: self.num_new_tokens[i] != 1)
-        return Batch([self.seqs[i] for i in order], [self.num_new_tokens[i] for i in order])
+        return Batch([self.seqs[i] for i in order], [self.num_new_tokens[i] for i in order], self.state_restores,
+                     self.state_checkpoints)
 
     def __len__(self) -> int:
         return len(self.seqs)

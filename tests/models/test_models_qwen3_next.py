@@ -1,8 +1,8 @@
 """The hybrid Gated DeltaNet families (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against transformers
 on tiny random checkpoints: logits batched over prompts of different lengths, whole and in
 chunks that cut through the delta rule's 64-token chunks, one token a step; greedy tokens
-through the engine with chunked prefill, with preemption, and with the prefix cache (off for
-these models: the same tokens, nothing served from it)."""
+through the engine with chunked prefill, with preemption, and with the prefix cache (hits resume
+from recurrent-state checkpoints: tests/models/test_qwen3_next_prefix_cache.py)."""
 from __future__ import annotations
 
 import json
@@ -122,7 +122,8 @@ def greedy_reference(ref, prompts, max_tokens: int) -> list[list[int]]:
 @pytest.mark.parametrize("arch", list(SPECS))
 def test_greedy_matches_transformers(hybrids, arch):
     """Batched prompts of different lengths, prefilled 16 tokens a step; the last prompt run
-    again gets nothing from the prefix cache (off for hybrids) and the same tokens."""
+    again resumes from the prefix cache (a state checkpoint at its last full block) with the
+    same tokens."""
     from kvship.llm import LLM
 
     folder, ref = hybrids[arch]
@@ -134,8 +135,7 @@ def test_greedy_matches_transformers(hybrids, arch):
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     again = llm.generate([prompts[-1]], params)[0]
     assert ours == greedy_reference(ref, prompts, 8)
-    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == ours[-1]
-    assert not llm.engine.config.enable_prefix_caching
+    assert again.num_cached_tokens == 20 and again.outputs[0].token_ids == ours[-1]
     kv = llm.engine.kv  # every state slot given back with its sequence, never more than the runner holds
     assert 0 < kv.num_state_slots <= llm.engine.runner.num_state_slots
     assert sorted(kv.free_state_slots) == list(range(kv.num_state_slots))

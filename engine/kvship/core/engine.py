@@ -21,6 +21,7 @@ from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.kv_events import open_publisher
 from kvship.core.output_processor import Accepted, OutputProcessor
 from kvship.core.scheduler import Scheduler
+from kvship.core.state_checkpoints import StateCheckpoints
 from kvship.loader import DEFAULT_POOLING
 from kvship.loader.lora_adapter import LoRAAdapterError
 from kvship.lora_request import LoRARequest
@@ -51,8 +52,10 @@ class LLMEngine:
             raise
         if self.tp_runtime:
             self.tp_runtime.ready = True
+        checkpoints = self.runner.state_checkpoint_slots
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 self.model_config.kv_window)
+                                 self.model_config.kv_window,
+                                 StateCheckpoints(checkpoints.start, len(checkpoints)) if checkpoints else None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_loras if config.enable_lora else None)
         self.kv_events = open_publisher(config.kv_events)

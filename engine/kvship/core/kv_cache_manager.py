@@ -14,6 +14,9 @@ keeps only the blocks it holds; ``num_released_blocks`` counts the ones given ba
 With ``events`` a list, every block entering the cache (BlockStored) and every cached block
 evicted (BlockRemoved) is recorded there, in vLLM's event format (kvship.core.kv_events), until
 the engine takes them after its step.
+
+A hybrid model's prefix hit also needs the recurrent state at its last block: with
+``checkpoints`` (core/state_checkpoints.py) a hit ends at the last block that has one.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvship.core import kv_events
+from kvship.core.state_checkpoints import StateCheckpoints, aligned_chunk
 from kvship.sequence import Sequence
 
 
@@ -91,7 +95,7 @@ class FreeBlocks:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None):
+                 window: int | None = None, checkpoints: StateCheckpoints | None = None):
         self.block_size = block_size
         self.window = window  # ModelConfig.kv_window: None keeps every block while its sequence runs
         self.enable_prefix_caching = enable_prefix_caching
@@ -105,6 +109,7 @@ class KVCacheManager:
         self.free_state_slots: list[int] = []
         self.num_state_slots = 0
         self.events: list[list] | None = None  # a list: record KV-cache events (take_events)
+        self.checkpoints = checkpoints if enable_prefix_caching else None
 
     @property
     def num_blocks(self) -> int:
@@ -158,14 +163,41 @@ class KVCacheManager:
             return []  # prompt logprobs need every prompt position computed
         found: list[int | None] = []
         run_start = length = 0  # where the current run of cached blocks starts; the best prefix's length
-        for i, h in enumerate(self.full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size)):
+        hashes = self.full_block_hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        for i, h in enumerate(hashes):
             found.append(self.cached.get(h))
             if found[i] is None:
                 run_start = i + 1
-            elif run_start <= self.first_needed_block((i + 1) * self.block_size):
+            elif run_start <= self.first_needed_block((i + 1) * self.block_size) and (
+                    self.checkpoints is None or h in self.checkpoints):
                 length = i + 1
         skip = self.first_needed_block(length * self.block_size)
         return [None] * skip + found[skip:length]
+
+    # -- recurrent-state checkpoints (hybrid models) --------------------------------------------
+    def prefill_chunk(self, seq: Sequence, n: int) -> int:
+        """The tokens of a prefill step of at most n to compute: cut at a block boundary that
+        keeps a state checkpoint, with checkpoints (core/state_checkpoints.py), else all n."""
+        if self.checkpoints is None or n <= 1:
+            return n
+        return aligned_chunk(seq.num_computed_tokens, n, seq.num_tokens, self.block_size)
+
+    def state_restore(self, seq: Sequence) -> tuple[int, int] | None:
+        """(checkpoint slot, seq's slot) to copy before the step that resumes seq after a prefix
+        hit of seq.num_computed_tokens tokens (find_cached_prefix ends hits at checkpoints)."""
+        if self.checkpoints is None or not seq.num_computed_tokens:
+            return None
+        h = self.full_block_hashes(seq, seq.num_computed_tokens // self.block_size)[-1]
+        return self.checkpoints.take(h), seq.state_slot
+
+    def state_checkpoint(self, seq: Sequence, n: int) -> tuple[int, int] | None:
+        """(seq's slot, checkpoint slot) to copy after a prefill step of n tokens that ends on a
+        block boundary, None when it does not or the checkpoint is kept already."""
+        end = seq.num_computed_tokens + n
+        if self.checkpoints is None or n <= 1 or end % self.block_size or end > seq.num_tokens:
+            return None
+        slot = self.checkpoints.keep(self.full_block_hashes(seq, end // self.block_size)[-1])
+        return None if slot is None else (seq.state_slot, slot)
 
     def count_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens

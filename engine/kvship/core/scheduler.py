@@ -7,6 +7,8 @@ the rest. The batch lists its one-token entries first (Batch.decodes_first), for
 kernels. A sequence with a LoRA adapter waits while the running ones already use as many
 distinct adapters as the device has slots (``max_loras``). When blocks run out, the newest running sequence not yet in the batch is preempted
 (its blocks freed, recomputed later from its tokens; the prefix cache usually makes that cheap).
+A hybrid model's prefill steps end on block boundaries where they can, and the batch lists the
+recurrent-state copies of its prefix hits and checkpoints (core/state_checkpoints.py).
 """
 from __future__ import annotations
 
@@ -95,7 +97,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is SeqStatus.RUNNING:
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                n = self.kv.prefill_chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
                 fits, preempted = self._fit(seq, n, batch, preempted)
                 admitting = admitting and not preempted
             elif seq in prefills or not admitting or len(self.running) >= self.max_num_seqs:
@@ -103,7 +105,7 @@ class Scheduler:
             elif seq.lora is not None and seq.lora_id not in loras and len(loras) >= (self.max_loras or len(loras) + 1):
                 continue  # every adapter slot is taken by running sequences
             else:
-                n = self._admit(seq, budget)
+                n = self._admit(seq, budget, batch)
                 fits = n > 0
                 admitting = fits  # one that does not fit keeps the later ones waiting behind it
             if fits:
@@ -111,6 +113,8 @@ class Scheduler:
                 budget -= n
                 if seq.lora is not None:
                     loras.add(seq.lora_id)
+                if copy := self.kv.state_checkpoint(seq, n):
+                    batch.state_checkpoints.append(copy)
         return batch.decodes_first()
 
     def _fit(self, seq: Sequence, n: int, batch: Batch, preempted: bool) -> tuple[bool, bool]:
@@ -126,16 +130,19 @@ class Scheduler:
                 return False, preempted
         return True, preempted
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
-        """Move a waiting sequence to running, its cached prefix counted as computed; the
-        number of its tokens this step computes, or 0 when its blocks do not fit."""
+    def _admit(self, seq: Sequence, budget: int, batch: Batch) -> int:
+        """Move a waiting sequence to running, its cached prefix counted as computed (its
+        recurrent state restored in ``batch``, for a hybrid model); the number of its tokens
+        this step computes, or 0 when its blocks do not fit."""
         revived = self.kv.find_cached_prefix(seq)
         computed = len(revived) * self.kv.block_size
-        n = min(seq.num_tokens - computed, budget)
         seq.num_computed_tokens = computed
+        n = self.kv.prefill_chunk(seq, min(seq.num_tokens - computed, budget))
         if not self.kv.allocate(seq, n, revived):
             seq.num_computed_tokens = 0
             return 0
+        if copy := self.kv.state_restore(seq):
+            batch.state_restores.append(copy)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
             seq.num_cached_tokens = computed

@@ -146,6 +146,12 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         for layer in self.state_layers():
             layer.bind_state(num_slots, dtype, device)
 
+    def copy_state_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's state rows ``src`` into rows ``dst`` (prefix-cache checkpoints)."""
+        for layer in self.state_layers():
+            for state in (layer.conv_state, layer.delta_state):
+                state[dst] = state[src]
+
     optional_weights = ("model.mtp.",)  # a checkpoint saved without them (as transformers saves one)
 
     def load_weights(self, weights: Iterable[tuple[str, object]], need_lm_head: bool = True) -> None:

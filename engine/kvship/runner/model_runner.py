@@ -94,9 +94,8 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
     config.max_model_len = config.max_model_len or limit
     if config.task == "auto":
         config.task = "embed" if source.pooling is not None else "generate"
-    if model_config.linear_attention is not None and config.enable_prefix_caching:
-        # a hit would need the recurrent state at the hit's last block, which is not checkpointed
-        log.warning("prefix caching is off for %s: its recurrent state is not kept at block boundaries",
+    if model_config.linear_attention is not None and config.enable_prefix_caching and config.num_state_checkpoints == 0:
+        log.warning("prefix caching is off for %s: no recurrent-state checkpoints (--num-state-checkpoints 0)",
                     model_config.architecture)
         config.enable_prefix_caching = False
     if model_config.kv_lora_rank and config.kv_cache_dtype == "int4":
@@ -196,7 +195,8 @@ class ModelRunner:
                      self.weight_bytes / 2**30, self.loading_peak_bytes / 2**30)
         self.model.eval()
         self.sampler = Sampler()
-        self.num_state_slots = self._bind_recurrent_state()  # before the KV cache: its memory counts
+        # before the KV cache: their memory counts
+        self.num_state_slots, self.num_state_checkpoints = self._bind_recurrent_state()
         self.num_blocks = self._allocate_kv_cache()
         if config.max_num_seqs is None:  # resolved here for the scheduler, the server and every rank alike
             config.max_num_seqs = auto_max_num_seqs(self.num_blocks * self.block_size, max_model_len)
@@ -329,26 +329,53 @@ class ModelRunner:
                                              attn.num_kv_heads, attn.head_dim, self.dtype, self.device,
                                              values=attn.cache_values))
 
-    def _bind_recurrent_state(self) -> int:
+    def _bind_recurrent_state(self) -> tuple[int, int]:
         """A hybrid model's recurrent-state slots (models/qwen3_next.py), one per sequence that may
-        run; 0 for other models. On a GPU they take at most half of what the weights leave, and
-        fewer slots than --max-num-seqs lower it (the scheduler then runs no more). One slot more,
-        numbered after them, is the decode graphs' scratch (their padding rows' state)."""
+        run, and its state checkpoints for the prefix cache (core/state_checkpoints.py; as many
+        as the slots unless --num-state-checkpoints says); (0, 0) for other models. On a GPU
+        they take at most half of what the weights leave, scaled down together when that is
+        too little, and fewer slots than --max-num-seqs lower it (the scheduler then runs no
+        more). Tensor rows: the sequences' slots, the decode graphs' scratch slot (their padding
+        rows' state), then the checkpoints."""
         if not hasattr(self.model, "bind_state"):
-            return 0
-        if self.config.max_num_seqs is None:  # the slots come before the cache: no cap from its size
-            self.config.max_num_seqs = AUTO_MIN_SEQS
-        per_slot, slots = self.model.state_bytes_per_slot(self.dtype), self.config.max_num_seqs
+            return 0, 0
+        c = self.config
+        if c.max_num_seqs is None:  # the slots come before the cache: no cap from its size
+            c.max_num_seqs = AUTO_MIN_SEQS
+        per_slot, slots = self.model.state_bytes_per_slot(self.dtype), c.max_num_seqs
+        checkpoints = (slots if c.num_state_checkpoints is None else c.num_state_checkpoints) \
+            if c.enable_prefix_caching else 0
         if self.device.type == "cuda":
-            total = torch.cuda.mem_get_info(self.device)[1] * self.config.gpu_memory_utilization
-            slots = max(1, min(slots, int((total - torch.cuda.memory_allocated(self.device)) / 2 // per_slot) - 1))
-        if slots < self.config.max_num_seqs:
+            total = torch.cuda.mem_get_info(self.device)[1] * c.gpu_memory_utilization
+            fit = int((total - torch.cuda.memory_allocated(self.device)) / 2 // per_slot) - 1
+            if slots + checkpoints > fit:
+                checkpoints = checkpoints * max(0, fit) // (slots + checkpoints)
+                slots = max(1, min(slots, fit - checkpoints))
+        # every rank numbers the same rows: the scratch slot and the checkpoints follow the slots
+        slots, checkpoints = self.tp.min_int(slots), self.tp.min_int(checkpoints)
+        if slots < c.max_num_seqs:
             log.warning("recurrent state: %d slots of %.1f MiB fit in half the memory left: --max-num-seqs "
-                        "lowered from %d to %d", slots, per_slot / 2**20, self.config.max_num_seqs, slots)
-            self.config.max_num_seqs = slots
-        self.model.bind_state(slots + 1, self.dtype, self.device)
-        log.info("recurrent state: %d slots of %.1f MiB (%.2f GiB)", slots, per_slot / 2**20, slots * per_slot / 2**30)
-        return slots
+                        "lowered from %d to %d", slots, per_slot / 2**20, c.max_num_seqs, slots)
+            c.max_num_seqs = slots
+        if c.enable_prefix_caching and not checkpoints:
+            log.warning("prefix caching is off: no memory left for recurrent-state checkpoints")
+            c.enable_prefix_caching = False
+        self.model.bind_state(slots + 1 + checkpoints, self.dtype, self.device)
+        log.info("recurrent state: %d slots and %d prefix-cache checkpoints of %.1f MiB (%.2f GiB)", slots, checkpoints,
+                 per_slot / 2**20, (slots + 1 + checkpoints) * per_slot / 2**30)
+        return slots, checkpoints
+
+    @property
+    def state_checkpoint_slots(self) -> range:
+        """The state tensors' rows that hold prefix-cache checkpoints (after the scratch slot)."""
+        return range(self.num_state_slots + 1, self.num_state_slots + 1 + self.num_state_checkpoints)
+
+    def copy_states(self, copies: list[tuple[int, int]] | torch.Tensor) -> None:
+        """A hybrid model's state copies, (from slot, to slot) pairs (Batch.state_restores and
+        state_checkpoints; a tensor-parallel rank receives them as an [n, 2] tensor)."""
+        if len(copies):
+            src, dst = torch.as_tensor(copies, device=self.device).T
+            self.model.copy_state_slots(src, dst)
 
     def _allocate_kv_cache(self) -> int:
         n = self.tp.min_int(self._num_blocks_to_allocate())  # every rank holds the same block count
@@ -417,7 +444,9 @@ class ModelRunner:
         """The first half of launch(): the forward pass only. The caller may do host work that
         the sampling needs (a grammar's bitmask, which needs the previous token) while the
         device computes, then call sample()."""
+        self.copy_states(batch.state_restores)
         logits = self.run(batch, previous)
+        self.copy_states(batch.state_checkpoints)
         sampled, positions = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             end = seq.num_computed_tokens + n
@@ -515,7 +544,7 @@ class ModelRunner:
             return self._forward_with_prompt_logprobs(input_ids, positions, meta, wanted)
         if self.tp.runtime is not None:  # the other ranks run the same forward on what rank 0 sends
             with self.tp.runtime.guard():
-                self.tp.runtime.send_step(input_ids, positions, meta)
+                self.tp.runtime.send_step(input_ids, positions, meta, (batch.state_restores, batch.state_checkpoints))
                 return self.forward(input_ids, positions, meta)
         return self.forward(input_ids, positions, meta, in_flight)
 

@@ -49,7 +49,9 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
 FAILURE_GRACE_S = 10.0  # a failure not reported to the engine's caller by then ends the process
 STEP, STOP = 1, 0
-_HEADER = 8  # cmd, tokens, seqs, block-table width, sampled rows, max_seqlen_q, leading decodes, state slots sent
+# cmd, tokens, seqs, block-table width, sampled rows, max_seqlen_q, leading decodes, state slots sent,
+# and a hybrid model's state copies before and after the forward (Batch.state_restores, state_checkpoints)
+_HEADER = 10
 
 
 class TensorParallelError(RuntimeError):
@@ -278,32 +280,37 @@ class TPRuntime:
             raise self.error(e) from e
 
     # -- per step --------------------------------------------------------------------------------
-    def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
-        """Rank 0: the flat step tensors to every other rank (a small header, then one tensor)."""
+    def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                  copies: tuple[list, list] = ([], [])) -> None:
+        """Rank 0: the flat step tensors to every other rank (a small header, then one tensor).
+        ``copies``: a hybrid model's state copies, (from, to) pairs before and after the forward."""
         bt = meta.block_tables
         n_seq, width = bt.shape
         state = [] if meta.state_slots is None else [meta.state_slots.long()]  # a hybrid model's
         header = torch.tensor([STEP, input_ids.shape[0], n_seq, width, meta.logits_indices.shape[0],
-                               meta.max_seqlen_q, meta.num_decodes, len(state)], dtype=torch.int64)
+                               meta.max_seqlen_q, meta.num_decodes, len(state), *map(len, copies)], dtype=torch.int64)
         dist.broadcast(header, 0, group=self.ctx.cpu_group)
+        pairs = torch.tensor([x for part in copies for pair in part for x in pair], dtype=torch.int64)
         payload = torch.cat([input_ids, positions, meta.slot_mapping, bt.reshape(-1).long(), meta.seq_lens.long(),
-                             meta.cu_seqlens_q.long(), meta.logits_indices, *state])
+                             meta.cu_seqlens_q.long(), meta.logits_indices, *state, pairs.to(input_ids.device)])
         dist.broadcast(payload, 0, group=self.ctx.group)
 
     def recv_step(self, device: torch.device):
-        """Other ranks: (input_ids, positions, AttentionMetadata), or None when rank 0 stops."""
+        """Other ranks: (input_ids, positions, AttentionMetadata, state copies before and after
+        the forward as [n, 2] tensors), or None when rank 0 stops."""
         header = torch.empty(_HEADER, dtype=torch.int64)
         dist.broadcast(header, 0, group=self.ctx.cpu_group)
-        cmd, n_tok, n_seq, width, n_logits, max_q, n_decodes, has_state = header.tolist()
+        cmd, n_tok, n_seq, width, n_logits, max_q, n_decodes, has_state, n_before, n_after = header.tolist()
         if cmd == STOP:
             return None
-        sizes = [n_tok, n_tok, n_tok, n_seq * width, n_seq, n_seq + 1, n_logits, n_seq * has_state]
+        sizes = [n_tok, n_tok, n_tok, n_seq * width, n_seq, n_seq + 1, n_logits, n_seq * has_state, 2 * n_before,
+                 2 * n_after]
         payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
         dist.broadcast(payload, 0, group=self.ctx.group)
-        ids, pos, slots, bt, seq_lens, cu, logits, state = payload.split(sizes)
+        ids, pos, slots, bt, seq_lens, cu, logits, state, before, after = payload.split(sizes)
         meta = AttentionMetadata(slots, bt.view(n_seq, width).int(), seq_lens.int(), cu.int(), max_q, logits,
                                  n_decodes, state if has_state else None)
-        return ids, pos, meta
+        return ids, pos, meta, before.view(-1, 2), after.view(-1, 2)
 
     # -- stop ----------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0) -> None:

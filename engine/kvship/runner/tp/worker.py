@@ -45,7 +45,10 @@ def serve_node(config: EngineConfig, placement: Placement | None = None) -> int:
                 step = rt.recv_step(runner.device)
                 if step is None:
                     break
-                runner.forward(*step)
+                ids, pos, meta, restores, checkpoints = step
+                runner.copy_states(restores)
+                runner.forward(ids, pos, meta)
+                runner.copy_states(checkpoints)
     except Exception:
         if rt._stopping.is_set():
             return 0
