@@ -19,6 +19,7 @@ from kvship.kernels import kv_quant as kvq
 from kvship.models.config import ModelConfig, UnsupportedModelError
 from kvship.parallel import SINGLE
 from kvship.sampling_params import SamplingParams
+from routed_family_cases import prompts, sharpen_and_save
 from test_models import (
     ATOL,
     DEVICES,
@@ -67,27 +68,16 @@ V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Attention weights scaled up (transformers draws them with std 0.02) so that attention, and
-    with it the rotary layout and the scales, moves the logits well past the tolerance."""
     root = tmp_path_factory.mktemp("deepseek")
     out = {}
     for name, spec in DEEPSEEK.items():
         ref = make_tiny_model(root / name, name, spec=spec)
-        with torch.no_grad():
-            for pname, p in ref.named_parameters():
-                if ".self_attn." in pname and "norm" not in pname:
-                    p.mul_(8.0)
-            for pname, b in ref.named_buffers():  # V3's router bias (zeros as transformers makes it)
-                if pname.endswith("e_score_correction_bias"):
-                    b.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(pname)))
-        ref.save_pretrained(root / name)
+        sharpen_and_save(ref, root / name)  # V3's router bias drawn too
         out[name] = (root / name, ref)
     return out
 
 
-def _prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 319, (n,), generator=g).tolist() for n in (5, 17, 45)]
+_prompts = prompts
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -13,7 +13,13 @@ import torch
 from conftest import make_tiny_model
 from kvship.models.config import ModelConfig, UnsupportedModelError
 from kvship.sampling_params import SamplingParams
-from test_models import DEVICES, assert_greedy_matches, assert_logits_match
+from routed_family_cases import (
+    assert_greedy_batched_chunked_cached,
+    assert_preemption_changes_nothing,
+    prompts,
+    sharpen_and_save,
+)
+from test_models import DEVICES, assert_logits_match
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,57 +37,29 @@ GLM = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Attention weights scaled up so that attention (its rotary layout above all) moves the
-    logits well past the tolerance; the router's bias drawn (transformers makes it zeros)."""
     root = tmp_path_factory.mktemp("glm")
     out = {}
     for name, spec in GLM.items():
         ref = make_tiny_model(root / name, name, spec=spec)
-        with torch.no_grad():
-            for pname, p in ref.named_parameters():
-                if ".self_attn." in pname and "norm" not in pname:
-                    p.mul_(8.0)
-            for pname, b in ref.named_buffers():
-                if pname.endswith("e_score_correction_bias"):
-                    b.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(pname)))
-        ref.save_pretrained(root / name)
+        sharpen_and_save(ref, root / name)
         out[name] = (root / name, ref)
     return out
-
-
-def _prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 319, (n,), generator=g).tolist() for n in (5, 17, 45)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", list(GLM))
 def test_logits_match_transformers(models, arch, device):
     folder, ref = models[arch]
-    assert_logits_match(folder, ref, _prompts(1), device, chunks=(None, 7))
+    assert_logits_match(folder, ref, prompts(1), device, chunks=(None, 7))
 
 
 @pytest.mark.parametrize("arch", list(GLM))
 def test_greedy_matches_transformers_batched_chunked_and_cached(models, arch):
-    prompts = _prompts(2)
-    prompts.append(prompts[2][:24] + [5, 6, 7])  # shares 24 tokens with the third: prefix-cache blocks
-    assert_greedy_matches(*models[arch], prompts, 10)
+    assert_greedy_batched_chunked_cached(*models[arch])
 
 
 def test_preempted_sequences_give_the_same_tokens(models):
-    from kvship.llm import LLM
-
-    folder, ref = models["glm4.5"]
-    prompts = _prompts(3)[1:] + [_prompts(4)[2][:30]]
-    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=30, block_size=4, max_num_batched_tokens=64,
-              max_model_len=96)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert llm.engine.scheduler.num_preemptions > 0
-    for p, got in zip(prompts, ours):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert got == want[0, len(p):].tolist()
+    assert_preemption_changes_nothing(*models["glm4.5"])
 
 
 def test_mtp_layer_is_loaded_and_kept(models, tmp_path, caplog):
@@ -108,7 +86,7 @@ def test_mtp_layer_is_loaded_and_kept(models, tmp_path, caplog):
     assert json.loads((folder / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    prompt = _prompts(6)[1]
+    prompt = prompts(6)[1]
     with caplog.at_level(logging.INFO, logger="kvship.models.glm4_moe"):
         llm = LLM(str(tmp_path / "m"), device="cpu", dtype="float32", num_kv_blocks=32, block_size=4,
                   max_model_len=64)

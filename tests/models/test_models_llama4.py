@@ -13,8 +13,13 @@ import torch
 
 from conftest import write_word_tokenizer
 from kvship.models.config import ModelConfig, UnsupportedModelError
-from kvship.sampling_params import SamplingParams
-from test_models import DEVICES, assert_greedy_matches, assert_logits_match
+from routed_family_cases import (
+    assert_greedy_batched_chunked_cached,
+    assert_preemption_changes_nothing,
+    prompts,
+    sharpen_and_save,
+)
+from test_models import DEVICES, assert_logits_match
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,49 +54,28 @@ def models(tmp_path_factory):
             for pname, p in ref.named_parameters():
                 if "norm" in pname:
                     p.normal_(1.0, 0.1, generator=g)
-                if ".self_attn." in pname:
-                    p.mul_(8.0)
                 if ".experts." in pname:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-        ref.save_pretrained(root / name)
+        sharpen_and_save(ref, root / name)
         write_word_tokenizer(root / name, 320)
         out[name] = (root / name, ref)
     return out
-
-
-def _prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 319, (n,), generator=g).tolist() for n in (5, 17, 45)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", list(LLAMA4))
 def test_logits_match_transformers(models, arch, device):
     folder, ref = models[arch]
-    assert_logits_match(folder, ref, _prompts(1), device, chunks=(None, 7))
+    assert_logits_match(folder, ref, prompts(1), device, chunks=(None, 7))
 
 
 @pytest.mark.parametrize("arch", list(LLAMA4))
 def test_greedy_matches_transformers_batched_chunked_and_cached(models, arch):
-    prompts = _prompts(2)
-    prompts.append(prompts[2][:24] + [5, 6, 7])
-    assert_greedy_matches(*models[arch], prompts, 10)
+    assert_greedy_batched_chunked_cached(*models[arch])
 
 
 def test_preempted_sequences_give_the_same_tokens(models):
-    from kvship.llm import LLM
-
-    folder, ref = models["scout-like"]
-    prompts = _prompts(3)[1:] + [_prompts(4)[2][:30]]
-    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=30, block_size=4, max_num_batched_tokens=64,
-              max_model_len=96)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert llm.engine.scheduler.num_preemptions > 0
-    for p, got in zip(prompts, ours):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert got == want[0, len(p):].tolist()
+    assert_preemption_changes_nothing(*models["scout-like"])
 
 
 def test_conditional_generation_checkpoint_reads_its_language_model(models, tmp_path):
@@ -113,7 +97,7 @@ def test_conditional_generation_checkpoint_reads_its_language_model(models, tmp_
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((folder / f).read_bytes())
     assert ModelConfig.from_hf(cfg).llama4 is not None
-    assert_logits_match(out, ref, _prompts(5)[1:])
+    assert_logits_match(out, ref, prompts(5)[1:])
 
 
 def test_scout_config():

@@ -12,7 +12,8 @@ import torch
 
 from conftest import make_tiny_model
 from kvship.models.config import ModelConfig, UnsupportedModelError
-from test_models import DEVICES, assert_greedy_matches, assert_logits_match
+from routed_family_cases import assert_greedy_batched_chunked_cached, prompts, sharpen_and_save
+from test_models import DEVICES, assert_logits_match
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,39 +27,23 @@ MINIMAX = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """Attention weights scaled up so that attention moves the logits well past the tolerance;
-    the router's bias drawn (transformers makes it zeros)."""
     root = tmp_path_factory.mktemp("minimax")
     out = {}
     for name, spec in MINIMAX.items():
         ref = make_tiny_model(root / name, name, spec=spec)
-        with torch.no_grad():
-            for pname, p in ref.named_parameters():
-                if ".self_attn." in pname and "norm" not in pname:
-                    p.mul_(8.0)
-            for pname, b in ref.named_buffers():
-                if pname.endswith("e_score_correction_bias"):
-                    b.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(pname)))
-        ref.save_pretrained(root / name)
+        sharpen_and_save(ref, root / name)
         out[name] = (root / name, ref)
     return out
-
-
-def _prompts(seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 319, (n,), generator=g).tolist() for n in (5, 17, 45)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_logits_match_transformers(models, device):
     folder, ref = models["half-rotary"]
-    assert_logits_match(folder, ref, _prompts(1), device, chunks=(None, 7))
+    assert_logits_match(folder, ref, prompts(1), device, chunks=(None, 7))
 
 
 def test_greedy_matches_transformers_batched_chunked_and_cached(models):
-    prompts = _prompts(2)
-    prompts.append(prompts[2][:24] + [5, 6, 7])
-    assert_greedy_matches(*models["half-rotary"], prompts, 10)
+    assert_greedy_batched_chunked_cached(*models["half-rotary"])
 
 
 def test_hub_config_reads_rotary_dim():

@@ -34,3 +34,12 @@ def fp8_round(x, FP8_E5: tl.constexpr):
     y = x / quantum  # |y| < 16: exact
     y = (y + 12582912.0) - 12582912.0  # + 1.5 * 2**23 drops the fraction, rounding half to even
     return y * quantum
+
+
+@triton.jit
+def exact_dot(a, b, acc):
+    """fp32 inputs in full precision (tests and --dtype float32 compare against fp32 references;
+    TF32 rounds to 10 mantissa bits), 16-bit ones on the tensor cores as they are."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
+from kvship.kernels.numerics import exact_dot
 from kvship.quant.tensor import e2m1_values
 
 GROUP = 16  # inputs per scale
@@ -39,14 +40,6 @@ def _e2m1(c):
 
 
 @triton.jit
-def _dot(a, b, acc):
-    """fp32 inputs in full precision (the float32 reference), 16-bit ones on the tensor cores."""
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
 def _nvfp4_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, M, N, K, KP, stride_x, stride_y, stride_w, stride_s,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """BLOCK_K counts stored bytes (2 * BLOCK_K inputs, 2 * BLOCK_K / 16 scales a row)."""
@@ -68,7 +61,7 @@ def _nvfp4_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, y_ptr, M, N, K, KP, stride_x, s
         kk = 2 * kp0 + tl.arange(0, 2 * BLOCK_K)
         a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_x + kk[None, :],
                     mask=mmask[:, None] & (kk < K)[None, :], other=0.0)
-        acc = _dot(a, tl.trans(w.to(dt)), acc)
+        acc = exact_dot(a, tl.trans(w.to(dt)), acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),

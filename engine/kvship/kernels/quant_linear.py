@@ -31,6 +31,7 @@ from kvship.kernels.fp8_matmul import (
     quantize_fp8_groups,
     quantize_fp8_rows,
 )
+from kvship.kernels.numerics import exact_dot as _dot
 from kvship.kernels.numerics import small_int_to_float
 from kvship.kernels.nvfp4_linear import dequantize_nvfp4_torch, nvfp4_linear
 from kvship.kernels.quant_gemv import (
@@ -190,15 +191,6 @@ def _qgemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, gi_ptr, bias_ptr, y_ptr, N, K, KP,
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
-def _dot(a, b, acc):
-    """fp32 inputs in full precision (tests and --dtype float32 compare against fp32 references;
-    TF32 rounds to 10 mantissa bits), 16-bit ones on the tensor cores as they are."""
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
