@@ -59,12 +59,19 @@ class RouterProcess:
                 time.sleep(0.2)
         raise AssertionError(f"router not started after {timeout}s:\n{self.log()}")
 
-    def metric(self, name: str, endpoint: str | None = None) -> float | None:
-        """One sample of the picker's /metrics (the one for `endpoint`, if given), or None."""
-        label = f'{{endpoint="{endpoint}"}}' if endpoint else ""
+    def metric(self, name: str, endpoint: str | None = None, **labels: str) -> float | None:
+        """One sample of the picker's /metrics (the one whose labels are `endpoint` and `labels`,
+        if given), or None."""
+        if endpoint is not None:
+            labels = {"endpoint": endpoint, **labels}
         for line in self.picker_metrics().splitlines():
-            if line.startswith(name + label + " "):
-                return float(line.rpartition(" ")[2])
+            if line.startswith("#"):
+                continue
+            series, _, value = line.rpartition(" ")
+            got, _, rest = series.partition("{")
+            found = dict(p.split("=", 1) for p in rest.rstrip("}").split(",") if p) if rest else {}
+            if got == name and {k: v.strip('"') for k, v in found.items()} == labels:
+                return float(value)
         return None
 
     def picker_metrics(self) -> str:

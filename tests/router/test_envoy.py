@@ -1,8 +1,10 @@
 """Envoy + the endpoint picker + three `kvship serve` of the bundled model, all real processes on
 loopback: prefix groups stay on one replica each and spread over the replicas, round-robin
-spreads one group, SSE arrives chunk by chunk through Envoy, and a killed replica leaves the pool."""
+spreads one group, the replicas' KV-cache events steer a router that reads them, SSE arrives
+chunk by chunk through Envoy, a killed replica leaves the pool, and rejoins when restarted."""
 from __future__ import annotations
 
+import json
 import signal
 import time
 
@@ -10,7 +12,7 @@ import httpx
 import pytest
 
 from router_utils import RouterProcess
-from server_utils import ServerProcess
+from server_utils import ServerProcess, free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -18,9 +20,17 @@ MODEL = ""  # the served model's name, read from the first replica
 SERVE_ARGS = ("--max-model-len", "512", "--kv-cache-memory", "128MiB", "--shutdown-timeout", "2")
 
 
+def start_replica(events: str, port: int | None = None) -> ServerProcess:
+    """A replica publishing its KV-cache events on `events`."""
+    server = ServerProcess(*SERVE_ARGS, "--kv-events-config",
+                           json.dumps({"enable_kv_cache_events": True, "endpoint": events}), port=port)
+    server.events = events
+    return server
+
+
 @pytest.fixture(scope="module")
 def replicas():
-    servers = [ServerProcess(*SERVE_ARGS) for _ in range(3)]  # load side by side
+    servers = [start_replica(f"tcp://127.0.0.1:{free_port()}") for _ in range(3)]  # load side by side
     try:
         for s in servers:
             s.wait_ready()
@@ -39,13 +49,16 @@ def routers(replicas):
     # Replicas as an Envoy cluster (retries go to the picker's fallbacks), and a picker that
     # reads /metrics too rarely to notice a dead replica within the test.
     made["fallback"] = RouterProcess(urls, "prefix", "--envoy-cluster", "endpoints", "--scrape-interval", "60")
+    # One that reads what the replicas report caching.
+    made["cached"] = RouterProcess(urls, "prefix", "--scrape-interval", "0.2",
+                                   *(a for s in replicas for a in ("--kv-events", s.events)))
     try:
         for r in made.values():
             r.wait_ready()
         yield made
     finally:
         codes = {policy: r.stop() for policy, r in made.items()}
-        assert codes == {"prefix": 0, "round-robin": 0, "fallback": 0}, {p: r.log() for p, r in made.items()}
+        assert set(codes.values()) == {0}, {p: r.log() for p, r in made.items()}
 
 
 SYSTEMS = [f"You are the assistant of tenant {g}. " + f"Tenant {g} policy clause {g}: answer briefly. " * 12
@@ -92,6 +105,30 @@ def test_round_robin_spreads_one_group(routers, replicas):
         seen = [ask(routers["round-robin"], SYSTEMS[0], f"Q{i}", client).headers["x-kvship-endpoint"]
                 for i in range(3)]
     assert sorted(seen) == sorted(s.url.removeprefix("http://") for s in replicas)
+
+
+def test_blocks_the_replicas_report_steer_the_pick(routers, replicas):
+    """Prompts sent straight to one replica each, by no router: the replicas' KV-cache events
+    tell the router where they are cached, and requests sharing them are sent there."""
+    router = routers["cached"]
+    hotels = [f"You are the front desk of hotel {i}. " + f"Hotel {i} serves breakfast at {i + 6}. " * 10
+              for i in range(len(replicas))]
+    addresses = [s.url.removeprefix("http://") for s in replicas]
+    before = [router.metric("kvship_router:endpoint_cached_blocks", a) for a in addresses]
+    with httpx.Client() as client:
+        for server, system in zip(replicas, hotels):
+            r = client.post(server.url + "/v1/chat/completions", timeout=120, json={
+                "model": MODEL, "max_tokens": 1,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]})
+            assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 20
+        while any(router.metric("kvship_router:endpoint_cached_blocks", a) < b + 5 for a, b in zip(addresses, before)):
+            assert time.monotonic() < deadline, router.picker_metrics()
+            time.sleep(0.1)
+        served = [ask(router, system, "Is there parking?", client).headers["x-kvship-endpoint"] for system in hotels]
+    assert served == addresses
+    assert sum(router.metric("kvship_router:picks_total", a, reason="prefix-cached") or 0
+               for a in addresses) == len(addresses), router.picker_metrics()
 
 
 def test_sse_stream_arrives_chunk_by_chunk_through_envoy(routers):
@@ -160,10 +197,14 @@ def test_replica_rejoins_after_restart(routers, replicas):
     while router.metric("kvship_router:endpoint_healthy", address) != 0.0:
         assert time.monotonic() < deadline, router.picker_metrics()
         time.sleep(0.1)
+    deadline = time.monotonic() + 10  # the router reading KV events forgets a dead replica's blocks
+    while routers["cached"].metric("kvship_router:endpoint_cached_blocks", address) != 0:
+        assert time.monotonic() < deadline, routers["cached"].picker_metrics()
+        time.sleep(0.1)
     with httpx.Client() as client:
         seen = {ask(router, SYSTEMS[1], f"While down {i}?", client).headers["x-kvship-endpoint"] for i in range(4)}
         assert address not in seen and len(seen) == 2
-        back = replicas[dead] = ServerProcess(*SERVE_ARGS, port=replicas[dead].port)
+        back = replicas[dead] = start_replica(replicas[dead].events, port=replicas[dead].port)
         try:
             back.wait_ready()
             deadline = time.monotonic() + 10

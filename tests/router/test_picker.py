@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import picker_utils
+from kvship.router.kv_events import CachedBlocks
 from kvship.router.pool import Endpoint, Pool, endpoint_from_url
 from kvship.router.scrape import Scraper
 from picker_utils import ADDRESSES, chat, picked
@@ -141,3 +142,19 @@ def test_least_load_from_scraped_metrics_and_dead_endpoint_skipped():
     finally:
         for p in pages:
             p.close()
+
+
+def test_without_a_reported_match_the_pickers_own_record_decides():
+    cached = CachedBlocks()  # what engines report (their KV-cache events)
+    a, b = Endpoint("a:1", "http://a:1"), Endpoint("b:1", "http://b:1")
+    pool = Pool([a, b], "prefix", cached=cached)
+    cached.apply("b:1", [["BlockStored", [11, 12], None, list(range(32)), 16, None, None]])
+    assert pool.pick([b"t1"], [11, 12, 13]).endpoint is b  # reported: b holds two blocks
+    first = pool.pick([b"t2"], [21])
+    assert first.reason == "prefix-miss"
+    again = pool.pick([b"t2"], [21])  # nothing reported for it (still in flight): where it was sent
+    assert again.reason == "prefix-hit" and again.endpoint is first.endpoint
+    cached.apply("b:1", [["BlockRemoved", [12], None]])
+    assert cached.match("b:1", [11, 12]) == 1
+    cached.apply("b:1", [["AllBlocksCleared"]])
+    assert cached.count("b:1") == 0
