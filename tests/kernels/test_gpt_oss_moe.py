@@ -102,9 +102,12 @@ def test_torch_path_matches_transformers_experts(mxfp4):
 
 
 @needs_triton
+@pytest.mark.parametrize("path", ["gemm", "gemv"])
 @pytest.mark.parametrize("mxfp4", [False, True])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_triton_matches_torch(mxfp4, tokens):
+def test_triton_matches_torch(path, mxfp4, tokens):
+    """The grouped GEMMs and the one-token GEMV kernels (which take any token count; the engine
+    gives them one), K in several tiles (with a partial last one on the GPU)."""
     e, h, i, k = (4, 64, 32, 2) if not GPU else (32, 2880, 2880, 4)
     dtype = torch.float32 if not GPU else torch.bfloat16
     ex = make_experts(e, h, i, mxfp4, 7, DEV)
@@ -113,29 +116,12 @@ def test_triton_matches_torch(mxfp4, tokens):
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(8)).to(DEV, dtype)
     weights, ids = route(tokens, e, k, 9)
     weights, ids = weights.to(DEV), ids.to(DEV)
-    cfg = None if GPU else MoEConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
-    got = gm.gpt_oss_moe_triton(x, ex, weights, ids, cfg)
-    want = gm.gpt_oss_moe_torch(x.float(), ex, weights, ids)
-    err = (got.float() - want).norm() / want.norm()
-    assert torch.isfinite(got).all() and err < (1e-5 if dtype == torch.float32 else 2e-2), err
-
-
-@needs_triton
-@pytest.mark.parametrize("mxfp4", [False, True])
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_gemv_matches_torch(mxfp4, tokens):
-    """The one-token GEMV kernels (any token count works; the engine takes them for one), K in
-    several tiles with a partial last one on the GPU."""
-    e, h, i, k = (4, 64, 32, 2) if not GPU else (32, 2880, 2880, 4)
-    dtype = torch.float32 if not GPU else torch.bfloat16
-    ex = make_experts(e, h, i, mxfp4, 11, DEV)
-    if not mxfp4:
-        ex = gm.GptOssExperts(ex.w13.to(dtype), ex.w13_bias, ex.w2.to(dtype), ex.w2_bias)
-    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(12)).to(DEV, dtype)
-    weights, ids = route(tokens, e, k, 13)
-    weights, ids = weights.to(DEV), ids.to(DEV)
-    tiles = None if GPU else {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1}
-    got = gm.gpt_oss_moe_gemv(x, ex, weights, ids, tiles, tiles)
+    if path == "gemm":
+        cfg = None if GPU else MoEConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1)
+        got = gm.gpt_oss_moe_triton(x, ex, weights, ids, cfg or MoEConfig(16, 64, 128, 4, 3))
+    else:
+        tiles = None if GPU else {"block_n": 16, "block_k": 32, "num_warps": 4, "num_stages": 1}
+        got = gm.gpt_oss_moe_gemv(x, ex, weights, ids, tiles, tiles)
     want = gm.gpt_oss_moe_torch(x.float(), ex, weights, ids)
     err = (got.float() - want).norm() / want.norm()
     assert torch.isfinite(got).all() and err < (1e-5 if dtype == torch.float32 else 2e-2), err

@@ -107,6 +107,16 @@ def _weight_tile(w_rows, s_rows, nmask, k0, K, dtype, MXFP4: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _row_tile(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N: tl.constexpr):
+    """This program's BLOCK_N output rows of the expert: (rows, their mask, their first weight
+    bytes, their first scales); an up row is N rows further."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n64 = offs_n.to(tl.int64)
+    return (offs_n, offs_n < N, w_ptr + expert * stride_we + n64 * stride_wn,
+            s_ptr + expert * stride_se + n64 * stride_sn)
+
+
+@triton.jit
 def _gpt_oss_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, sorted_ptr, experts_ptr, padded_ptr,
                          num_pairs, N, K, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out,
                          alpha, limit, A_DIV: tl.constexpr, GATED: tl.constexpr, MXFP4: tl.constexpr,
@@ -121,11 +131,8 @@ def _gpt_oss_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, sorted_
     valid = pairs < num_pairs
     rows = (pairs // A_DIV).to(tl.int64)
     expert = tl.load(experts_ptr + pid_m).to(tl.int64)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
-    n64 = offs_n.to(tl.int64)
-    gate_w = w_ptr + expert * stride_we + n64 * stride_wn
-    gate_s = s_ptr + expert * stride_se + n64 * stride_sn
+    offs_n, nmask, gate_w, gate_s = _row_tile(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn,
+                                              BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -166,11 +173,8 @@ def _gpt_oss_gemv_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr
     pair = tl.program_id(1)
     row = (pair // A_DIV).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
-    n64 = offs_n.to(tl.int64)
-    gate_w = w_ptr + expert * stride_we + n64 * stride_wn
-    gate_s = s_ptr + expert * stride_se + n64 * stride_sn
+    offs_n, nmask, gate_w, gate_s = _row_tile(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn,
+                                              BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
