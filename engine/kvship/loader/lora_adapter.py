@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
+import urllib.request
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +56,28 @@ def adapter_folder(path: str) -> str:
                                f"fetched ({type(e).__name__})", "not_found") from None
 
 
+def _download(url: str, folder: str) -> None:
+    """The adapter's two files from below ``url`` (the URL of its folder) into ``folder``."""
+    try:
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            with urllib.request.urlopen(f"{url.rstrip('/')}/{name}", timeout=60) as r, \
+                    open(os.path.join(folder, name), "wb") as f:
+                shutil.copyfileobj(r, f)
+    except OSError as e:  # HTTP errors, no connection
+        raise LoRAAdapterError(f"LoRA adapter {url!r} could not be fetched ({e})", "not_found") from None
+
+
 def read_adapter(path: str, max_rank: int) -> LoRAAdapter:
-    folder = adapter_folder(path)
+    """The adapter at ``path``: a local folder, a hub id, or a URL of its folder (fetched each
+    time it is read: the engine keeps what it read in its host cache)."""
+    if path.startswith(("http://", "https://")):
+        with tempfile.TemporaryDirectory(prefix="kvship-lora-") as folder:
+            _download(path, folder)
+            return _read_folder(folder, path, max_rank)
+    return _read_folder(adapter_folder(path), path, max_rank)
+
+
+def _read_folder(folder: str, path: str, max_rank: int) -> LoRAAdapter:
     with open(os.path.join(folder, CONFIG_FILE)) as f:
         cfg = json.load(f)
     _check_config(cfg, max_rank)
