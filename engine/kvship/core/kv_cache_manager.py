@@ -220,19 +220,22 @@ class KVCacheManager:
                 block.hash = hashes[i]
                 self.cached[hashes[i]] = block.block_id
                 if self.events is not None:
-                    self._record_stored(hashes, i, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                    self._record_stored(hashes, i, seq.token_ids[i * self.block_size : (i + 1) * self.block_size],
+                                        seq.lora_id)
         seq.num_cached_upto = num_full
 
     # -- events ------------------------------------------------------------------------------
-    def _record_stored(self, hashes: list[int], i: int, tokens: list[int]) -> None:
-        """Block i of a chain entered the cache: one BlockStored event per run of consecutive blocks."""
+    def _record_stored(self, hashes: list[int], i: int, tokens: list[int], lora_id: int | None) -> None:
+        """Block i of a chain entered the cache: one BlockStored event per run of consecutive blocks
+        (a chain's first block has no parent; an adapter's chain starts at lora_root, as vLLM's
+        events say with lora_id)."""
         parent = hashes[i - 1] if i else None
         last = self.events[-1] if self.events else None
         if last is not None and last[0] == "BlockStored" and last[1][-1] == parent:
             last[1].append(hashes[i])
             last[3].extend(tokens)
         else:
-            self.events.append(kv_events.stored([hashes[i]], parent, list(tokens), self.block_size))
+            self.events.append(kv_events.stored([hashes[i]], parent, list(tokens), self.block_size, lora_id))
 
     def _record_removed(self, h: int) -> None:
         last = self.events[-1] if self.events else None

@@ -38,8 +38,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return out
 
 
-def stored(hashes: list[int], parent: int | None, token_ids: list[int], block_size: int) -> list:
-    return ["BlockStored", hashes, parent, token_ids, block_size, None, None]
+def stored(hashes: list[int], parent: int | None, token_ids: list[int], block_size: int,
+           lora_id: int | None = None) -> list:
+    return ["BlockStored", hashes, parent, token_ids, block_size, lora_id, None]
 
 
 def removed(hashes: list[int]) -> list:
