@@ -193,15 +193,17 @@ def test_hybrid_gguf_greedy_matches_transformers(files):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == greedy_reference(ref, prompts, 8)
 
 
-def test_quantized_hybrid_keeps_blocks_through_value_reorder(tmp_path):
-    """Q8_0 projections of a Qwen3.5 file whose value heads (32 channels: a Q8_0 block each)
-    llama.cpp tiled: the DeltaNet's rows and out_proj's columns put back in their blocks, the
-    logits those blocks define against transformers on the same blocks dequantized."""
-    ref = interval_hybrid("qwen3_5", tmp_path / "st", linear_value_head_dim=32)
+@pytest.mark.parametrize("dv", [32, 8])
+def test_quantized_hybrid_keeps_blocks_through_value_reorder(tmp_path, dv):
+    """Q8_0 projections of a Qwen3.5 file whose value heads llama.cpp tiled: the DeltaNet's rows
+    put back in their blocks, and out_proj's columns too where a value head holds whole blocks
+    (32 channels), else dequantized (8); the logits those blocks define against transformers on
+    the same blocks dequantized."""
+    ref = interval_hybrid("qwen3_5", tmp_path / "st", linear_value_head_dim=dv)
     path = tmp_path / "tiny-qwen35-Q8_0.gguf"
     write_gguf(path, ref, "qwen35", QT.Q8_0)
     assert resolve_model(str(path)).hf_config["quantization_config"] == {"quant_method": "gguf"}
-    deq = interval_hybrid("qwen3_5", tmp_path / "deq", linear_value_head_dim=32)
+    deq = interval_hybrid("qwen3_5", tmp_path / "deq", linear_value_head_dim=dv)
     with torch.no_grad():
         for name, p in deq.named_parameters():
             if p.dim() == 2 and ".layers." in name and "norm" not in name:

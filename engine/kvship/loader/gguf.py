@@ -486,9 +486,9 @@ def load_gguf(path: str) -> ModelSource:
                 heads = n_kv
             if hybrid is not None:
                 ref = _make_quant_ref(info, None) if gname in kept else _make_ref(info, None)
-                moved = hybrid.refs(hf, ref, gname in kept)
+                moved = hybrid.moved(hf, ref, gname in kept)
                 if moved is not None:
-                    yield from moved
+                    yield hf, moved
                     continue
             if arch in _NORM_PLUS_ONE and hf.endswith("norm.weight"):
                 yield hf, _minus_one(_make_ref(info, None))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -82,32 +82,37 @@ class HybridTensors:
         self.r, self.dk, self.dv = hv // self.hk, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
         self.tiled = arch in _TILED_ARCHS and self.r > 1
 
-    def refs(self, hf: str, ref, quantized: bool) -> Iterator[tuple[str, Any]] | None:
-        """(HF name, lazy tensor) for a tensor this layout transforms, None for the others."""
+    def moved(self, hf: str, ref, quantized: bool):
+        """The lazy tensor the HF checkpoint holds for a tensor this layout transforms (``ref``,
+        a QuantRef when ``quantized``), None for the others."""
         if hf.endswith("linear_attn.A_log"):
-            a_log = lambda t: self._heads(torch.log(-t.float()), 0, 1)  # noqa: E731
-            return iter([(hf, self._mapped(ref, a_log, torch.float32))])
+            return self._mapped(ref, lambda t: self._heads(torch.log(-t.float()), 1), torch.float32)
         if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
-            return iter([(hf, self._mapped(ref, lambda t: t.float() - 1.0, torch.float32))])
+            return self._mapped(ref, lambda t: t.float() - 1.0, torch.float32)
         if not self.tiled:
             return None
-        k2 = 2 * self.hk * self.dk
-        if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):
-            fn = lambda t: torch.cat([t[:k2], _untile(t[k2:], 0, self.hk, self.r, self.dv)])  # noqa: E731
-        elif hf.endswith("in_proj_z.weight"):
-            fn = lambda t: _untile(t, 0, self.hk, self.r, self.dv)  # noqa: E731
-        elif hf.endswith(("in_proj_b.weight", "in_proj_a.weight", "linear_attn.dt_bias")):
-            fn = lambda t: _untile(t, 0, self.hk, self.r, 1)  # noqa: E731
-        elif hf.endswith("out_proj.weight"):
-            return iter([(hf, self._out_proj(ref) if quantized else self._mapped(
-                ref, lambda t: _untile(t, 1, self.hk, self.r, self.dv)))])
-        else:
+        if hf.endswith("out_proj.weight"):
+            return self._out_proj(ref) if quantized else self._mapped(ref, lambda t: self._heads(t, self.dv, dim=1))
+        rows = self._rows_put_back(hf)
+        if rows is None:
             return None
         if quantized:  # a reordering of whole rows: the blocks move with them
-            return iter([(hf, QuantRef(lambda: ref.load().map_rows(fn), ref.what, ref.shape))])
-        return iter([(hf, self._mapped(ref, fn))])
+            return QuantRef(lambda: ref.load().map_rows(rows), ref.what, ref.shape)
+        return self._mapped(ref, rows)
 
-    def _heads(self, t: torch.Tensor, dim: int, d: int) -> torch.Tensor:
+    def _rows_put_back(self, hf: str):
+        """The reordering of a tiled tensor's rows (value heads, or conv channels of v)."""
+        k2 = 2 * self.hk * self.dk
+        if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            return lambda t: torch.cat([t[:k2], self._heads(t[k2:], self.dv)])
+        if hf.endswith("in_proj_z.weight"):
+            return lambda t: self._heads(t, self.dv)
+        if hf.endswith(("in_proj_b.weight", "in_proj_a.weight", "linear_attn.dt_bias")):
+            return lambda t: self._heads(t, 1)
+        return None
+
+    def _heads(self, t: torch.Tensor, d: int, dim: int = 0) -> torch.Tensor:
+        """Value heads of ``d`` channels along ``dim`` back in grouped order (if tiled)."""
         return _untile(t, dim, self.hk, self.r, d) if self.tiled else t
 
     @staticmethod
