@@ -80,6 +80,30 @@ SHAPES = {
                         layer_types=["sliding_attention", "full_attention"] * 12),
     "gpt-oss-120b": dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128,
                          layer_types=["sliding_attention", "full_attention"] * 18),
+    # GLM-4.5-Air (106B, 12B active): one dense layer, then 8 of 128 routed experts + 1 shared,
+    # sigmoid routing; GQA 96/8 heads with biases, half of each head rotated. Fits one GPU only
+    # quantized (--quantization fp8: about 110 GB)
+    "glm-4.5-air": dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", hidden_size=4096,
+                        intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46,
+                        num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_routed_experts=128,
+                        n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+                        norm_topk_prob=True, routed_scaling_factor=1.0, partial_rotary_factor=0.5,
+                        rope_theta=1000000.0, attention_bias=True, use_qk_norm=False, vocab_size=151552,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, num_nextn_predict_layers=0,
+                        tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
+    # Llama-4-Scout (109B, 17B active): top-1 of 16 experts + a shared one in every layer, chunked
+    # attention (8192) on 3 of 4 layers; fits one GPU only quantized (--quantization fp8)
+    "llama4-scout": dict(architectures=["Llama4ForCausalLM"], model_type="llama4_text", hidden_size=5120,
+                         intermediate_size=8192, intermediate_size_mlp=16384, num_hidden_layers=48,
+                         num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=202048,
+                         num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                         attention_chunk_size=8192, use_qk_norm=True, attn_temperature_tuning=True,
+                         floor_scale=8192, attn_scale=0.1, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(48)],
+                         rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 16.0,
+                                                            "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                                            "original_max_position_embeddings": 8192},
+                         max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                         torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
 }
 
 
@@ -131,6 +155,8 @@ def param_count(shape: str) -> int:
         experts = c["num_experts_per_tok"] + c["n_shared_experts"]
         moe = 3 * h * c["moe_intermediate_size"] * experts + c["n_routed_experts"] * h
         return layers * (attn + 2 * h) + dense * 3 * h * i + (layers - dense) * moe + embed + h
+    if c["model_type"] in ("glm4_moe", "llama4_text"):
+        return _routed_shared_param_count(c)
     router = 0
     if c.get("num_experts"):
         i, router = c["num_experts_per_tok"] * c["moe_intermediate_size"], c["num_experts"] * h
@@ -140,12 +166,30 @@ def param_count(shape: str) -> int:
     return layers * per_layer + embed + h
 
 
+def _routed_shared_param_count(c: dict) -> int:
+    """GLM-4 MoE (dense first layers, then k routed + shared experts) and Llama 4 (routed layers
+    every interleave_moe_layer_step, top-1 + a shared expert, dense ones of intermediate_size_mlp)."""
+    h, layers, v = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    d = c["head_dim"]
+    attn = h * d * (c["num_attention_heads"] * 2 + c["num_key_value_heads"] * 2) + 2 * h
+    if c["model_type"] == "glm4_moe":
+        dense, dense_i = c["first_k_dense_replace"], c["intermediate_size"]
+        experts, expert_i, e = c["num_experts_per_tok"] + c["n_shared_experts"], c["moe_intermediate_size"], \
+            c["n_routed_experts"]
+    else:
+        step = c["interleave_moe_layer_step"]
+        dense, dense_i = layers - layers // step, c["intermediate_size_mlp"]
+        experts, expert_i, e = c["num_experts_per_tok"] + 1, c["intermediate_size"], c["num_local_experts"]
+    moe = 3 * h * expert_i * experts + e * h
+    return layers * attn + dense * 3 * h * dense_i + (layers - dense) * moe + 2 * v * h + h
+
+
 def experts_read(shape: str, batch: int) -> float:
     """Routed experts one layer reads in a step of ``batch`` tokens, per expert a token picks:
     E * (1 - (1 - k/E)^batch) / k under uniform routing (1 at batch 1; E/k once every expert is
     picked). 1 for a dense shape."""
     c = SHAPES[shape]
-    e = c.get("num_experts") or c.get("n_routed_experts")  # DeepSeek's name for it
+    e = c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts")  # DeepSeek's, Llama 4's
     if not e:
         return 1.0
     k = c["num_experts_per_tok"]
