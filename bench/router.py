@@ -1,8 +1,10 @@
 """`kvship router` on the CPU: 3 replicas of the bundled model behind Envoy + the endpoint picker,
 a multi-tenant workload (several long shared system prompts, short user turns, interleaved).
 Per policy: TTFT p50/p99 (streamed) and the replicas' prefix-cache hit rate over the run, beside
-one replica alone (every prefix cached in one place, the ceiling). Then the Envoy + picker hop's
-own added latency: GET /health straight to a replica against the same through the router.
+one replica alone (every prefix cached in one place, the ceiling); `prefix + KV events` scores
+what the replicas report caching. Then the Envoy + picker hop's own added latency: GET /health
+straight to a replica against the same through the router, and the /tokenize round trip the
+KV-event scoring adds to a request.
 
     python bench/router.py [--replicas 3] [--tenants 5] [--turns 4] [--concurrency 4]
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import time
@@ -21,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "router"))
 from common import header, table
-from server_utils import ServerProcess
-from test_envoy import RouterProcess  # noqa: E402  (tests/router: the same process wrapper)
+from router_utils import RouterProcess  # noqa: E402  (tests/router: the same process wrapper)
+from server_utils import ServerProcess, free_port
 
 SERVE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory", "256MiB", "--shutdown-timeout", "2")
 
@@ -69,19 +72,26 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
 
 
-def hop_latency(direct: str, routed: str, n: int = 300) -> tuple[float, float]:
-    out = []
-    for url in (direct, routed):
-        with httpx.Client() as c:
-            for _ in range(20):
-                c.get(url + "/health")
-            times = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                c.get(url + "/health").raise_for_status()
-                times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times) * 1000)
-    return out[0], out[1]
+def median_ms(call, n: int = 300) -> float:
+    for _ in range(20):
+        call()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def hop_latency(direct: str, routed: str) -> tuple[float, float]:
+    with httpx.Client() as c:
+        return tuple(median_ms(lambda url=url: c.get(url + "/health").raise_for_status()) for url in (direct, routed))
+
+
+def tokenize_latency(url: str, model: str, system: str) -> float:
+    body = {"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+    with httpx.Client() as c:
+        return median_ms(lambda: c.post(url + "/tokenize", json=body).raise_for_status(), n=100)
 
 
 def main() -> None:
@@ -93,7 +103,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=4)
     args = ap.parse_args()
     requests = workload(args.tenants, args.turns)
-    servers = [ServerProcess(*SERVE_ARGS) for _ in range(args.replicas)]
+    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(args.replicas)]
+    servers = [ServerProcess(*SERVE_ARGS, "--kv-events-config",
+                             json.dumps({"enable_kv_cache_events": True, "endpoint": e})) for e in events]
     routers: list[RouterProcess] = []
     try:
         for s in servers:
@@ -110,8 +122,10 @@ def main() -> None:
                          f"{hit_rate([solo], before):.0%}"])
         finally:
             solo.stop(15)
-        for policy in ("prefix", "least-load", "round-robin"):
-            router = RouterProcess([s.url for s in servers], policy)
+        setups = {"prefix": ("prefix",), "prefix + KV events": ("prefix", *(a for e in events for a in ("--kv-events", e))),
+                  "least-load": ("least-load",), "round-robin": ("round-robin",)}
+        for policy, router_args in setups.items():
+            router = RouterProcess([s.url for s in servers], *router_args)
             routers.append(router)
             router.wait_ready()
             # Each policy sees prefixes no replica holds yet: a distinct tenant text per policy.
@@ -121,12 +135,14 @@ def main() -> None:
             rows.append([f"router, {policy}", f"{pct(ttft, .5):.0f}", f"{pct(ttft, .99):.0f}",
                          f"{hit_rate(servers, before):.0%}"])
         direct, routed = hop_latency(servers[0].url, routers[0].url)
+        tokenize = tokenize_latency(servers[0].url, model, requests[0][0])
         print(header(f"kvship router: {args.replicas} replicas, {args.tenants} tenants x {args.turns} turns, "
                      f"concurrency {args.concurrency}"))
         print(table(rows, ["setup", "TTFT p50 ms", "TTFT p99 ms", "prefix-cache hit rate"]))
         print()
-        print(table([[f"{direct:.2f}", f"{routed:.2f}", f"{routed - direct:.2f}"]],
-                    ["GET /health direct p50 ms", "through Envoy + picker p50 ms", "added ms"]))
+        print(table([[f"{direct:.2f}", f"{routed:.2f}", f"{routed - direct:.2f}", f"{tokenize:.2f}"]],
+                    ["GET /health direct p50 ms", "through Envoy + picker p50 ms", "added ms",
+                     "KV events: /tokenize p50 ms"]))
     finally:
         for r in routers:
             r.stop()

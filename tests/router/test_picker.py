@@ -10,7 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import picker_utils
-from kvship.router.kv_events import CachedBlocks
+from kvship.core.kv_events import block_hashes
+from kvship.router import prompt
+from kvship.router.kv_events import CachedBlocks, request_block_hashes
 from kvship.router.pool import Endpoint, Pool, endpoint_from_url
 from kvship.router.scrape import Scraper
 from picker_utils import ADDRESSES, chat, picked
@@ -158,3 +160,41 @@ def test_without_a_reported_match_the_pickers_own_record_decides():
     assert cached.match("b:1", [11, 12]) == 1
     cached.apply("b:1", [["AllBlocksCleared"]])
     assert cached.count("b:1") == 0
+
+
+def test_request_tokens_come_from_an_engines_tokenize_with_the_requests_key():
+    """/tokenize on a real HTTP server that wants a key, as `kvship serve --api-key` does."""
+    seen: list[dict] = []
+
+    class H(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            seen.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            ok = self.headers.get("authorization") == "Bearer k"
+            body = json.dumps({"tokens": list(range(40))} if ok else {"error": {}}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        live = [endpoint_from_url(f"http://127.0.0.1:{httpd.server_address[1]}")]
+        cached = CachedBlocks()
+        parsed = prompt.parse(json.dumps(chat("sys", "hi")).encode(), 64)
+        assert request_block_hashes(parsed, cached, live, "Bearer k") == []  # no block size reported yet
+        cached.apply("x", [["BlockStored", [1], None, list(range(16)), 16, None, None]])
+        assert request_block_hashes(parsed, cached, live, "Bearer k") == block_hashes(list(range(40)), 16)
+        assert seen[-1] == {"model": "m", "messages": chat("sys", "hi")["messages"]}
+        assert request_block_hashes(parsed, cached, live, None) == []  # refused: the picker's own record decides
+        ids = prompt.parse(json.dumps({"prompt": list(range(20))}).encode(), 64)
+        calls = len(seen)
+        assert request_block_hashes(ids, cached, live) == block_hashes(list(range(20)), 16) and len(seen) == calls
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(5)

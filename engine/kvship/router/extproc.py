@@ -91,18 +91,18 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         self.stats.picked({"full": "hold-full", "timeout": "hold-timeout"}.get(held, "no-endpoint"), None)
         return immediate_error(503, message, "service_unavailable_error", "no_endpoint", retry)
 
-    def _cached_hashes(self, parsed: prompt.ParsedRequest) -> list | None:
+    def _cached_hashes(self, parsed: prompt.ParsedRequest, headers: dict[str, str]) -> list | None:
         """The prompt's blocks as the engines hash them, when they report what they cache."""
         if self.pool.cached is None or self.pool.policy != "prefix":
             return None
-        return request_block_hashes(parsed, self.pool.cached, self.pool.healthy())
+        return request_block_hashes(parsed, self.pool.cached, self.pool.healthy(), headers.get("authorization"))
 
     def _answer(self, phase: str, headers: dict[str, str], body: bytes) -> tuple[pb.ProcessingResponse, Pick | None]:
         span = self.tracer.start(headers) if self.tracer else None
         try:
             held = self.holding.wait()
             parsed = prompt.parse(body, self.block_chars)
-            pick = self.pool.pick(parsed.block_hashes, self._cached_hashes(parsed)) if held == "ready" else None
+            pick = self.pool.pick(parsed.block_hashes, self._cached_hashes(parsed, headers)) if held == "ready" else None
             if pick is None:
                 if span is not None:
                     span.set_attribute("kvship.router.reason", f"no-endpoint ({held})")

@@ -149,9 +149,10 @@ class EventSubscriber:
 
 
 def request_block_hashes(parsed: ParsedRequest, blocks: CachedBlocks, live: list[Endpoint],
-                         timeout_s: float = 2.0) -> list[int]:
+                         authorization: str | None = None, timeout_s: float = 2.0) -> list[int]:
     """The request's block hashes as an engine computes them, its tokens from an engine's
-    /tokenize; [] when that is not possible (no block size known yet, no engine, an error)."""
+    /tokenize (with the request's own credentials, for an engine that wants an API key); []
+    when that is not possible (no block size known yet, no engine, an error)."""
     if blocks.block_size is None or not live:
         return []
     tokens = parsed.token_ids
@@ -159,8 +160,10 @@ def request_block_hashes(parsed: ParsedRequest, blocks: CachedBlocks, live: list
         if parsed.tokenize is None:
             return []
         url = random.choice(live).url + "/tokenize"
-        request = urllib.request.Request(url, json.dumps(parsed.tokenize).encode(),
-                                         {"content-type": "application/json"})
+        headers = {"content-type": "application/json"}
+        if authorization:
+            headers["authorization"] = authorization
+        request = urllib.request.Request(url, json.dumps(parsed.tokenize).encode(), headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as resp:
                 tokens = json.loads(resp.read())["tokens"]
