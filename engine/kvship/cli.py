@@ -112,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        speculative_config=args.speculative_config,
     )
 
 

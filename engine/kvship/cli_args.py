@@ -6,6 +6,7 @@ import argparse
 import re
 
 from kvship import envs
+from kvship.speculative_config import SpeculativeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
@@ -31,6 +32,14 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
     return v
+
+
+def _speculative_json(text: str) -> str:
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -91,6 +100,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-all-reduce", choices=["nccl", "one-shot", "fused"], default="fused",
                    help="all-reduce for small tensors between GPUs (fused: at TP=2 on one host the reduction, "
                         "residual add and RMSNorm in one kernel, NCCL otherwise; one-shot: peer loads over NVLink)")
+    g.add_argument("--speculative-config", type=_speculative_json, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"model": DRAFT, '
+                        '"num_speculative_tokens": 4}; "disable_by_batch_size" (default 32) turns it off for '
+                        'larger batches (docs/speculative.md)')
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="paged attention: torch forces the plain-torch reference kernels everywhere; auto "

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
+from kvship.speculative_config import SpeculativeConfig
+
 TASKS = ("auto", "generate", "embed")
 QUANTIZATIONS = (None, "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
@@ -101,7 +103,11 @@ class EngineConfig:
     # "auto": embed for a folder saved by sentence-transformers (modules.json), else generate.
     task: str = "auto"
 
+    # Speculative decoding (docs/speculative.md): a SpeculativeConfig, or its dict / JSON text.
+    speculative_config: SpeculativeConfig | dict | str | None = None
+
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:

@@ -52,6 +52,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks, grown as they fill
     num_cached_upto: int = 0  # blocks of block_table already offered to the prefix cache
     state_slot: int | None = None  # its recurrent-state slot while it holds blocks (core/kv_cache_manager.py)
+    # the speculator's (core/speculative.py): tokens proposed after token_ids, for the next step
+    # to verify; the scheduler cuts them to what that step has room for
+    draft_token_ids: list[int] = field(default_factory=list)
     # the model runner's
     prompt_logprobs: list = field(default_factory=list)
     # finish()'s

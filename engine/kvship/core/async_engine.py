@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import queue
 import threading
@@ -19,6 +20,7 @@ import torch
 
 from kvship.config import EngineConfig
 from kvship.core.engine import LLMEngine
+from kvship.core.speculative import SpecStats
 from kvship.lora_request import LoRARequest
 from kvship.outputs import RequestOutput
 from kvship.sampling_params import InvalidParamsError, SamplingParams, StructuredOutput
@@ -50,6 +52,7 @@ class EngineStats:
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
     lora_requests_total: dict[str, int] = field(default_factory=dict)
+    spec_decode: SpecStats | None = None  # speculative decoding's counters, when it is on
 
 
 @dataclass
@@ -189,6 +192,7 @@ class AsyncEngine:
             running_lora_adapters=sorted({s.lora.lora_name for s in list(sched.running) if s.lora is not None}),
             waiting_lora_adapters=sorted({s.lora.lora_name for s in list(sched.waiting) if s.lora is not None}),
             lora_requests_total=dict(e.lora_requests_total),
+            spec_decode=copy.deepcopy(e.speculator.stats) if e.speculator is not None else None,
         )
 
     def is_alive(self) -> bool:

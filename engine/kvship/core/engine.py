@@ -21,6 +21,7 @@ from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.kv_events import open_publisher
 from kvship.core.output_processor import Accepted, OutputProcessor
 from kvship.core.scheduler import Scheduler
+from kvship.core.speculative import build_speculator, roll_back
 from kvship.core.state_checkpoints import StateCheckpoints
 from kvship.loader import DEFAULT_POOLING
 from kvship.loader.lora_adapter import LoRAAdapterError
@@ -28,6 +29,7 @@ from kvship.lora_request import LoRARequest
 from kvship.outputs import RequestOutput
 from kvship.parallel import SINGLE
 from kvship.runner.model_runner import InFlightStep, ModelRunner, load_model
+from kvship.runner.rejection import sample_and_verify
 from kvship.runner.tp.launch import TPRuntime
 from kvship.sampling_params import InvalidParamsError, SamplingParams
 from kvship.sequence import Batch, Sequence
@@ -72,6 +74,14 @@ class LLMEngine:
         self.task = config.task  # "generate" or "embed" (load_model resolved "auto")
         self.pooling = (source.pooling or DEFAULT_POOLING) if self.task == "embed" else None
         self.in_flight: InFlightStep | None = None  # the last launched step, its tokens not read yet
+        self.speculator = None
+        if config.speculative_config is not None and self.task == "generate":
+            try:
+                self.speculator = build_speculator(config.speculative_config, config, self.model_config,
+                                                   self.tokenizer, self.runner.num_blocks)
+            except BaseException:
+                self.shutdown()
+                raise
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.lora_requests_total: dict[str, int] = {}  # adapter name -> requests submitted
@@ -176,6 +186,8 @@ class LLMEngine:
         for c in req.choices:
             if c.out.finish_reason is None or not c.seq.finished:  # also one ended at launch, its last token in flight
                 self.scheduler.finish(c.seq, "abort")
+        if self.speculator is not None:
+            self.speculator.forget([c.seq for c in req.choices])
         if self.in_flight is not None and not any(map(_expects, self.in_flight.sampled, self.in_flight.positions)):
             self.in_flight = None  # nothing in it is wanted: no need to read it
         return self.outputs.abort(request_id)
@@ -201,6 +213,9 @@ class LLMEngine:
         if not release_memory:
             return
         self.in_flight = None
+        speculator = getattr(self, "speculator", None)
+        if speculator is not None:
+            speculator.release()
         if runner is not None:
             runner.release()
         release_device_memory()
@@ -208,6 +223,8 @@ class LLMEngine:
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Launch step N+1, then finish step N (``previous``) while the device computes it."""
+        if self.speculator is not None and self.speculator.active(len(self.scheduler.running)):
+            return self._speculative_step()
         t0 = time.perf_counter()
         previous, outputs = self.in_flight, []
         if previous is not None and must_read_before_scheduling(previous):
@@ -235,6 +252,51 @@ class LLMEngine:
                       len(self.scheduler.waiting), (time.perf_counter() - t0) * 1e3)
         return outputs
 
+    def _speculative_step(self) -> list[RequestOutput]:
+        """A step that verifies proposed tokens (core/speculative.py), run to its end: the next
+        proposals need its tokens. Each sampling sequence keeps one to k + 1 tokens."""
+        outputs = self._finish(self.in_flight) if self.in_flight is not None else []
+        self.in_flight = None
+        proposed = self.speculator.propose(self.scheduler.running)
+        batch = self.scheduler.schedule()
+        if not batch:
+            for seq in proposed:
+                seq.draft_token_ids = []
+            return outputs + self._unblock()
+        logits = self.runner.run(batch)
+        self.scheduler.commit(batch)
+        sampled = [seq for seq in batch.seqs if seq.num_computed_tokens >= seq.num_tokens]
+        allowed = None
+        if any(seq.grammar is not None for seq in sampled):  # such sequences propose nothing: one row each
+            allowed = self.grammars.bitmask([seq.grammar for seq in sampled for _ in range(len(seq.draft_token_ids) + 1)])
+        verified = sample_and_verify(self.runner.sampler, logits, sampled, allowed)
+        self.speculator.record([(len(seq.draft_token_ids), v) for seq, v in zip(sampled, verified)])
+        for seq in proposed:
+            seq.draft_token_ids = []
+        now, accepted = time.monotonic(), []
+        for seq, v in zip(sampled, verified):
+            for token, lp in zip(v.token_ids, v.logprobs):
+                last = self._reaches_length(seq, seq.num_tokens)
+                if last:
+                    self.scheduler.finish(seq, "length")
+                accepted.append(self._accept(seq, token, lp, now, last))
+                if seq.finished:  # tokens after its last are dropped
+                    break
+            if not seq.finished:
+                roll_back(self.kv, seq)
+        step_outputs, stopped = self.outputs.process(accepted)
+        for seq, stop_string in stopped:
+            self.scheduler.finish(seq, "stop", stop_string)
+        self.speculator.forget([seq for seq in sampled if seq.finished])
+        for seq in batch.seqs:
+            self.kv.cache_full_blocks(seq)
+        return outputs + step_outputs
+
+    def _reaches_length(self, seq: Sequence, pos: int) -> bool:
+        """Whether the token at index pos of seq is its last by max_tokens or the context limit."""
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and pos + 1 - seq.num_prompt_tokens >= max_tokens) or pos + 1 >= self.max_model_len
+
     def _grammar_bitmask(self, step: InFlightStep):
         """The allowed tokens of the step's constrained rows, or None when none is."""
         if not any(s.grammar is not None for s in step.sampled):
@@ -247,8 +309,7 @@ class LLMEngine:
         for i, (seq, pos) in enumerate(zip(step.sampled, step.positions)):
             if seq.finished:  # ended on the token before (read early for a grammar): this one is dropped
                 continue
-            max_tokens = seq.params.max_tokens
-            if (max_tokens is not None and pos + 1 - seq.num_prompt_tokens >= max_tokens) or pos + 1 >= self.max_model_len:
+            if self._reaches_length(seq, pos):
                 step.last[i] = True
                 self.scheduler.finish(seq, "length")
 

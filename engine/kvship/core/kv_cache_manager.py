@@ -321,6 +321,15 @@ class KVCacheManager:
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = None
 
+    def drop_tail(self, seq: Sequence) -> None:
+        """Give back seq's blocks past its computed tokens: those that held speculative positions
+        the verify rejected. None was offered to the prefix cache (cache_full_blocks stops at
+        tokens whose values the host knows, and a proposal is not one of them)."""
+        keep = max(0, self.blocks_needed(seq.num_computed_tokens) - seq.num_released_blocks)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._give_back(block_id)
+        del seq.block_table[keep:]
+
     def _give_back(self, block_id: int) -> None:
         block = self.blocks[block_id]
         assert block.ref_count > 0, f"block {block_id} freed more often than taken"

@@ -82,6 +82,7 @@ class Scheduler:
             if n > 1:
                 prefills.append(seq)
             elif budget:
+                n += self._verified_drafts(seq, budget - n)
                 fits, preempted = self._fit(seq, n, batch, preempted)
                 if fits:
                     batch.add(seq, n)
@@ -116,6 +117,15 @@ class Scheduler:
                 if copy := self.kv.state_checkpoint(seq, n):
                     batch.state_checkpoints.append(copy)
         return batch.decodes_first()
+
+    def _verified_drafts(self, seq: Sequence, room: int) -> int:
+        """How many of a decode's proposed tokens this step verifies: what the budget leaves
+        room for and free blocks hold (a guess never preempts anything); the rest are dropped."""
+        k = min(len(seq.draft_token_ids), room)
+        if k and not self.kv.allocate(seq, 1 + k):
+            k = 0
+        del seq.draft_token_ids[k:]
+        return k
 
     def _fit(self, seq: Sequence, n: int, batch: Batch, preempted: bool) -> tuple[bool, bool]:
         """Blocks for n more tokens of a running sequence, preempting the newest running ones

@@ -483,7 +483,10 @@ class ModelRunner:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             new = seq.token_ids[start:end]
-            if end > seq.num_tokens:  # only a decode's single input can be in flight
+            drafted = len(seq.draft_token_ids)  # proposed tokens to verify (core/speculative.py)
+            if drafted:
+                new += seq.draft_token_ids
+            elif end > seq.num_tokens:  # only a decode's single input can be in flight
                 fix_at.append(cu[-1] + n - 1)
                 fix_rows.append(previous.rows[seq])
                 new.append(0)
@@ -498,8 +501,8 @@ class ModelRunner:
                 slots += (np.asarray(table)[pos // bs - skip] * bs + pos % bs).tolist()
             cu.append(cu[-1] + n)
             seq_lens.append(end)
-            if end >= seq.num_tokens:  # every token is computed: sample the next one
-                logits_indices.append(cu[-1] - 1)
+            if end >= seq.num_tokens:  # every token is computed: sample the next one (each proposal's too)
+                logits_indices += range(cu[-1] - 1 - drafted, cu[-1])
         num_seqs = len(batch.seqs)
         width = max(s.num_released_blocks + len(s.block_table) for s in batch.seqs)
         tables = np.zeros((num_seqs, width), dtype=np.int32)

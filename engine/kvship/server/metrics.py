@@ -105,6 +105,8 @@ class EngineStatsCollector(Collector):
         yield counter("kvship:num_preemptions", "Requests preempted (recomputed later).", s.num_preemptions)
         yield counter("kvship:prompt_tokens", "Prompt tokens processed (once per sequence).", s.prompt_tokens_total)
         yield counter("kvship:generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        if s.spec_decode is not None:
+            yield from _spec_decode_metrics(s.spec_decode, labels, values)
         yield gauge("kvship:engine_alive", "1 while the engine's step loop runs.", 1.0 if engine.is_alive() else 0.0)
         # vLLM's cache_config_info: the KV cache's fixed facts as labels of a constant 1
         cache = GaugeMetricFamily("kvship:cache_config_info", "KV-cache configuration (always 1).",
@@ -127,6 +129,23 @@ def _lora_metrics(labels: list[str], values: list[str], max_loras: int, s) -> It
     for name, n in sorted(s.lora_requests_total.items()):
         per.add_metric([*values, name], n)
     yield per
+
+
+def _spec_decode_metrics(spec, labels: list[str], values: list[str]) -> Iterator[Metric]:
+    """Speculative decoding's counters as vLLM names them (exposed with the _total suffix)."""
+    for name, doc, value in (
+            ("num_drafts", "Verify passes of a sequence with proposed tokens.", spec.num_drafts),
+            ("num_draft_tokens", "Proposed tokens.", spec.num_draft_tokens),
+            ("num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens)):
+        c = CounterMetricFamily(f"kvship:spec_decode_{name}", doc, labels=labels)
+        c.add_metric(values, value)
+        yield c
+    per_pos = CounterMetricFamily("kvship:spec_decode_num_accepted_tokens_per_pos",
+                                  "Proposed tokens accepted, by their position in the proposal (from 0).",
+                                  labels=[*labels, "position"])
+    for position, accepted in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([*values, str(position)], accepted)
+    yield per_pos
 
 
 class RequestMetrics:
