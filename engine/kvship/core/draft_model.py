@@ -25,7 +25,8 @@ class DraftModelDrafts:
                  num_blocks: int):
         config = dataclasses.replace(engine_config, model=spec.model, revision=None, served_model_name=None,
                                      load_format="auto", quantization=None, speculative_config=None,
-                                     num_kv_blocks=num_blocks, kv_cache_memory=None, task="generate")
+                                     num_kv_blocks=num_blocks, kv_cache_memory=None, task="generate",
+                                     enable_lora=False)
         source, model_config = load_model(config)  # refuses a draft whose context is shorter than the target's
         _check_same_vocabulary(source.tokenizer, model_config, target_tokenizer, target_model_config)
         if model_config.linear_attention is not None:
