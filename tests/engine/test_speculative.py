@@ -217,3 +217,15 @@ def test_gpu_ngram_outputs_identical(bundled):
     assert [[c[:3] for c in o] for o in outputs(spec, PROMPTS, MIXED)] == [[c[:3] for c in o] for o in want]
     assert spec.engine.speculator.stats.num_accepted_tokens > 0
     assert_all_blocks_released(spec)
+
+
+def test_cli_flag(capsys):
+    from kvship.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["serve", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 8}'])
+    spec = config_from_args(args).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.disable_by_batch_size) == ("ngram", 3, 8)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+    assert "not implemented" in capsys.readouterr().err
