@@ -95,6 +95,13 @@ def test_ngram_outputs_identical_to_plain_decoding(plain, ngram, plain_greedy):
     assert outputs(ngram, PROMPTS, GREEDY) == plain_greedy
     assert ngram.engine.kv.prefix_hits > hits
     assert_all_blocks_released(ngram)
+    # Prompts that continue the outputs: their hits include blocks that verify steps filled.
+    tok = ngram.tokenizer
+    longer = [tok.encode(p) + c[0][0] for p, c in zip(PROMPTS, plain_greedy)]
+    hits = ngram.engine.kv.prefix_hits
+    assert outputs(ngram, longer, GREEDY) == outputs(plain, longer, GREEDY)
+    assert ngram.engine.kv.prefix_hits > hits
+    assert_all_blocks_released(ngram)
 
 
 @pytest.mark.timeout(600)
@@ -179,6 +186,27 @@ def _row(params, gen):
     from kvship.runner.sampler import SamplerRow
 
     return SamplerRow(params, (), (), gen)
+
+
+def test_roll_back_never_caches_a_rejected_position():
+    """A sequence that ends on the token sampled after a rejected proposal: the block that token
+    completes holds the proposal's KV at its position, so it must not enter the prefix cache."""
+    from kvship.core.kv_cache_manager import KVCacheManager
+    from kvship.core.speculative import roll_back
+
+    kv = KVCacheManager(8, 4)
+    seq = Sequence("r", 0, list(range(11)), SamplingParams())  # positions 0..10, 10 is the decode input
+    seq.num_computed_tokens = 10
+    seq.draft_token_ids = [50, 51, 52]  # positions 11..13
+    assert kv.allocate(seq, 4)
+    seq.num_computed_tokens += 4  # the verify step launched
+    roll_back(kv, seq, 0)  # the first proposal rejected: position 11 gets another token
+    assert seq.num_computed_tokens == 11 and len(seq.block_table) == 3
+    seq.token_ids.append(60)
+    third = seq.block_table[2]
+    kv.free(seq)  # the sequence ends on that token
+    assert kv.blocks[third].hash is None
+    assert len(kv.cached) == 2
 
 
 def test_ngram_lookup():

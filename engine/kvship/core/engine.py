@@ -245,8 +245,7 @@ class LLMEngine:
             self.kv.cache_full_blocks(seq)  # after the read: a block's hash needs its tokens' values
         if not batch:
             outputs += self._unblock()
-        if self.kv_events is not None:
-            self.kv_events.publish(self.kv.take_events())
+        self._publish_kv_events()
         if log.isEnabledFor(logging.DEBUG):  # what serving latency is made of, step by step
             log.debug("step: %d seqs, %d new tokens, %d waiting, %.1f ms", len(batch), batch.num_tokens,
                       len(self.scheduler.waiting), (time.perf_counter() - t0) * 1e3)
@@ -262,7 +261,9 @@ class LLMEngine:
         if not batch:
             for seq in proposed:
                 seq.draft_token_ids = []
-            return outputs + self._unblock()
+            outputs += self._unblock()
+            self._publish_kv_events()
+            return outputs
         logits = self.runner.run(batch)
         self.scheduler.commit(batch)
         sampled = [seq for seq in batch.seqs if seq.num_computed_tokens >= seq.num_tokens]
@@ -275,6 +276,7 @@ class LLMEngine:
             seq.draft_token_ids = []
         now, accepted = time.monotonic(), []
         for seq, v in zip(sampled, verified):
+            roll_back(self.kv, seq, v.num_accepted)  # before the tokens: a finish caches its full blocks
             for token, lp in zip(v.token_ids, v.logprobs):
                 last = self._reaches_length(seq, seq.num_tokens)
                 if last:
@@ -282,15 +284,18 @@ class LLMEngine:
                 accepted.append(self._accept(seq, token, lp, now, last))
                 if seq.finished:  # tokens after its last are dropped
                     break
-            if not seq.finished:
-                roll_back(self.kv, seq)
         step_outputs, stopped = self.outputs.process(accepted)
         for seq, stop_string in stopped:
             self.scheduler.finish(seq, "stop", stop_string)
         self.speculator.forget([seq for seq in sampled if seq.finished])
         for seq in batch.seqs:
             self.kv.cache_full_blocks(seq)
+        self._publish_kv_events()
         return outputs + step_outputs
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.take_events())
 
     def _reaches_length(self, seq: Sequence, pos: int) -> bool:
         """Whether the token at index pos of seq is its last by max_tokens or the context limit."""

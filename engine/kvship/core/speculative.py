@@ -97,10 +97,11 @@ class NgramDrafts:
         return [self.lookup.propose(s.token_ids, k) for s, k in zip(seqs, ks)]
 
 
-def roll_back(kv: KVCacheManager, seq: Sequence) -> None:
-    """After a verify: only the tokens before the last kept one have their KV computed (the
-    last is the next step's input); blocks past them held rejected positions."""
-    seq.num_computed_tokens = seq.num_tokens - 1
+def roll_back(kv: KVCacheManager, seq: Sequence, num_accepted: int) -> None:
+    """After a verify, before its tokens join seq: the KV computed is the step's input and the
+    accepted proposals' (the token sampled after them is the next step's input); the blocks
+    past them held rejected positions."""
+    seq.num_computed_tokens = seq.num_tokens + num_accepted
     kv.drop_tail(seq)
 
 
