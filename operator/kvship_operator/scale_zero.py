@@ -3,7 +3,8 @@ and the router's signal.
 
 At zero replicas only the router sees demand. Its /metrics says so twice: the requests it holds
 for want of a replica (``PENDING_METRIC``, a gauge) and the requests it had to refuse for want of
-one (picks with reason ``no-endpoint``, a counter: 503 with Retry-After, which a client retries).
+one (picks with reason ``no-endpoint``, ``hold-timeout`` or ``hold-full``, a counter: 503 with
+Retry-After, which a client retries).
 Either brings the first replica up. The last one goes once nothing ran, waited or was held for
 ``idle_seconds``; missing engine metrics count as activity (a replica still starting is not idle).
 """
@@ -19,7 +20,8 @@ from . import metrics_client
 from .builders import ROUTER_PENDING_METRIC as PENDING_METRIC
 
 PICKS_METRIC = "kvship_router:picks_total"
-NO_ENDPOINT = 'reason="no-endpoint"'
+# a request answered 503 for want of a ready replica: none at all, the hold timed out, the hold was full
+REFUSED = ('reason="no-endpoint"', 'reason="hold-timeout"', 'reason="hold-full"')
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ def parse_router(text: str) -> RouterSignal:
             continue
         if name == PENDING_METRIC:
             pending += value
-        elif name == PICKS_METRIC and NO_ENDPOINT in line:
+        elif name == PICKS_METRIC and any(reason in line for reason in REFUSED):
             refused += value
     return RouterSignal(pending, refused)
 

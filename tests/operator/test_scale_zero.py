@@ -23,13 +23,14 @@ def test_router_exposition_parsed():
     from kvship.router.stats import RouterStats
 
     stats = RouterStats(Pool([], "prefix"))
-    stats.picked("no-endpoint", None)
-    stats.picked("no-endpoint", None)
+    for reason in ("no-endpoint", "no-endpoint", "hold-timeout", "hold-full"):
+        stats.picked(reason, None)
     stats.picked("prefix-hit", "10.0.0.1:8000")
     text = generate_latest(stats.registry).decode()
-    held = f'# TYPE {b.ROUTER_PENDING_METRIC} gauge\n{b.ROUTER_PENDING_METRIC} 3.0\n'
-    assert sz.parse_router(text) == sz.RouterSignal(pending=0.0, refused=2.0)
-    assert sz.parse_router(text + held) == sz.RouterSignal(pending=3.0, refused=2.0)
+    assert f"{b.ROUTER_PENDING_METRIC} 0.0" in text  # the router's own name for what it holds
+    assert sz.parse_router(text) == sz.RouterSignal(pending=0.0, refused=4.0)
+    held = text.replace(f"{b.ROUTER_PENDING_METRIC} 0.0", f"{b.ROUTER_PENDING_METRIC} 3.0")
+    assert sz.parse_router(held) == sz.RouterSignal(pending=3.0, refused=4.0)
 
 
 def test_zero_replicas_wait_for_demand():
