@@ -81,7 +81,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\' (docs/kv-cache.md)')
     g.add_argument("--num-state-checkpoints", type=int, default=None,
                    help="hybrid models (Qwen3.5, Qwen3-Next): recurrent-state checkpoints kept for prefix-cache hits "
-                        "(default: one per --max-num-seqs; 0 turns their prefix cache off)")
+                        "(default: one per 4 of --max-num-seqs; 0 turns their prefix cache off)")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.90,
                    help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,

@@ -77,7 +77,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (vLLM's --kv-events-config)
     # Hybrid models: recurrent-state checkpoints a prefix hit resumes from (core/state_checkpoints.py);
-    # None: as many as the sequences' state slots; 0 turns their prefix cache off.
+    # None: a quarter of the sequences' state slots (at least 1); 0 turns their prefix cache off.
     num_state_checkpoints: int | None = None
 
     gpu_memory_utilization: float = 0.90

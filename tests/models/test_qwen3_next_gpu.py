@@ -22,7 +22,7 @@ def test_graph_decode_matches_eager_and_transformers(tmp_path, arch):
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 319, (n,), generator=g).tolist() for n in (3, 40, 21, 9, 64)]  # 5 pad to 8
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    kw = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, block_size=16)
+    kw = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, block_size=16, num_kv_blocks=64)
 
     eager = LLM(str(tmp_path / arch), enforce_eager=True, **kw)
     assert eager.engine.runner.graphs is None

@@ -98,7 +98,7 @@ def test_preempted_sequences_resume_from_their_checkpoints(qwen3_5):
     folder, ref = qwen3_5
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (20, 24, 18)]
-    llm = _llm(folder, num_kv_blocks=22, max_num_seqs=4)
+    llm = _llm(folder, num_kv_blocks=22, max_num_seqs=4, num_state_checkpoints=8)
     runner = llm.engine.runner
     restores = []
     copy = runner.copy_states
@@ -120,7 +120,7 @@ def test_prefix_hit_with_tensor_parallelism(qwen3_5):
     g = torch.Generator().manual_seed(7)
     a = torch.randint(0, 320, (45,), generator=g).tolist()
     b = a[:40] + torch.randint(0, 320, (7,), generator=g).tolist()
-    llm = _llm(folder, num_kv_blocks=64, max_num_seqs=4, tensor_parallel_size=2)
+    llm = _llm(folder, num_kv_blocks=64, max_num_seqs=4, num_state_checkpoints=4, tensor_parallel_size=2)
     try:
         outs = [llm.generate([p], GREEDY)[0] for p in (a, b)]
     finally:

@@ -331,19 +331,20 @@ class ModelRunner:
 
     def _bind_recurrent_state(self) -> tuple[int, int]:
         """A hybrid model's recurrent-state slots (models/qwen3_next.py), one per sequence that may
-        run, and its state checkpoints for the prefix cache (core/state_checkpoints.py; as many
-        as the slots unless --num-state-checkpoints says); (0, 0) for other models. On a GPU
-        they take at most half of what the weights leave, scaled down together when that is
-        too little, and fewer slots than --max-num-seqs lower it (the scheduler then runs no
-        more). Tensor rows: the sequences' slots, the decode graphs' scratch slot (their padding
-        rows' state), then the checkpoints."""
+        run, and its state checkpoints for the prefix cache (core/state_checkpoints.py; a
+        quarter as many as the slots unless --num-state-checkpoints says: a large model's slot
+        is over a hundred MiB); (0, 0) for other models. On a GPU they take at most half of
+        what the weights leave, scaled down together when that is too little, and fewer slots
+        than --max-num-seqs lower it (the scheduler then runs no more). Tensor rows: the
+        sequences' slots, the decode graphs' scratch slot (their padding rows' state), then the
+        checkpoints."""
         if not hasattr(self.model, "bind_state"):
             return 0, 0
         c = self.config
         if c.max_num_seqs is None:  # the slots come before the cache: no cap from its size
             c.max_num_seqs = AUTO_MIN_SEQS
         per_slot, slots = self.model.state_bytes_per_slot(self.dtype), c.max_num_seqs
-        checkpoints = (slots if c.num_state_checkpoints is None else c.num_state_checkpoints) \
+        checkpoints = (max(1, slots // 4) if c.num_state_checkpoints is None else c.num_state_checkpoints) \
             if c.enable_prefix_caching else 0
         if self.device.type == "cuda":
             total = torch.cuda.mem_get_info(self.device)[1] * c.gpu_memory_utilization
