@@ -112,3 +112,50 @@ def test_request_held_at_zero_is_seen_pending_then_answered(bundled):
         for log in (engine_log, router_log):
             if log is not None:
                 log.close()
+
+
+def test_gateway_picker_as_built_names_a_discovered_replica():
+    """Mode gateway: the picker alone, as a gateway's ext_proc calls it through the InferencePool's
+    endpointPickerRef, answering with a replica it discovered (a /metrics stand-in here)."""
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    from test_scale_zero import RouterPage
+
+    spec = parse(s.LLMDeploymentSpec, {"model": {"hub": "a/b"}, "routing": {"mode": "gateway", "kvEvents": False}})
+    owner = b.Owner("g", "default", "u")
+    router_args = list(rb.router_deployment(owner, spec)["spec"]["template"]["spec"]["containers"][0]["args"])
+    pool = rb.inference_pool(owner, spec)
+    assert pool["spec"]["endpointPickerRef"]["port"]["number"] == rb.PICKER_PORT
+    replica = RouterPage('kvship:num_requests_waiting{model_name="m"} 0\nkvship:num_requests_running{model_name="m"} 0\n')
+    picker_port, metrics_port = free_port(), free_port()
+    for flag, value in [("--discover", replica.address), ("--picker-host", "127.0.0.1"),
+                        ("--picker-port", str(picker_port)), ("--metrics-port", str(metrics_port))]:
+        _set(router_args, flag, value)
+    assert "--picker-only" in router_args
+    router, log = _start(router_args)
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{metrics_port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False  # not listening yet
+
+        wait_for(healthy, 60, what="the picker healthy once it scraped the replica",
+                 show=lambda: (router.poll(), open(log.name).read()[-2000:]))
+        headers = [base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+                   base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions")]
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        with grpc.insecure_channel(f"127.0.0.1:{picker_port}") as channel:
+            out = list(pb_grpc.ExternalProcessorStub(channel).Process(iter([
+                pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=headers))),
+                pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))]), timeout=10))
+        mutation = out[-1].request_body.response.header_mutation.set_headers
+        picked = {h.header.key: h.header.raw_value.decode() for h in mutation}
+        assert picked["x-gateway-destination-endpoint"] == replica.address
+    finally:
+        _stop(router)
+        log.close()
+        replica.close()
