@@ -225,3 +225,22 @@ def test_gpu_decode_in_cuda_graphs(gpt_oss, tmp_path, mxfp4):
     del llm
     llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=16, num_kv_blocks=64)
     assert_graph_step_equals_eager(llm, prompts)
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_tensor_parallel_equals_single_rank(gpt_oss, tmp_path, mxfp4):
+    """TP=2 on CPU (gloo): heads and their sinks sharded, o_proj's and the experts' down biases
+    added once, MXFP4 codes and scales sliced by the intermediate dimension: every step's logits
+    and the greedy tokens equal one rank's."""
+    from test_tensor_parallel import _run
+
+    folder = gpt_oss[0]
+    if mxfp4:
+        _mxfp4_checkpoint(folder, tmp_path / "mxfp4")
+        folder = tmp_path / "mxfp4"
+    prompts = _prompts(6)
+    ref_tokens, ref_steps = _run(folder, 1, prompts, dtype="float32")
+    tokens, steps = _run(folder, 2, prompts, dtype="float32")
+    assert len(steps) == len(ref_steps) and tokens == ref_tokens
+    for a, b in zip(steps, ref_steps):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
