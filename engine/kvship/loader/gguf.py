@@ -21,6 +21,7 @@ from kvship.quant import QuantizedTensor, QuantRef
 from .errors import ModelSourceError
 from .gguf_blocks import NATIVE_TORCH, SPLITTABLE, GGMLType, split_tensor
 from .gguf_file import GGUFFile, GGUFTensorInfo
+from .gguf_glm import glm4moe_config
 from .gguf_gpt_oss import gpt_oss_config, gpt_oss_weights
 from .gguf_hybrid import HYBRID_ARCHS, HybridTensors, hybrid_config, hybrid_hf_name
 from .gguf_names import arch_layer_name, gguf_to_hf_name
@@ -43,6 +44,7 @@ _ARCHS = {
     "phi3": ("Phi3ForCausalLM", "phi3"),  # Phi-3, Phi-3.5 and Phi-4
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # and V3's architecture: _deepseek_config
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),  # loader/gguf_gpt_oss.py
+    "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe"),  # loader/gguf_glm.py
     **HYBRID_ARCHS,  # Gated DeltaNet + gated attention: gguf_hybrid.py
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norms multiply by the weight
@@ -156,6 +158,9 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int],
         return cfg
     if arch == "gpt-oss":
         cfg.update(gpt_oss_config(meta, tensors or {}, cfg))
+        return cfg
+    if arch == "glm4moe":
+        cfg.update(glm4moe_config(meta, tensor_names, cfg))
         return cfg
     cfg.update(_moe_config(meta, arch, tensor_names, cfg["num_hidden_layers"]))
     if arch in HYBRID_ARCHS:

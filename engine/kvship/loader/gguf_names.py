@@ -56,11 +56,21 @@ _ARCH_LAYER["qwen35moe"] = _ARCH_LAYER["qwen3next"] = _ARCH_LAYER["qwen35"]
 _ARCH_LAYER["gpt-oss"] = {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
                           "ffn_gate_inp": "mlp.router"}
 
+# GLM-4 MoE: the norm after attention, DeepSeek's shared experts, and the MTP layer's own tensors
+# (nextn.*; its copies of the embedding and head are dropped by models/glm4_moe.py)
+_ARCH_LAYER["glm4moe"] = {
+    "post_attention_norm": "post_attention_layernorm", "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "nextn.eh_proj": "eh_proj", "nextn.enorm": "enorm", "nextn.hnorm": "hnorm",
+    "nextn.shared_head_norm": "shared_head.norm", "nextn.embed_tokens": "embed_tokens",
+    "nextn.shared_head_head": "shared_head.head",
+}
+
 # Tensors llama.cpp stores that carry no parameter of their own (e.g. llama-3 rope factors,
 # which the config's rope scaling already describes).
 SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
-_BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_.]+)\.(weight|bias)$")  # "." in GLM's nextn.* names
 _PLAIN = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
 
 
