@@ -32,7 +32,7 @@ def test_crd_shape():
         "labelSelectorPath": ".status.selector"}
     assert "status" in v["subresources"]
     cols = [col["name"] for col in v["additionalPrinterColumns"]]
-    for name in ("Model", "Ready", "Replicas", "Endpoint", "Age"):
+    for name in ("Model", "Ready", "Replicas", "Endpoint", "Routing", "Router", "Age"):
         assert name in cols
     spec = v["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert spec["required"] == ["model"]
