@@ -1,7 +1,7 @@
 """MiniMax-M2 (minimax_m2) against transformers on tiny random checkpoints: q/k RMSNorm over all
 heads at once, rotary on part of each head, every layer's experts chosen by sigmoid score plus
 a bias and renormalized. Logits in fp32 (batched, in chunks over the cached prefix), greedy
-tokens through the engine (batched, chunked prefill, a prefix hit); tensor parallelism and
+tokens through the engine (batched, chunked prefill, a prefix hit, preemption); tensor parallelism and
 unsupported settings refused by name."""
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ import torch
 
 from conftest import make_tiny_model
 from kvship.models.config import ModelConfig, UnsupportedModelError
-from routed_family_cases import assert_greedy_batched_chunked_cached, prompts, sharpen_and_save
+from routed_family_cases import (
+    assert_greedy_batched_chunked_cached,
+    assert_preemption_changes_nothing,
+    prompts,
+    sharpen_and_save,
+)
 from test_models import DEVICES, assert_logits_match
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,6 +49,10 @@ def test_logits_match_transformers(models, device):
 
 def test_greedy_matches_transformers_batched_chunked_and_cached(models):
     assert_greedy_batched_chunked_cached(*models["half-rotary"])
+
+
+def test_preempted_sequences_give_the_same_tokens(models):
+    assert_preemption_changes_nothing(*models["half-rotary"])
 
 
 def test_hub_config_reads_rotary_dim():
