@@ -239,12 +239,28 @@ def test_mtp_is_refused_clearly():
 def test_gpu_ngram_outputs_identical(bundled):
     """On the GPU the verify runs the prefill kernels eagerly and plain decoding the decode graphs:
     in float32 the greedy and seeded tokens still agree."""
-    opts = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=16)
-    want = outputs(LLM(**opts), PROMPTS, MIXED)
-    spec = LLM(**opts, speculative_config=NGRAM)
-    assert [[c[:3] for c in o] for o in outputs(spec, PROMPTS, MIXED)] == [[c[:3] for c in o] for o in want]
-    assert spec.engine.speculator.stats.num_accepted_tokens > 0
-    assert_all_blocks_released(spec)
+    with LLM(**GPU_OPTIONS) as plain:
+        want = outputs(plain, PROMPTS, MIXED)
+    with LLM(**GPU_OPTIONS, speculative_config=NGRAM) as spec:
+        assert [[c[:3] for c in o] for o in outputs(spec, PROMPTS, MIXED)] == [[c[:3] for c in o] for o in want]
+        assert spec.engine.speculator.stats.num_accepted_tokens > 0
+        assert_all_blocks_released(spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_draft_model_drafting_for_itself(bundled):
+    with LLM(**GPU_OPTIONS) as plain:
+        want = outputs(plain, PROMPTS, GREEDY)
+    # the draft's cache has as many blocks as the target's, beside the target's share of memory
+    with LLM(**GPU_OPTIONS, speculative_config={"model": bundled, "num_speculative_tokens": 3}) as spec:
+        assert outputs(spec, PROMPTS, GREEDY) == want
+        stats = spec.engine.speculator.stats
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+        assert_all_blocks_released(spec)
+
+
+GPU_OPTIONS = dict(device="cuda", dtype="float32", max_model_len=512, max_num_seqs=16, gpu_memory_utilization=0.3)
 
 
 def test_cli_flag(capsys):
