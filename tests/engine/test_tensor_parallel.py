@@ -84,12 +84,13 @@ def test_quantized_kv_cache_sharded_equals_single_rank(tiny_models, kv):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen35moe-gguf"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "qwen35moe-gguf", "qwen3_5_moe-dummy"])
 def test_hybrid_sharded_equals_single_rank(tmp_path, arch):
     """Gated DeltaNet over two ranks (a key head each, with its value heads, conv channels and
     state) and the gated attention's heads: every step's logits and the greedy tokens as one
     rank's, prompts prefilled in chunks (the state carried in each rank's slots). The GGUF file's
-    value heads, tiled by llama.cpp's converter, are put back before each rank takes its own."""
+    value heads, tiled by llama.cpp's converter, are put back before each rank takes its own;
+    random weights (load_format="dummy") are the same whatever the ranks."""
     from test_models_qwen3_next import make_hybrid
 
     if arch.endswith("-gguf"):
@@ -99,11 +100,12 @@ def test_hybrid_sharded_equals_single_rank(tmp_path, arch):
         path = tmp_path / "tiny-qwen35moe.gguf"
         write_gguf(path, model, "qwen35moe")
     else:
-        make_hybrid(tmp_path / arch, arch)
         path = tmp_path / arch
+        make_hybrid(path, arch.removesuffix("-dummy"))
+    kw = dict(max_num_batched_tokens=16, load_format="dummy" if arch.endswith("-dummy") else "auto")
     prompts = PROMPTS + [list(range(50, 90))]
-    ref_tokens, ref_steps = _run(path, 1, prompts, max_num_batched_tokens=16)
-    tokens, steps = _run(path, 2, prompts, max_num_batched_tokens=16)
+    ref_tokens, ref_steps = _run(path, 1, prompts, **kw)
+    tokens, steps = _run(path, 2, prompts, **kw)
     assert len(steps) == len(ref_steps)
     for a, b in zip(steps, ref_steps):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
