@@ -226,6 +226,14 @@ def test_fp8_block_checkpoint_matches_its_dequantized_weights(tmp_path, arch):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def loaded_model(folder):
+    """The model a CPU runner builds and loads from ``folder``."""
+    source = resolve_model(str(folder))
+    cfg = EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+                       enforce_eager=True, max_model_len=128)
+    return ModelRunner(cfg, ModelConfig.from_hf(source.hf_config), source.weights()).model
+
+
 def _mtp_tensors(model, fused_experts: bool) -> dict[str, torch.Tensor]:
     """One MTP layer as the checkpoints name it (mtp.fc, its two input norms, mtp.layers.0 as a
     full-attention decoder layer of the model, mtp.norm), random; the experts fused as
@@ -269,11 +277,7 @@ def test_mtp_layer_is_loaded(hybrids, tmp_path, arch):
     cfg["mtp_num_hidden_layers" if arch == "qwen3_5_moe" else "num_nextn_predict_layers"] = 1
     (folder / "config.json").write_text(json.dumps(cfg))
     write_word_tokenizer(folder, 320)
-    source = resolve_model(str(folder))
-    runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
-                                      enforce_eager=True, max_model_len=128),
-                         ModelConfig.from_hf(source.hf_config), source.weights())
-    m = runner.model.model.mtp
+    m = loaded_model(folder).model.mtp
     assert m is not None and len(m.layers) == 1 and not m.layers[0].linear
     assert torch.equal(m.fc.weight, mtp["mtp.fc.weight"])
     for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
@@ -309,12 +313,8 @@ def test_mtp_announced_but_absent_is_not_kept(hybrids, tmp_path):
     shutil.copytree(src, folder)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
-    source = resolve_model(str(folder))
-    mc = ModelConfig.from_hf(source.hf_config)
-    assert mc.mtp_layers == 1
-    runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
-                                      enforce_eager=True, max_model_len=128), mc, source.weights())
-    assert runner.model.model.mtp is None
+    model = loaded_model(folder)
+    assert model.cfg.mtp_layers == 1 and model.model.mtp is None
 
 
 @pytest.mark.timeout(300)
@@ -336,10 +336,6 @@ def test_fp8_checkpoint_mtp_layer_is_loaded(hybrids, tmp_path):
                                                              "weight_block_size": [32, 32]})
     (folder / "config.json").write_text(json.dumps(cfg))
     write_word_tokenizer(folder, 320)
-    source = resolve_model(str(folder))
-    runner = ModelRunner(EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
-                                      enforce_eager=True, max_model_len=128),
-                         ModelConfig.from_hf(source.hf_config), source.weights())
-    m = runner.model.model.mtp
+    m = loaded_model(folder).model.mtp
     assert torch.equal(m.fc.weight, fc_deq["mtp.fc.proj.weight"])
     assert m.layers[0].self_attn.qkv_proj.weight.shape == (128 + 64, 64)
