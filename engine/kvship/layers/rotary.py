@@ -30,6 +30,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return torch.where(medium, smoothed, scaled)
     if kind == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    if kind == "factors":  # each frequency's divisor, as GGUF files store llama3 scaling (rope_freqs)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, yarn, longrope)")
 
 

@@ -24,6 +24,7 @@ from .gguf_file import GGUFFile, GGUFTensorInfo
 from .gguf_glm import glm4moe_config
 from .gguf_gpt_oss import gpt_oss_config, gpt_oss_weights
 from .gguf_hybrid import HYBRID_ARCHS, HybridTensors, hybrid_config, hybrid_hf_name
+from .gguf_llama4 import llama4_config
 from .gguf_names import arch_layer_name, gguf_to_hf_name
 from .source import ModelSource, WeightRef, apply_slices
 from .tokenizer import Tokenizer
@@ -45,6 +46,7 @@ _ARCHS = {
     "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # and V3's architecture: _deepseek_config
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),  # loader/gguf_gpt_oss.py
     "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe"),  # loader/gguf_glm.py
+    "llama4": ("Llama4ForCausalLM", "llama4_text"),  # loader/gguf_llama4.py
     **HYBRID_ARCHS,  # Gated DeltaNet + gated attention: gguf_hybrid.py
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norms multiply by the weight
@@ -161,6 +163,9 @@ def gguf_hf_config(meta: dict, tensor_names: set[str], tensor_types: list[int],
         return cfg
     if arch == "glm4moe":
         cfg.update(glm4moe_config(meta, tensor_names, cfg))
+        return cfg
+    if arch == "llama4":
+        cfg.update(llama4_config(meta, tensors or {}, cfg))
         return cfg
     cfg.update(_moe_config(meta, arch, tensor_names, cfg["num_hidden_layers"]))
     if arch in HYBRID_ARCHS:
