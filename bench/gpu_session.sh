@@ -3,7 +3,7 @@
 # Each target's table goes to $OUT/NAME.md, stderr to $OUT/log. Targets, the wheels serve needs
 # and how to compare two commits: bench/README.md; the figures: docs/performance.md.
 set -uo pipefail
-targets="tests latency-bf16 latency-fp8 latency-int4 throughput serve startup kv moe mla tp profile kernels"
+targets="tests latency-bf16 latency-fp8 latency-int4 throughput serve startup kv moe mla gpt-oss gpt-oss-120b tp profile kernels"
 if [ $# -eq 0 ]; then
   echo "usage: bash bench/gpu_session.sh NAME...   (NAME: $targets)" >&2
   exit 2
@@ -47,6 +47,8 @@ bench kv 300 python3 bench/kv_decode.py
 bench moe 300 python3 bench/latency.py --shape qwen3-30b-a3b --quantization fp8 --no-hf
 bench mla 400 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quantization none --no-hf && \
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
+bench gpt-oss 400 python3 bench/latency.py --shape gpt-oss-20b
+bench gpt-oss-120b 550 python3 bench/latency.py --shape gpt-oss-120b
 bench tp 420 "${tp_env[@]}" python3 bench/tp_latency.py --tp 2 --timeout 130
 bench profile 300 bash -c "python3 bench/profile_step.py --graphs --batch 1 && \
   python3 bench/profile_step.py --graphs --batch 256"

@@ -122,7 +122,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 # The formats kvship.server.tools and kvship.server.reasoning parse (named here, where the CLI
 # and the operator's validation of engine args both read them without importing the server).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "glm45")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "glm45", "harmony")
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "harmony")
 
 
@@ -143,7 +143,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help='accepted as vLLM takes it; tool_choice "auto" is always served (docs/tools.md)')
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the model's own tool-call format: hermes (Qwen2.5/Qwen3, <tool_call> JSON), llama3_json "
-                        "(Llama 3.x JSON calls), mistral ([TOOL_CALLS] JSON), glm45 (GLM-4.5+ <arg_key>/<arg_value>); "
+                        "(Llama 3.x JSON calls), mistral ([TOOL_CALLS] JSON), glm45 (GLM-4.5+ <arg_key>/<arg_value>), "
+                        "harmony (gpt-oss); "
                         "default: chosen from the chat template")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split the model's thinking from its answer: qwen3 or deepseek_r1 (<think>...</think>), "

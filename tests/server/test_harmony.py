@@ -84,3 +84,18 @@ def test_markers_are_kept_in_the_text_for_the_parser():
     assert params.skip_special_tokens
     assert not with_reasoning_markers(params, "harmony").skip_special_tokens
     assert with_reasoning_markers(params, "qwen3").skip_special_tokens
+
+
+def test_harmony_tool_format_parses_without_the_reasoning_parser():
+    """A chat template that writes harmony calls (<|call|>) selects the harmony tool format: the
+    message is parsed the same without --reasoning-parser, and its markers are kept."""
+    from kvship.server.params import with_tool_constraint
+    from kvship.server.tool_prompt import _TEMPLATE_MARKS
+
+    assert dict(_TEMPLATE_MARKS)["<|call|>"] == "harmony"
+    tool = Tool.model_validate({"type": "function", "function": {"name": "get_weather"}})
+    plan = ToolPlan([tool], "auto", parser="harmony")
+    msg = MessageShaper(None, plan).message(CALLS)
+    assert msg["reasoning_content"] == "Need weather for two cities."
+    assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert not with_tool_constraint(SamplingParams(), plan).skip_special_tokens

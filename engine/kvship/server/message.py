@@ -13,7 +13,7 @@ from kvship.server.tools import Call, ToolPlan, ToolStream
 class MessageShaper:
     def __init__(self, reasoning_parser: str | None, plan: ToolPlan | None):
         self.harmony = None
-        if reasoning_parser == "harmony":
+        if reasoning_parser == "harmony" or (plan is not None and plan.parser == "harmony"):
             self.harmony = HarmonyStream(tools=plan is not None and plan.mode == "auto")
             plan = None if plan is not None and plan.mode == "auto" else plan
         self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser and self.harmony is None else None

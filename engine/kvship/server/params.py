@@ -118,8 +118,8 @@ def with_reasoning_markers(params: SamplingParams, reasoning_parser: str | None)
 def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
     """A required or named tool call is generated under its grammar (ToolPlan.constraint); it
     cannot be combined with another output constraint. Every tool's `parameters` must be an
-    object schema (a 400 naming the tool otherwise). The mistral format's [TOOL_CALLS] marker
-    is a special token: kept in the text for the parser."""
+    object schema (a 400 naming the tool otherwise). The mistral format's [TOOL_CALLS] marker and
+    harmony's markers are special tokens: kept in the text for the parser."""
     if plan is None:
         return params
     for i, tool in enumerate(plan.tools):
@@ -128,7 +128,7 @@ def with_tool_constraint(params: SamplingParams, plan: ToolPlan | None) -> Sampl
                 check_tool_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
             except InvalidParamsError as exc:
                 raise bad_request(str(exc), param=exc.param) from None
-    if plan.parser == "mistral":
+    if plan.parser in ("mistral", "harmony"):
         params = dataclasses.replace(params, skip_special_tokens=False)
     constraint = plan.constraint()
     if constraint is None:

@@ -28,8 +28,8 @@ logger = logging.getLogger("kvship.server")
 DEFAULT_PARSER = "hermes"
 
 # Marks of a template's own call format, in the order they are looked for.
-_TEMPLATE_MARKS = (("<arg_key>", "glm45"), ("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
-                   ("ipython", "llama3_json"))
+_TEMPLATE_MARKS = (("<|call|>", "harmony"), ("<arg_key>", "glm45"), ("<tool_call>", "hermes"),
+                   ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"), ("ipython", "llama3_json"))
 
 TOOL_PROMPT_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
                     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
