@@ -13,15 +13,13 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT
 
-from conftest import write_word_tokenizer
 from kvship.loader import resolve_model
-from routed_family_cases import sharpen_and_save
 from test_loader_gguf_moe import PROMPTS, _check_against, dense_metadata, layer_tensors
+from test_models_llama4 import make_tiny_llama4
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,21 +70,8 @@ def _gguf_tensors(model) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def llama4_file(tmp_path_factory):
-    import transformers
-
     root = tmp_path_factory.mktemp("llama4-gguf")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.Llama4TextConfig(**SPEC),
-                                                          dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.normal_(1.0, 0.1, generator=g)
-            if ".experts." in pname:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    sharpen_and_save(model, root / "hf")
-    write_word_tokenizer(root / "hf", 320)
+    model = make_tiny_llama4(root / "hf", SPEC)
     w = gguf.GGUFWriter(str(root / "tiny-llama4.gguf"), "llama4")
     dense_metadata(w, type("C", (), {**model.config.to_dict(), "intermediate_size": 96})())
     w.add_rope_freq_base(ROPE["rope_theta"])

@@ -37,29 +37,30 @@ LLAMA4 = {
 }
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Attention weights scaled up so that attention (chunks, rotary layout, temperature) moves
-    the logits well past the tolerance; transformers' fused experts drawn (it leaves zeros)."""
+def make_tiny_llama4(folder, spec: dict):
+    """transformers' Llama 4 of ``spec`` saved to ``folder`` with a word tokenizer: norms drawn,
+    its fused experts drawn (it leaves zeros), attention sharpened (routed_family_cases)."""
     import transformers
 
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(transformers.Llama4TextConfig(**spec),
+                                                        dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for pname, p in ref.named_parameters():
+            if "norm" in pname:
+                p.normal_(1.0, 0.1, generator=g)
+            if ".experts." in pname:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    sharpen_and_save(ref, folder)
+    write_word_tokenizer(folder, 320)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama4")
-    out = {}
-    for name, spec in LLAMA4.items():
-        torch.manual_seed(0)
-        ref = transformers.AutoModelForCausalLM.from_config(transformers.Llama4TextConfig(**spec),
-                                                            dtype=torch.float32).eval()
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for pname, p in ref.named_parameters():
-                if "norm" in pname:
-                    p.normal_(1.0, 0.1, generator=g)
-                if ".experts." in pname:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-        sharpen_and_save(ref, root / name)
-        write_word_tokenizer(root / name, 320)
-        out[name] = (root / name, ref)
-    return out
+    return {name: (root / name, make_tiny_llama4(root / name, spec)) for name, spec in LLAMA4.items()}
 
 
 @pytest.mark.parametrize("device", DEVICES)
