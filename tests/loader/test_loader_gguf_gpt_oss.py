@@ -28,9 +28,9 @@ TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "o
        "lm_head.weight": "output.weight"}
 
 
-def _tensors(model) -> dict[str, tuple[np.ndarray, QT]]:
-    """llama.cpp's names and types: experts [E, I, H] / [E, H, I] in MXFP4 (quantized by the gguf
-    package), their biases and everything else F32."""
+def _tensors(model, experts: QT) -> dict[str, tuple[np.ndarray, QT]]:
+    """llama.cpp's names and types: experts [E, I, H] / [E, H, I] in ``experts`` (MXFP4: quantized by
+    the gguf package), their biases and everything else F32."""
     out = {}
     i = model.config.intermediate_size
     for name, t in model.state_dict().items():
@@ -43,12 +43,12 @@ def _tensors(model) -> dict[str, tuple[np.ndarray, QT]]:
         if rest == "self_attn.sinks":
             out[blk + "attn_sinks.weight"] = (w, QT.F32)
         elif rest == "mlp.experts.gate_up_proj":  # [E, H, 2I], gate and up columns interleaved
-            out[blk + "ffn_gate_exps.weight"] = (np.ascontiguousarray(w[:, :, 0::2].transpose(0, 2, 1)), QT.MXFP4)
-            out[blk + "ffn_up_exps.weight"] = (np.ascontiguousarray(w[:, :, 1::2].transpose(0, 2, 1)), QT.MXFP4)
+            out[blk + "ffn_gate_exps.weight"] = (np.ascontiguousarray(w[:, :, 0::2].transpose(0, 2, 1)), experts)
+            out[blk + "ffn_up_exps.weight"] = (np.ascontiguousarray(w[:, :, 1::2].transpose(0, 2, 1)), experts)
         elif rest == "mlp.experts.gate_up_proj_bias":
             out[blk + "ffn_gate_exps.bias"], out[blk + "ffn_up_exps.bias"] = (w[:, 0::2], QT.F32), (w[:, 1::2], QT.F32)
         elif rest == "mlp.experts.down_proj":  # [E, I, H]
-            out[blk + "ffn_down_exps.weight"] = (np.ascontiguousarray(w.transpose(0, 2, 1)), QT.MXFP4)
+            out[blk + "ffn_down_exps.weight"] = (np.ascontiguousarray(w.transpose(0, 2, 1)), experts)
         elif rest == "mlp.experts.down_proj_bias":
             out[blk + "ffn_down_exps.bias"] = (w, QT.F32)
         else:
@@ -58,7 +58,7 @@ def _tensors(model) -> dict[str, tuple[np.ndarray, QT]]:
     return out
 
 
-def write_gpt_oss_gguf(path, model) -> dict[str, np.ndarray]:
+def write_gpt_oss_gguf(path, model, experts: QT = QT.MXFP4) -> dict[str, np.ndarray]:
     """The file, and the experts' MXFP4 blocks as written (llama.cpp's bytes) by tensor name."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "gpt-oss")
@@ -72,7 +72,7 @@ def write_gpt_oss_gguf(path, model) -> dict[str, np.ndarray]:
     w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
     w.add_rope_scaling_orig_ctx_len(cfg.rope_parameters["original_max_position_embeddings"])
     blocks = {}
-    for name, (arr, qtype) in _tensors(model).items():
+    for name, (arr, qtype) in _tensors(model, experts).items():
         data = quants.quantize(np.ascontiguousarray(arr, dtype=np.float32), qtype)
         if qtype == QT.MXFP4:
             blocks[name] = data
@@ -96,20 +96,23 @@ def test_repacked_blocks_dequantize_as_gguf_does():
     np.testing.assert_array_equal(got.numpy(), want)
 
 
-def test_gguf_matches_transformers_on_the_dequantized_experts(tmp_path):
+@pytest.mark.parametrize("expert_type", [QT.MXFP4, QT.F32], ids=lambda t: t.name)
+def test_gguf_matches_transformers_on_the_dequantized_experts(tmp_path, expert_type):
+    """MXFP4 experts stay MXFP4; experts of another type load into the 16-bit layout."""
     from kvship.llm import LLM
     from kvship.loader import resolve_model
     from kvship.models.config import ModelConfig
 
     ref = make_tiny_model(tmp_path / "hf", "gpt_oss", spec=SPEC)
     _liven(ref)
-    path = tmp_path / "tiny-gpt-oss-MXFP4.gguf"
-    blocks = write_gpt_oss_gguf(path, ref)
+    path = tmp_path / f"tiny-gpt-oss-{expert_type.name}.gguf"
+    blocks = write_gpt_oss_gguf(path, ref, expert_type)
+    mxfp4 = expert_type == QT.MXFP4
     cfg = ModelConfig.from_hf(resolve_model(str(path)).hf_config)
-    assert cfg.architecture == "gpt_oss" and cfg.expert_format == "mxfp4"
+    assert cfg.architecture == "gpt_oss" and cfg.expert_format == ("mxfp4" if mxfp4 else None)
     assert cfg.layer_windows == (WINDOW, None) and cfg.rope_scaling["rope_type"] == "yarn"
     with torch.no_grad():  # transformers on what the gguf package reads back from the blocks
-        for layer in range(ref.config.num_hidden_layers):
+        for layer in range(ref.config.num_hidden_layers if mxfp4 else 0):
             def back(part):
                 return torch.from_numpy(quants.dequantize(blocks[f"blk.{layer}.ffn_{part}_exps.weight"], QT.MXFP4))
             experts = ref.model.layers[layer].mlp.experts
@@ -120,4 +123,4 @@ def test_gguf_matches_transformers_on_the_dequantized_experts(tmp_path):
     assert_logits_match(path, ref, prompts, chunks=(None, 6))
     llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=32, block_size=4, max_model_len=64)
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
-    assert experts.w13.dtype == torch.uint8 and experts.w13_scale is not None
+    assert (experts.w13.dtype == torch.uint8) == mxfp4 and (experts.w13_scale is not None) == mxfp4
