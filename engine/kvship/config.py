@@ -127,9 +127,6 @@ class EngineConfig:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.enable_lora:
-            if self.tensor_parallel_size > 1:
-                raise ValueError("LoRA adapters are not sharded over tensor-parallel ranks yet: serve them with "
-                                 "--tensor-parallel-size 1")
             if self.task == "embed":
                 raise ValueError("LoRA adapters are served for generation, not embeddings (--task embed)")
             if min(self.max_loras, self.max_lora_rank) < 1:

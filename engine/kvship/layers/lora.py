@@ -54,16 +54,27 @@ class LoRALinear(nn.Module):
                                                    device=device), persistent=False)
         # a row-parallel layer that takes a gate/up output applies the activation itself
         self.gated_input = getattr(base, "gated_input", False)
+        self.act = getattr(base, "act", None)
+        # A row-parallel layer that reduces its own output: the delta joins its partial sums
+        # first (each rank's A holds its share of the input features), so the reduction is ours.
+        self.reduce = getattr(base, "reduce", False)
+        if self.reduce:
+            base.reduce = False
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
-        if not self.batch.active:
-            return self.base(x, *args)
-        if self.gated_input and x.shape[-1] != self.in_features:
-            x = act_and_mul(x, self.base.act)  # the delta needs the activated input too
-        y = self.base(x)  # a gate/up layer's whole product: the down projection applies the activation
-        slots, blocks = self.batch.slots(x.shape[0]), self.batch.blocks
-        h = lora_shrink(x, self.lora_a, slots, blocks)
-        lora_expand(y, h, self.lora_b, slots, self.slice_sizes, blocks)
+        if self.batch.active:
+            if self.gated_input and x.shape[-1] != self.in_features:
+                x = act_and_mul(x, self.act)  # the delta needs the activated input too
+            y = self.base(x)  # a gate/up layer's whole product: the down projection applies the activation
+            slots, blocks = self.batch.slots(x.shape[0]), self.batch.blocks
+            h = lora_shrink(x, self.lora_a, slots, blocks)
+            lora_expand(y, h, self.lora_b, slots, self.slice_sizes, blocks)
+        else:
+            y = self.base(x, *args)
+        if self.reduce:
+            y = self.base.tp.all_reduce(y)
+            if self.base.bias is not None:
+                y = y + self.base.bias
         return y
 
     def set_slot(self, slot: int, slice_id, a: torch.Tensor | None, b: torch.Tensor | None) -> None:

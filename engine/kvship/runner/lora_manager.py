@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,44 +19,68 @@ from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from kvship.layers.lora import LoRABatch, LoRALinear
 from kvship.loader.lora_adapter import LoRAAdapter, LoRAAdapterError, read_adapter
 from kvship.lora_request import LoRARequest
+from kvship.models.config import ModelConfig
 from kvship.sequence import Batch
 
 log = logging.getLogger(__name__)
 
 
-def _wrap_spec(name: str, module: nn.Module, hidden: int) -> tuple[int, list[tuple[object, int]]] | None:
-    """(input features, slices) of a projection adapters may target, or None."""
+@dataclass
+class Shard:
+    """Which part of an adapter's matrices this rank holds for one projection, cut as the
+    projection's own weight is: A's input features [in_start, + in), each part's B rows
+    [start, + size); and the whole sizes, which an adapter's matrices must have."""
+
+    in_features: int
+    in_start: int
+    full_in: int
+    parts: list[tuple[object, int, int, int]]  # (shard id, size here, first row, whole size)
+
+
+def _shard(name: str, module: nn.Module, cfg: ModelConfig) -> Shard | None:
+    """The shard of a projection adapters may target, or None."""
+    h = cfg.hidden_size
     if name.endswith("self_attn.qkv_proj") and isinstance(module, QKVParallelLinear):
-        q, kv = module.num_heads * module.head_dim, module.num_kv_heads * module.head_dim
-        return hidden, [("q", q), ("k", kv), ("v", kv)]
+        d, rank = module.head_dim, module.tp.rank
+        q, kv = module.num_heads * d, module.num_kv_heads * d
+        kv_start = module.kv_head_start * d
+        return Shard(h, 0, h, [("q", q, rank * q, q * module.tp.size), ("k", kv, kv_start, cfg.num_key_value_heads * d),
+                               ("v", kv, kv_start, cfg.num_key_value_heads * d)])
     if name.endswith("mlp.gate_up_proj") and isinstance(module, MergedColumnParallelLinear):
-        return hidden, list(enumerate(module.out_sizes))
+        rank, size = module.tp.rank, module.tp.size
+        return Shard(h, 0, h, [(i, n, rank * n, n * size) for i, n in enumerate(module.out_sizes)])
     if name.endswith(("self_attn.o_proj", "mlp.down_proj")) and isinstance(module, RowParallelLinear):
-        return module.in_features, [(None, module.out_features)]
+        n = module.in_features
+        return Shard(n, module.tp.rank * n, n * module.tp.size, [(None, module.out_features, 0, module.out_features)])
     return None
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, hidden_size: int, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 max_tokens: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: nn.Module, model_config: ModelConfig, max_loras: int, max_rank: int,
+                 max_cpu_loras: int, max_tokens: int, dtype: torch.dtype, device: torch.device):
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.batch = LoRABatch(max_tokens, device)
         self.device = device
         self.packed = getattr(model, "packed", {})  # checkpoint module name -> (ours, shard id)
         self.layers: dict[str, LoRALinear] = {}
+        self.shards: dict[str, Shard] = {}
         for name, module in list(model.named_modules()):
-            spec = _wrap_spec(name, module, hidden_size)
-            if spec is not None:
+            shard = _shard(name, module, model_config)
+            if shard is not None:
                 parent, _, child = name.rpartition(".")
-                layer = LoRALinear(module, *spec, max_loras, max_rank, self.batch, dtype, device)
-                layer.act = getattr(module, "act", None)
+                layer = LoRALinear(module, shard.in_features, [(sid, n) for sid, n, _, _ in shard.parts], max_loras,
+                                   max_rank, self.batch, dtype, device)
                 setattr(model.get_submodule(parent), child, layer)
-                self.layers[name] = layer
+                self.layers[name], self.shards[name] = layer, shard
         if not self.layers:
             raise ValueError(f"--enable-lora: {type(model).__name__} has no projections LoRA adapters can target")
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> device slot, least recent first
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # adapter id -> weights, least recent first
         self.loads = 0  # copies into device slots (tests: an adapter is loaded once)
+        # what the other tensor-parallel ranks must do too: slots loaded since the last step
+        # (slot, id, name, path) and the step's per-token slots ([] when no token has an adapter)
+        self.sent: list[tuple[int, int, str, str]] = []
+        self.step_slots: list[int] = []
 
     def check(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter's weights (read once, then from the host cache); LoRAAdapterError naming
@@ -70,21 +95,24 @@ class LoRAManager:
         self.cpu.move_to_end(request.lora_int_id)
         return adapter
 
-    def _target(self, module: str) -> tuple[LoRALinear, object]:
+    def _target(self, module: str) -> tuple[str, object]:
+        """(our projection's name, the part's shard id) for an adapter's module."""
         parent, _, leaf = module.rpartition(".")
         ours, sid = self.packed.get(leaf, (leaf, None))
-        layer = self.layers.get(f"{parent}.{ours}")
+        name = f"{parent}.{ours}"
+        layer = self.layers.get(name)
         if layer is None or sid not in layer.slice_ids:
             raise LoRAAdapterError(f"LoRA target module {module!r} has no place in this model")
-        return layer, sid
+        return name, sid
 
     def _validate(self, adapter: LoRAAdapter) -> None:
         for module, (a, b) in adapter.weights.items():
-            layer, sid = self._target(module)
-            out = layer.slice_sizes[layer.slice_ids.index(sid)]
-            if a.shape[1] != layer.in_features or b.shape[0] != out:
+            name, sid = self._target(module)
+            shard = self.shards[name]
+            out = next(full for s, _, _, full in shard.parts if s == sid)
+            if a.shape[1] != shard.full_in or b.shape[0] != out:
                 raise LoRAAdapterError(f"LoRA module {module!r}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
-                                       f"the model's [{out}, {layer.in_features}] projection")
+                                       f"the model's [{out}, {shard.full_in}] projection")
 
     def _slot(self, request: LoRARequest, in_use: set[int]) -> int:
         lora_id = request.lora_int_id
@@ -98,20 +126,28 @@ class LoRAManager:
             if victim is None:
                 raise RuntimeError(f"a step needs more than --max-loras {self.max_loras} adapters")
             slot = self.slot_of.pop(victim)
+        self.load(slot, request)
+        self.sent.append((slot, lora_id, request.lora_name, request.lora_path))
+        return slot
+
+    def load(self, slot: int, request: LoRARequest) -> None:
+        """Copy an adapter into a device slot (on a tensor-parallel worker: as rank 0 says)."""
         adapter = self.check(request)
         by_layer: dict[str, dict] = {}
         for module, (a, b) in adapter.weights.items():
-            layer, sid = self._target(module)
-            by_layer.setdefault(id(layer), {})[sid] = (a, b * adapter.scale)
-        for layer in self.layers.values():
-            mats = by_layer.get(id(layer), {})
-            for sid in layer.slice_ids:
+            name, sid = self._target(module)
+            by_layer.setdefault(name, {})[sid] = (a, b)
+        for name, layer in self.layers.items():
+            mats, shard = by_layer.get(name, {}), self.shards[name]
+            for sid, size, start, _ in shard.parts:
                 a, b = mats.get(sid, (None, None))
+                if a is not None:  # this rank's share, as the projection's weight is cut
+                    a = a[:, shard.in_start:shard.in_start + shard.in_features]
+                    b = b[start:start + size] * adapter.scale
                 layer.set_slot(slot, sid, a, b)
-        self.slot_of[lora_id] = slot
+        self.slot_of[request.lora_int_id] = slot
         self.loads += 1
-        log.info("LoRA adapter %s (id %d) loaded into slot %d", request.lora_name, lora_id, slot)
-        return slot
+        log.info("LoRA adapter %s (id %d) loaded into slot %d", request.lora_name, request.lora_int_id, slot)
 
     def prepare(self, batch: Batch) -> None:
         """Each token's slot for this step, into the shared buffer (one copy); for a step with a
@@ -124,7 +160,27 @@ class LoRAManager:
         host = torch.tensor(per_token, dtype=torch.int32, pin_memory=cuda)
         self.batch.slots(len(per_token)).copy_(host, non_blocking=True)
         self.batch.active = bool(requests)
+        self.step_slots = per_token if requests else []
+        self._set_blocks(per_token if requests and max(batch.num_new_tokens) > 1 else None)
+
+    def _set_blocks(self, per_token: list[int] | None) -> None:
         self.batch.blocks = None
-        if cuda and requests and max(batch.num_new_tokens) > 1:
+        if per_token is not None and self.device.type == "cuda":
             blocks = torch.tensor(segment_blocks(per_token), dtype=torch.int32).T.contiguous()
             self.batch.blocks = blocks.pin_memory().to(self.device, non_blocking=True)
+
+    def take_message(self) -> tuple[list[int], list]:
+        """Rank 0: this step's (per-token slots, slot loads) for the other ranks."""
+        loads, self.sent = self.sent, []
+        return self.step_slots, loads
+
+    def apply_message(self, slots: torch.Tensor | None, loads: list, num_tokens: int, prefill: bool) -> None:
+        """A worker rank: the loads rank 0 made, then the step's per-token slots (None: none)."""
+        for slot, lora_id, name, path in loads:
+            self.load(slot, LoRARequest(name, lora_id, path))
+        self.batch.active = slots is not None
+        if slots is None:
+            self._set_blocks(None)
+            return
+        self.batch.slots(num_tokens).copy_(slots)
+        self._set_blocks(slots.tolist() if prefill else None)

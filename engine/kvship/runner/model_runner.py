@@ -220,7 +220,7 @@ class ModelRunner:
 
     def _wrap_lora(self) -> LoRAManager:
         c = self.config
-        return LoRAManager(self.model, self.model_config.hidden_size, c.max_loras, c.max_lora_rank, c.max_cpu_loras,
+        return LoRAManager(self.model, self.model_config, c.max_loras, c.max_lora_rank, c.max_cpu_loras,
                            max(c.max_num_batched_tokens, KV_SCALE_TOKENS, AUTO_MAX_SEQS), self.dtype, self.device)
 
     def release_graphs(self) -> None:
@@ -548,7 +548,8 @@ class ModelRunner:
             return self._forward_with_prompt_logprobs(input_ids, positions, meta, wanted)
         if self.tp.runtime is not None:  # the other ranks run the same forward on what rank 0 sends
             with self.tp.runtime.guard():
-                self.tp.runtime.send_step(input_ids, positions, meta, (batch.state_restores, batch.state_checkpoints))
+                self.tp.runtime.send_step(input_ids, positions, meta, (batch.state_restores, batch.state_checkpoints),
+                                          self.lora.take_message() if self.lora is not None else ([], []))
                 return self.forward(input_ids, positions, meta)
         return self.forward(input_ids, positions, meta, in_flight)
 

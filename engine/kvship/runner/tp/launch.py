@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -50,8 +51,9 @@ HEARTBEAT_INTERVAL_S = 1.0
 FAILURE_GRACE_S = 10.0  # a failure not reported to the engine's caller by then ends the process
 STEP, STOP = 1, 0
 # cmd, tokens, seqs, block-table width, sampled rows, max_seqlen_q, leading decodes, state slots sent,
-# and a hybrid model's state copies before and after the forward (Batch.state_restores, state_checkpoints)
-_HEADER = 10
+# a hybrid model's state copies before and after the forward (Batch.state_restores, state_checkpoints),
+# and LoRA: per-token adapter slots sent (0 or tokens) and the bytes of the slot loads (JSON)
+_HEADER = 12
 
 
 class TensorParallelError(RuntimeError):
@@ -281,36 +283,45 @@ class TPRuntime:
 
     # -- per step --------------------------------------------------------------------------------
     def send_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                  copies: tuple[list, list] = ([], [])) -> None:
+                  copies: tuple[list, list] = ([], []), lora: tuple[list, list] = ([], [])) -> None:
         """Rank 0: the flat step tensors to every other rank (a small header, then one tensor).
-        ``copies``: a hybrid model's state copies, (from, to) pairs before and after the forward."""
+        ``copies``: a hybrid model's state copies, (from, to) pairs before and after the forward.
+        ``lora``: per-token adapter slots ([] when none has one) and the adapters loaded into
+        slots since the last step, (slot, id, name, path) (runner/lora_manager.py)."""
         bt = meta.block_tables
         n_seq, width = bt.shape
         state = [] if meta.state_slots is None else [meta.state_slots.long()]  # a hybrid model's
+        loads = list(json.dumps(lora[1]).encode()) if lora[1] else []
         header = torch.tensor([STEP, input_ids.shape[0], n_seq, width, meta.logits_indices.shape[0],
-                               meta.max_seqlen_q, meta.num_decodes, len(state), *map(len, copies)], dtype=torch.int64)
+                               meta.max_seqlen_q, meta.num_decodes, len(state), *map(len, copies), len(lora[0]),
+                               len(loads)], dtype=torch.int64)
         dist.broadcast(header, 0, group=self.ctx.cpu_group)
         pairs = torch.tensor([x for part in copies for pair in part for x in pair], dtype=torch.int64)
+        extra = torch.tensor([*lora[0], *loads], dtype=torch.int64)
         payload = torch.cat([input_ids, positions, meta.slot_mapping, bt.reshape(-1).long(), meta.seq_lens.long(),
-                             meta.cu_seqlens_q.long(), meta.logits_indices, *state, pairs.to(input_ids.device)])
+                             meta.cu_seqlens_q.long(), meta.logits_indices, *state, pairs.to(input_ids.device),
+                             extra.to(input_ids.device)])
         dist.broadcast(payload, 0, group=self.ctx.group)
 
     def recv_step(self, device: torch.device):
         """Other ranks: (input_ids, positions, AttentionMetadata, state copies before and after
-        the forward as [n, 2] tensors), or None when rank 0 stops."""
+        the forward as [n, 2] tensors, LoRA's (per-token slots or None, slot loads)), or None
+        when rank 0 stops."""
         header = torch.empty(_HEADER, dtype=torch.int64)
         dist.broadcast(header, 0, group=self.ctx.cpu_group)
-        cmd, n_tok, n_seq, width, n_logits, max_q, n_decodes, has_state, n_before, n_after = header.tolist()
+        cmd, n_tok, n_seq, width, n_logits, max_q, n_decodes, has_state, n_before, n_after, n_lora, n_loads = \
+            header.tolist()
         if cmd == STOP:
             return None
         sizes = [n_tok, n_tok, n_tok, n_seq * width, n_seq, n_seq + 1, n_logits, n_seq * has_state, 2 * n_before,
-                 2 * n_after]
+                 2 * n_after, n_lora, n_loads]
         payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
         dist.broadcast(payload, 0, group=self.ctx.group)
-        ids, pos, slots, bt, seq_lens, cu, logits, state, before, after = payload.split(sizes)
+        ids, pos, slots, bt, seq_lens, cu, logits, state, before, after, lora_slots, loads = payload.split(sizes)
         meta = AttentionMetadata(slots, bt.view(n_seq, width).int(), seq_lens.int(), cu.int(), max_q, logits,
                                  n_decodes, state if has_state else None)
-        return ids, pos, meta, before.view(-1, 2), after.view(-1, 2)
+        lora = (lora_slots if n_lora else None, json.loads(bytes(loads.tolist())) if n_loads else [])
+        return ids, pos, meta, before.view(-1, 2), after.view(-1, 2), lora
 
     # -- stop ----------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 10.0) -> None:

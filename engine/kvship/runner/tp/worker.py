@@ -45,7 +45,9 @@ def serve_node(config: EngineConfig, placement: Placement | None = None) -> int:
                 step = rt.recv_step(runner.device)
                 if step is None:
                     break
-                ids, pos, meta, restores, checkpoints = step
+                ids, pos, meta, restores, checkpoints, (lora_slots, lora_loads) = step
+                if runner.lora is not None:
+                    runner.lora.apply_message(lora_slots, lora_loads, ids.shape[0], meta.max_seqlen_q > 1)
                 runner.copy_states(restores)
                 runner.forward(ids, pos, meta)
                 runner.copy_states(checkpoints)
