@@ -105,6 +105,22 @@ def test_ngram_outputs_identical_to_plain_decoding(plain, ngram, plain_greedy):
 
 
 @pytest.mark.timeout(600)
+def test_grammar_requests_speculate_within_their_grammar(plain, ngram):
+    from kvship.sampling_params import StructuredOutput
+
+    prompts = ["Repeat the digits: 12345 12345 12345 12345", 'Copy: {"a": 1, "b": 2} {"a": 1, "b": 2}']
+    params = [SamplingParams(temperature=0, max_tokens=16, structured=StructuredOutput("regex", r"[0-9 ]{1,16}")),
+              SamplingParams(temperature=0.7, seed=2, max_tokens=16, structured=StructuredOutput(
+                  "json", '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}'))]
+    before = ngram.engine.speculator.stats.num_accepted_tokens
+    got = outputs(ngram, prompts, params)
+    assert got == outputs(plain, prompts, params)
+    assert ngram.engine.speculator.stats.num_accepted_tokens > before
+    assert all(c[0][0] for c in got)
+    assert_all_blocks_released(ngram)
+
+
+@pytest.mark.timeout(600)
 def test_abort_with_speculation_frees_every_block(ngram):
     eng = ngram.engine
     tok = ngram.tokenizer

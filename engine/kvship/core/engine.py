@@ -21,7 +21,7 @@ from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.kv_events import open_publisher
 from kvship.core.output_processor import Accepted, OutputProcessor
 from kvship.core.scheduler import Scheduler
-from kvship.core.speculative import build_speculator, roll_back
+from kvship.core.speculative import build_speculator, grammar_bitmask, roll_back
 from kvship.core.state_checkpoints import StateCheckpoints
 from kvship.loader import DEFAULT_POOLING
 from kvship.loader.lora_adapter import LoRAAdapterError
@@ -267,9 +267,7 @@ class LLMEngine:
         logits = self.runner.run(batch)
         self.scheduler.commit(batch)
         sampled = [seq for seq in batch.seqs if seq.num_computed_tokens >= seq.num_tokens]
-        allowed = None
-        if any(seq.grammar is not None for seq in sampled):  # such sequences propose nothing: one row each
-            allowed = self.grammars.bitmask([seq.grammar for seq in sampled for _ in range(len(seq.draft_token_ids) + 1)])
+        allowed = grammar_bitmask(self.grammars, sampled) if any(s.grammar is not None for s in sampled) else None
         verified = sample_and_verify(self.runner.sampler, logits, sampled, allowed)
         self.speculator.record([(len(seq.draft_token_ids), v) for seq, v in zip(sampled, verified)])
         for seq in proposed:

@@ -4,13 +4,16 @@ the other sequences (runner/rejection.py keeps what the target model would have 
 the KV of the rejected positions is given back. The engine runs such steps synchronously: a
 proposal needs the tokens the step before produced.
 
-Sequences under a grammar, and any step with more running sequences than
-``disable_by_batch_size``, decode without proposals.
+A sequence under a grammar keeps only the proposals its grammar accepts, and each of its verify
+rows is masked with what the grammar allows after the proposals before it. A step with more
+running sequences than ``disable_by_batch_size`` decodes without proposals.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+
+import torch
 
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.ngram import NgramProposer
@@ -45,8 +48,8 @@ class Speculator:
     def room(self, seq: Sequence) -> int:
         """How many tokens seq may propose: k, fewer near max_tokens or the context's end (the
         verify yields up to one token more than it proposes, and never overshoots), none when
-        a grammar constrains it or it is not decoding."""
-        if seq.grammar is not None or seq.num_tokens - seq.num_computed_tokens != 1:
+        it is not decoding."""
+        if seq.num_tokens - seq.num_computed_tokens != 1 or (seq.grammar is not None and seq.grammar.is_terminated()):
             return 0
         room = min(self.config.num_speculative_tokens, self.max_model_len - seq.num_tokens - 1)
         if seq.params.max_tokens is not None:
@@ -64,7 +67,7 @@ class Speculator:
         if not seqs:
             return []
         for seq, draft in zip(seqs, self.proposer.propose(seqs, ks)):
-            seq.draft_token_ids = list(draft)
+            seq.draft_token_ids = list(draft) if seq.grammar is None else _grammatical(seq.grammar, draft)
         return [s for s in seqs if s.draft_token_ids]
 
     def forget(self, seqs: list[Sequence]) -> None:
@@ -95,6 +98,37 @@ class NgramDrafts:
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         return [self.lookup.propose(s.token_ids, k) for s, k in zip(seqs, ks)]
+
+
+def _grammatical(matcher, draft: list[int]) -> list[int]:
+    """The proposals up to the first one the grammar refuses (the matcher is left as it was)."""
+    n = 0
+    while n < len(draft) and not matcher.is_terminated() and matcher.accept_token(draft[n]):
+        n += 1
+    if n:
+        matcher.rollback(n)
+    return list(draft[:n])
+
+
+def grammar_bitmask(grammars, seqs: list[Sequence]) -> torch.Tensor:
+    """The verify's token bitmask, a row per logits row: a constrained sequence's row j allows
+    what its grammar allows after its first j proposals (its matcher walks them, then steps
+    back: the engine accepts the kept tokens into it); other rows allow everything."""
+    parts: list[torch.Tensor | int] = []  # masks, or a count of unconstrained rows
+    for seq in seqs:
+        drafts, m = seq.draft_token_ids, seq.grammar
+        if m is None:
+            parts.append(len(drafts) + 1)
+            continue
+        for j in range(len(drafts) + 1):
+            parts.append(grammars.bitmask([m]))
+            if j < len(drafts):
+                m.accept_token(drafts[j])  # accepted when proposed (_grammatical)
+        if drafts:
+            m.rollback(len(drafts))
+    words = next(p.shape[1] for p in parts if isinstance(p, torch.Tensor))
+    return torch.cat([p if isinstance(p, torch.Tensor) else torch.full((p, words), -1, dtype=torch.int32)
+                      for p in parts])
 
 
 def roll_back(kv: KVCacheManager, seq: Sequence, num_accepted: int) -> None:
