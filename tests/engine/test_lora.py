@@ -209,3 +209,20 @@ def test_tensor_parallel_shards_adapters(tiny_lora):
             assert out.outputs[0].token_ids == greedy(adapters[name][0] if name else base, PROMPTS[0], MAX_TOKENS), name
     finally:
         llm.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_gemma_layers_that_reduce_their_own_output(tmp_path):
+    """Gemma's o and down projections reduce their own output (it is normalized before the
+    residual add): the delta joins their partial sums before the reduction, the bias after."""
+    from test_models_gemma import GEMMA
+
+    base = make_tiny_model(tmp_path / "g2", "gemma2", spec=GEMMA["gemma2"])
+    base.set_attn_implementation("eager")  # transformers' SDPA path drops Gemma 2's score cap
+    merged = make_adapter(tmp_path / "a", base, rank=4, alpha=8, seed=7)
+    llm = LLM(str(tmp_path / "g2"), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=16, max_model_len=128, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([PROMPTS[1]] * 2, params, lora_request=[None, LoRARequest("a", 1, str(tmp_path / "a"))])
+    assert outs[0].outputs[0].token_ids == greedy(base, PROMPTS[1], MAX_TOKENS)
+    assert outs[1].outputs[0].token_ids == greedy(merged, PROMPTS[1], MAX_TOKENS) != outs[0].outputs[0].token_ids
