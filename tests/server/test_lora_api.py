@@ -83,3 +83,12 @@ def test_bad_adapters_are_refused(lora_server):
     assert_error(httpx.post(url, json={"lora_name": "r4", "lora_path": str(root / "r4")}), 400, "lora_name")
     assert_error(httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "nope"}), 404, "lora_name")
     assert {m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]} >= {"tiny", "r4"}
+
+
+def test_lora_modules_spelling():
+    from kvship.server.lora import parse_lora_module
+
+    assert parse_lora_module("sql=/a/b=c") == ("sql", "/a/b=c")
+    assert parse_lora_module('{"name": "sql", "path": "/a", "base_model_name": "x"}') == ("sql", "/a")
+    with pytest.raises(ValueError, match="name=path"):
+        parse_lora_module("/just/a/path")

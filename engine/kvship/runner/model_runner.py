@@ -220,6 +220,8 @@ class ModelRunner:
 
     def _wrap_lora(self) -> LoRAManager:
         c = self.config
+        if c.task == "embed":  # "auto" resolved to it (a sentence-transformers folder)
+            raise ValueError("LoRA adapters are served for generation, not embeddings (--task embed)")
         return LoRAManager(self.model, self.model_config, c.max_loras, c.max_lora_rank, c.max_cpu_loras,
                            max(c.max_num_batched_tokens, KV_SCALE_TOKENS, AUTO_MAX_SEQS), self.dtype, self.device)
 
