@@ -360,6 +360,14 @@ def _gemm_step(acc, a, w_rows, s_ptr, b_ptr, rows, nmask, k0, K, stride_sn, ngro
 
 
 @triton.jit
+def expert_block(sorted_ptr, experts_ptr, num_pairs, pid_m, A_DIV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Block pid_m of align_by_expert's list: its BLOCK_M pairs, which are real, the activation
+    row of each (pair // A_DIV) and the block's expert."""
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pairs, pairs < num_pairs, (pairs // A_DIV).to(tl.int64), tl.load(experts_ptr + pid_m).to(tl.int64)
+
+
+@triton.jit
 def _row_scale(s_ptr, rows, nmask, stride_sn, FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_N] factors for the rows' sums: FP8 per-row scales, else 1."""
     if FP8 and GROUP == 0:
@@ -380,10 +388,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rw_ptr, sorted_ptr, ex
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):  # a block past the routing's real end
         return
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
-    rows = (pairs // A_DIV).to(tl.int64)
-    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    pairs, valid, rows, expert = expert_block(sorted_ptr, experts_ptr, num_pairs, pid_m, A_DIV, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     gate_rows = offs_n.to(tl.int64)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvship.kernels._triton import tl, triton, use_triton
-from kvship.kernels.fused_moe import _dot, align_by_expert, moe_config
+from kvship.kernels.fused_moe import _dot, align_by_expert, expert_block, moe_config
 from kvship.kernels.nvfp4_linear import _e2m1
 from kvship.kernels.tuning.moe import GPT_OSS_GEMV_DOWN as GEMV_DOWN
 from kvship.kernels.tuning.moe import GPT_OSS_GEMV_GATE_UP as GEMV_GATE_UP
@@ -127,10 +127,7 @@ def _gpt_oss_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, sorted_
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(padded_ptr):  # a block past the routing's real end
         return
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
-    rows = (pairs // A_DIV).to(tl.int64)
-    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    pairs, valid, rows, expert = expert_block(sorted_ptr, experts_ptr, num_pairs, pid_m, A_DIV, BLOCK_M)
     offs_n, nmask, gate_w, gate_s = _row_tile(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn,
                                               BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
