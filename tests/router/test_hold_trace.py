@@ -4,6 +4,8 @@ per pick, continuing the request's traceparent and handed on to the replica as i
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 import threading
 import time
 
@@ -13,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import picker_utils
-from kvship.router.hold import Holding
+from kvship.router.hold import Holding, demand_command
 from kvship.router.tracing import PickTracer
 from picker_utils import TRACEPARENT, chat, picked, set_headers
 
@@ -119,3 +121,15 @@ def test_a_request_without_traceparent_starts_a_trace(picker_factory, spans):
     (span,) = exporter.get_finished_spans()
     assert span.parent is None
     assert upstream.split("-")[1] == f"{span.get_span_context().trace_id:032x}"
+
+
+def test_demand_command_runs_with_the_pending_count(tmp_path):
+    out = tmp_path / "demand"
+    script = f"import os; open({str(out)!r}, 'w').write(os.environ['KVSHIP_ROUTER_PENDING'])"
+    hook = demand_command(f"{sys.executable} -c {shlex.quote(script)}")
+    hook(1)
+    deadline = time.monotonic() + 20
+    while any(t.name == "kvship-router-demand" for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert out.read_text() == "1"
