@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
+
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.kernels.argmax import argmax
 from kvship.runner.model_runner import ModelRunner, load_model
@@ -32,7 +34,11 @@ class DraftModelDrafts:
         if model_config.linear_attention is not None:
             raise ValueError(f"the draft model ({model_config.architecture}) keeps a recurrent state, which cannot "
                              "be rolled back past rejected tokens")
-        self.runner = ModelRunner(config, model_config, source.weights())
+        try:
+            self.runner = ModelRunner(config, model_config, source.weights())
+        except torch.OutOfMemoryError:
+            raise ValueError(f"the draft model and its KV cache ({num_blocks} blocks, as many as the target's) do not "
+                             "fit beside the target: lower --gpu-memory-utilization to leave room") from None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, False, model_config.kv_window)
         self.budget = config.max_num_batched_tokens
         self.shadows: dict[Sequence, Sequence] = {}
