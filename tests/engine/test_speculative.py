@@ -289,3 +289,35 @@ def test_cli_flag(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
     assert "not implemented" in capsys.readouterr().err
+
+
+TINY = {
+    # every layer over a 16-token window: blocks out of it are given back while proposals come and go
+    "mistral-window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=16)),
+    # multi-head latent attention: the verify's multi-token queries on the latent cache
+    "deepseek-v3": ("DeepseekV3Config", dict(
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1,
+        n_routed_experts=8, n_shared_experts=2, moe_intermediate_size=24, q_lora_rank=24, num_experts_per_tok=3,
+        n_group=4, topk_group=2, norm_topk_prob=True)),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch", TINY)
+def test_tiny_models_identical_with_ngram(tmp_path, arch):
+    """Random tiny checkpoints (proposals mostly rejected: every step rolls back), prompts that
+    repeat a pattern, block size 4, chunked prefill and preemption."""
+    from conftest import make_tiny_model
+
+    make_tiny_model(tmp_path / arch, arch, seed=1, spec=TINY[arch])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 318, (n,), generator=g).tolist() * r for n, r in ((6, 4), (3, 7), (11, 2), (5, 1))]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    opts = dict(device="cpu", block_size=4, num_kv_blocks=15, max_num_batched_tokens=16, max_model_len=256)
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path / arch), **opts).generate(prompts, params)]
+    spec = LLM(str(tmp_path / arch), **opts, speculative_config=NGRAM)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    stats = spec.engine.speculator.stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens  # rejections happened
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_released(spec)
