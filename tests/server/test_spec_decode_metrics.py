@@ -31,3 +31,30 @@ def test_spec_decode_counters():
 
 def test_no_spec_decode_series_without_speculation():
     assert not [k for k in scrape(None) if k[0].startswith("kvship:spec_decode")]
+
+
+def test_serving_engine_reports_its_counters(tmp_path):
+    """The serving engine's stats carry the speculator's counters, as the requests made them."""
+    import asyncio
+
+    from conftest import make_tiny_model
+    from kvship.core.async_engine import AsyncEngine
+    from kvship.sampling_params import SamplingParams
+
+    make_tiny_model(tmp_path / "m", "llama-gqa-tied")
+    engine = AsyncEngine.from_config(EngineConfig(str(tmp_path / "m"), device="cpu", max_model_len=128, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3}))
+    try:
+        async def go():
+            async for out in engine.generate([5, 6, 7, 8] * 6, SamplingParams(temperature=0, max_tokens=20,
+                                                                                 ignore_eos=True), "r"):
+                last = out
+            return last
+
+        out = asyncio.run(asyncio.wait_for(go(), timeout=120))
+        assert len(out.outputs[0].token_ids) == 20
+        spec = engine.stats().spec_decode
+        assert spec.num_drafts > 0 and spec.num_draft_tokens >= spec.num_accepted_tokens == sum(spec.accepted_per_pos)
+        assert scrape(spec)[("kvship:spec_decode_num_drafts_total", None)] == spec.num_drafts
+    finally:
+        engine.shutdown()
