@@ -20,6 +20,12 @@ _GPT_OSS = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidde
                 quantization_config={"quant_method": "mxfp4"}, torch_dtype="bfloat16", bos_token_id=0,
                 eos_token_id=1)
 
+# Qwen3.5 / Qwen3.6 hybrids (models/qwen3_next.py): what their shapes share
+_QWEN36 = dict(full_attention_interval=4, head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, partial_rotary_factor=0.25,
+               rope_theta=10000000.0, max_position_embeddings=262144, rms_norm_eps=1e-6, vocab_size=248320,
+               tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1)
+
 SHAPES = {
     "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -104,6 +110,35 @@ SHAPES = {
                                                             "original_max_position_embeddings": 8192},
                          max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
                          torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1),
+    # Qwen3.6-27B (Qwen3.5-27B's language model): 16 x (3 Gated DeltaNet + 1 gated attention)
+    # layers, DeltaNet 16 q/k heads and 48 value heads of 128, attention 24/4 heads of 256 with a
+    # quarter rotated; the recurrent state replaces the KV cache on three layers of four
+    "qwen3.6-27b": dict(_QWEN36, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=5120,
+                        intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                        num_key_value_heads=4, linear_num_value_heads=48),
+    # Qwen3.6-35B-A3B (as Qwen3.5-35B-A3B): 10 x (3 + 1) layers, every one routed (8 of 256
+    # experts of 512 and a shared one), DeltaNet 16/32 heads, attention 16/2 heads of 256
+    "qwen3.6-35b-a3b": dict(_QWEN36, architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
+                            hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                            linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512),
+    # the dense transformer of about the hybrid 27B's size, for the long-context comparison; its
+    # positions go past the real model's (YaRN to 128k) so that 128k plus the output fits
+    "qwen3-32b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=5120,
+                      intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                      head_dim=128, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=262144,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0,
+                      eos_token_id=1),
+    # a tiny hybrid of each kind: the CPU test of the benchmark's path (tests/bench)
+    "hybrid-tiny": dict(_QWEN36, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=64,
+                        intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, vocab_size=512),
+    "hybrid-moe-tiny": dict(_QWEN36, architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
+                            hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                            linear_value_head_dim=16, vocab_size=512, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=32),
 }
 
 
@@ -144,6 +179,8 @@ def param_count(shape: str) -> int:
     """Parameters one token computes with: with routed experts (in every layer, as in the shapes
     here), the k it picks and the router, not the others."""
     c = SHAPES[shape]
+    if c.get("linear_num_value_heads"):
+        return _hybrid_param_count(c)
     h, i, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     embed = v * h * (1 if c["tie_word_embeddings"] else 2)
     if c.get("kv_lora_rank"):  # DeepSeek: latent attention, dense MLPs first, then routed and shared experts
@@ -182,6 +219,33 @@ def _routed_shared_param_count(c: dict) -> int:
         experts, expert_i, e = c["num_experts_per_tok"] + 1, c["intermediate_size"], c["num_local_experts"]
     moe = 3 * h * expert_i * experts + e * h
     return layers * attn + dense * 3 * h * dense_i + (layers - dense) * moe + 2 * v * h + h
+
+
+def attention_layers(c: dict) -> int:
+    """Layers with a KV cache: all but a hybrid's Gated DeltaNet layers."""
+    if c.get("layer_types"):
+        return sum(t != "linear_attention" for t in c["layer_types"])
+    return c["num_hidden_layers"] // c.get("full_attention_interval", 1)
+
+
+def _hybrid_param_count(c: dict) -> int:
+    """Qwen3.5 / Qwen3.6: Gated DeltaNet layers (in_proj to q|k|v, z, b, a; conv1d; A, dt bias,
+    gated norm; out_proj), gated attention ones (q_proj twice as wide: query and gate; q/k norms),
+    each with a dense MLP or, routed, the k experts a token picks, the shared one and its gate."""
+    h, layers, v, d = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"], c["head_dim"]
+    nk, nv, dk, dv = (c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"],
+                      c["linear_value_head_dim"])
+    conv_dim = 2 * nk * dk + nv * dv
+    linear = h * (conv_dim + nv * dv + 2 * nv) + conv_dim * c["linear_conv_kernel_dim"] + 2 * nv + dv + nv * dv * h
+    full = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) + c["num_attention_heads"] * d * h \
+        + 2 * d
+    if c.get("num_experts"):
+        k, e = c["num_experts_per_tok"], c["num_experts"]
+        mlp = 3 * h * (k * c["moe_intermediate_size"] + c["shared_expert_intermediate_size"]) + e * h + h
+    else:
+        mlp = 3 * h * c["intermediate_size"]
+    n_full = attention_layers(c)
+    return (layers - n_full) * linear + n_full * full + layers * (mlp + 2 * h) + 2 * v * h + h
 
 
 def experts_read(shape: str, batch: int) -> float:
@@ -229,6 +293,12 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
+def state_bytes_per_token(model, dtype: torch.dtype) -> int:
+    """A hybrid's recurrent state (conv inputs and delta-rule matrices of every DeltaNet layer),
+    read and written by each decode step whatever the context; 0 for other models."""
+    return 2 * model.state_bytes_per_slot(dtype) if hasattr(model, "state_bytes_per_slot") else 0
+
+
 def kv_bytes_per_token(shape: str, elem: int = 2, kv_cache_dtype: str = "auto") -> int:
     """KV-cache bytes of one token: 16-bit (elem 2) by default, or a --kv-cache-dtype's size
     (in blocks of 16 tokens: int4 keys' scales are per block)."""
@@ -242,17 +312,19 @@ def kv_bytes_per_token(shape: str, elem: int = 2, kv_cache_dtype: str = "auto") 
         per_head = 2 * d * elem
     else:
         per_head = bytes_per_block_head(kv_cache_dtype, d, torch.bfloat16, 16) / 16
-    return int(c["num_hidden_layers"] * c["num_key_value_heads"] * per_head)
+    return int(attention_layers(c) * c["num_key_value_heads"] * per_head)
 
 
-def measure_batch1(llm, prompt_len: int, out_len: int, runs: int = 3) -> tuple[float, float]:
-    """Median (TTFT seconds, decode tok/s) of `runs` single random-token requests, after a warm-up."""
+def measure_batch1(llm, prompt_len: int, out_len: int, runs: int = 3, warmup_len: int | None = None
+                   ) -> tuple[float, float]:
+    """Median (TTFT seconds, decode tok/s) of `runs` single random-token requests, after a warm-up
+    of `warmup_len` prompt tokens (prompt_len unless given: a long context warms up shorter)."""
     from kvship.sampling_params import SamplingParams
 
     vocab = llm.engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
-    llm.generate([torch.randint(2, vocab, (prompt_len,), generator=g).tolist()], params)  # warm-up
+    llm.generate([torch.randint(2, vocab, (warmup_len or prompt_len,), generator=g).tolist()], params)
     ttfts, rates = [], []
     for _ in range(runs):
         prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()

@@ -3,7 +3,7 @@
 # Each target's table goes to $OUT/NAME.md, stderr to $OUT/log. Targets, the wheels serve needs
 # and how to compare two commits: bench/README.md; the figures: docs/performance.md.
 set -uo pipefail
-targets="tests latency-bf16 latency-fp8 latency-int4 throughput serve startup kv moe mla gpt-oss gpt-oss-120b tp profile kernels"
+targets="tests latency-bf16 latency-fp8 latency-int4 throughput serve startup kv moe mla gpt-oss gpt-oss-120b hybrid tp profile kernels"
 if [ $# -eq 0 ]; then
   echo "usage: bash bench/gpu_session.sh NAME...   (NAME: $targets)" >&2
   exit 2
@@ -49,6 +49,11 @@ bench mla 400 bash -c "python3 bench/latency.py --shape deepseek-v2-lite --quant
   python3 bench/latency.py --shape moonlight-16b-a3b --quantization none --no-hf"
 bench gpt-oss 400 python3 bench/latency.py --shape gpt-oss-20b
 bench gpt-oss-120b 550 python3 bench/latency.py --shape gpt-oss-120b
+# the hybrid Gated DeltaNet shapes: 27B in bf16 and FP8, 35B-A3B in FP8, then batch-1 decode after a
+# 32k prompt beside a dense 32B; each part bounded, so that one running long still leaves the others
+bench hybrid 240 bash -c "timeout 110 python3 bench/latency.py --shape qwen3.6-27b --quantization none fp8 --output 128; \
+  timeout 50 python3 bench/latency.py --shape qwen3.6-35b-a3b --quantization fp8 --output 128; \
+  timeout 75 python3 bench/latency.py --shape qwen3.6-27b --context 32768 --dense qwen3-32b --quantization fp8 --output 64"
 bench tp 420 "${tp_env[@]}" python3 bench/tp_latency.py --tp 2 --timeout 130
 bench profile 300 bash -c "python3 bench/profile_step.py --graphs --batch 1 && \
   python3 bench/profile_step.py --graphs --batch 256"

@@ -14,8 +14,15 @@ the attention, norms and router of every layer, only the experts it picks, and t
 projection; a second table times one MoE layer (router and fused experts) alone, replayed in a
 CUDA graph, against the bytes of the experts its tokens pick and against the plain-torch path.
 
+Hybrid shapes (qwen3.6-27b, qwen3.6-35b-a3b: Gated DeltaNet + gated attention) add to their
+roofline the recurrent state each decode step reads and writes (conv inputs and delta-rule
+matrices, the same at any context), and their KV counts only the attention layers. --context
+measures batch-1 decode after long prompts beside a dense shape of about the same size
+(bench/long_context.py).
+
     python bench/latency.py [--shape llama3-8b] [--prompt 512] [--output 256] [--no-hf]
                             [--quantization none fp8 int8 int4 int4-g32 q4_k_m]
+                            [--context 32768 131072 [--dense qwen3-32b] [--device cpu]]
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ from common import (
     measure_batch1,
     measure_ceilings,
     param_count,
+    state_bytes_per_token,
     table,
     weight_bytes_per_token,
     write_shape_folder,
@@ -50,23 +58,35 @@ from kvship.layers.moe import route
 from kvship.llm import LLM
 
 
+def start_engine(source: str, max_model_len: int, eager: bool, quantization: str | None = None,
+                 device: str = "cuda") -> LLM:
+    """An engine of ``source``: a shape folder (random weights) or a .gguf file (its own weights)."""
+    load_format = "auto" if source.endswith(".gguf") else "dummy"
+    return LLM(source, load_format=load_format, dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=8,
+               enforce_eager=eager, quantization=quantization, device=device)
+
+
+def bytes_per_token(llm) -> tuple[int, int]:
+    """(weight bytes a batch-1 decode step reads as loaded, recurrent-state bytes it reads and writes)."""
+    runner = llm.engine.runner
+    return weight_bytes_per_token(runner.model), state_bytes_per_token(runner.model, runner.dtype)
+
+
 def kvship_latency(folder: str, prompt_len: int, out_len: int, eager: bool, quantization: str | None = None
-                   ) -> tuple[float, float, float | None, int]:
+                   ) -> tuple[float, float, float | None, int, int]:
     """(TTFT s, decode tok/s, with graphs: tok/s of replaying the batch-1 decode graph back to
-    back, the GPU's own time per token with no host work at all, and weight bytes per token).
-    ``folder``: a shape folder (random weights), or a .gguf file (its own weights)."""
-    load_format = "auto" if folder.endswith(".gguf") else "dummy"
-    llm = LLM(folder, load_format=load_format, dtype="bfloat16", max_model_len=prompt_len + out_len + 16,
-              max_num_seqs=8, enforce_eager=eager, quantization=quantization)
+    back, the GPU's own time per token with no host work at all, weight bytes per token, and
+    recurrent-state bytes per token). ``folder``: a shape folder, or a .gguf file."""
+    llm = start_engine(folder, prompt_len + out_len + 16, eager, quantization)
     ttft, rate = measure_batch1(llm, prompt_len, out_len)
     graphs = llm.engine.runner.graphs
     replay = None
     if graphs is not None:  # its buffers still hold the last request's final decode step
         replay = 1 / _time_cuda(graphs.graphs[1].replay, iters=100)
-    nbytes = weight_bytes_per_token(llm.engine.runner.model)
+    nbytes, state = bytes_per_token(llm)
     del llm
     torch.cuda.empty_cache()
-    return ttft, rate, replay, nbytes
+    return ttft, rate, replay, nbytes, state
 
 
 def hf_latency(shape: str, prompt_len: int, out_len: int) -> float:
@@ -94,6 +114,9 @@ def bytes_read_per_token(shape: str) -> dict[str, int]:
     shapes here): each layer's attention, norms and router, the k experts a token picks, and the
     output projection; the input embedding gives one row, left out."""
     c = SHAPES[shape]
+    if c.get("linear_num_value_heads"):  # hybrids: param_count's, less the input embedding
+        experts = f" ({c['num_experts_per_tok']} of {c['num_experts']} experts)" if c.get("num_experts") else ""
+        return {f"weights{experts}": 2 * (param_count(shape) - c["vocab_size"] * c["hidden_size"])}
     if not c.get("num_experts"):
         return {"weights": 2 * param_count(shape)}
     h, layers, e, k = c["hidden_size"], c["num_hidden_layers"], c["num_experts"], c["num_experts_per_tok"]
@@ -205,18 +228,30 @@ def main() -> None:
                          "q4_k_m: a GGUF file of the shape with Q4_K_M's tensor types (bench/gguf_shape.py)")
     ap.add_argument("--settings", help="one-row and small-batch GEMV settings per weight to try (the JSON of "
                                        "bench/quant_gemv_sweep.py or bench/gemv_sweep.py --best-json), over the engine's own")
+    ap.add_argument("--context", type=int, nargs="+",
+                    help="batch-1 decode after a prompt of each of these lengths (bench/long_context.py), beside "
+                         "--dense's shape at the same context")
+    ap.add_argument("--dense", default="qwen3-32b", choices=["none", *sorted(SHAPES)],
+                    help="with --context: the shape to compare with (none: only --shape)")
+    ap.add_argument("--device", default="cuda", help="with --context: cpu runs the same path (tiny shapes)")
     args = ap.parse_args()
     if args.settings:
         use_settings(json.loads(Path(args.settings).read_text()))
+    if args.context:
+        from long_context import compare_contexts  # it builds its engines with start_engine above
+
+        return compare_contexts(args)
     if args.quantization:
         return compare_formats(args)
     bw, mm = measure_ceilings()
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
-        ttft_g, rate_g, replay, loaded_bytes = kvship_latency(folder, args.prompt, args.output, eager=False)
-        ttft_e, rate_e, _, _ = kvship_latency(folder, args.prompt, args.output, eager=True)
+        ttft_g, rate_g, replay, loaded_bytes, state = kvship_latency(folder, args.prompt, args.output, eager=False)
+        ttft_e, rate_e, _, _, _ = kvship_latency(folder, args.prompt, args.output, eager=True)
     mxfp4 = is_mxfp4(args.shape)
     parts = {"weights as loaded (k experts in MXFP4)": loaded_bytes} if mxfp4 else bytes_read_per_token(args.shape)
+    if state:
+        parts["recurrent state read + written"] = state
     weight_bytes = sum(parts.values())
     avg_ctx = args.prompt + args.output / 2
     roofline = bw / (weight_bytes + avg_ctx * kv_bytes_per_token(args.shape))
@@ -259,15 +294,16 @@ def compare_formats(args) -> None:
                 source, method = str(gguf_shape.write(args.shape, Path(tmp) / f"{args.shape}-Q4_K_M.gguf")), None
             else:  # in-situ from the same random 16-bit weights
                 source, method = folder, insitu_method(q)
-            ttft, rate, replay, nbytes = kvship_latency(source, args.prompt, args.output, eager=False,
-                                                        quantization=method)
-            roof = bw / (nbytes + kv)
+            ttft, rate, replay, nbytes, state = kvship_latency(source, args.prompt, args.output, eager=False,
+                                                               quantization=method)
+            roof = bw / (nbytes + kv + state)
             rows.append([q if q != "none" else "bf16", f"{nbytes / 1e9:.2f}", f"{rate:.1f}", f"{replay:.1f}",
                          f"{roof:.1f}", f"{100 * rate / roof:.0f}%", f"{ttft * 1e3:.1f}"])
     print(header(f"Batch-1 latency by weight format, {args.shape} shape, CUDA graphs, prompt {args.prompt}, "
                  f"output {args.output}"))
+    state_note = f" + {state / 1e6:.0f} MB of recurrent state read and written" if state else ""
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; roofline = copy bandwidth / (weight bytes read per token + "
-          f"{kv / 1e6:.0f} MB of KV)\n")
+          f"{kv / 1e6:.0f} MB of KV{state_note})\n")
     print(table(rows, ["weights", "GB read/token", "decode tok/s", "graph replay tok/s", "roofline tok/s",
                        "of roofline", "TTFT ms"]))
 
