@@ -51,8 +51,8 @@ bench gpt-oss 400 python3 bench/latency.py --shape gpt-oss-20b
 bench gpt-oss-120b 550 python3 bench/latency.py --shape gpt-oss-120b
 # the hybrid Gated DeltaNet shapes: 27B in bf16 and FP8, 35B-A3B in FP8, then batch-1 decode after a
 # 32k prompt beside a dense 32B; each part bounded, so that one running long still leaves the others
-bench hybrid 240 bash -c "timeout 110 python3 bench/latency.py --shape qwen3.6-27b --quantization none fp8 --output 128; \
-  timeout 50 python3 bench/latency.py --shape qwen3.6-35b-a3b --quantization fp8 --output 128; \
+bench hybrid 240 bash -c "for q in none fp8; do timeout 60 python3 bench/latency.py --shape qwen3.6-27b --quantization \$q \
+  --output 128; done; timeout 45 python3 bench/latency.py --shape qwen3.6-35b-a3b --quantization fp8 --output 128; \
   timeout 75 python3 bench/latency.py --shape qwen3.6-27b --context 32768 --dense qwen3-32b --quantization fp8 --output 64"
 bench tp 420 "${tp_env[@]}" python3 bench/tp_latency.py --tp 2 --timeout 130
 bench profile 300 bash -c "python3 bench/profile_step.py --graphs --batch 1 && \

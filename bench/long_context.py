@@ -30,6 +30,8 @@ from common import (
 )
 from latency import bytes_per_token, start_engine
 
+HEAD = ["model", "context", "weights GB/token", "KV GB/token", "state MB/token", "roofline tok/s", "decode tok/s",
+        "of roofline", "prefill s"]
 WARMUP_PROMPT = 64  # the warm-up request's prompt: compiles and captures without a long prefill
 
 
@@ -67,16 +69,16 @@ def not_run(name: str, ctx: str, error: Exception) -> list[str]:
 
 
 def compare_contexts(args) -> None:
+    """Rows print as they are measured: a time limit cutting the run short keeps the ones done."""
     bw = measure_ceilings()[0] if args.device != "cpu" else None
     shapes = [args.shape] + ([args.dense] if args.dense not in ("none", args.shape) else [])
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for shape in shapes:
-            for fmt in args.quantization or ["none"]:
-                rows += shape_rows(shape, fmt, sorted(args.context), args.output, args.device, bw, tmp)
     print(header(f"Batch-1 decode at long context, {' vs '.join(shapes)}, output {args.output}"))
     ceiling = f"copy bandwidth {bw / 1e12:.2f} TB/s; " if bw else "no bandwidth measured on this device; "
     print(ceiling + "roofline = copy bandwidth / (weight bytes read per token + KV at the context + recurrent "
           "state read and written)\n")
-    print(table(rows, ["model", "context", "weights GB/token", "KV GB/token", "state MB/token", "roofline tok/s",
-                       "decode tok/s", "of roofline", "prefill s"]))
+    print(table([], HEAD), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            for fmt in args.quantization or ["none"]:
+                for row in shape_rows(shape, fmt, sorted(args.context), args.output, args.device, bw, tmp):
+                    print(table([row], HEAD).splitlines()[-1], flush=True)
