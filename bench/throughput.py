@@ -47,6 +47,7 @@ from common import (
     kv_bytes_per_token,
     measure_ceilings,
     param_count,
+    state_bytes_per_token,
     table,
     weight_bytes_per_token,
     write_shape_folder,
@@ -64,9 +65,11 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0):
 
 
 def limit_seconds(shape: str, prompts, outs, max_num_seqs: int, bw: float, mm: float,
-                  kv_cache_dtype: str = "auto", weight_bytes: int | None = None, expert_bytes: int = 0) -> float:
+                  kv_cache_dtype: str = "auto", weight_bytes: int | None = None, expert_bytes: int = 0,
+                  state_bytes: int = 0) -> float:
     """expert_bytes: the routed experts' share of weight_bytes (k of E); a full step of
-    max_num_seqs tokens reads experts_read times as many."""
+    max_num_seqs tokens reads experts_read times as many. state_bytes: a hybrid's recurrent
+    state, read and written once for every generated token."""
     params = param_count(shape)
     weight_bytes = weight_bytes or params * 2
     weight_bytes += expert_bytes * (experts_read(shape, max_num_seqs) - 1)
@@ -74,7 +77,7 @@ def limit_seconds(shape: str, prompts, outs, max_num_seqs: int, bw: float, mm: f
     kv_reads = sum(len(p) * o + o * (o + 1) // 2 for p, o in zip(prompts, outs)) * kv_bytes_per_token(
         shape, kv_cache_dtype=kv_cache_dtype)
     prefill_flops = 2 * params * sum(len(p) for p in prompts)
-    return (steps * weight_bytes + kv_reads) / bw + prefill_flops / mm
+    return (steps * weight_bytes + kv_reads + sum(outs) * state_bytes) / bw + prefill_flops / mm
 
 
 def time_gpu_work(obj, method: str, spans: list) -> None:
@@ -117,13 +120,15 @@ def run_kvship(folder, prompts, outs, max_num_seqs: int | None, kv_cache_dtype: 
     sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle, the steps by
     kind); then the weight bytes a batch-1 decode step reads with the routed experts' share of
     them: on rank 0 at tp > 1, whose GPU times are the ones bracketed; with ``profile``, that
-    many kernels' rows of the first pass's profile; the batch cap the engine ran with."""
+    many kernels' rows of the first pass's profile; the batch cap the engine ran with; the recurrent-state
+    bytes a generated token reads and writes (hybrids; 0 for others)."""
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2 * max(map(len, prompts)) + 16,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype,
               quantization=quantization, tensor_parallel_size=tp)
     seqs = llm.engine.config.max_num_seqs
     weight_bytes = weight_bytes_per_token(llm.engine.runner.model)
     expert_bytes = expert_bytes_per_token(llm.engine.runner.model)
+    state_bytes = state_bytes_per_token(llm.engine.runner.model, llm.engine.runner.dtype)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate(shifted(prompts[:4], passes, vocab), params[:4])  # warm-up, shifted past every pass
     spans: list = []
@@ -150,7 +155,7 @@ def run_kvship(folder, prompts, outs, max_num_seqs: int | None, kv_cache_dtype: 
         if prof:
             prof_rows = kernel_rows(prof, 1, profile)
     llm.shutdown()  # its memory back before the next configuration's engine starts
-    return results, weight_bytes, expert_bytes, prof_rows, seqs
+    return results, weight_bytes, expert_bytes, prof_rows, seqs, state_bytes
 
 
 def run_hf(shape: str, prompts, outs, batch: int) -> float:
@@ -205,13 +210,13 @@ def main() -> None:
         config = f"{'bf16' if wfmt == 'none' else wfmt} weights, {kv} KV" + (f", TP={tp}" if args.tp != [1] else "")
         with tempfile.TemporaryDirectory() as tmp:
             folder = write_shape_folder(args.shape, tmp)
-            results, wbytes, ebytes, prof_rows, seqs = run_kvship(
+            results, wbytes, ebytes, prof_rows, seqs, sbytes = run_kvship(
                 folder, prompts, outs, args.max_num_seqs, kv, insitu_method(wfmt), tp, args.profile,
                 passes=args.passes, vocab=vocab)
         dt, produced, busy, kinds = sorted(results)[len(results) // 2]  # the median pass (by seconds)
         # tp GPUs side by side: each reads its shard (rank 0's bytes), 1/tp of the KV and of the FLOPs
         limits[config] = limit_seconds(args.shape, prompts, outs, seqs, bw * tp, mm * tp, kv,
-                                       wbytes * tp, ebytes * tp)
+                                       wbytes * tp, ebytes * tp, sbytes * tp)
         print(f"kvship {config} done after {time.monotonic() - t0:.0f} s ({dt:.1f} s of generation)",
               file=sys.stderr, flush=True)
         name = f"kvship, {config}"

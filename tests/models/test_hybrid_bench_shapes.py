@@ -81,3 +81,13 @@ def test_long_context_script_on_cpu(tmp_path, monkeypatch, capsys):
     assert [(r[0].strip(), int(r[1])) for r in rows] == [("hybrid-tiny fp8", 20), ("hybrid-tiny fp8", 48),
                                                        ("hybrid-moe-tiny fp8", 20), ("hybrid-moe-tiny fp8", 48)]
     assert all(float(r[6]) > 0 for r in rows)
+
+
+def test_throughput_limit_counts_the_recurrent_state():
+    """bench/throughput.py's workload limit: every generated token reads and writes its state."""
+    from throughput import limit_seconds
+
+    prompts, outs = [[5] * 10] * 3, [4, 5, 6]
+    base = limit_seconds("qwen3.6-27b", prompts, outs, 8, 1e12, 1e15)
+    with_state = limit_seconds("qwen3.6-27b", prompts, outs, 8, 1e12, 1e15, state_bytes=10**9)
+    assert with_state - base == pytest.approx(15 * 1e9 / 1e12)
