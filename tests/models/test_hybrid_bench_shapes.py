@@ -70,17 +70,20 @@ def test_fp8_random_weights_quantize_every_projection(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_long_context_script_on_cpu(tmp_path, monkeypatch, capsys):
-    """bench/latency.py --context as the GPU session calls it, on the tiny shapes: one row per
-    shape and context, each with a decode rate."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_long_context_script(device, tmp_path, monkeypatch, capsys):
+    """bench/latency.py --context as the GPU session calls it, on the tiny shapes (on the GPU:
+    FP8 kernels, CUDA graphs and the roofline): one row per shape and context, each with a rate."""
     monkeypatch.setattr(sys, "argv", ["latency.py", "--shape", "hybrid-tiny", "--dense", "hybrid-moe-tiny",
                                       "--quantization", "fp8", "--context", "48", "20", "--output", "4",
-                                      "--device", "cpu"])
+                                      "--device", device])
     main()
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| hybrid")]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [("hybrid-tiny fp8", 20), ("hybrid-tiny fp8", 48),
                                                        ("hybrid-moe-tiny fp8", 20), ("hybrid-moe-tiny fp8", 48)]
     assert all(float(r[6]) > 0 for r in rows)
+    if device == "cuda":  # a roofline from the bandwidth measured in the run
+        assert all(float(r[5]) > 0 for r in rows)
 
 
 def test_throughput_limit_counts_the_recurrent_state():
