@@ -99,3 +99,20 @@ def test_harmony_tool_format_parses_without_the_reasoning_parser():
     assert msg["reasoning_content"] == "Need weather for two cities."
     assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [{"city": "Paris"}, {"city": "Rome"}]
     assert not with_tool_constraint(SamplingParams(), plan).skip_special_tokens
+
+
+def test_reasoning_effort_reaches_the_chat_template():
+    """OpenAI's reasoning_effort (low / medium / high) is passed to the template, which gpt-oss's
+    renders as "Reasoning: high"; another value is a validation error, not ignored."""
+    import pydantic
+
+    from kvship.server.chat import template_kwargs
+    from kvship.server.protocol import ChatCompletionRequest
+
+    ask = [{"role": "user", "content": "hi"}]
+    body = ChatCompletionRequest.model_validate({"messages": ask, "reasoning_effort": "high",
+                                                 "chat_template_kwargs": {"enable_thinking": False}})
+    assert template_kwargs(body, None) == {"enable_thinking": False, "reasoning_effort": "high"}
+    assert "reasoning_effort" not in template_kwargs(ChatCompletionRequest.model_validate({"messages": ask}), None)
+    with pytest.raises(pydantic.ValidationError):
+        ChatCompletionRequest.model_validate({"messages": ask, "reasoning_effort": "extreme"})

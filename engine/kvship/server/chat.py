@@ -27,7 +27,7 @@ from kvship.server.protocol import ChatCompletionRequest
 from kvship.server.responses import Envelope, TokenText, finish_reason, new_id, safe_logprob, usage_json
 from kvship.server.sse import sse, sse_response
 from kvship.server.tool_prompt import tool_format
-from kvship.server.tools import tool_plan
+from kvship.server.tools import ToolPlan, tool_plan
 
 router = APIRouter()
 
@@ -56,6 +56,21 @@ def _logprobs_json(choice_logprobs: list[tuple[TokenLogprob, list[TokenLogprob]]
     return {"content": content, "refusal": None}
 
 
+def template_kwargs(body: ChatCompletionRequest, plan: ToolPlan | None) -> dict[str, object]:
+    """What the chat template is given beside the messages: the request's chat_template_kwargs
+    (a 400 for keys the request's own fields set), its tools, its reasoning_effort."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    taken = TEMPLATE_OWN_KEYS & set(kwargs)
+    if taken:  # what the request's own fields set (or, for chat_template, what the server owns)
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(taken))}.",
+                          param="chat_template_kwargs")
+    if plan is not None:  # the model sees the tools (tool_choice "none": it is not told of them)
+        kwargs["tools"] = plan.template_tools()
+    if body.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = body.reasoning_effort
+    return kwargs
+
+
 @router.post("/v1/chat/completions")
 async def create_chat_completion(raw_request: Request) -> Response:
     arrival = time.monotonic()  # queue time and TTFT count from here, the server's own work included
@@ -67,15 +82,8 @@ async def create_chat_completion(raw_request: Request) -> Response:
     params = with_reasoning_markers(params, state.reasoning_parser)
     await prepare_grammar(params, engine)
     check_text_fits(engine.tokenizer, chat_size(body.messages), engine.max_model_len, "messages")
-    template_kwargs = dict(body.chat_template_kwargs or {})
-    taken = TEMPLATE_OWN_KEYS & set(template_kwargs)
-    if taken:  # what the request's own fields set (or, for chat_template, what the server owns)
-        raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(taken))}.",
-                          param="chat_template_kwargs")
-    if plan is not None:  # the model sees the tools (tool_choice "none": it is not told of them)
-        template_kwargs["tools"] = plan.template_tools()
     prompt_ids = await run_tokenizer(chat_prompt_ids, engine.tokenizer, body.messages, add_generation_prompt,
-                                     template_kwargs, continue_final, size=chat_size(body.messages))
+                                     template_kwargs(body, plan), continue_final, size=chat_size(body.messages))
     params = fit_to_context(params, [len(prompt_ids)], engine.max_model_len, "messages")
 
     request_id = new_id("chatcmpl")

@@ -223,6 +223,8 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, object] | None = None
     # Passed to the chat template (e.g. {"enable_thinking": false} for Qwen3), as vLLM does.
     chat_template_kwargs: dict[str, object] | None = None
+    # OpenAI's: passed to the chat template as `reasoning_effort` (gpt-oss's harmony template reads it)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class CompletionRequest(_SamplingFields):
