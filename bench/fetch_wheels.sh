@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 names="fastapi starlette pydantic pydantic_core uvicorn h11 anyio sniffio typing_inspection annotated_types
        annotated_doc httpx httpcore prometheus_client click typing_extensions idna certifi
        opentelemetry_api opentelemetry_sdk opentelemetry_semantic_conventions xgrammar apache_tvm_ffi
-       gguf compressed_tensors loguru pytest_timeout"
+       gguf compressed_tensors loguru pytest_timeout pyzmq msgpack"
 pins=$(python3 -c '
 import sys
 want = {n.lower().replace("-", "_") for n in sys.argv[1].split()}
