@@ -299,6 +299,22 @@ def state_bytes_per_token(model, dtype: torch.dtype) -> int:
     return 2 * model.state_bytes_per_slot(dtype) if hasattr(model, "state_bytes_per_slot") else 0
 
 
+def start_engine(source: str, max_model_len: int, eager: bool, quantization: str | None = None,
+                 device: str = "cuda"):
+    """An engine of ``source``: a shape folder (random weights) or a .gguf file (its own weights)."""
+    from kvship.llm import LLM
+
+    load_format = "auto" if source.endswith(".gguf") else "dummy"
+    return LLM(source, load_format=load_format, dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=8,
+               enforce_eager=eager, quantization=quantization, device=device)
+
+
+def bytes_per_token(llm) -> tuple[int, int]:
+    """(weight bytes a batch-1 decode step reads as loaded, recurrent-state bytes it reads and writes)."""
+    runner = llm.engine.runner
+    return weight_bytes_per_token(runner.model), state_bytes_per_token(runner.model, runner.dtype)
+
+
 def kv_bytes_per_token(shape: str, elem: int = 2, kv_cache_dtype: str = "auto") -> int:
     """KV-cache bytes of one token: 16-bit (elem 2) by default, or a --kv-cache-dtype's size
     (in blocks of 16 tokens: int4 keys' scales are per block)."""

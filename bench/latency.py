@@ -41,35 +41,20 @@ from common import (
     SHAPES,
     WEIGHT_FORMATS,
     _time_cuda,
+    bytes_per_token,
     header,
     insitu_method,
     kv_bytes_per_token,
     measure_batch1,
     measure_ceilings,
     param_count,
-    state_bytes_per_token,
+    start_engine,
     table,
-    weight_bytes_per_token,
     write_shape_folder,
 )
 from kvship.kernels import gpt_oss_moe
 from kvship.kernels.fused_moe import fused_moe, fused_moe_torch
 from kvship.layers.moe import route
-from kvship.llm import LLM
-
-
-def start_engine(source: str, max_model_len: int, eager: bool, quantization: str | None = None,
-                 device: str = "cuda") -> LLM:
-    """An engine of ``source``: a shape folder (random weights) or a .gguf file (its own weights)."""
-    load_format = "auto" if source.endswith(".gguf") else "dummy"
-    return LLM(source, load_format=load_format, dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=8,
-               enforce_eager=eager, quantization=quantization, device=device)
-
-
-def bytes_per_token(llm) -> tuple[int, int]:
-    """(weight bytes a batch-1 decode step reads as loaded, recurrent-state bytes it reads and writes)."""
-    runner = llm.engine.runner
-    return weight_bytes_per_token(runner.model), state_bytes_per_token(runner.model, runner.dtype)
 
 
 def kvship_latency(folder: str, prompt_len: int, out_len: int, eager: bool, quantization: str | None = None

@@ -20,15 +20,16 @@ import tempfile
 import torch
 
 from common import (
+    bytes_per_token,
     header,
     insitu_method,
     kv_bytes_per_token,
     measure_batch1,
     measure_ceilings,
+    start_engine,
     table,
     write_shape_folder,
 )
-from latency import bytes_per_token, start_engine
 
 HEAD = ["model", "context", "weights GB/token", "KV GB/token", "state MB/token", "roofline tok/s", "decode tok/s",
         "of roofline", "prefill s"]

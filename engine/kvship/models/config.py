@@ -4,14 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvship.models.errors import UnsupportedModelError  # noqa: F401  (raised here; importers take it from config)
 from kvship.models.hybrid_config import HYBRID, LinearAttention, hybrid_fields, text_config
 from kvship.models.sigmoid_moe_config import PARTIAL_ROTARY, Llama4Layers, sigmoid_moe_fields
 from kvship.quant import QuantScheme, checkpoint_format
-
-
-class UnsupportedModelError(ValueError):
-    pass
-
 
 # HF architecture name -> family (the model file that runs it, see registry.py)
 FAMILIES = {

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvship.models.errors import UnsupportedModelError
+
 PARTIAL_ROTARY = ("glm4_moe", "minimax_m2")  # families whose heads may rotate only in part
 
 
@@ -22,7 +24,6 @@ def sigmoid_moe_fields(arch: str, cfg: dict[str, Any], head_dim: int) -> dict[st
 
 
 def _refuse(name: str, cfg: dict[str, Any], wants: tuple[tuple[str, Any], ...]) -> None:
-    from kvship.models.config import UnsupportedModelError  # config.py imports this module
 
     for key, want in wants:
         if cfg.get(key, want) != want:
