@@ -26,15 +26,20 @@ def segment_blocks(slots: list[int], block_m: int = SEGMENT_BLOCK_M) -> list[tup
 
 
 @triton.jit
-def _shrink_segment_kernel(x_ptr, a_ptr, blocks_ptr, h_ptr, K, R, stride_x, stride_as, stride_ar, stride_h,
-                           NUM_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _segment_rows(blocks_ptr, NUM_BLOCKS, BLOCK_M: tl.constexpr):
+    """This program's block of one adapter's rows: (row indices, which are real, the adapter's slot)."""
     b = tl.program_id(0)
     start = tl.load(blocks_ptr + b)
     length = tl.load(blocks_ptr + NUM_BLOCKS + b)
     slot = tl.load(blocks_ptr + 2 * NUM_BLOCKS + b)
     offs_m = tl.arange(0, BLOCK_M)
-    mmask = offs_m < length
-    rows = (start + offs_m).to(tl.int64)
+    return (start + offs_m).to(tl.int64), offs_m < length, slot
+
+
+@triton.jit
+def _shrink_segment_kernel(x_ptr, a_ptr, blocks_ptr, h_ptr, K, R, stride_x, stride_as, stride_ar, stride_h,
+                           NUM_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows, mmask, slot = _segment_rows(blocks_ptr, NUM_BLOCKS, BLOCK_M)
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < R
     offs_k = tl.arange(0, BLOCK_K)
@@ -53,13 +58,7 @@ def _shrink_segment_kernel(x_ptr, a_ptr, blocks_ptr, h_ptr, K, R, stride_x, stri
 def _expand_segment_kernel(h_ptr, b_ptr, blocks_ptr, y_ptr, N, RANK, r0, col0, stride_h, stride_bs, stride_bn,
                            stride_y, NUM_BLOCKS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_R: tl.constexpr):
-    b = tl.program_id(0)
-    start = tl.load(blocks_ptr + b)
-    length = tl.load(blocks_ptr + NUM_BLOCKS + b)
-    slot = tl.load(blocks_ptr + 2 * NUM_BLOCKS + b)
-    offs_m = tl.arange(0, BLOCK_M)
-    mmask = offs_m < length
-    rows = (start + offs_m).to(tl.int64)
+    rows, mmask, slot = _segment_rows(blocks_ptr, NUM_BLOCKS, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     offs_r = tl.arange(0, BLOCK_R)
