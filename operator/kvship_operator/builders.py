@@ -11,6 +11,7 @@ import posixpath
 from dataclasses import dataclass
 from typing import Any
 
+from . import adapters, engine_args
 from . import spec as s
 from .schema import to_dict
 
@@ -303,13 +304,16 @@ def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
         mounts[0]["readOnly"] = True
     else:
         mounts.append({"name": "model-source", "mountPath": SOURCE_MOUNT, "readOnly": True})
+    mounts += adapters.mounts(spec)
     env = [
         {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
         {"name": "HF_HOME", "value": f"{CACHE_MOUNT}/hf"},
-        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        # hub adapters are downloaded by the engine when they are loaded
+        {"name": "HF_HUB_OFFLINE", "value": "0" if spec.adapters else "1"},
         {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
         {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
         *_token_env(spec),
+        *adapters.engine_env(spec),
         *group_env(owner, spec, None),
         *[to_dict(e) for e in spec.engine.env],
     ]
@@ -332,6 +336,7 @@ def engine_container(owner: Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
             "--shutdown-timeout",
             str(spec.shutdown_timeout_seconds),
             *(["--kv-events-config", kv_events_config()] if kv_events(spec) else []),
+            *adapters.engine_args(spec, engine_args.given(spec.engine.args)),
             *spec.engine.args,
         ],
         "ports": [{"name": "http", "containerPort": s.ENGINE_PORT, "protocol": "TCP"}]
@@ -381,6 +386,7 @@ def volumes(owner: Owner, spec: s.LLMDeploymentSpec) -> list[dict[str, Any]]:
         out.append(
             {"name": "model-source", "persistentVolumeClaim": {"claimName": spec.model.pvc.claim_name, "readOnly": True}}
         )
+    out += adapters.volumes(spec)
     return out
 
 

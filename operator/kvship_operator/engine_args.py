@@ -44,6 +44,14 @@ def _parser() -> _Parser:
     return p
 
 
+def given(args: list[str]) -> dict[str, object]:
+    """The parser destinations ``args`` set (args already passed ``check``)."""
+    try:
+        return vars(_parser().parse_args(list(args)))
+    except _Refused:
+        return {}
+
+
 def check(args: list[str], also_owned: dict[str, str] | None = None) -> None:
     """Raise SpecError (path spec.engine.args) naming the first problem. ``also_owned``: more
     parser destinations the spec sets in this case (dest -> what sets it)."""

@@ -14,7 +14,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import apply, drift, metrics_client, rollout, router_apply, tracing, webhook
+from . import adapter_sync, adapters, apply, drift, metrics_client, rollout, router_apply, tracing, webhook
 from . import autoscale as autoscaling
 from . import autoscaler as asc
 from . import builders as b
@@ -286,3 +286,29 @@ async def autoscale(stopped: kopf.DaemonStopped, body: Any, memo: kopf.Memo, log
             logger.exception("autoscaler: poll failed")
             delay = 5.0
         await stopped.wait(delay)
+
+
+def _has_adapters(spec: Any, status: Any, **_: Any) -> bool:
+    # while replicas still report adapters, the last one removed is unloaded too
+    return bool((spec or {}).get("adapters")) or any(r.get("adapters") for r in (status or {}).get("adapters") or [])
+
+
+@kopf.timer(*RESOURCE, registry=registry, interval=15, when=_has_adapters)
+def sync_adapters(body: Any, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """spec.adapters into the running replicas (load / unload, no restart); status.adapters."""
+    cr = dict(body)
+    valid = _valid(cr)
+    if valid is None:
+        return  # the reconcile handler reports it
+    owner, parsed = valid
+    kube: Kube = memo.kube
+    pods = [p for p in kube.list_pods(owner.namespace, b.selector_string(owner))
+            if (p["metadata"].get("labels") or {}).get(b.ROLE_LABEL) != "worker"]
+    held = adapter_sync.sync(pods, adapters.desired(parsed), kube.pod_address)
+    if not parsed.adapters and not any(r["adapters"] for r in held):
+        held = []  # all unloaded: nothing left to report
+    for replica in held:
+        if replica.get("message"):
+            logger.warning(f"adapters of {replica['replica']}: {replica['message']}")
+    if (cr.get("status") or {}).get("adapters") != held:
+        kube.patch_llmd_status(owner.namespace, owner.name, {"adapters": held})

@@ -113,13 +113,18 @@ def scrape(pods: list[dict[str, Any]], *, timeout: float = DEFAULT_TIMEOUT,
     return out
 
 
-def fetch_models(address: str, timeout: float = DEFAULT_TIMEOUT) -> list[str]:
-    """The model names an engine serves (its OpenAI /v1/models)."""
+def fetch_model_cards(address: str, timeout: float = DEFAULT_TIMEOUT) -> list[dict[str, Any]]:
+    """An engine's OpenAI /v1/models cards (LoRA adapters among them, with a ``parent``)."""
     import json
 
     with urllib.request.urlopen(f"http://{address}/v1/models", timeout=timeout) as resp:  # noqa: S310
         data = json.loads(resp.read().decode("utf-8", "replace"))
-    return [str(m["id"]) for m in data.get("data") or [] if m.get("id")]
+    return [m for m in data.get("data") or [] if m.get("id")]
+
+
+def fetch_models(address: str, timeout: float = DEFAULT_TIMEOUT) -> list[str]:
+    """The base model names an engine serves (adapters left out: status.adapters lists them)."""
+    return [str(m["id"]) for m in fetch_model_cards(address, timeout) if not m.get("parent")]
 
 
 def served_models(pods: list[dict[str, Any]], pod_address: Optional[PodAddress],

@@ -463,6 +463,48 @@ class Routing:
 
 
 @dataclass
+class AdapterSource:
+    """Where a LoRA adapter (PEFT folder) comes from: exactly one of hub, url or pvc."""
+
+    __rules__ = [
+        Rule(
+            cel="[has(self.hub), has(self.url), has(self.pvc)].filter(x, x).size() == 1",
+            message="exactly one of hub, url, pvc must be set",
+            check=lambda a: sum(x is not None for x in (a.hub, a.url, a.pvc)) == 1,
+        ),
+        Rule(
+            cel="!has(self.pvc) || !has(self.pvc.path) || !self.pvc.path.matches('(^|/)[.][.](/|$)')",
+            message="pvc.path may not contain '..' (it is a folder inside the claim)",
+            check=lambda a: a.pvc is None or ".." not in (a.pvc.path or "").split("/"),
+        ),
+    ]
+
+    hub: Optional[str] = field(
+        None, description="Adapter id on a model hub; the engine downloads it.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$", max_length=256,
+    )
+    url: Optional[str] = field(
+        None, description="http(s) URL of the adapter's folder (its two files are fetched from below it).",
+        pattern=r"^https?://", max_length=2048,
+    )
+    pvc: Optional[PvcSource] = field(None, description="Adapter folder on a PVC (mounted read-only).")
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter served on the base model: clients send its name as `model`."""
+
+    name: str = field(description="Adapter name (the OpenAI `model` that selects it).",
+                      pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$", max_length=253)
+    source: AdapterSource = field(description="Where the adapter comes from.")
+
+
+def duplicate_adapter_names(adapters: list[Adapter]) -> list[str]:
+    names = [a.name for a in adapters]
+    return sorted({n for n in names if names.count(n) > 1})
+
+
+@dataclass
 class LocalObjectReference:
     """A reference to an object in the same namespace."""
 
@@ -521,9 +563,21 @@ class LLMDeploymentSpec:
             check=lambda s: not s.autoscaling.enabled
             or s.autoscaling.min_replicas <= s.replicas <= s.autoscaling.max_replicas,
         ),
+        Rule(
+            cel="self.adapters.all(a, self.adapters.exists_one(b, b.name == a.name))",
+            message="adapters: names must be unique",
+            check=lambda s: not duplicate_adapter_names(s.adapters),
+        ),
     ]
 
     model: ModelSource = field(description="Model source.")
+    adapters: list[Adapter] = field(
+        [],
+        description="LoRA adapters served on the model. The engine runs with --enable-lora and "
+        "--allow-runtime-lora-updating, and the operator loads and unloads adapters in running replicas to match "
+        "this list (no restart).",
+        max_items=64,
+    )
     served_model_name: Optional[str] = field(
         None,
         description="Model name clients send in the OpenAI `model` field; defaults to the hub id or the resource name.",
@@ -612,6 +666,15 @@ class RouterStatus:
 
 
 @dataclass
+class ReplicaAdapters:
+    """What one replica holds of spec.adapters."""
+
+    replica: str = field(description="Pod name.")
+    adapters: list[str] = field([], description="Adapter names it serves.")
+    message: Optional[str] = field(None, description="Why it does not hold all of spec.adapters (a failed load).")
+
+
+@dataclass
 class LLMDeploymentStatus:
     """Observed state, written by the operator."""
 
@@ -632,3 +695,6 @@ class LLMDeploymentStatus:
     served_model_name: Optional[str] = field(None, description="Model name clients use.")
     autoscaling: Optional[AutoscalingStatus] = field(None, description="Autoscaler state.")
     router: Optional[RouterStatus] = field(None, description="Router state (spec.routing envoy or gateway).")
+    adapters: Optional[list[ReplicaAdapters]] = field(
+        None, description="The LoRA adapters each ready replica holds (spec.adapters)."
+    )

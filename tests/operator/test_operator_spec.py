@@ -148,6 +148,17 @@ CASES = [  # (spec, the message of the rule that must fail, or None)
     ({**GOOD, "replicas": 0, "routing": {"mode": "gateway"}, "autoscaling": {
         "enabled": True, "minReplicas": 0, "maxReplicas": 2, "provider": "keda",
         "prometheusServerAddress": "http://prom:9090"}}, None),
+    # LoRA adapters (issue 52)
+    ({**GOOD, "adapters": [{"name": "sql", "source": {"hub": "o/sql"}},
+                           {"name": "fr", "source": {"pvc": {"claimName": "loras", "path": "fr/v2"}}},
+                           {"name": "web", "source": {"url": "https://x/loras/web"}}]}, None),
+    ({**GOOD, "adapters": [{"name": "sql", "source": {"hub": "o/sql"}}, {"name": "sql", "source": {"hub": "o/b"}}]},
+     "adapters: names must be unique"),
+    ({**GOOD, "adapters": [{"name": "sql", "source": {"hub": "o/sql", "url": "https://x/sql"}}]},
+     "exactly one of hub, url, pvc must be set"),
+    ({**GOOD, "adapters": [{"name": "sql", "source": {}}]}, "exactly one of hub, url, pvc must be set"),
+    ({**GOOD, "adapters": [{"name": "sql", "source": {"pvc": {"claimName": "c", "path": "a/../../etc"}}}]},
+     "pvc.path may not contain '..'"),
 ]
 
 
