@@ -102,7 +102,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         try:
             held = self.holding.wait()
             parsed = prompt.parse(body, self.block_chars)
-            pick = self.pool.pick(parsed.block_hashes, self._cached_hashes(parsed, headers)) if held == "ready" else None
+            pick = self.pool.pick(parsed.block_hashes, self._cached_hashes(parsed, headers), parsed.model) if held == "ready" else None
             if pick is None:
                 if span is not None:
                     span.set_attribute("kvship.router.reason", f"no-endpoint ({held})")

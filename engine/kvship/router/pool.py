@@ -6,7 +6,11 @@ elsewhere). Running requests and KV usage only break ties: a scrape lags by an i
 finished request still counted there would push a prefix off its replica under the load bound.
 
 Where a prefix lives: what the engines report caching (their KV-cache events, `cached`:
-kvship.router.kv_events), else the picker's own record of where it sent each prompt's blocks."""
+kvship.router.kv_events), else the picker's own record of where it sent each prompt's blocks.
+
+A request for a LoRA adapter goes preferably to an endpoint whose engine has it in a GPU slot
+(running or waiting requests use it), else to one holding it loaded, among those within the load
+bound; the policy then picks among them (GIE's LoRA-affinity scorer, by the same metric)."""
 from __future__ import annotations
 
 import ipaddress
@@ -23,6 +27,12 @@ from urllib.parse import urlsplit
 POLICIES = ("prefix", "least-load", "round-robin")
 
 
+@dataclass(frozen=True)
+class Adapters:
+    held: frozenset[str]  # loaded in the engine (its /v1/models)
+    active: frozenset[str]  # used by its running or waiting requests: in a GPU slot
+
+
 @dataclass
 class Endpoint:
     address: str  # "ip:port", as Envoy's ORIGINAL_DST cluster dials it
@@ -33,6 +43,7 @@ class Endpoint:
     kv_usage: float = 0.0
     in_flight: int = 0
     last_scrape: float = 0.0
+    adapters: Adapters = Adapters(frozenset(), frozenset())
 
     @property
     def load(self) -> float:
@@ -117,13 +128,16 @@ class Pool:
     def healthy(self) -> list[Endpoint]:
         return [e for e in self.endpoints if e.healthy]
 
-    def pick(self, block_hashes: list[bytes], cached_hashes: list | None = None) -> Pick | None:
+    def pick(self, block_hashes: list[bytes], cached_hashes: list | None = None,
+             model: str | None = None) -> Pick | None:
         """`block_hashes`: the prompt text's blocks; `cached_hashes`: its token blocks as the engines
-        hash them (kv_events.request_block_hashes), scored against what they report caching."""
+        hash them (kv_events.request_block_hashes), scored against what they report caching;
+        `model`: the request's, for adapter affinity."""
         with self.lock:
-            live = self.healthy()
-            if not live:
+            everyone = self.healthy()
+            if not everyone:
                 return None
+            live = self._adapter_affinity(everyone, model)
             if self.policy == "round-robin":
                 chosen, reason = live[next(self._rr) % len(live)], "round-robin"
             elif self.policy == "least-load":
@@ -132,12 +146,28 @@ class Pool:
                 chosen, reason = self._pick_prefix(live, block_hashes, cached_hashes)
             self.index.record(chosen.address, block_hashes)
             chosen.in_flight += 1
-            rest = sorted((e for e in live if e is not chosen), key=self._load_key)
+            rest = sorted((e for e in everyone if e is not chosen), key=self._load_key)
             return Pick(chosen, rest[:self.max_fallbacks], reason)
 
     def done(self, endpoint: Endpoint) -> None:
         with self.lock:
             endpoint.in_flight = max(0, endpoint.in_flight - 1)
+
+    def _within_bound(self, live: list[Endpoint]) -> list[Endpoint]:
+        """Bounded load (consistent hashing with bounded loads): an endpoint takes a request only while
+        its load + 1 stays within (1 + epsilon) x the mean load counting this request."""
+        cap = math.ceil((1 + self.epsilon) * (sum(e.load for e in live) + 1) / len(live))
+        return [e for e in live if e.load + 1 <= cap]
+
+    def _adapter_affinity(self, live: list[Endpoint], model: str | None) -> list[Endpoint]:
+        if not model:
+            return live
+        room = self._within_bound(live)
+        for has in (lambda e: model in e.adapters.active, lambda e: model in e.adapters.held):
+            holders = [e for e in room if has(e)]
+            if holders:
+                return holders
+        return live
 
     @staticmethod
     def _load_key(e: Endpoint) -> tuple:
@@ -153,10 +183,7 @@ class Pool:
         return [(self.index.match(e.address, hashes), e) for e in live], "prefix-hit"
 
     def _pick_prefix(self, live: list[Endpoint], hashes: list[bytes], cached_hashes: list | None) -> tuple[Endpoint, str]:
-        # Bounded load (consistent hashing with bounded loads): an endpoint takes a request only while
-        # its load + 1 stays within (1 + epsilon) x the mean load counting this request.
-        cap = math.ceil((1 + self.epsilon) * (sum(e.load for e in live) + 1) / len(live))
-        room = [e for e in live if e.load + 1 <= cap] or live
+        room = self._within_bound(live) or live
         matches, hit = self._matches(live, hashes, cached_hashes)
         scored = sorted(matches, key=lambda t: -t[0])
         best_match = scored[0][0] if scored else 0
@@ -173,8 +200,9 @@ class Pool:
         tied = [e for e in room if e.load == least]
         return tied[seed % len(tied)], "prefix-miss"
 
-    def update(self, endpoint: Endpoint, metrics: dict[str, float] | None) -> None:
+    def update(self, endpoint: Endpoint, metrics: dict[str, float] | None, adapters: Adapters | None = None) -> None:
         with self.lock:
+            endpoint.adapters = adapters or Adapters(frozenset(), frozenset())
             if metrics is None:
                 if endpoint.healthy:
                     self.index.forget(endpoint.address)  # a restarted engine holds nothing

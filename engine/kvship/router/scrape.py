@@ -1,13 +1,16 @@
 """Each engine's /metrics, read every interval: queue depth, running requests, KV-cache usage (the
-GIE model-server protocol's signals, under kvship's names). A failed scrape takes the endpoint out."""
+GIE model-server protocol's signals, under kvship's names). A failed scrape takes the endpoint out.
+An engine serving LoRA adapters (it exports `kvship:lora_requests_info`) is also asked which it
+holds (/v1/models: the cards with a parent), for the picker's adapter affinity."""
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from kvship.router.pool import Endpoint, Pool
+from kvship.router.pool import Adapters, Endpoint, Pool
 
 logger = logging.getLogger("kvship.router")
 
@@ -29,12 +32,42 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def scrape(endpoint: Endpoint, timeout: float) -> dict[str, float] | None:
+LORA_INFO = "kvship:lora_requests_info"  # vLLM's name and labels, which GIE's LoRA scorer reads
+
+
+def parse_lora_info(text: str) -> frozenset[str] | None:
+    """Adapters of running and waiting requests (in GPU slots); None: the engine serves no adapters."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    lines = "\n".join(line for line in text.splitlines() if line.startswith(LORA_INFO))
+    if not lines:
+        return None
+    active: set[str] = set()
+    try:  # only these lines: a surprise elsewhere in the page must not cost the endpoint its health
+        for family in text_string_to_metric_families(lines + "\n"):
+            for sample in family.samples:
+                for key in ("running_lora_adapters", "waiting_lora_adapters"):
+                    active.update(n for n in sample.labels.get(key, "").split(",") if n)
+    except ValueError:
+        pass
+    return frozenset(active)
+
+
+def held_adapters(endpoint: Endpoint, timeout: float) -> frozenset[str]:
+    with urllib.request.urlopen(endpoint.url + "/v1/models", timeout=timeout) as resp:
+        cards = json.loads(resp.read().decode(errors="replace")).get("data") or []
+    return frozenset(str(c["id"]) for c in cards if c.get("parent") and c.get("id"))
+
+
+def scrape(endpoint: Endpoint, timeout: float) -> tuple[dict[str, float] | None, Adapters | None]:
     try:
         with urllib.request.urlopen(endpoint.url + "/metrics", timeout=timeout) as resp:
-            return parse_metrics(resp.read().decode(errors="replace"))
-    except (OSError, ValueError):
-        return None
+            text = resp.read().decode(errors="replace")
+        active = parse_lora_info(text)
+        adapters = None if active is None else Adapters(held_adapters(endpoint, timeout) | active, active)
+        return parse_metrics(text), adapters
+    except (OSError, ValueError, KeyError):
+        return None, None
 
 
 class Scraper:
@@ -49,9 +82,9 @@ class Scraper:
     def scrape_once(self) -> None:
         timeout = max(0.2, self.interval * 2)
         results = list(self._workers.map(lambda e: (e, scrape(e, timeout)), self.pool.endpoints))
-        for endpoint, metrics in results:
+        for endpoint, (metrics, adapters) in results:
             was = endpoint.healthy
-            self.pool.update(endpoint, metrics)
+            self.pool.update(endpoint, metrics, adapters)
             if was != endpoint.healthy:
                 logger.info("endpoint %s is %s", endpoint.address, "up" if endpoint.healthy else "down")
 
