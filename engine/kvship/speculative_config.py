@@ -42,9 +42,6 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)} "
                              f"(or give a draft 'model'), got {method!r}")
-        if method == "mtp":  # refused before any model loads
-            raise ValueError("speculative_config method 'mtp' is not implemented yet (no model runs its MTP "
-                             "layers); use ngram or a draft model")
         if method == "draft_model" and not value.get("model"):
             raise ValueError("speculative_config: method draft_model needs 'model' (the draft's id or path)")
         k = value.get("num_speculative_tokens")

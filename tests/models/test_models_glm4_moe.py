@@ -102,6 +102,12 @@ def test_mtp_layer_is_loaded_and_kept(models, tmp_path, caplog):
     assert len(plain.engine.runner.model.model.mtp) == 0  # none stored: none kept
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == \
         plain.generate([prompt], params)[0].outputs[0].token_ids
+    # the layer drafts (models/mtp.py, core/mtp.py): the same greedy tokens
+    spec = LLM(str(tmp_path / "m"), device="cpu", dtype="float32", num_kv_blocks=32, block_size=4, max_model_len=64,
+               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert spec.generate([prompt], params)[0].outputs[0].token_ids == \
+        plain.generate([prompt], params)[0].outputs[0].token_ids
+    assert spec.engine.speculator.stats.num_draft_tokens > 0
 
 
 def test_glm45_air_config():

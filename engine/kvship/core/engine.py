@@ -21,7 +21,7 @@ from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.kv_events import open_publisher
 from kvship.core.output_processor import Accepted, OutputProcessor
 from kvship.core.scheduler import Scheduler
-from kvship.core.speculative import build_speculator, grammar_bitmask, roll_back
+from kvship.core.speculative import build_speculator, grammar_bitmask, roll_back, step_layout
 from kvship.core.state_checkpoints import StateCheckpoints
 from kvship.loader import DEFAULT_POOLING
 from kvship.loader.lora_adapter import LoRAAdapterError
@@ -78,7 +78,7 @@ class LLMEngine:
         if config.speculative_config is not None and self.task == "generate":
             try:
                 self.speculator = build_speculator(config.speculative_config, config, self.model_config,
-                                                   self.tokenizer, self.runner.num_blocks)
+                                                   self.tokenizer, self.runner)
             except BaseException:
                 self.shutdown()
                 raise
@@ -232,8 +232,11 @@ class LLMEngine:
         batch = self.scheduler.schedule(previous.rows if previous is not None else ())
         step = None
         if batch:
+            layout = step_layout(batch) if self.speculator is not None else None
             step = self.runner.start(batch, previous)  # the device starts step N+1's forward
             self.scheduler.commit(batch)
+            if layout is not None:
+                self.speculator.observe(layout)
             if previous is not None and must_read_before_sampling(step):
                 previous, outputs = None, outputs + self._finish(previous)
             step = self.runner.sample(step, self._grammar_bitmask(step))
@@ -264,6 +267,7 @@ class LLMEngine:
             outputs += self._unblock()
             self._publish_kv_events()
             return outputs
+        layout = step_layout(batch)
         logits = self.runner.run(batch)
         self.scheduler.commit(batch)
         sampled = [seq for seq in batch.seqs if seq.num_computed_tokens >= seq.num_tokens]
@@ -285,6 +289,7 @@ class LLMEngine:
         step_outputs, stopped = self.outputs.process(accepted)
         for seq, stop_string in stopped:
             self.scheduler.finish(seq, "stop", stop_string)
+        self.speculator.observe(layout)
         self.speculator.forget([seq for seq in sampled if seq.finished])
         for seq in batch.seqs:
             self.kv.cache_full_blocks(seq)

@@ -70,6 +70,12 @@ class Speculator:
             seq.draft_token_ids = list(draft) if seq.grammar is None else _grammatical(seq.grammar, draft)
         return [s for s in seqs if s.draft_token_ids]
 
+    def observe(self, layout: list[tuple[Sequence, int, int]]) -> None:
+        """After a step's tokens are kept (``step_layout`` of its batch): an MTP proposer takes
+        the target's hidden states of the kept positions."""
+        if hasattr(self.proposer, "observe"):
+            self.proposer.observe(layout)
+
     def forget(self, seqs: list[Sequence]) -> None:
         """Sequences that ended: a draft model frees what it kept for them."""
         if hasattr(self.proposer, "forget"):
@@ -131,6 +137,12 @@ def grammar_bitmask(grammars, seqs: list[Sequence]) -> torch.Tensor:
                       for p in parts])
 
 
+def step_layout(batch) -> list[tuple[Sequence, int, int]]:
+    """Each sequence of a batch about to run with its first position and its rows (its new
+    tokens and proposals), for Speculator.observe."""
+    return [(s, s.num_computed_tokens, n + len(s.draft_token_ids)) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+
+
 def roll_back(kv: KVCacheManager, seq: Sequence, num_accepted: int) -> None:
     """After a verify, before its tokens join seq: the KV computed is the step's input and the
     accepted proposals' (the token sampled after them is the next step's input); the blocks
@@ -140,21 +152,23 @@ def roll_back(kv: KVCacheManager, seq: Sequence, num_accepted: int) -> None:
 
 
 def build_speculator(config: SpeculativeConfig, engine_config, model_config, target_tokenizer,
-                     num_blocks: int) -> Speculator:
+                     runner) -> Speculator:
     """The speculator the config asks for, or a ValueError saying why it cannot be served."""
     if model_config.linear_attention is not None:
         raise ValueError(f"speculative decoding is not available for {model_config.architecture}: its recurrent "
                          "state cannot be rolled back past rejected tokens")
     if engine_config.tensor_parallel_size > 1 and config.method != "ngram":
-        raise ValueError("a draft model runs with --tensor-parallel-size 1 only")
+        raise ValueError("draft-model and MTP proposals run with --tensor-parallel-size 1 only")
     if config.method == "ngram":
         proposer = NgramDrafts(config)
     elif config.method == "draft_model":
         from kvship.core.draft_model import DraftModelDrafts  # loads a second model: only when asked
 
-        proposer = DraftModelDrafts(config, engine_config, model_config, target_tokenizer, num_blocks)
-    else:  # SpeculativeConfig.parse refuses mtp
-        raise ValueError(f"speculative_config method {config.method!r} is not served")
+        proposer = DraftModelDrafts(config, engine_config, model_config, target_tokenizer, runner.num_blocks)
+    else:
+        from kvship.core.mtp import MTPDrafts
+
+        proposer = MTPDrafts(runner, engine_config.block_size)
     log.info("speculative decoding: %s, %d tokens a step, off above %d running sequences", config.method,
              config.num_speculative_tokens, config.disable_by_batch_size)
     return Speculator(config, proposer, engine_config.max_model_len)

@@ -130,7 +130,7 @@ class ModelConfig:
     shared_experts_intermediate_size: int = 0  # DeepSeek's always-on experts, ungated, as one MLP
     linear_attention: LinearAttention | None = None  # the hybrid families' Gated DeltaNet layers
     rotary_dim: int = 0  # channels of each head that rotate (GLM-4.5: half), 0 for the whole head
-    # multi-token-prediction layers, kept unused: stored past num_hidden_layers (GLM-4.5), as mtp.* (Qwen3.5)
+    # multi-token-prediction layers: stored past num_hidden_layers (DeepSeek-V3, GLM-4.5), as mtp.* (Qwen3.5)
     mtp_layers: int = 0
     llama4: Llama4Layers | None = None
     # gpt-oss (models/gpt_oss.py): experts stored as "mxfp4" (None: the model's dtype), its SwiGLU's clamp
@@ -321,15 +321,17 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     first_dense = cfg.get("first_k_dense_replace", 3 if v3 else 0) or 0
     freq = cfg.get("moe_layer_freq", 1) or 1
     grouped = v3 or method == "group_limited_greedy"
+    mtp = int(cfg.get("num_nextn_predict_layers", 0) or 0) if v3 else 0
     return dict(num_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                 moe_intermediate_size=cfg["moe_intermediate_size"],
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
                 shared_experts_intermediate_size=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
-                sparse_layers=frozenset(i for i in range(n) if i >= first_dense and i % freq == 0),
+                # the MTP layers' blocks are routed too
+                sparse_layers=frozenset(i for i in range(n + mtp) if i >= first_dense and i % freq == 0),
                 kv_lora_rank=cfg["kv_lora_rank"],
                 q_lora_rank=cfg.get("q_lora_rank") or 0, qk_nope_head_dim=cfg["qk_nope_head_dim"],
                 v_head_dim=cfg["v_head_dim"],
                 routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
                 moe_groups=(cfg.get("n_group", 8 if v3 else 1) or 1, cfg.get("topk_group", 4 if v3 else 1) or 1)
                 if grouped else None,
-                moe_scoring=scoring, rope_interleave=bool(cfg.get("rope_interleave", True)))
+                moe_scoring=scoring, rope_interleave=bool(cfg.get("rope_interleave", True)), mtp_layers=mtp)

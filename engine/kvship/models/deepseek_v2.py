@@ -35,13 +35,15 @@ dequantized at load).
 
 KV cache: the model's dtype or FP8 (LatentAttention).
 
+Multi-token prediction (V3): the checkpoint's layers past num_hidden_layers
+(num_nextn_predict_layers) are loaded into ``mtp`` (models/mtp.py) for speculative decoding.
+
 Not supported (refused by name in models/config.py or the runner): an int4 KV cache, V2
 scoring other than softmax (V3's other than noaux_tc), attention or MLP biases, V2 with
 norm_topk_prob.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
@@ -57,10 +59,9 @@ from kvship.layers.rotary import RotaryEmbedding, yarn_mscale
 from kvship.loader.source import WeightRef, apply_slices
 from kvship.models.config import ModelConfig
 from kvship.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, SparseMoeBlock
+from kvship.models.mtp import NextTokenLayer, nextn_renamed
 from kvship.parallel import SINGLE, TPContext
 from kvship.quant import QuantRef
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def mla_scale(cfg: ModelConfig) -> float:
@@ -157,20 +158,36 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
     sparse_mlp = DeepseekV2MoE
 
 
+class DeepseekV3MTPLayer(DeepseekV2DecoderLayer, NextTokenLayer):
+    """A multi-token-prediction layer (models/mtp.py)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPContext, backend: str, index: int):
+        super().__init__(cfg, rotary, tp, backend, index)
+        self.add_nextn_parts(cfg)
+
+
 class DeepseekV2Model(LlamaModel):
     layer = DeepseekV2DecoderLayer
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
+        super().__init__(cfg, max_positions, tp, backend)
+        rotary, n = self.layers[0].self_attn.attn.rotary, cfg.num_hidden_layers
+        self.mtp = nn.ModuleList(DeepseekV3MTPLayer(cfg, rotary, tp, backend, n + i) for i in range(cfg.mtp_layers))
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     backbone = DeepseekV2Model
     packed = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    optional_weights = ("model.mtp.",)  # a checkpoint saved without them (as transformers saves one)
 
     def load_weights(self, weights: Iterable[tuple[str, object]], need_lm_head: bool = True) -> None:
-        """The checkpoint's layers past num_hidden_layers are V3's multi-token-prediction
-        modules, for speculative decoding, which kvship does not run: skipped."""
-        n = self.cfg.num_hidden_layers
-        super().load_weights(((name, self._halves_layout(name, ref)) for name, ref in weights
-                              if (m := _LAYER.search(name)) is None or int(m.group(1)) < n), need_lm_head)
+        """The checkpoint's layers past num_hidden_layers are V3's multi-token-prediction layers:
+        into ``mtp`` when the config names them (num_nextn_predict_layers), else skipped."""
+        seen: set[int] = set()
+        super().load_weights(((name, self._halves_layout(name, ref))
+                              for name, ref in nextn_renamed(weights, self.cfg, seen)), need_lm_head)
+        if not seen:
+            self.model.mtp = nn.ModuleList()  # announced by the config, absent from the checkpoint
 
     def _halves_layout(self, name: str, ref):
         """The rope rows of a query or latent projection reordered from DeepSeek's adjacent pairs

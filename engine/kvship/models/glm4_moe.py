@@ -8,32 +8,24 @@ Partial rotary: layers/rotary.py's PartialRotary; q and k enter attention with t
 reordered so the kernels' whole-head rotation turns only the rotary ones.
 
 Multi-token prediction: the checkpoint's layers past num_hidden_layers (num_nextn_predict_layers)
-are loaded into ``mtp`` and kept for speculative decoding, which kvship does not run yet (a log
-line says so); their copies of the embedding and output head, where stored, are not kept."""
+are loaded into ``mtp`` (models/mtp.py) for speculative decoding (``{"method": "mtp"}``)."""
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from kvship.layers.attention import AttentionMetadata, QKNorm
-from kvship.layers.linear import ColumnParallelLinear
-from kvship.layers.norm import RMSNorm
 from kvship.layers.rotary import PartialRotary
 from kvship.models.config import ModelConfig
 from kvship.models.deepseek_v2 import DeepseekV2MoE
 from kvship.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from kvship.parallel import SINGLE, TPContext
+from kvship.models.mtp import NextTokenLayer, nextn_renamed
+from kvship.parallel import TPContext
 
 log = logging.getLogger(__name__)
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-# an MTP layer's copies of the model's embedding and output head (as DeepSeek-V3 stores them)
-_MTP_COPIES = ("embed_tokens.", "shared_head.head.")
-
 
 class Glm4MoeAttention(LlamaAttention):
     """LlamaAttention whose q and k channels are reordered for PartialRotary (v is not)."""
@@ -60,18 +52,12 @@ class Glm4MoeDecoderLayer(LlamaDecoderLayer):
     sparse_mlp = DeepseekV2MoE
 
 
-class Glm4MoeMTPLayer(Glm4MoeDecoderLayer):
-    """A multi-token-prediction layer as stored: the next token's embedding and the last hidden
-    state, each normed (enorm, hnorm), joined by eh_proj, then a decoder block and shared_head's
-    norm. Held for speculative decoding; never run."""
+class Glm4MoeMTPLayer(Glm4MoeDecoderLayer, NextTokenLayer):
+    """A multi-token-prediction layer (models/mtp.py)."""
 
     def __init__(self, cfg: ModelConfig, rotary: PartialRotary, tp: TPContext, backend: str, index: int):
         super().__init__(cfg, rotary, tp, backend, index)
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = ColumnParallelLinear(2 * cfg.hidden_size, cfg.hidden_size, False, SINGLE, cfg.quantization)
-        self.shared_head = nn.Module()
-        self.shared_head.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.add_nextn_parts(cfg)
 
 
 class Glm4MoeModel(LlamaModel):
@@ -93,24 +79,10 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     optional_weights = ("model.mtp.",)  # a checkpoint saved without them (as transformers saves one)
 
     def load_weights(self, weights: Iterable[tuple[str, object]], need_lm_head: bool = True) -> None:
-        """Layers past num_hidden_layers go to ``mtp`` (module docstring); one the model was not
-        built for (a checkpoint that stores more than its config names) is refused by the loader."""
-        n, seen = self.cfg.num_hidden_layers, set()
-
-        def renamed(weights):
-            for name, ref in weights:
-                m = _LAYER.search(name)
-                if m is None or int(m.group(1)) < n:
-                    yield name, ref
-                    continue
-                rest = name[m.end():]
-                if rest.startswith(_MTP_COPIES):
-                    continue
-                seen.add(int(m.group(1)))
-                yield f"model.mtp.{int(m.group(1)) - n}.{rest}", ref
-        super().load_weights(renamed(weights), need_lm_head)
+        """Layers past num_hidden_layers go to ``mtp`` (module docstring), those the config names."""
+        seen: set[int] = set()
+        super().load_weights(nextn_renamed(weights, self.cfg, seen), need_lm_head)
         if not seen:
             self.model.mtp = nn.ModuleList()  # nothing to keep
         else:
-            log.info("GLM-4 MoE: %d multi-token-prediction layer(s) loaded and kept; speculative decoding with them "
-                     "is not run yet", len(seen))
+            log.info("GLM-4 MoE: %d multi-token-prediction layer(s) loaded", len(seen))

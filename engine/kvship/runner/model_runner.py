@@ -204,6 +204,9 @@ class ModelRunner:
                      self.num_blocks * self.block_size, min(max_model_len, AUTO_SEQ_TOKENS), AUTO_MIN_SEQS,
                      AUTO_MAX_SEQS)
         self.graphs: DecodeGraphs | None = None
+        # an MTP proposer (core/mtp.py) reads every forward's hidden states: take_hidden()
+        self.keep_hidden = False
+        self._hidden: torch.Tensor | None = None
         # graphs: decode only; routed experts only through the fused Triton path (the torch one
         # syncs with the host and its shapes follow the routing), and none with --attention-backend
         # torch (the torch attention reference syncs with the host too)
@@ -325,8 +328,9 @@ class ModelRunner:
                                  seq_len, torch.arange(num_seqs, device=dev) * seq_len + seq_len - 1)
         return PrefillMeta(torch.arange(seq_len, device=dev).repeat(num_seqs), meta)
 
-    def _bind_kv_cache(self, num_blocks: int) -> None:
-        for attn in self.model.attention_layers():
+    def _bind_kv_cache(self, num_blocks: int, layers: list | None = None) -> None:
+        """``layers``: attention layers outside the model's stack (an MTP layer's, core/mtp.py)."""
+        for attn in self.model.attention_layers() if layers is None else layers:
             attn.bind_kv_cache(*kvq.allocate(self.config.kv_cache_dtype, num_blocks, self.block_size,
                                              attn.num_kv_heads, attn.head_dim, self.dtype, self.device,
                                              values=attn.cache_values))
@@ -588,8 +592,15 @@ class ModelRunner:
             offset += n
         return out
 
+    def take_hidden(self) -> torch.Tensor | None:
+        """With keep_hidden: the last forward's hidden states (the model's output, before the LM
+        head), a row per input token in the batch's order; each is handed out once."""
+        hidden, self._hidden = self._hidden, None
+        return hidden
+
     def _forward_with_prompt_logprobs(self, input_ids, positions, meta, wanted) -> torch.Tensor:
         hidden = self.model(input_ids, positions, meta)
+        self._hidden = hidden if self.keep_hidden else None
         rows = torch.tensor([r for _, rs, _ in wanted for r in rs], device=hidden.device)
         targets = torch.tensor([t for _, _, ts in wanted for t in ts], device=hidden.device)
         logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
@@ -610,12 +621,14 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 in_flight: InFlightInputs | None = None) -> torch.Tensor:
         # FP8 scales to measure: eagerly, as the layers measure in their Python forward
-        if self.graphs is not None and not self.measuring_kv_scales and self.graphs.can_run(
+        # the graphs return logits only: none while hidden states are kept
+        if self.graphs is not None and not self.measuring_kv_scales and not self.keep_hidden and self.graphs.can_run(
                 meta.seq_lens.shape[0], meta.max_seqlen_q, meta.block_tables.shape[1]):
             return self.graphs.run(input_ids, positions, meta, in_flight)
         if in_flight is not None:
             input_ids = in_flight.fill(input_ids)
         hidden = self.model(input_ids, positions, meta)
+        self._hidden = hidden if self.keep_hidden else None
         self.measuring_kv_scales = False
         return self.model.compute_logits(hidden[meta.logits_indices]).float()
 

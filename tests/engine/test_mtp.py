@@ -1,0 +1,137 @@
+"""MTP speculative decoding on a tiny random DeepSeek-V3 checkpoint with one multi-token-prediction
+layer (its tensors written past num_hidden_layers, as DeepSeek-V3 stores them): greedy output
+identical with and without it; the layer's forward against a plain-torch reference of its
+published definition (transformers' decoder layer between enorm/hnorm/eh_proj and the shared
+head); a checkpoint without MTP layers refused."""
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvship.llm import LLM
+from kvship.sampling_params import SamplingParams
+from kvship.sequence import Batch, Sequence
+
+SPEC = ("DeepseekV3Config", dict(
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1,
+    n_routed_experts=8, n_shared_experts=2, moe_intermediate_size=24, q_lora_rank=24, num_experts_per_tok=3,
+    n_group=4, topk_group=2, norm_topk_prob=True, num_nextn_predict_layers=1))
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+OPTS = dict(device="cpu", block_size=4, num_kv_blocks=40, max_num_batched_tokens=16, max_model_len=256)
+
+
+def _with_mtp_layer(folder, seed=2):
+    """Add layer 2 (= num_hidden_layers): a copy of layer 1's block, perturbed, with the MTP parts
+    and the embedding and head copies a DeepSeek-V3 checkpoint stores beside them."""
+    path = next(folder.glob("*.safetensors"))
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    mtp = {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.1."):
+            noise = torch.randn(t.shape, generator=g) * (0.1 if "norm" in name else t.std().nan_to_num(0.02))
+            mtp["model.layers.2." + name[len("model.layers.1."):]] = t + noise
+    mtp["model.layers.2.enorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
+    mtp["model.layers.2.hnorm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
+    mtp["model.layers.2.eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) / (2 * hidden) ** 0.5
+    mtp["model.layers.2.shared_head.norm.weight"] = 1 + 0.1 * torch.randn(hidden, generator=g)
+    mtp["model.layers.2.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    mtp["model.layers.2.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({**tensors, **mtp}, path, metadata={"format": "pt"})
+    return mtp
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from conftest import make_tiny_model
+
+    folder = tmp_path_factory.mktemp("dsv3-mtp")
+    model = make_tiny_model(folder, "deepseek-v3-mtp", seed=1, spec=SPEC)
+    return folder, model, _with_mtp_layer(folder)
+
+
+@pytest.mark.timeout(120)
+def test_mtp_greedy_identical_to_plain_decoding(checkpoint):
+    """Repeating prompts, chunked prefill and block size 4; k = 3 drafts from one layer."""
+    folder = str(checkpoint[0])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 318, (n,), generator=g).tolist() * r for n, r in ((6, 4), (3, 7), (11, 2), (5, 1))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(folder, **OPTS).generate(prompts, params)]
+    spec = LLM(folder, **OPTS, speculative_config=MTP)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    stats = spec.engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_drafts  # k > 1 drafted
+    kv = spec.engine.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    proposer = spec.engine.speculator.proposer
+    assert not proposer.tracks and proposer.kv.num_free_blocks == proposer.kv.num_blocks
+
+
+@pytest.mark.timeout(120)
+def test_mtp_layer_matches_its_definition(checkpoint):
+    """At position t: eh_proj([enorm(embed(x[t+1])), hnorm(h[t])]) -> decoder layer ->
+    shared_head.norm -> lm_head, h the target's output (transformers' last_hidden_state)."""
+    import transformers
+
+    folder, hf, mtp = checkpoint
+    llm = LLM(str(folder), **OPTS, speculative_config=MTP)
+    proposer = llm.engine.speculator.proposer
+    tokens = torch.randint(1, 318, (1, 13), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        tokens[0, 12] = hf(tokens[:, :12]).logits[0, -1].argmax()  # what greedy decoding samples there
+        h = hf.model(tokens).last_hidden_state[0]
+        cfg = hf.config
+        layer = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer(cfg, 2).eval()
+        prefix = "model.layers.2."
+        block = {k[len(prefix):]: v for k, v in mtp.items()
+                 if not k[len(prefix):].startswith(("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens"))}
+        experts = range(cfg.n_routed_experts)  # stored one by one; transformers holds them stacked
+        block["mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
+            [block.pop(f"mlp.experts.{e}.gate_proj.weight"), block.pop(f"mlp.experts.{e}.up_proj.weight")]) for e in experts])
+        block["mlp.experts.down_proj"] = torch.stack([block.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts])
+        layer.load_state_dict(block)
+
+        def rms(x, w):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
+        e = hf.model.embed_tokens(tokens[:, 1:])
+        x = torch.cat([rms(e, mtp[prefix + "enorm.weight"]), rms(h[None, :-1], mtp[prefix + "hnorm.weight"])], -1)
+        x = x @ mtp[prefix + "eh_proj.weight"].T
+        pos = torch.arange(x.shape[1])[None]
+        out = layer(x, attention_mask=None, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
+        out = out[0] if isinstance(out, tuple) else out
+        want = hf.lm_head(rms(out, mtp[prefix + "shared_head.norm.weight"]))[0]
+
+        shadow = Sequence("ref", 0, tokens[0, 1:].tolist(), SamplingParams(temperature=0))
+        assert proposer.kv.allocate(shadow, len(shadow.token_ids))
+        batch = Batch()
+        batch.add(shadow, len(shadow.token_ids))
+        ids, positions, meta, _ = llm.engine.runner.prepare(batch)
+        got = proposer.layer.predict(positions, llm.engine.runner.model.model.embed_tokens(ids), h[:-1], meta)
+        got = llm.engine.runner.model.compute_logits(proposer.layer.head_input(got)).float()
+        proposer.kv.free(shadow)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+    # through the engine: the prompt's step hands the layer its hidden states; the first draft
+    # is the layer's guess at the prompt's last position
+    proposed, propose = [], proposer.propose
+
+    def recording(seqs, ks):
+        drafts = propose(seqs, ks)
+        proposed.append((list(seqs[0].token_ids), drafts[0]))
+        return drafts
+    proposer.propose = recording
+    llm.generate([tokens[0, :12].tolist()], SamplingParams(temperature=0, max_tokens=8))
+    seen, drafts = proposed[0]
+    assert seen == tokens[0].tolist()
+    assert len(drafts) == 3 and drafts[0] == want[11].argmax().item()
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_without_mtp_layers_is_refused(tmp_path):
+    from conftest import make_tiny_model
+
+    make_tiny_model(tmp_path, "deepseek-v3-mtp", seed=1, spec=SPEC)  # the config names one; none stored
+    with pytest.raises(ValueError, match="no multi-token-prediction layers"):
+        LLM(str(tmp_path), **OPTS, speculative_config=MTP)
