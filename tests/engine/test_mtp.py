@@ -57,7 +57,9 @@ def test_mtp_greedy_identical_to_plain_decoding(checkpoint):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 318, (n,), generator=g).tolist() * r for n, r in ((6, 4), (3, 7), (11, 2), (5, 1))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in LLM(folder, **OPTS).generate(prompts, params)]
+    plain = LLM(folder, **OPTS)
+    assert len(plain.engine.runner.model.model.mtp) == 0  # held only to draft with it
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     spec = LLM(folder, **OPTS, speculative_config=MTP)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
     stats = spec.engine.speculator.stats
@@ -66,6 +68,65 @@ def test_mtp_greedy_identical_to_plain_decoding(checkpoint):
     assert kv.num_free_blocks == kv.num_blocks
     proposer = spec.engine.speculator.proposer
     assert not proposer.tracks and proposer.kv.num_free_blocks == proposer.kv.num_blocks
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_that_guesses_right_is_accepted(tmp_path):
+    """The model's final norm and the layer's head norm zeroed: both score every token 0, so
+    greedy decoding repeats token 0 and every draft is kept (the kept positions' hidden states
+    reach the layer, which keeps drafting k tokens a step)."""
+    from conftest import make_tiny_model
+
+    make_tiny_model(tmp_path, "deepseek-v3-mtp", seed=1, spec=SPEC)
+    _with_mtp_layer(tmp_path)
+    path = next(tmp_path.glob("*.safetensors"))
+    tensors = load_file(path)
+    for name in ("model.norm.weight", "model.layers.2.shared_head.norm.weight"):
+        tensors[name] = torch.zeros_like(tensors[name])
+    save_file(tensors, path, metadata={"format": "pt"})
+    spec = LLM(str(tmp_path), **OPTS, speculative_config=MTP)
+    params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
+    out = spec.generate([[5, 6, 7], list(range(1, 20))], params)
+    assert [o.outputs[0].token_ids for o in out] == [[0] * 21] * 2
+    stats = spec.engine.speculator.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens == 2 * 15  # 5 steps of 3 + 1, then 1 left
+    assert stats.accepted_per_pos == [10, 10, 10]
+
+
+@pytest.mark.timeout(120)
+def test_mtp_with_preemption_and_seeded_sampling(checkpoint):
+    """15 blocks of 4 tokens cannot hold the four sequences (preempted, recomputed: the layer
+    starts over); seeded sampling gives the same tokens as without speculation."""
+    folder = str(checkpoint[0])
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 318, (n,), generator=g).tolist() * r for n, r in ((6, 4), (3, 7), (11, 2), (5, 1))]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=30, ignore_eos=True)] * 2
+    opts = OPTS | dict(num_kv_blocks=15)
+    want = [o.outputs[0].token_ids for o in LLM(folder, **opts).generate(prompts, params)]
+    spec = LLM(folder, **opts, speculative_config=MTP)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert spec.engine.speculator.stats.num_drafts > 0
+    proposer = spec.engine.speculator.proposer
+    assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks
+    assert not proposer.tracks and proposer.kv.num_free_blocks == proposer.kv.num_blocks
+
+
+@pytest.mark.timeout(60)
+def test_abort_frees_the_layers_blocks(checkpoint):
+    """A prompt longer than the step's budget: the layer catches up over it in chunks, drafts,
+    and the abort gives its blocks back."""
+    spec = LLM(str(checkpoint[0]), **OPTS, speculative_config=MTP)
+    engine = spec.engine
+    engine.add_request("a", list(range(1, 30)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.speculator.proposer.tracks and engine.speculator.stats.num_drafts > 0
+    engine.abort("a")
+    proposer = engine.speculator.proposer
+    assert not proposer.tracks and proposer.kv.num_free_blocks == proposer.kv.num_blocks
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 @pytest.mark.timeout(120)

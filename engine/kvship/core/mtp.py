@@ -96,8 +96,11 @@ class MTPDrafts:
             # the hidden states of every position up to the last computed one, the next token known
             if track is None or track.end != seq.num_tokens - 1:
                 continue
-            shadow, n = track.shadow, track.num_pending
+            shadow = track.shadow
             shadow.token_ids = seq.token_ids[1:]
+            if not self._catch_up(track, budget):
+                continue
+            n = track.num_pending
             if n > budget or not self.kv.allocate(shadow, n + k - 1):
                 continue
             batch.add(shadow, n)
@@ -128,6 +131,23 @@ class MTPDrafts:
             del shadow.token_ids[n:]
             self.kv.drop_tail(shadow)
         return [drafts.get(self.tracks[seq].shadow, []) if seq in self.tracks else [] for seq in seqs]
+
+    def _catch_up(self, track: _Track, budget: int) -> bool:
+        """Run the layer over all but the last ``budget`` pending positions (a long prompt's), in
+        forwards of at most ``budget`` tokens, for their KV; False if the cache is full."""
+        shadow = track.shadow
+        while track.num_pending > budget:
+            n = min(budget, track.num_pending - budget)
+            if not self.kv.allocate(shadow, n):
+                return False
+            hidden = torch.cat(track.pending)
+            batch = Batch()
+            batch.add(shadow, n)
+            ids, positions, meta, _ = self.runner.prepare(batch)
+            self.layer.predict(positions, self.model.model.embed_tokens(ids), hidden[:n], meta)
+            shadow.num_computed_tokens += n
+            track.pending, track.num_pending = [hidden[n:]], len(hidden) - n
+        return True
 
     def forget(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

@@ -138,9 +138,9 @@ def grammar_bitmask(grammars, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def step_layout(batch) -> list[tuple[Sequence, int, int]]:
-    """Each sequence of a batch about to run with its first position and its rows (its new
-    tokens and proposals), for Speculator.observe."""
-    return [(s, s.num_computed_tokens, n + len(s.draft_token_ids)) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+    """Each sequence of a batch about to run with its first position and its rows (a decode's
+    count its proposals), for Speculator.observe."""
+    return [(s, s.num_computed_tokens, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
 
 
 def roll_back(kv: KVCacheManager, seq: Sequence, num_accepted: int) -> None:

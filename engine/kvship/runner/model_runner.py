@@ -88,6 +88,9 @@ def load_model(config: EngineConfig) -> tuple[ModelSource, ModelConfig]:
                            require_weights=config.load_format != "dummy")
     model_config = ModelConfig.from_hf(source.hf_config)
     model_config.quantization = _weight_quantization(config, model_config)
+    spec = config.speculative_config
+    if model_config.architecture == "deepseek_v3" and (spec is None or spec.method != "mtp"):
+        model_config.mtp_layers = 0  # V3's MTP layer (a routed block) is held only to draft with it
     limit = model_config.max_position_embeddings
     if config.max_model_len and config.max_model_len > limit:
         raise ValueError(f"--max-model-len {config.max_model_len} exceeds the model's limit of {limit} positions")
