@@ -196,3 +196,22 @@ def test_checkpoint_without_mtp_layers_is_refused(tmp_path):
     make_tiny_model(tmp_path, "deepseek-v3-mtp", seed=1, spec=SPEC)  # the config names one; none stored
     with pytest.raises(ValueError, match="no multi-token-prediction layers"):
         LLM(str(tmp_path), **OPTS, speculative_config=MTP)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_mtp_greedy_identical(checkpoint):
+    """On the GPU: the latent attention's kernels for the layer's own cache; plain decoding runs
+    the decode graphs, MTP speculation eagerly (the runner keeps hidden states), float32."""
+    folder = str(checkpoint[0])
+    opts = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.3)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 318, (n,), generator=g).tolist() * r for n, r in ((6, 4), (3, 7), (11, 2), (5, 1))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(folder, **opts) as plain:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    with LLM(folder, **opts, speculative_config=MTP) as spec:
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+        assert spec.engine.speculator.stats.num_draft_tokens > 0
+        proposer = spec.engine.speculator.proposer
+        assert not proposer.tracks and proposer.kv.num_free_blocks == proposer.kv.num_blocks
