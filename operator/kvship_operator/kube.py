@@ -27,6 +27,9 @@ PLURALS = {
     "ConfigMap": "configmaps",
     "ScaledObject": "scaledobjects",
     "Pod": "pods",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
 }
 
 

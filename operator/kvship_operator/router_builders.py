@@ -1,6 +1,7 @@
 """Pure builders for `spec.routing`: the router Deployment (`kvship router`: Envoy and the
 endpoint picker, or the picker alone), its Service, the headless Service through which it finds
-the ready replicas, and the Gateway API Inference Extension InferencePool (mode gateway).
+the ready replicas (their EndpointSlices, read with the router's own ServiceAccount and Role),
+and the Gateway API Inference Extension InferencePool (mode gateway).
 
 The main Service and PodDisruptionBudget stay in ``builders``; ``children`` is every child the
 reconciler applies, engine and router together.
@@ -53,9 +54,10 @@ def _meta(owner: b.Owner, name: str) -> dict[str, Any]:
 
 def router_args(owner: b.Owner, spec: s.LLMDeploymentSpec) -> list[str]:
     r = spec.routing
-    replicas = f"{serving_name(owner)}.{owner.namespace}.svc:{s.ENGINE_PORT}"
+    # the serving Service's EndpointSlices through the API server: works without cluster DNS
+    replicas = f"{owner.namespace}/{serving_name(owner)}:http"
     args = [
-        "router", "--discover", replicas,
+        "router", "--discover-k8s", replicas,
         "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
         # on the pod's address: a gateway's ext_proc calls it (gateway), the operator and Prometheus scrape it
         "--picker-host", "0.0.0.0", "--picker-port", str(PICKER_PORT), "--metrics-port", str(METRICS_PORT),
@@ -105,6 +107,7 @@ def router_container(owner: b.Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any
 
 def router_deployment(owner: b.Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
+        "serviceAccountName": router_name(owner),
         "securityContext": {"runAsNonRoot": True, "runAsUser": b.UID, "runAsGroup": b.UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [router_container(owner, spec)],
@@ -121,6 +124,31 @@ def router_deployment(owner: b.Owner, spec: s.LLMDeploymentSpec) -> dict[str, An
             "selector": {"matchLabels": b.router_selector_labels(owner)},
             "template": {"metadata": {"labels": router_labels(owner)}, "spec": pod_spec},
         },
+    }
+
+
+def router_service_account(owner: b.Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(owner, router_name(owner))}
+
+
+def router_role(owner: b.Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
+    """Read-only, this namespace's EndpointSlices: all `--discover-k8s` needs."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(owner, router_name(owner)),
+        "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                   "verbs": ["get", "list", "watch"]}],
+    }
+
+
+def router_role_binding(owner: b.Owner, spec: s.LLMDeploymentSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(owner, router_name(owner)),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": router_name(owner)},
+        "subjects": [{"kind": "ServiceAccount", "name": router_name(owner), "namespace": owner.namespace}],
     }
 
 
@@ -176,7 +204,8 @@ def router_children(owner: b.Owner, spec: s.LLMDeploymentSpec) -> list[dict[str,
     """What routing adds (the InferencePool apart: it exists only where its CRD does)."""
     if not routed(spec):
         return []
-    return [serving_service(owner, spec), router_service(owner, spec), router_deployment(owner, spec)]
+    return [serving_service(owner, spec), router_service(owner, spec), router_service_account(owner, spec),
+            router_role(owner, spec), router_role_binding(owner, spec), router_deployment(owner, spec)]
 
 
 def children(owner: b.Owner, spec: s.LLMDeploymentSpec, *, pdb_api_version: str = "policy/v1",
@@ -186,4 +215,6 @@ def children(owner: b.Owner, spec: s.LLMDeploymentSpec, *, pdb_api_version: str 
 
 
 # Children of a mode no longer asked for are deleted (only those this LLMDeployment owns).
-ROUTER_KINDS = (("v1", "Service", serving_name), ("v1", "Service", router_name), ("apps/v1", "Deployment", router_name))
+ROUTER_KINDS = (("v1", "Service", serving_name), ("v1", "Service", router_name), ("apps/v1", "Deployment", router_name),
+                ("rbac.authorization.k8s.io/v1", "RoleBinding", router_name),
+                ("rbac.authorization.k8s.io/v1", "Role", router_name), ("v1", "ServiceAccount", router_name))

@@ -178,6 +178,13 @@ def test_rbac_covers_routing(values):
     for verb in ("get", "create", "patch", "delete"):
         assert ("inference.networking.k8s.io", "inferencepools", verb) in granted
     assert ("", "services", "delete") in granted and ("", "persistentvolumeclaims", "delete") not in granted
+    # the router's ServiceAccount, Role and RoleBinding; a Role is granted only by one holding its rules
+    for verb in ("get", "create", "patch", "delete"):
+        assert ("", "serviceaccounts", verb) in granted
+        assert ("rbac.authorization.k8s.io", "roles", verb) in granted
+        assert ("rbac.authorization.k8s.io", "rolebindings", verb) in granted
+    for verb in ("get", "list", "watch"):
+        assert ("discovery.k8s.io", "endpointslices", verb) in granted
 
 
 @needs_helm

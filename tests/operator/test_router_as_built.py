@@ -31,6 +31,12 @@ def _set(args: list[str], flag: str, value: str) -> None:
     args[args.index(flag) + 1] = value
 
 
+def _discover_at(args: list[str], address: str) -> None:
+    """The replicas by address (--discover) where the cluster's EndpointSlices would name them."""
+    i = args.index("--discover-k8s")
+    args[i:i + 2] = ["--discover", address]
+
+
 def _start(args: list[str]) -> tuple[subprocess.Popen, tempfile._TemporaryFileWrapper]:
     log = tempfile.NamedTemporaryFile(prefix="kvship-as-built-", suffix=".log")
     proc = subprocess.Popen([sys.executable, "-m", "kvship.cli", *args], stdout=log, stderr=subprocess.STDOUT)
@@ -64,7 +70,8 @@ def test_request_held_at_zero_is_seen_pending_then_answered(bundled):
     _set(engine_args, "--port", str(engine_port))
     events = json.loads(engine_args[engine_args.index("--kv-events-config") + 1])
     _set(engine_args, "--kv-events-config", json.dumps({**events, "endpoint": f"tcp://127.0.0.1:{kv_port}"}))
-    for flag, value in [("--discover", f"127.0.0.1:{engine_port}"), ("--host", "127.0.0.1"),
+    _discover_at(router_args, f"127.0.0.1:{engine_port}")
+    for flag, value in [("--host", "127.0.0.1"),
                         ("--port", str(router_port)), ("--picker-host", "127.0.0.1"),
                         ("--picker-port", str(picker_port)), ("--metrics-port", str(metrics_port)),
                         ("--kv-events-port", str(kv_port))]:
@@ -131,7 +138,8 @@ def test_gateway_picker_as_built_names_a_discovered_replica():
     assert pool["spec"]["endpointPickerRef"]["port"]["number"] == rb.PICKER_PORT
     replica = RouterPage('kvship:num_requests_waiting{model_name="m"} 0\nkvship:num_requests_running{model_name="m"} 0\n')
     picker_port, metrics_port = free_port(), free_port()
-    for flag, value in [("--discover", replica.address), ("--picker-host", "127.0.0.1"),
+    _discover_at(router_args, replica.address)
+    for flag, value in [("--picker-host", "127.0.0.1"),
                         ("--picker-port", str(picker_port)), ("--metrics-port", str(metrics_port))]:
         _set(router_args, flag, value)
     assert "--picker-only" in router_args

@@ -51,7 +51,15 @@ def test_envoy_mode_puts_the_router_behind_the_service():
     (c,) = pod["spec"]["containers"]
     assert c["image"] == s.DEFAULT_ENGINE_IMAGE and c["command"] == ["kvship"]
     args = c["args"]
-    assert args[:3] == ["router", "--discover", f"qwen-serving.team-a.svc:{s.ENGINE_PORT}"]
+    # the serving Service's EndpointSlices, read with the router's own ServiceAccount (no cluster DNS needed)
+    assert args[:3] == ["router", "--discover-k8s", "team-a/qwen-serving:http"]
+    assert pod["spec"]["serviceAccountName"] == "qwen-router"
+    role, binding = objs[("Role", "qwen-router")], objs[("RoleBinding", "qwen-router")]
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    assert binding["roleRef"]["name"] == "qwen-router" and binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "qwen-router", "namespace": "team-a"}]
+    assert ("ServiceAccount", "qwen-router") in objs
     assert args[args.index("--policy") + 1] == "least-load" and args[args.index("--load-epsilon") + 1] == "0.5"
     assert "--no-endpoint-header" in args and "--picker-only" not in args and "--hold-timeout" not in args
     assert {p["name"] for p in c["ports"]} == {"http", "grpc", "metrics"}

@@ -74,9 +74,14 @@ def test_routing_modes(api, objects, run_operator):
     run_operator()
     objects.create_llmd("r", {**BASE, "replicas": 1, "routing": {"mode": "envoy"}})
     dep = wait_for(lambda: objects.get("apps/v1", "deployments", "r-router"), 30, what="router Deployment")
-    assert dep["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["router", "--discover"]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["args"][:2] == ["router", "--discover-k8s"]
     svc = wait_for(lambda: objects.get("v1", "services", "r"), 30, what="Service")
     assert svc["spec"]["selector"]["app.kubernetes.io/name"] == "kvship-router"
+    # the router reads the serving Service's EndpointSlices with its own ServiceAccount and Role
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "r-router"
+    for api_version, plural in [("v1", "serviceaccounts"), ("rbac.authorization.k8s.io/v1", "roles"),
+                                ("rbac.authorization.k8s.io/v1", "rolebindings")]:
+        wait_for(lambda: objects.get(api_version, plural, "r-router"), 30, what=f"{plural}/r-router")
     serving = objects.get("v1", "services", "r-serving")
     assert serving["spec"]["clusterIP"] == "None"
     assert objects.get("v1", "services", "r-router")["spec"]["ports"][0]["port"] == rb.PICKER_PORT
@@ -126,7 +131,9 @@ def test_routing_modes(api, objects, run_operator):
         # back to a plain Service: every router child goes
         objects.patch_llmd_spec("r", {"routing": {"mode": "service"}})
         for api_version, plural, name in [("apps/v1", "deployments", "r-router"), ("v1", "services", "r-router"),
-                                          ("v1", "services", "r-serving"),
+                                          ("v1", "services", "r-serving"), ("v1", "serviceaccounts", "r-router"),
+                                          ("rbac.authorization.k8s.io/v1", "roles", "r-router"),
+                                          ("rbac.authorization.k8s.io/v1", "rolebindings", "r-router"),
                                           (rb.INFERENCE_POOL_API_VERSION, "inferencepools", "r")]:
             wait_for(lambda: objects.get(api_version, plural, name) is None, 30, what=f"{plural}/{name} deleted")
         cr = wait_for(lambda: (c := objects.llmd("r"))["status"].get("router") is None and c, 30,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from concurrent import futures
 
 from kvship.router.discovery import parse_target
+from kvship.router.discovery_k8s import parse_k8s_target
 from kvship.router.pool import POLICIES, Endpoint, Pool, endpoint_from_url
 
 
@@ -22,6 +23,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--discover", metavar="HOST:PORT",
                    help="the model servers are every address HOST resolves to, read again every 2 s (in "
                    "Kubernetes: a headless Service of the ready replicas); instead of --endpoint")
+    p.add_argument("--discover-k8s", metavar="NAMESPACE/SERVICE:PORT",
+                   help="the model servers are the ready endpoints of SERVICE's EndpointSlices, watched through "
+                   "the Kubernetes API (in-cluster service account, else $KUBECONFIG; no cluster DNS needed); "
+                   "PORT is the pods' port number or the Service port's name; instead of --endpoint")
     p.add_argument("--host", default="0.0.0.0", help="Envoy's listening address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="Envoy's listening port (default: %(default)s)")
     p.add_argument("--policy", choices=POLICIES, default="prefix",
@@ -99,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from kvship.router.discovery import Discovery
+    from kvship.router.discovery_k8s import KubernetesDiscovery
     from kvship.router.envoy import EnvoyProcess, bootstrap
     from kvship.router.extproc import Picker, add_to_server
     from kvship.router.hold import Holding, demand_command
@@ -113,19 +119,25 @@ def run(args: argparse.Namespace) -> int:
     try:
         urls = [u.strip() for item in args.endpoint for u in item.split(",") if u.strip()]
         endpoints = [endpoint_from_url(u) for u in urls]
+        if args.discover and args.discover_k8s:
+            raise ValueError("give --discover or --discover-k8s, not both")
         if args.discover:
             parse_target(args.discover)
-            if endpoints or args.envoy_cluster == "endpoints":
-                raise ValueError("--discover takes the place of --endpoint (and of --envoy-cluster endpoints)")
+        if args.discover_k8s:
+            parse_k8s_target(args.discover_k8s)
+        discovering = bool(args.discover or args.discover_k8s)
+        if discovering and (endpoints or args.envoy_cluster == "endpoints"):
+            raise ValueError("--discover (or --discover-k8s) takes the place of --endpoint "
+                             "(and of --envoy-cluster endpoints)")
         if args.prefix_block_chars < 1 or args.load_epsilon < 0 or args.scrape_interval <= 0:
             raise ValueError("--prefix-block-chars must be >= 1, --load-epsilon >= 0, --scrape-interval > 0")
         if args.hold_timeout < 0 or args.hold_max_pending < 1:
             raise ValueError("--hold-timeout must be >= 0 and --hold-max-pending >= 1")
-        event_sources = kv_event_sources(endpoints, args.kv_events, args.kv_events_port, bool(args.discover))
+        event_sources = kv_event_sources(endpoints, args.kv_events, args.kv_events_port, discovering)
     except ValueError as exc:
         print(f"kvship router: error: {exc}", file=sys.stderr)
         return 2
-    if not endpoints and not args.discover:
+    if not endpoints and not discovering:
         log.warning("no --endpoint: every request gets 503 until endpoints are configured")
 
     cached = CachedBlocks() if event_sources else None
@@ -137,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     stats = RouterStats(pool, holding)
     scraper = Scraper(pool, args.scrape_interval)
     tracer = PickTracer.from_env()
-    discovery = Discovery(pool, args.discover) if args.discover else None
+    discovery = (Discovery(pool, args.discover) if args.discover
+                 else KubernetesDiscovery(pool, args.discover_k8s) if args.discover_k8s else None)
     # Held requests each keep a worker: room for all of them besides the ones being picked.
     executor = futures.ThreadPoolExecutor(max_workers=64 + args.hold_max_pending, thread_name_prefix="kvship-extproc")
     grpc_server = grpc.server(executor)
