@@ -48,7 +48,7 @@ class MTPDrafts:
                              "has no multi-token-prediction layers (num_nextn_predict_layers) that kvship runs")
         self.runner, self.layer = runner, layers[0]  # one layer drafts every position, as vLLM does
         self.model = runner.model
-        runner.keep_hidden = True
+        assert runner.keep_hidden, "the runner keeps hidden states when speculative_config's method is mtp"
         runner._bind_kv_cache(runner.num_blocks, [self.layer.self_attn.attn])
         self.kv = KVCacheManager(runner.num_blocks, block_size, False, None)
         self.budget = runner.config.max_num_batched_tokens
@@ -156,4 +156,4 @@ class MTPDrafts:
                 self.kv.free(track.shadow)
 
     def release(self) -> None:
-        self.runner.keep_hidden = False
+        self.tracks.clear()

@@ -3,7 +3,8 @@ cache exists, replayed with the batch written into static input buffers (kernels
 one launch). Removes the per-kernel launch cost that dominates small-batch decode. The graphs
 write their logits as float32, the sampler's dtype, into one buffer they share (the next
 replay overwrites it: the sampler's kernels are queued before it), so that no launch of its
-own converts them and no graph keeps logits of its own.
+own converts them and no graph keeps logits of its own. With ``keep_hidden`` they also write
+the model's hidden states into a shared buffer (an MTP proposer reads them, core/mtp.py).
 
 A hybrid model's graphs take each sequence's recurrent-state slot as one more input; padding
 rows point at a scratch slot (``state_scratch``, no sequence's), where their throw-away state
@@ -27,8 +28,9 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, max_bs: int, max_blocks_per_seq: int, device: torch.device,
-                 state_scratch: int | None = None):
+                 state_scratch: int | None = None, keep_hidden: bool = False):
         self.model = model
+        self.keep_hidden = keep_hidden
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         i32, i64 = torch.int32, torch.int64
@@ -45,6 +47,7 @@ class DecodeGraphs:
         self.rows = torch.arange(self.max_bs, dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max_bs, vocab] float32, made at capture
+        self.hidden: torch.Tensor | None = None  # [max_bs, hidden] with keep_hidden, made at capture
 
     def _meta(self, bs: int) -> AttentionMetadata:
         s = self.inputs
@@ -58,6 +61,10 @@ class DecodeGraphs:
         if self.logits is None:
             self.logits = torch.empty(self.max_bs, logits.shape[1], dtype=torch.float32, device=logits.device)
         self.logits[:bs].copy_(logits)
+        if self.keep_hidden:
+            if self.hidden is None:
+                self.hidden = torch.empty(self.max_bs, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+            self.hidden[:bs].copy_(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:

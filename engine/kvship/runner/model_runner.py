@@ -208,7 +208,8 @@ class ModelRunner:
                      AUTO_MAX_SEQS)
         self.graphs: DecodeGraphs | None = None
         # an MTP proposer (core/mtp.py) reads every forward's hidden states: take_hidden()
-        self.keep_hidden = False
+        spec = config.speculative_config
+        self.keep_hidden = spec is not None and spec.method == "mtp"
         self._hidden: torch.Tensor | None = None
         # graphs: decode only; routed experts only through the fused Triton path (the torch one
         # syncs with the host and its shapes follow the routing), and none with --attention-backend
@@ -218,7 +219,7 @@ class ModelRunner:
                 and (HAS_TRITON or not (model_config.num_experts or self.lora)) and self.model.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, AUTO_MAX_SEQS),
                                        -(-max_model_len // self.block_size), self.device,
-                                       self.num_state_slots if self.num_state_slots else None)
+                                       self.num_state_slots if self.num_state_slots else None, self.keep_hidden)
             if self.lora is not None:  # the graphs run the adapters' kernels whatever a step holds
                 self.lora.batch.active = True
             self.graphs.capture()
@@ -624,10 +625,12 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 in_flight: InFlightInputs | None = None) -> torch.Tensor:
         # FP8 scales to measure: eagerly, as the layers measure in their Python forward
-        # the graphs return logits only: none while hidden states are kept
-        if self.graphs is not None and not self.measuring_kv_scales and not self.keep_hidden and self.graphs.can_run(
+        if self.graphs is not None and not self.measuring_kv_scales and self.graphs.can_run(
                 meta.seq_lens.shape[0], meta.max_seqlen_q, meta.block_tables.shape[1]):
-            return self.graphs.run(input_ids, positions, meta, in_flight)
+            logits = self.graphs.run(input_ids, positions, meta, in_flight)
+            if self.keep_hidden:  # a copy: the next replay overwrites the graphs' buffer
+                self._hidden = self.graphs.hidden[:input_ids.shape[0]].clone()
+            return logits
         if in_flight is not None:
             input_ids = in_flight.fill(input_ids)
         hidden = self.model(input_ids, positions, meta)
