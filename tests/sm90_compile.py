@@ -50,6 +50,7 @@ def attention_types(cache: str = "*bf16", scales: str = "*bf16") -> dict[str, st
     ``cache`` elements with ``scales`` (a 16-bit cache: any pointer, never read)."""
     return {"q_ptr": "*bf16", "kc_ptr": cache, "vc_ptr": cache, "ks_ptr": scales, "vs_ptr": scales,
             "bt_ptr": "*i32", "seqlens_ptr": "*i32", "cuq_ptr": "*i32", "out_ptr": "*bf16", "qk_scale": "fp32",
+            "sinks_ptr": "*bf16",  # the query when SINKS is off (never read)
             **ints("stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
                    "stride_vh", "stride_gb", "stride_gs", "stride_gh", "stride_ksb", "stride_ksh",
                    "stride_bt", "stride_ot", "stride_oh")}
