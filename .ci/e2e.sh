@@ -20,7 +20,10 @@
 #      node and from a client pod, updates the one replica while polling Progressing against
 #      the StatefulSet and pods (Complete only once the update is over), scales 1 -> 2, changes
 #      the spec and keeps requesting through the rollout, deletes it and checks that nothing
-#      is left; reports apply -> first answer and the image sizes;
+#      is left; then an LLMDeployment with routing.mode envoy answers through the router's
+#      Service (Envoy + endpoint picker, replicas found through the API's EndpointSlices: the
+#      cluster has no DNS), naming the replica that served; reports apply -> first answer and
+#      the image sizes;
 #   5. tears everything down on every exit path (trap): pods, containers, shims, mounts, pod
 #      network namespaces, cgroups, the node namespace, sysctls kubelet changes; no process it
 #      started outlives it, and none keeps the caller's stdout/stderr open (logs go to files).
@@ -547,11 +550,11 @@ grep -q "admission webhook" <<< "$out" || die "refused, but not by the admission
 [[ -z $(K -n "$APP_NS" get llmd bad-args -o name --ignore-not-found) ]] || die "the refused LLMDeployment was stored"
 log "refused: ${out:0:240}"
 
-llmd_manifest() { # GENERATION-MARKER
+llmd_manifest() { # GENERATION-MARKER [NAME] [ROUTING]
     cat <<EOF
 apiVersion: kvship.io/v1alpha1
 kind: LLMDeployment
-metadata: {name: smollm2, namespace: $APP_NS}
+metadata: {name: ${2:-smollm2}, namespace: $APP_NS}
 spec:
   model:
     pvc: {claimName: smollm2-model, path: $MODEL_FILE}
@@ -568,6 +571,7 @@ spec:
   modelCache: {enabled: false}
   shmSize: 64Mi
   startupTimeoutSeconds: 300
+${3:+  routing: $3}
 EOF
 }
 
@@ -577,6 +581,15 @@ chat() { # URL-BASE: one chat completion, prints the answer's text
     inns curl -sS --fail --max-time 60 "$1/v1/chat/completions" -H 'Content-Type: application/json' \
         -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Say hello"}], "max_tokens": 12, "temperature": 0}' \
         | python3 -c 'import json,sys; r=json.load(sys.stdin); t=r["choices"][0]["message"]["content"]; assert r["usage"]["completion_tokens"] > 0; print(t)'
+}
+first_answer() { # URL-BASE: chat until an answer comes (within the stage's limit), prints it
+    local t_end answer
+    t_end=$((SECONDS + $(bounded 420)))
+    while ((SECONDS < t_end)); do
+        answer=$(chat "$1" 2>/dev/null) && { echo "$answer"; return 0; }
+        sleep 1
+    done
+    return 1
 }
 
 log "apply LLMDeployment smollm2"
@@ -588,14 +601,7 @@ SVC_IP=$(K -n "$APP_NS" get svc smollm2 -o jsonpath='{.spec.clusterIP}')
 SVC_PORT=$(K -n "$APP_NS" get svc smollm2 -o jsonpath='{.spec.ports[0].port}')
 BASE="http://$SVC_IP:$SVC_PORT"
 log "Service smollm2 at $BASE"
-t_end=$((SECONDS + $(bounded 420)))
-answer=""
-while ((SECONDS < t_end)); do
-    answer=$(chat "$BASE" 2>/dev/null) && break
-    answer=""
-    sleep 1
-done
-[[ -n $answer ]] || die "no answer through $BASE within the time limit"
+answer=$(first_answer "$BASE") || die "no answer through $BASE within the time limit"
 T_FIRST=$((SECONDS - t_apply))
 log "apply -> first answer: $T_FIRST s (answer: ${answer:0:60})"
 wait_for "LLMDeployment Ready" 120 llmd_ready
@@ -791,6 +797,36 @@ wait_for "children gone" 180 nothing_left
 inns curl -s --max-time 3 "$BASE/v1/models" >/dev/null && die "the Service still answers after the delete"
 T_DELETE=$((SECONDS - t_del))
 log "deleted; children gone in $T_DELETE s"
+
+log "routing.mode envoy: an answer through the router's Service"
+# The router (Envoy + endpoint picker) finds the replica through the Kubernetes API (the serving
+# Service's EndpointSlices, with its own ServiceAccount): this cluster has no DNS add-on.
+t_routed=$SECONDS
+llmd_manifest routed routed "{mode: envoy}" | K apply -f - >/dev/null
+wait_for "Service routed" 120 K -n "$APP_NS" get svc routed
+[[ $(K -n "$APP_NS" get svc routed -o jsonpath='{.spec.selector.app\.kubernetes\.io/name}') == kvship-router ]] ||
+    die "Service routed does not select the router"
+R_BASE="http://$(K -n "$APP_NS" get svc routed -o jsonpath='{.spec.clusterIP}'):$(K -n "$APP_NS" get svc routed -o jsonpath='{.spec.ports[0].port}')"
+answer=$(first_answer "$R_BASE") ||
+    die "no answer through the router at $R_BASE within the time limit ($(K -n "$APP_NS" get pods -o wide 2>&1 | tail -4))"
+T_ROUTED=$((SECONDS - t_routed))
+log "apply -> first answer through the router: $T_ROUTED s (answer: ${answer:0:60})"
+# the router names the replica that served: the engine pod, on the engine's port
+served=$(inns curl -sS --fail --max-time 60 -D - -o /dev/null "$R_BASE/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"model": "smollm2", "prompt": "Hello", "max_tokens": 4}' | tr -d '\r' | awk -F': ' 'tolower($1) == "x-kvship-endpoint" {print $2}')
+want="$(K -n "$APP_NS" get pod routed-0 -o jsonpath='{.status.podIP}'):8000"
+[[ $served == "$want" ]] || die "x-kvship-endpoint is '$served', not the replica routed-0 ($want)"
+inns curl -sS --fail --max-time 60 -N "$R_BASE/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Count to three"}], "max_tokens": 12, "stream": true}' \
+    | python3 -c 'import sys; lines=[l for l in sys.stdin.read().splitlines() if l.startswith("data: ")]; assert lines[-1] == "data: [DONE]" and len(lines) > 2, lines'
+log "served by $served through the router (streaming too)"
+K -n "$APP_NS" delete llmd routed --wait=true --timeout=120s >/dev/null
+routed_gone() {
+    [[ -z $(K -n "$APP_NS" get statefulsets,deployments,services,pods,serviceaccounts,roles,rolebindings \
+        -l kvship.io/llmdeployment=routed -o name) ]]
+}
+wait_for "routed children gone" 180 routed_gone
+
 K delete pvc -n "$APP_NS" smollm2-model --wait=true --timeout=60s >/dev/null
 K delete pv kvship-e2e-smollm2 --wait=true --timeout=60s >/dev/null
 KTIMEOUT=200 K delete namespace "$APP_NS" --wait=true --timeout=180s >/dev/null
@@ -835,5 +871,6 @@ log "RESULTS"
     echo "  one-replica update -> Progressing=Complete: ${T_ONE} s"
     echo "  scale 1 -> 2 ready: ${T_SCALE} s; rolling update: ${T_ROLL} s, ${n_ok} requests answered, ${n_fail} failed, ${n_retry} retried"
     echo "  delete -> children gone: ${T_DELETE} s"
+    echo "  routing.mode envoy: apply -> first answer through the router: ${T_ROUTED} s"
     echo "  images: engine 0.1.0-cpu $(size_of "$ENGINE_IMAGE"); operator 0.1.0 $(size_of "$OPERATOR_IMAGE")"
 } | tee "$W/results.txt" >&2
