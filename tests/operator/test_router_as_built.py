@@ -101,7 +101,7 @@ def test_request_held_at_zero_is_seen_pending_then_answered(bundled):
         wait_for(lambda: pending() == 0, 60, what="the router's /metrics",
                  show=lambda: (router.poll(), open(router_log.name).read()[-2000:]))
         client.start()
-        wait_for(lambda: pending() == 1, 30, what="the request held and reported pending")
+        wait_for(lambda: pending() == 1, 90, what="the request held and reported pending")
         t_held = time.monotonic()
         engine, engine_log = _start(engine_args)  # what the operator does on that signal: a replica
         client.join(200)
