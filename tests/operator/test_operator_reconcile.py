@@ -19,7 +19,8 @@ from test_operator_cluster import cond
 
 PLURALS = {"StatefulSet": "statefulsets", "Service": "services", "PersistentVolumeClaim": "persistentvolumeclaims",
            "PodDisruptionBudget": "poddisruptionbudgets", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
-           "Deployment": "deployments"}
+           "Deployment": "deployments", "ServiceAccount": "serviceaccounts", "Role": "roles",
+           "RoleBinding": "rolebindings"}
 
 
 def live_children(objects, cr: dict) -> dict[tuple[str, str], dict]:
