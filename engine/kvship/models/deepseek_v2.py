@@ -59,7 +59,7 @@ from kvship.layers.rotary import RotaryEmbedding, yarn_mscale
 from kvship.loader.source import WeightRef, apply_slices
 from kvship.models.config import ModelConfig
 from kvship.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel, SparseMoeBlock
-from kvship.models.mtp import NextTokenLayer, nextn_renamed
+from kvship.models.mtp import NextTokenLayer, next_token_layers, nextn_renamed
 from kvship.parallel import SINGLE, TPContext
 from kvship.quant import QuantRef
 
@@ -161,18 +161,14 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
 class DeepseekV3MTPLayer(DeepseekV2DecoderLayer, NextTokenLayer):
     """A multi-token-prediction layer (models/mtp.py)."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPContext, backend: str, index: int):
-        super().__init__(cfg, rotary, tp, backend, index)
-        self.add_nextn_parts(cfg)
-
 
 class DeepseekV2Model(LlamaModel):
     layer = DeepseekV2DecoderLayer
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
         super().__init__(cfg, max_positions, tp, backend)
-        rotary, n = self.layers[0].self_attn.attn.rotary, cfg.num_hidden_layers
-        self.mtp = nn.ModuleList(DeepseekV3MTPLayer(cfg, rotary, tp, backend, n + i) for i in range(cfg.mtp_layers))
+        rotary = self.layers[0].self_attn.attn.rotary
+        self.mtp = next_token_layers(DeepseekV3MTPLayer, cfg, rotary, tp, backend)
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):

@@ -22,7 +22,7 @@ from kvship.layers.rotary import PartialRotary
 from kvship.models.config import ModelConfig
 from kvship.models.deepseek_v2 import DeepseekV2MoE
 from kvship.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from kvship.models.mtp import NextTokenLayer, nextn_renamed
+from kvship.models.mtp import NextTokenLayer, next_token_layers, nextn_renamed
 from kvship.parallel import TPContext
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,6 @@ class Glm4MoeDecoderLayer(LlamaDecoderLayer):
 class Glm4MoeMTPLayer(Glm4MoeDecoderLayer, NextTokenLayer):
     """A multi-token-prediction layer (models/mtp.py)."""
 
-    def __init__(self, cfg: ModelConfig, rotary: PartialRotary, tp: TPContext, backend: str, index: int):
-        super().__init__(cfg, rotary, tp, backend, index)
-        self.add_nextn_parts(cfg)
-
 
 class Glm4MoeModel(LlamaModel):
     layer = Glm4MoeDecoderLayer
@@ -66,8 +62,7 @@ class Glm4MoeModel(LlamaModel):
     def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
         super().__init__(cfg, max_positions, tp, backend)
         rotary = self.layers[0].self_attn.attn.rotary
-        n = cfg.num_hidden_layers
-        self.mtp = nn.ModuleList(Glm4MoeMTPLayer(cfg, rotary, tp, backend, n + i) for i in range(cfg.mtp_layers))
+        self.mtp = next_token_layers(Glm4MoeMTPLayer, cfg, rotary, tp, backend)
 
     @staticmethod
     def rotary(cfg: ModelConfig, max_positions: int) -> PartialRotary:

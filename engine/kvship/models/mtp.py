@@ -45,6 +45,16 @@ class NextTokenLayer(nn.Module):
         return self.shared_head.norm(hidden)
 
 
+def next_token_layers(layer_cls: type, cfg: ModelConfig, rotary, tp, backend: str) -> nn.ModuleList:
+    """cfg.mtp_layers layers of ``layer_cls`` (a decoder layer mixed with NextTokenLayer), numbered
+    after the model's own layers."""
+    layers = nn.ModuleList(layer_cls(cfg, rotary, tp, backend, cfg.num_hidden_layers + i)
+                           for i in range(cfg.mtp_layers))
+    for layer in layers:
+        layer.add_nextn_parts(cfg)
+    return layers
+
+
 def nextn_renamed(weights: Iterable[tuple[str, object]], cfg: ModelConfig, seen: set[int]):
     """The checkpoint's tensors with layers past num_hidden_layers renamed to ``model.mtp.{i}``
     (their indices collected in ``seen``) and their embedding and head copies left out, as are
