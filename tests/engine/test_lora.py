@@ -177,20 +177,45 @@ def test_gpu_mixed_adapters_with_graphs(tiny_lora, quantization):
         agree = sum(o.outputs[0].token_ids == greedy(adapters[n][0] if n else base, p, MAX_TOKENS)
                     for (p, n), o in zip(jobs, outs))
         assert agree >= len(jobs) - 1
-    # graph vs eager on a decode step mixing adapters and the base model
-    eng = llm.engine
-    for i, (p, n) in enumerate(jobs[:8]):
-        eng.add_request(f"g{i}", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                        lora_request=adapters[n][1] if n else None)
+    # graph vs eager on a decode step mixing adapters and the base model (the graphs with the
+    # LoRA kernels), then on one of the base model alone (the graphs without them)
+    graphs = runner.graphs
+    assert set(graphs.graphs) == set(graphs.lora_graphs) == set(graphs.sizes)
+    for tag, names in [("mixed", [n for _, n in jobs[:8]]), ("base", [None] * 5)]:
+        other = "graphs" if tag == "mixed" else "lora_graphs"
+        with_graph, eager = _decode_step_graph_and_eager(llm, [p for p, _ in jobs[:len(names)]],
+                                                          [adapters[n][1] if n else None for n in names], tag, other)
+        torch.testing.assert_close(with_graph, eager, atol=2e-2, rtol=2e-2)
+
+
+def _decode_step_graph_and_eager(llm, prompts, loras, tag, not_replayed):
+    """The logits of one decode step of these requests replayed from a graph and run eagerly;
+    the graph set ``not_replayed`` is emptied meanwhile (a replay from it would fail)."""
+    eng, runner = llm.engine, llm.engine.runner
+    for i, (p, lora) in enumerate(zip(prompts, loras)):
+        eng.add_request(f"{tag}{i}", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        lora_request=lora)
     eng.step()
     prev = eng.in_flight
     batch = eng.scheduler.schedule(prev.rows)
-    assert set(batch.num_new_tokens) == {1}
-    with_graph = runner.run(batch, prev).clone()
-    graphs, runner.graphs = runner.graphs, None
-    eager = runner.run(batch, prev)
-    runner.graphs = graphs
-    torch.testing.assert_close(with_graph, eager, atol=2e-2, rtol=2e-2)
+    assert set(batch.num_new_tokens) == {1} and len(batch.seqs) == len(prompts)
+    graphs = runner.graphs
+    kept = getattr(graphs, not_replayed)
+    setattr(graphs, not_replayed, {})
+    try:
+        with_graph = runner.run(batch, prev).clone()
+    finally:
+        setattr(graphs, not_replayed, kept)
+    runner.graphs = None
+    try:
+        eager = runner.run(batch, prev)
+    finally:
+        runner.graphs = graphs
+    for i in range(len(prompts)):  # leave the engine empty for the next case
+        eng.abort(f"{tag}{i}")
+    while eng.has_work():
+        eng.step()
+    return with_graph, eager
 
 
 @pytest.mark.timeout(600)

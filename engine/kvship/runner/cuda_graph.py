@@ -8,7 +8,11 @@ the model's hidden states into a shared buffer (an MTP proposer reads them, core
 
 A hybrid model's graphs take each sequence's recurrent-state slot as one more input; padding
 rows point at a scratch slot (``state_scratch``, no sequence's), where their throw-away state
-goes, so that a replay never touches a slot it was not given."""
+goes, so that a replay never touches a slot it was not given.
+
+With LoRA (``lora``, the model's layers/lora.py LoRABatch) each size has two graphs: one captured
+with the adapters' kernels, one without; a step whose rows use no adapter replays the latter, at
+the base model's speed. Both share one memory pool (they never run at once)."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +21,7 @@ import torch
 
 from kvship.kernels.graph_inputs import InFlightInputs, StaticInputs, StepInputs, stage_inputs
 from kvship.layers.attention import AttentionMetadata
+from kvship.layers.lora import LoRABatch
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +33,9 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, max_bs: int, max_blocks_per_seq: int, device: torch.device,
-                 state_scratch: int | None = None, keep_hidden: bool = False):
+                 state_scratch: int | None = None, keep_hidden: bool = False, lora: LoRABatch | None = None):
         self.model = model
+        self.lora = lora
         self.keep_hidden = keep_hidden
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
@@ -46,6 +52,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(self.max_bs + 1, dtype=i32, device=device)
         self.rows = torch.arange(self.max_bs, dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # with the LoRA kernels
         self.logits: torch.Tensor | None = None  # [max_bs, vocab] float32, made at capture
         self.hidden: torch.Tensor | None = None  # [max_bs, hidden] with keep_hidden, made at capture
 
@@ -69,16 +76,22 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            self._forward(bs)  # warm-up: triton compiles, allocator settles
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):  # NCCL watchdog thread
-                self._forward(bs)
-            pool = g.pool()
-            self.graphs[bs] = g
+        for with_lora in ([False, True] if self.lora is not None else [False]):
+            if self.lora is not None:  # the layers read it as the graph is captured
+                self.lora.active = with_lora
+            for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+                self._forward(bs)  # warm-up: triton compiles, allocator settles
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):  # NCCL watchdog thread
+                    self._forward(bs)
+                pool = g.pool()
+                (self.lora_graphs if with_lora else self.graphs)[bs] = g
+        if self.lora is not None:
+            self.lora.active = False  # each step sets it (runner/lora_manager.py)
         torch.cuda.synchronize()
-        log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        log.info("captured CUDA graphs for decode batch sizes %s%s", self.sizes,
+                 ", with and without the LoRA kernels" if self.lora is not None else "")
 
     def can_run(self, num_seqs: int, max_seqlen_q: int, num_blocks: int) -> bool:
         return max_seqlen_q == 1 and num_seqs <= self.max_bs and num_blocks <= self.inputs.block_tables.shape[1]
@@ -91,5 +104,5 @@ class DecodeGraphs:
         bs = next(s for s in self.sizes if s >= n)
         stage_inputs(self.inputs, StepInputs(input_ids, positions, meta.slot_mapping, meta.seq_lens,
                                              meta.block_tables, in_flight, meta.state_slots), bs)
-        self.graphs[bs].replay()
+        (self.lora_graphs if self.lora is not None and self.lora.active else self.graphs)[bs].replay()
         return self.logits[:n]

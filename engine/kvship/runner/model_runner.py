@@ -219,9 +219,8 @@ class ModelRunner:
                 and (HAS_TRITON or not (model_config.num_experts or self.lora)) and self.model.cuda_graphs:
             self.graphs = DecodeGraphs(self.model, min(config.max_num_seqs, AUTO_MAX_SEQS),
                                        -(-max_model_len // self.block_size), self.device,
-                                       self.num_state_slots if self.num_state_slots else None, self.keep_hidden)
-            if self.lora is not None:  # the graphs run the adapters' kernels whatever a step holds
-                self.lora.batch.active = True
+                                       self.num_state_slots if self.num_state_slots else None, self.keep_hidden,
+                                       None if self.lora is None else self.lora.batch)
             self.graphs.capture()
         self.measuring_kv_scales = self._set_up_kv_scales()  # after the runs above: real prefills only
 
