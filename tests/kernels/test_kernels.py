@@ -200,6 +200,19 @@ def test_rms_norm(hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm(dtype):
+    """Gated DeltaNet's output norm: float32 head outputs, z a strided view of a wider projection."""
+    t, h, d = (33, 48, 128) if GPU else (3, 4, 32)
+    g = torch.Generator().manual_seed(7)
+    o = torch.randn(t, h, d, generator=g).to(DEV)
+    proj = torch.randn(t, 3 * h * d, generator=g).to(dtype).to(DEV)
+    z = proj[:, h * d:2 * h * d]
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(DEV)
+    ref = norm.gated_rms_norm_torch(o, z.reshape(t, h, d), w, 1e-6, dtype).reshape(t, h * d)
+    close(norm.gated_rms_norm_triton(o, z, w, 1e-6, dtype), ref, dtype, "gated rms")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 4096), (3, 576)] if GPU else [(1, 64), (3, 40)])
 def test_allreduce_add_rms_norm_two_ranks(rows, hidden, dtype):
     """Both ranks' kernels run one after the other on one device: rank 1's flag for rank 0 is

@@ -1,4 +1,4 @@
-"""RMSNorm, plain and fused with the residual add.
+"""RMSNorm, plain, fused with the residual add, and gated (Gated DeltaNet's output norm).
 
 ``rms_norm_torch`` / ``fused_add_rms_norm_torch`` are the references (and the CPU path);
 ``rms_norm_triton`` / ``fused_add_rms_norm_triton`` are one-pass Triton kernels (one program
@@ -109,3 +109,47 @@ def fused_add_rms_norm(
     if use_triton(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
     return fused_add_rms_norm_torch(x, residual, weight, eps)
+
+
+def gated_rms_norm_torch(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """Gated DeltaNet's output norm: ``o`` [..., D] rounded to ``dtype``, RMS-normed per row
+    (times ``weight``), then times silu(z) in float32; ``z`` has o's shape."""
+    normed = rms_norm_torch(o.to(dtype), weight, eps)
+    return (normed.float() * torch.nn.functional.silu(z.float())).to(dtype)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, H, so, sz, sout, N, eps, BLOCK: tl.constexpr):
+    """One row (token, head): the roundings of the torch reference, in one pass."""
+    row = tl.program_id(0).to(tl.int64)
+    t, h = row // H, row % H
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    dt = out_ptr.dtype.element_ty
+    x = tl.load(o_ptr + t * so + h * N + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (x * rms_rstd(tl.sum(x * x, axis=0), eps, N) * w).to(dt).to(tl.float32)
+    z = tl.load(z_ptr + t * sz + h * N + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * sout + h * N + offs, (y * z * tl.sigmoid(z)).to(dt), mask=mask)
+
+
+def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """``o`` [T, H, D] (any float dtype, rows contiguous per token), ``z`` [T, H * D] (a view
+    into in_proj's output is fine) -> [T, H * D] in ``dtype``."""
+    t, h, n = o.shape
+    assert o.stride(2) == 1 and o.stride(1) == n and z.stride(-1) == 1
+    out = torch.empty(t, h * n, dtype=dtype, device=o.device)
+    if t:
+        _gated_rms_norm_kernel[(t * h,)](o, z, weight, out, h, o.stride(0), z.stride(0), out.stride(0), n, eps,
+                                         BLOCK=next_pow2(n), num_warps=1 if n <= 256 else 4)
+    return out
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    if use_triton(o):
+        return gated_rms_norm_triton(o, z, weight, eps, dtype)
+    t, h, n = o.shape
+    return gated_rms_norm_torch(o, z.reshape(t, h, n), weight, eps, dtype).reshape(t, h * n)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -24,6 +25,17 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # rows of the flat batch whose next token is sampled
     num_decodes: int = 0  # the first sequences with one new token each (Batch.num_decodes)
     state_slots: torch.Tensor | None = None  # [B] each sequence's recurrent-state slot (hybrid models)
+
+    @cached_property
+    def query_lens(self) -> torch.Tensor:
+        """[B] each sequence's new tokens, in seq_lens' dtype; computed once a step, not per layer."""
+        return (self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]).to(self.seq_lens.dtype)
+
+    @cached_property
+    def has_past(self) -> torch.Tensor:
+        """[B] int32: 1 where a sequence had tokens computed before this step (its recurrent state
+        is read), 0 for a new or recomputed one (it starts from zeros)."""
+        return (self.seq_lens > self.query_lens).to(torch.int32)
 
 
 # Scores held at once by the CPU path: a prefill chunk's queries are split so that one call's

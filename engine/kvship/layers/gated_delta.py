@@ -22,7 +22,7 @@ from torch import nn
 from kvship.kernels import gated_delta as gd
 from kvship.kernels import gated_delta_triton as gdt
 from kvship.kernels._triton import use_triton
-from kvship.kernels.norm import rms_norm_torch
+from kvship.kernels.norm import gated_rms_norm
 from kvship.layers.attention import AttentionMetadata
 from kvship.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from kvship.parallel import TPContext
@@ -90,28 +90,24 @@ class GatedDeltaNet(nn.Module):
         if slots is None:
             return (torch.zeros(n, self.conv_dim, self.width - 1, dtype=dtype, device=device),
                     torch.zeros(n, self.hv, self.dk, self.dv, dtype=torch.float32, device=device))
-        past = (meta.seq_lens > q_lens)[:, None, None]
+        past = meta.has_past.bool()[:, None, None]
         conv, delta = self.conv_state[slots], self.delta_state[slots]
         return torch.where(past, conv, 0).to(dtype), torch.where(past[..., None], delta, 0)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, *self.sizes[3:]], dim=-1)
-        cu = meta.cu_seqlens_q
-        q_lens = (cu[1:] - cu[:-1]).to(meta.seq_lens.dtype)
+        q_lens = meta.query_lens
         decode = meta.num_decodes == q_lens.shape[0]
         if use_triton(x) and not self.force_torch:
             o = self._triton(mixed, a, b, meta, q_lens, decode)
         else:
             o = self._torch(mixed, a, b, meta, q_lens, decode)
         # the gated RMSNorm: normed per value head (weight times, in the model's dtype), times silu(z)
-        o = rms_norm_torch(o.to(x.dtype), self.norm_weight, self.eps)
-        o = (o.float() * F.silu(z.float().reshape(t, self.hv, self.dv))).to(x.dtype)
-        return self.out_proj(o.reshape(t, -1))
+        return self.out_proj(gated_rms_norm(o, z, self.norm_weight, self.eps, x.dtype))
 
     def _triton(self, mixed, a, b, meta: AttentionMetadata, q_lens, decode: bool) -> torch.Tensor:
         slots, conv, delta = meta.state_slots, self.conv_state, self.delta_state
-        past = (meta.seq_lens > q_lens).to(torch.int32)
+        past = meta.has_past
         if slots is None:  # a throw-away state for each sequence, started from zeros
             n = q_lens.shape[0]
             slots = torch.arange(n, device=mixed.device)
