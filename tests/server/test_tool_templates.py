@@ -112,22 +112,26 @@ def _bytes_to_unicode() -> dict[int, str]:
     return out
 
 
-def write_byte_tokenizer(folder: Path, vocab_size: int, chat_template: str) -> None:
-    """A byte-level tokenizer (one token per byte, no merges: any text, JSON included) with
-    Qwen's special tokens; <|im_end|> is the last id (the tiny model's eos)."""
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def write_byte_tokenizer(folder: Path, vocab_size: int, chat_template: str,
+                         specials: tuple[str, ...] = QWEN_SPECIALS) -> None:
+    """A byte-level tokenizer (one token per byte, no merges: any text, JSON included) with the
+    model's special tokens last (Qwen's by default): the first is the pad token, the last the
+    last id (the tiny model's eos)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     chars = _bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = [f"<|reserved_{i}|>" for i in range(vocab_size - 256 - 3)] + ["<|endoftext|>", "<|im_start|>",
-                                                                             "<|im_end|>"]
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
-    assert tok.get_vocab_size() == vocab_size and tok.token_to_id("<|im_end|>") == vocab_size - 1
+    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - 256 - len(specials))]
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in reserved + list(specials)])
+    assert tok.get_vocab_size() == vocab_size and tok.token_to_id(specials[-1]) == vocab_size - 1
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": specials[-1], "pad_token": specials[0], "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": chat_template, "add_bos_token": False}))
 
 

@@ -301,6 +301,13 @@ class ResponseTextConfig(_Request):
     format: ResponseTextFormat | None = None
 
 
+class ResponseReasoning(_Request):
+    # effort goes to the chat template as chat's reasoning_effort; summaries are not written
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the older name of summary
+
+
 class ResponsesRequest(_Request):
     """OpenAI's Responses API (the subset kvship serves: text in and out, function tools,
     structured output, previous_response_id)."""
@@ -315,6 +322,7 @@ class ResponsesRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     text: ResponseTextConfig | None = None
+    reasoning: ResponseReasoning | None = None
     stream: StrictBool | None = False
     previous_response_id: str | None = None
     store: StrictBool | None = True

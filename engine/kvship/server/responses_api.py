@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from kvship.outputs import RequestOutput
 from kvship.server.body import accept
+from kvship.server.chat import template_kwargs
 from kvship.server.errors import SafeJSONResponse, bad_request, utf8_safe, validation_error
 from kvship.server.generation import ClientDisconnected, GenerationStream, final_outputs, first_output
 from kvship.server.message import MessageShaper
@@ -75,6 +76,11 @@ def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> Chat
         d["tool_choice"] = body.tool_choice
     elif body.tool_choice is not None:
         d["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
+    if body.reasoning is not None:
+        if body.reasoning.summary is not None or body.reasoning.generate_summary is not None:
+            raise bad_request("reasoning.summary is not supported: the reasoning comes back whole, as reasoning "
+                              "text, not summarized.", param="reasoning.summary")
+        d["reasoning_effort"] = body.reasoning.effort
     fmt = body.text.format if body.text is not None else None
     if fmt is not None and fmt.type == "json_object":
         d["response_format"] = {"type": "json_object"}
@@ -177,8 +183,7 @@ async def create_response(raw_request: Request) -> Response:
     params = with_reasoning_markers(params, state.reasoning_parser)
     await prepare_grammar(params, engine)
     check_text_fits(engine.tokenizer, chat_size(chat.messages), engine.max_model_len, "input")
-    template_kwargs = {"tools": plan.template_tools()} if plan is not None else {}
-    prompt_ids = await run_tokenizer(chat_prompt_ids, engine.tokenizer, chat.messages, True, template_kwargs,
+    prompt_ids = await run_tokenizer(chat_prompt_ids, engine.tokenizer, chat.messages, True, template_kwargs(chat, plan),
                                      size=chat_size(chat.messages))
     params = fit_to_context(params, [len(prompt_ids)], engine.max_model_len, "input")
 
