@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvship.kernels import mxfp4_gemv
 from kvship.kernels._triton import tl, triton, use_triton
 from kvship.kernels.fused_moe import _dot, align_by_expert, expert_block, moe_config
 from kvship.kernels.nvfp4_linear import _e2m1
@@ -225,12 +226,18 @@ def gpt_oss_moe_gemv(x: torch.Tensor, experts: GptOssExperts, weights: torch.Ten
 
 def gpt_oss_moe_triton(x: torch.Tensor, experts: GptOssExperts, weights: torch.Tensor, ids: torch.Tensor,
                        config=None) -> torch.Tensor:
-    """The two grouped GEMMs (fused_moe's alignment), then the k rows of each token summed; for one
-    token (and no tiles asked for) ``gpt_oss_moe_gemv``."""
+    """The two grouped GEMMs (fused_moe's alignment), then the k rows of each token summed. With no
+    tiles asked for: MXFP4 experts for few tokens take kernels/mxfp4_gemv.py, 16-bit ones for one
+    token ``gpt_oss_moe_gemv``."""
     tokens, top_k = ids.shape
     num_experts, inter, hidden = experts.w13.shape[0], experts.w13.shape[1] // 2, x.shape[1]
     if tokens == 0:
         return torch.zeros_like(x)
+    few = config is None and experts.mxfp4 and mxfp4_gemv.gemv_settings(tokens)
+    if few:
+        return mxfp4_gemv.mxfp4_moe_gemv(x, experts.w13, experts.w13_scale, experts.w13_bias, experts.w2,
+                                         experts.w2_scale, experts.w2_bias, weights, ids, experts.alpha,
+                                         experts.limit, *few)
     if config is None and tokens == 1:
         return gpt_oss_moe_gemv(x, experts, weights, ids)
     cfg = config or moe_config(tokens, top_k, num_experts)

@@ -6,10 +6,17 @@
 # holds all top-k experts' rows, in K tiles of 256 that divide the 768 inputs.
 GEMV_GATE_UP = {"block_n": 8, "block_k": 512, "num_warps": 2, "num_stages": 3}
 GEMV_DOWN = {"block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 3}
-# gpt-oss's one-token GEMV (kernels/gpt_oss_moe.py): untuned starting points, 2880-wide rows of
-# MXFP4 codes (K tiles of whole 32-input scale groups)
+# gpt-oss's one-token GEMV for 16-bit experts (kernels/gpt_oss_moe.py): untuned starting points
 GPT_OSS_GEMV_GATE_UP = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}
 GPT_OSS_GEMV_DOWN = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}
+# gpt-oss's MXFP4 experts for few tokens (kernels/mxfp4_gemv.py), from `bench/moe_sweep.py --mxfp4`:
+# (tokens up to, gate/up settings, down settings); more tokens take the grouped GEMMs. A program
+# holds block_n rows (gate/up: of each) x block_g groups of 32 inputs; block_n * block_g of at
+# least 32 per warp keeps every thread on its own 16 bytes. Untuned starting points.
+MXFP4_GEMV = (
+    (1, {"block_n": 8, "block_g": 16, "num_warps": 4}, {"block_n": 4, "block_g": 16, "num_warps": 2}),
+    (16, {"block_n": 8, "block_g": 16, "num_warps": 4}, {"block_n": 8, "block_g": 16, "num_warps": 4}),
+)
 
 # The grouped GEMMs' tiles (block_m, block_n, block_k, num_warps, num_stages) by the pairs each
 # expert gets on average, up to each bound (None: any more). Few pairs (decode): narrow tiles,

@@ -1,0 +1,112 @@
+"""gpt-oss's few-token MXFP4 expert GEMVs (kernels/mxfp4_gemv.py), in the interpreter without a
+GPU: the e2m1 decode against the OCP definition, the layer against the torch reference
+(dequantized experts, biases and the clamped SwiGLU's clamps both reached) and against the
+grouped GEMMs; rows and groups in partial tiles. On the GPU: gpt-oss-20b's sizes, and the
+dispatch's few-token path inside a CUDA graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvship.kernels import gpt_oss_moe as gm
+from kvship.kernels import mxfp4_gemv
+from kvship.kernels._triton import HAS_TRITON, tl, triton
+from kvship.kernels.fused_moe import MoEConfig
+from test_gpt_oss_moe import make_experts, ocp_e2m1, route
+from test_kernels import GPU
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+DEV = "cuda" if GPU else "cpu"
+
+
+@triton.jit
+def _decode_kernel(c_ptr, out_ptr):
+    c = tl.load(c_ptr + tl.arange(0, 16))
+    tl.store(out_ptr + tl.arange(0, 16), mxfp4_gemv._e2m1_times_2_pow_m14(c))
+
+
+def test_e2m1_decode_is_the_ocp_definition():
+    codes = torch.arange(16, dtype=torch.int32, device=DEV)
+    out = torch.empty(16, dtype=torch.float32, device=DEV)
+    _decode_kernel[(1,)](codes, out)
+    want = torch.tensor([ocp_e2m1(c) * 2.0 ** -14 for c in range(16)])
+    assert torch.equal(out.cpu(), want)  # exact, the subnormal +-0.5 included
+
+
+def run_gemv(x, ex, weights, ids, gate_up, down):
+    return mxfp4_gemv.mxfp4_moe_gemv(x, ex.w13, ex.w13_scale, ex.w13_bias, ex.w2, ex.w2_scale, ex.w2_bias,
+                                     weights, ids, ex.alpha, ex.limit, gate_up, down)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_gemv_matches_torch_and_grouped(tokens):
+    """3 groups of 32 a hidden row in tiles of 2 groups (a partial last tile), 96 down rows in
+    tiles of 64 (a partial last block); two tokens may share an expert."""
+    e, h, i, k = 4, 96, 32, 2
+    ex = make_experts(e, h, i, True, 11)
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(12)) * 2
+    weights, ids = route(tokens, e, k, 13)
+    want = gm.gpt_oss_moe_torch(x, ex, weights, ids)
+    got = run_gemv(x, ex, weights, ids, {"block_n": 16, "block_g": 2, "num_warps": 1},
+                   {"block_n": 64, "block_g": 2, "num_warps": 1})
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    grouped = gm.gpt_oss_moe_triton(x, ex, weights, ids, MoEConfig(16, 32, 32, 4, 1))
+    torch.testing.assert_close(got, grouped, atol=1e-4, rtol=1e-4)
+    # the clamps act: some gate sums above the limit and some up sums beyond +-limit
+    pre = torch.stack([torch.nn.functional.linear(x, ex.weight("w13", j, torch.float32), ex.w13_bias[j])
+                       for j in range(e)])
+    assert (pre[..., :i] > ex.limit).any() and (pre[..., i:].abs() > ex.limit).any()
+    assert want.abs().max() > 1.0
+
+
+def test_dispatch_takes_the_gemv_for_few_tokens(monkeypatch):
+    """gpt_oss_moe_triton with no tiles asked for: MXFP4 and few tokens go to the GEMVs, more to
+    the grouped GEMMs (the table's bound)."""
+    calls = []
+    monkeypatch.setattr(mxfp4_gemv, "MXFP4_GEMV", ((2, {"block_n": 16, "block_g": 2, "num_warps": 1},
+                                                    {"block_n": 32, "block_g": 2, "num_warps": 1}),))
+    real = mxfp4_gemv.mxfp4_moe_gemv
+    monkeypatch.setattr(mxfp4_gemv, "mxfp4_moe_gemv", lambda *a: calls.append(a) or real(*a))
+    assert mxfp4_gemv.gemv_settings(3) is None
+    ex = make_experts(2, 64, 32, True, 21)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(22))
+    weights, ids = route(2, 2, 1, 23)
+    got = gm.gpt_oss_moe_triton(x, ex, weights, ids)
+    assert len(calls) == 1
+    torch.testing.assert_close(got, gm.gpt_oss_moe_torch(x, ex, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+# -- GPU: gpt-oss-20b's sizes, bf16 activations ----------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 4, 16])
+def test_gemv_gpu_real_sizes(tokens):
+    e, h, i, k = 32, 2880, 2880, 4
+    ex = make_experts(e, h, i, True, 31, "cuda")
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(32)).to("cuda", torch.bfloat16)
+    weights, ids = (t.cuda() for t in route(tokens, e, k, 33))
+    want = gm.gpt_oss_moe_torch(x.float(), ex, weights, ids)
+    for gate_up, down in [(gu, dn) for _, gu, dn in mxfp4_gemv.MXFP4_GEMV]:
+        got = run_gemv(x, ex, weights, ids, gate_up, down)
+        err = (got.float() - want).norm() / want.norm()
+        assert torch.isfinite(got).all() and err < 1e-2, (gate_up, down, err)
+
+
+@pytest.mark.gpu
+def test_gemv_gpu_cuda_graph():
+    """The few-token path captured once and replayed on new routing: no host sync, same result."""
+    e, h, i, k = 32, 2880, 2880, 4
+    ex = make_experts(e, h, i, True, 41, "cuda")
+    x = torch.randn(1, h, generator=torch.Generator().manual_seed(42)).to("cuda", torch.bfloat16)
+    weights, ids = (t.cuda() for t in route(1, e, k, 43))
+    gm.gpt_oss_moe(x, ex, weights, ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gm.gpt_oss_moe(x, ex, weights, ids)
+    new_w, new_ids = route(1, e, k, 44)
+    weights.copy_(new_w)
+    ids.copy_(new_ids)
+    graph.replay()
+    want = gm.gpt_oss_moe_torch(x.float(), ex, weights, ids)
+    assert (out.float() - want).norm() / want.norm() < 1e-2
