@@ -2,8 +2,12 @@
 against the same engine without --enable-lora (the reference, same run), and batch 1 with one
 adapter against the batch-1 roofline (weight + adapter + KV bytes per token / measured copy
 bandwidth). Random weights of a model shape; adapters random too (speed does not depend on them).
+Where the time goes: each decode step's time (1 / tok/s) beside the replay of its CUDA graph with
+and without the LoRA kernels (the same engine: the rest is the host's), and with ``--kernels`` the
+shrink and expand of each projection at batch 1 and ``--batch``, replayed from a graph, against
+the base projection and the time their bytes take at copy bandwidth.
 
-    python bench/lora.py [--shape llama3-8b] [--adapters 8] [--rank 16] [--batch 32]
+    python bench/lora.py [--shape llama3-8b] [--adapters 8] [--rank 16] [--batch 32] [--kernels]
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (
     SHAPES,
+    _time_cuda,
     header,
     kv_bytes_per_token,
     measure_ceilings,
@@ -27,6 +32,8 @@ from common import (
     weight_bytes_per_token,
     write_shape_folder,
 )
+from kvship.kernels.gemv import act_mul_linear, linear
+from kvship.kernels.lora import lora_expand_triton, lora_shrink_triton
 from kvship.llm import LLM
 from kvship.lora_request import LoRARequest
 from kvship.sampling_params import SamplingParams
@@ -84,8 +91,75 @@ def run(folder: str, args, adapters: list[LoRARequest] | None) -> dict[str, floa
            f"offline ({args.offline} requests)": tokens_per_second(llm, prompts(args.offline), args.output,
                                                                   spread(args.offline))}
     out["weight bytes"] = weight_bytes_per_token(llm.engine.runner.model)
+    if adapters:
+        out["replays"] = graph_replays(llm, [1, args.batch], len(adapters))
     llm.shutdown()
     return out
+
+
+def graph_replays(llm, sizes: list[int], num_adapters: int) -> dict[int, tuple[float, float]]:
+    """Seconds of one replay of the decode graph of each batch size, (without, with) the LoRA
+    kernels, the rows spread over the adapters' slots (the last step's other inputs kept)."""
+    runner = llm.engine.runner
+    graphs = runner.graphs
+    out = {}
+    for n in sizes:
+        bs = next(s for s in graphs.sizes if s >= n)
+        slots = runner.lora.batch.token_slots
+        slots[:bs].copy_(torch.arange(bs, device=slots.device) % num_adapters)
+        out[n] = (_time_cuda(graphs.graphs[bs].replay, iters=50), _time_cuda(graphs.lora_graphs[bs].replay, iters=50))
+    return out
+
+
+def _graph_time(fn, reps: int = 20) -> float:
+    """Seconds of one ``fn`` replayed from a CUDA graph of ``reps`` calls (as in the decode graphs)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return _time_cuda(g.replay, iters=20) / reps
+
+
+def kernel_table(args, bw: float) -> str:
+    """Shrink and expand of each projection of one layer, at batch 1 and ``--batch`` (rows spread
+    over the adapters), against the base projection and the bytes limit (A or B of the adapters the
+    rows use, x / y / partial sums) at copy bandwidth. Per step: times the layers."""
+    c = SHAPES[args.shape]
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    d = c.get("head_dim", h // c["num_attention_heads"])
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    modules = {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [inter, inter]), "down": (inter, [h])}
+    dev, bf16, r = "cuda", torch.bfloat16, args.rank
+    rows = []
+    for batch in (1, args.batch):
+        total = [0.0] * 4
+        slots = (torch.arange(batch, device=dev) % args.adapters).to(torch.int32)
+        used = min(batch, args.adapters)
+        for name, (k, parts) in modules.items():
+            n = sum(parts)
+            act = "silu" if name == "down" else None  # its input the gate/up output, activated as read
+            x = torch.randn(batch, 2 * k if act else k, device=dev, dtype=bf16)
+            w = torch.randn(n, k, device=dev, dtype=bf16) * 0.01
+            a = torch.randn(args.adapters, len(parts) * r, k, device=dev, dtype=bf16) * 0.01
+            b = torch.randn(args.adapters, n, r, device=dev, dtype=bf16) * 0.01
+            y = torch.zeros(batch, n, device=dev, dtype=bf16)
+            h_part = lora_shrink_triton(x, a, slots, act)
+            t_base = _graph_time(lambda: act_mul_linear(x, w, act) if act else linear(x, w))
+            t_shrink = _graph_time(lambda: lora_shrink_triton(x, a, slots, act))
+            t_expand = _graph_time(lambda: lora_expand_triton(y, h_part, b, slots, parts))
+            shrink_bytes = used * a[0].numel() * 2 + x.numel() * 2 + h_part.numel() * 4
+            expand_bytes = used * b[0].numel() * 2 + 2 * y.numel() * 2 + h_part.numel() * 4
+            limit = (shrink_bytes + expand_bytes) / bw
+            for i, t in enumerate((t_base, t_shrink, t_expand, limit)):
+                total[i] += t
+            rows.append([batch, name, f"{t_base * 1e6:.1f}", f"{t_shrink * 1e6:.1f}", f"{t_expand * 1e6:.1f}",
+                         f"{limit * 1e6:.2f}", f"{h_part.shape[0]}"])
+        layers = c["num_hidden_layers"]
+        rows.append([batch, f"per step ({layers} layers), ms", *(f"{t * layers * 1e3:.2f}" for t in total), ""])
+    return table(rows, ["batch", "projection", "base µs", "shrink µs", "expand µs", "LoRA bytes limit µs",
+                        "shrink splits"])
 
 
 def main() -> None:
@@ -97,8 +171,12 @@ def main() -> None:
     ap.add_argument("--offline", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--kernels", action="store_true", help="also time each projection's shrink and expand")
     args = ap.parse_args()
     bw, _ = measure_ceilings()
+    if args.kernels:
+        print(header(f"LoRA kernels: {args.shape}, {args.adapters} adapters of rank {args.rank}, one layer"))
+        print(kernel_table(args, bw) + "\n")
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, Path(tmp) / "model")
         adapter_bytes = 0
@@ -113,7 +191,7 @@ def main() -> None:
     roof_lora = bw / (base["weight bytes"] + adapter_bytes + kv)
     targets = {"batch 1 decode": 0.90}
     rows = []
-    for case in [k for k in base if k != "weight bytes"]:
+    for case in [k for k in base if k not in ("weight bytes", "replays")]:
         ratio = with_lora[case] / base[case]
         target = targets.get(case, 0.80)
         rows.append([case, f"{base[case]:,.0f}", f"{with_lora[case]:,.0f}", f"{ratio:.0%}", f">= {target:.0%}",
@@ -123,6 +201,14 @@ def main() -> None:
     print(f"\nbatch-1 roofline: base {roof_base:,.0f} tok/s, with one adapter's {adapter_bytes / 2**20:.0f} MiB "
           f"{roof_lora:,.0f} tok/s (copy bandwidth {bw / 1e12:.2f} TB/s); batch-1 LoRA at "
           f"{with_lora['batch 1 decode'] / roof_lora:.0%} of it")
+    rows = []
+    for n, (plain, lora) in with_lora["replays"].items():
+        step = n / with_lora[f"batch {n} decode"]
+        rows.append([n, f"{n / base[f'batch {n} decode'] * 1e3:.2f}", f"{step * 1e3:.2f}", f"{plain * 1e3:.2f}",
+                     f"{lora * 1e3:.2f}", f"{(step - lora) * 1e3:.2f}"])
+    print("\nWhere a decode step's time goes (ms; a step: 1 / tok/s, prefills included):")
+    print(table(rows, ["batch", "step, base engine", "step, LoRA engine", "graph without LoRA kernels",
+                       "graph with them", "rest (host, prefill)"]))
 
 
 if __name__ == "__main__":

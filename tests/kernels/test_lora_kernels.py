@@ -1,12 +1,14 @@
 """The LoRA shrink and expand kernels against their torch references (Triton's interpreter on a
-CPU): per row (the decode graphs' form, the shrink split over the input features) and per
-segment (prompt chunks), on rows mixing adapter slots, rows without one (-1), and a fused
-projection's three parts."""
+CPU): per row (the decode graphs' form, the shrink split over the input features, splits whose
+width is no multiple of the tile, the gated activation applied as the shrink reads a gate/up
+output) and per segment (prompt chunks), on rows mixing adapter slots, rows without one (-1),
+and a fused projection's three parts."""
 import pytest
 import torch
 
 from kvship.kernels import lora, lora_segments
 from kvship.kernels._triton import HAS_TRITON
+from kvship.kernels.activation import act_and_mul_torch
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
@@ -16,12 +18,12 @@ DTYPES = [torch.float32, torch.float16] if not GPU else [torch.bfloat16]
 RANK, K, SLICES = 8, 200, [24, 16, 16]  # q, k, v of a fused projection
 
 
-def _operands(slot_list, dtype, seed):
+def _operands(slot_list, dtype, seed, k=K, x_width=None):
     g = torch.Generator().manual_seed(seed)
     t = len(slot_list)
     slots = torch.tensor(slot_list, dtype=torch.int32, device=DEV)
-    x = torch.randn(t, K, generator=g).to(DEV, dtype)
-    a = torch.randn(3, len(SLICES) * RANK, K, generator=g).to(DEV, dtype)
+    x = torch.randn(t, x_width or k, generator=g).to(DEV, dtype)
+    a = torch.randn(3, len(SLICES) * RANK, k, generator=g).to(DEV, dtype)
     b = torch.randn(3, sum(SLICES), RANK, generator=g).to(DEV, dtype)
     y0 = torch.randn(t, sum(SLICES), generator=g).to(DEV, dtype)
     return slots, x, a, b, y0
@@ -34,7 +36,8 @@ def _tol(dtype):
 @pytest.mark.parametrize("rows", [[0, 0, -1, 2, 1, -1, 2], [0]])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.timeout(300)
-def test_per_row_kernels_match_reference(dtype, rows):
+def test_per_row_kernels_match_reference(dtype, rows, monkeypatch):
+    monkeypatch.setattr(lora, "MIN_SPLIT_K", 64)  # a split of the interpreter's small K
     slots, x, a, b, y0 = _operands(rows, dtype, 0)
     has = slots >= 0
     h_ref = lora.lora_shrink_torch(x, a, slots)
@@ -51,6 +54,28 @@ def test_per_row_kernels_match_reference(dtype, rows):
     # by hand: row 0 (slot 0), its k part (columns 24..40) from the k ranks (8..16)
     want = y0[0, 24:40].float() + h_ref[0, 0, RANK:2 * RANK] @ b[0, 24:40].float().T
     torch.testing.assert_close(y[0, 24:40].float(), want, rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("k, min_split_k, block_k", [(600, 128, 512), (600, 128, 128)])
+@pytest.mark.timeout(300)
+def test_shrink_splits_and_gated_input(k, min_split_k, block_k, act, monkeypatch):
+    """Splits of 192 features read by a 256-wide tile (masked at the split's end) or by 128-wide
+    tiles (two, the second half masked); the input a gate/up output, activated as it is read."""
+    monkeypatch.setattr(lora, "MIN_SPLIT_K", min_split_k)
+    monkeypatch.setattr(lora, "SHRINK_BLOCK_K", block_k)
+    dtype = DTYPES[-1]
+    slots, x, a, _, _ = _operands([2, -1, 0], dtype, 3, k=k, x_width=2 * k)
+    has = slots >= 0
+    h = lora.lora_shrink_triton(x[:1], a, slots[:1], act)
+    assert h.shape[0] == 4  # 600 features in four splits of 192
+    h_ref = lora.lora_shrink_torch(x, a, slots, act)
+    want = act_and_mul_torch(x[:1], act).float() @ a[2].float().T  # by hand: row 0, slot 2
+    tol = _tol(dtype)
+    torch.testing.assert_close(h.sum(0)[0], want[0], rtol=tol, atol=tol * 10)
+    torch.testing.assert_close(h_ref[0, :1], want, rtol=tol, atol=tol * 10)
+    h = lora.lora_shrink_triton(x, a, slots, act)
+    torch.testing.assert_close(h.sum(0)[has], h_ref[0, has], rtol=tol, atol=tol * 10)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,18 +9,26 @@ leaves its h unwritten and expand adds nothing.
 
 The Triton kernels here take one row per program (Punica's BGMV): fixed shapes and no host
 reads, so they run inside the decode graphs; the shrink splits ``in`` over programs, so that a
-small batch still fills the GPU. An eager step with prompt chunks takes the grouped kernels of
-kernels/lora_segments.py instead. The torch references group rows by adapter (host-side).
+small batch still fills the GPU, each program reading a few wide tiles (a latency-bound product:
+one or two loads in flight per program beat a long loop). Both launch with PDL, as the base
+model's kernels around them do. With ``act`` the shrink takes a gate/up output [T, 2 in] and
+applies act(gate) * up as it reads it (the down projection's input), so the base layer keeps
+its fused GEMV and no activation kernel runs for the adapters. An eager step with prompt chunks
+takes the grouped kernels of kernels/lora_segments.py instead. The torch references group rows
+by adapter (host-side).
 """
 from __future__ import annotations
 
 import torch
 
-from kvship.kernels._triton import device_sms, next_pow2, tl, triton, use_triton
+from kvship.kernels._triton import device_sms, next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
+from kvship.kernels.activation import act_and_mul, act_and_mul_torch, gelu_tanh_mul, silu_mul
 from kvship.kernels.lora_segments import lora_expand_segments, lora_shrink_segments
 
 
-def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, act: str | None = None
+                      ) -> torch.Tensor:
+    x = act_and_mul_torch(x, act) if act else x
     h = torch.zeros(1, x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
     for s in slots.unique().tolist():
         if s >= 0:
@@ -44,7 +52,9 @@ def lora_expand_torch(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots: 
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, K, R, K_PER_SPLIT, stride_x, stride_as, stride_ar, stride_hs,
-                   stride_h, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   stride_h, GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_wait(PDL)  # every program, even one without an adapter: the kernel ends after the one before
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     if slot >= 0:
@@ -53,21 +63,30 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, K, R, K_PER_SPLIT, stride_x, 
         rmask = offs_r < R
         offs_k = tl.arange(0, BLOCK_K)
         rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
+        x_row = x_ptr + t.to(tl.int64) * stride_x
         acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         k_start = split * K_PER_SPLIT
-        for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + offs_k
-            kmask = kk < K
-            x = tl.load(x_ptr + t.to(tl.int64) * stride_x + kk, mask=kmask, other=0.0).to(tl.float32)
+            kmask = kk < k_end
+            x = tl.load(x_row + kk, mask=kmask, other=0.0)
+            if GATED:  # x holds [gate | up]: act(gate) * up, rounded as act_and_mul's output is
+                up = tl.load(x_row + K + kk, mask=kmask, other=0.0)
+                if GELU:
+                    x = gelu_tanh_mul(x, up).to(x_ptr.dtype.element_ty)
+                else:
+                    x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
             a = tl.load(rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            acc += a.to(tl.float32) * x[None, :]
+            acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
         tl.store(h_ptr + split * stride_hs + t.to(tl.int64) * stride_h + offs_r, tl.sum(acc, 1), mask=rmask)
 
 
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, RANK, C1, C2, stride_hs, stride_h, stride_bs, stride_bn,
                    stride_y, SPLIT: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+                   BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     if slot >= 0:
@@ -97,25 +116,28 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, RANK, C1, C2, stride_hs, s
         tl.store(out, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=nmask)
 
 
-SHRINK_BLOCK_K = 64
-# The shrink's split of the input features: enough programs for about two an SM, but at most
-# this many partial sums for the expand to add up.
-MAX_SPLIT = 8
+# The shrink's split of the input features: enough programs for about two an SM, each over at
+# least MIN_SPLIT_K features (wide tiles), and at most MAX_SPLIT partial sums for the expand to add.
+MIN_SPLIT_K = 512
+MAX_SPLIT = 16
+SHRINK_BLOCK_K = 512
 
 
-def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, act: str | None = None
+                       ) -> torch.Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
-    t, k = x.shape
+    t, k = x.shape[0], x.shape[1] // 2 if act else x.shape[1]
     r = a.shape[1]
     block_r = min(next_pow2(r), 16)
     r_blocks = triton.cdiv(r, block_r)
-    k_blocks = triton.cdiv(k, SHRINK_BLOCK_K)
-    split = max(1, min(k_blocks, MAX_SPLIT, triton.cdiv(2 * device_sms(x), t * r_blocks)))
-    k_per_split = triton.cdiv(k_blocks, split) * SHRINK_BLOCK_K
+    split = max(1, min(triton.cdiv(k, MIN_SPLIT_K), MAX_SPLIT, triton.cdiv(2 * device_sms(x), t * r_blocks)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), 64) * 64
     split = triton.cdiv(k, k_per_split)
     h = torch.empty(split, t, r, dtype=torch.float32, device=x.device)
     _shrink_kernel[(t, r_blocks, split)](x, a, slots, h, k, r, k_per_split, x.stride(0), a.stride(0), a.stride(1),
-                                         h.stride(0), h.stride(1), BLOCK_R=block_r, BLOCK_K=SHRINK_BLOCK_K)
+                                         h.stride(0), h.stride(1), GATED=act is not None, GELU=act == "gelu_tanh",
+                                         BLOCK_R=block_r, BLOCK_K=min(SHRINK_BLOCK_K, next_pow2(k_per_split)),
+                                         num_warps=4, **pdl_launch(x))
     return h
 
 
@@ -130,17 +152,20 @@ def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots:
     _expand_kernel[(t, triton.cdiv(n, block_n))](h, b, slots, y, n, rank, starts[0], starts[1], h.stride(0),
                                                  h.stride(1), b.stride(0), b.stride(1), y.stride(0),
                                                  SPLIT=h.shape[0], PARTS=len(slices), BLOCK_N=block_n,
-                                                 BLOCK_R=block_r)
+                                                 BLOCK_R=block_r, **pdl_launch(y))
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor | None = None,
+                act: str | None = None) -> torch.Tensor:
     """[T, in] x, [S, R, in] stacked A, [T] int32 slots -> [SPLIT, T, R] float32 partial sums
     (rows of slot -1: undefined). ``blocks`` (lora_segments.segment_blocks of the same slots, on
-    the device): the grouped kernel."""
+    the device): the grouped kernel. ``act``: x is a gate/up output [T, 2 in], the product is
+    taken on act(gate) * up."""
     if not use_triton(x):
-        return lora_shrink_torch(x, a, slots)
-    return lora_shrink_triton(x, a, slots) if blocks is None else lora_shrink_segments(x, a, blocks)
+        return lora_shrink_torch(x, a, slots, act)
+    if blocks is None:
+        return lora_shrink_triton(x, a, slots, act)
+    return lora_shrink_segments(act_and_mul(x, act) if act else x, a, blocks)
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, slices: list[int],

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvship.kernels.activation import act_and_mul
 from kvship.kernels.lora import lora_expand, lora_shrink
 
 
@@ -63,11 +62,12 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
         if self.batch.active:
-            if self.gated_input and x.shape[-1] != self.in_features:
-                x = act_and_mul(x, self.act)  # the delta needs the activated input too
-            y = self.base(x)  # a gate/up layer's whole product: the down projection applies the activation
+            # a gate/up layer's whole product (the down projection applies the activation); the
+            # down projection's input still gated: its GEMV and the shrink apply it as they read it
+            y = self.base(x)
+            act = self.act if self.gated_input and x.shape[-1] != self.in_features else None
             slots, blocks = self.batch.slots(x.shape[0]), self.batch.blocks
-            h = lora_shrink(x, self.lora_a, slots, blocks)
+            h = lora_shrink(x, self.lora_a, slots, blocks, act)
             lora_expand(y, h, self.lora_b, slots, self.slice_sizes, blocks)
         else:
             y = self.base(x, *args)
