@@ -26,6 +26,7 @@ from kvship.runner.cuda_graph import DecodeGraphs
 from kvship.runner.dummy_weights import dummy_weights
 from kvship.runner.lora_manager import LoRAManager
 from kvship.runner.sampler import PendingSample, Sampler, SamplerOutput, SamplerRow
+from kvship.runner.verify_graphs import VerifyGraphs, verify_graph_max_batch
 from kvship.sequence import Batch, Sequence
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,22 @@ class ModelRunner:
                                        self.num_state_slots if self.num_state_slots else None, self.keep_hidden,
                                        None if self.lora is None else self.lora.batch)
             self.graphs.capture()
+        self.verify_graphs = self._capture_verify_graphs()
         self.measuring_kv_scales = self._set_up_kv_scales()  # after the runs above: real prefills only
+
+    def _capture_verify_graphs(self) -> VerifyGraphs | None:
+        """Beside the decode graphs, in their memory pool, graphs for speculative verify steps;
+        none with LoRA (its per-token adapter rows follow the unpadded layout) or a hybrid model."""
+        spec, c = self.config.speculative_config, self.config
+        if self.graphs is None or spec is None or self.lora is not None or self.num_state_slots:
+            return None
+        max_bs = verify_graph_max_batch(spec.num_speculative_tokens, spec.disable_by_batch_size, c.max_num_seqs)
+        if max_bs < 1:
+            return None
+        graphs = VerifyGraphs(self.model, max_bs, spec.num_speculative_tokens + 1, self.max_model_len,
+                              self.block_size, self.device, self.keep_hidden)
+        graphs.capture(self.graphs.pool)
+        return graphs
 
     def _wrap_lora(self) -> LoRAManager:
         c = self.config
@@ -234,7 +250,7 @@ class ModelRunner:
     def release_graphs(self) -> None:
         """Drop the CUDA graphs (before tearing down the communicators captured in them)."""
         if self.graphs is not None:
-            self.graphs = None
+            self.graphs = self.verify_graphs = None
             torch.cuda.synchronize(self.device)
 
     def release(self) -> None:
@@ -301,10 +317,16 @@ class ModelRunner:
         others = total - free - torch.cuda.memory_allocated(dev)  # other processes, CUDA context
         vocab = self.model_config.vocab_size
 
+        spec = c.speculative_config
+        verify_rows = 0 if spec is None or c.enforce_eager else (spec.num_speculative_tokens + 1) * \
+            verify_graph_max_batch(spec.num_speculative_tokens, spec.disable_by_batch_size, c.max_num_seqs or AUTO_MAX_SEQS)
+
         def reserve(rows: int) -> int:
-            """Sampling a full batch (float32 logits and a few temporaries of that size), and the
-            decode graphs' pool (their activations, shared logits and the 16-bit ones before)."""
-            return 16 * rows * vocab + (0 if c.enforce_eager else (512 << 20) + 6 * rows * vocab)
+            """Sampling a full batch (float32 logits and a few temporaries of that size), the
+            decode graphs' pool (their activations, shared logits and the 16-bit ones before) and
+            the verify graphs' logits and hidden states."""
+            graphs = (512 << 20) + 6 * rows * vocab + 6 * verify_rows * vocab
+            return 16 * rows * vocab + (0 if c.enforce_eager else graphs)
 
         budget = total * c.gpu_memory_utilization - others - peak
         rows = c.max_num_seqs or auto_max_num_seqs(
@@ -629,6 +651,12 @@ class ModelRunner:
             logits = self.graphs.run(input_ids, positions, meta, in_flight)
             if self.keep_hidden:  # a copy: the next replay overwrites the graphs' buffer
                 self._hidden = self.graphs.hidden[:input_ids.shape[0]].clone()
+            return logits
+        verify = self.verify_graphs
+        if verify is not None and not self.measuring_kv_scales and verify.can_run(meta, positions):
+            logits = verify.run(input_ids, positions, meta, in_flight)
+            if self.keep_hidden:  # gathered: a copy
+                self._hidden = verify.hidden[verify.padded_rows]
             return logits
         if in_flight is not None:
             input_ids = in_flight.fill(input_ids)
