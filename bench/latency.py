@@ -52,8 +52,8 @@ from common import (
     table,
     write_shape_folder,
 )
-from kvship.kernels import gpt_oss_moe
-from kvship.kernels.fused_moe import fused_moe, fused_moe_torch
+from kvship.kernels import gpt_oss_moe, mxfp4_gemv
+from kvship.kernels.fused_moe import fused_moe, fused_moe_torch, moe_config
 from kvship.layers.moe import route
 
 
@@ -156,8 +156,10 @@ def is_mxfp4(shape: str) -> bool:
 
 @torch.inference_mode()
 def mxfp4_moe_rows(shape: str, bw: float, token_counts=(1, 4, 16, 64)) -> list[list[str]]:
-    """One gpt-oss MoE layer (random MXFP4 experts, bf16 router) per token count, replayed in a
-    CUDA graph, against the bytes of the distinct experts its tokens pick (codes and scales)."""
+    """One gpt-oss MoE layer (random MXFP4 experts, bf16 router) per token count, the engine's path
+    (kernels/mxfp4_gemv.py for few tokens) and the grouped GEMMs, each replayed in a CUDA graph
+    cycling 3 layers' experts (past L2), against the bytes of the distinct experts its tokens pick
+    (codes and scales)."""
     c = SHAPES[shape]
     e, k, h, inter = c["num_local_experts"], c["num_experts_per_tok"], c["hidden_size"], c["intermediate_size"]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -166,33 +168,44 @@ def mxfp4_moe_rows(shape: str, bw: float, token_counts=(1, 4, 16, 64)) -> list[l
         return (torch.randint(0, 256, (e, n, kk // 2), generator=g, device="cuda", dtype=torch.uint8),
                 torch.randint(119, 123, (e, n, kk // 32), generator=g, device="cuda", dtype=torch.uint8))
 
-    (w13, s13), (w2, s2) = codes(2 * inter, h), codes(h, inter)
-    bias13 = torch.zeros(e, 2 * inter, device="cuda")
-    experts = gpt_oss_moe.GptOssExperts(w13, bias13, w2, torch.zeros(e, h, device="cuda"), s13, s2)
+    def experts():
+        (w13, s13), (w2, s2) = codes(2 * inter, h), codes(h, inter)
+        bias13 = torch.zeros(e, 2 * inter, device="cuda")
+        return gpt_oss_moe.GptOssExperts(w13, bias13, w2, torch.zeros(e, h, device="cuda"), s13, s2)
+
+    layers = [experts() for _ in range(3)]
     router = torch.randn(e, h, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     per_expert = 3 * h * inter // 2 + 3 * h * inter // 32
     rows = []
     for t in token_counts:
         x = torch.randn(t, h, generator=g, device="cuda", dtype=torch.bfloat16)
 
-        def layer():
-            return gpt_oss_moe.gpt_oss_moe(x, experts, *route(x @ router.T, k, True))
+        def layer(config=None):
+            for ex in layers:
+                gpt_oss_moe.gpt_oss_moe_triton(x, ex, *route(x @ router.T, k, True), config)
 
-        fused = _graph_time(layer)
+        engine = _graph_time(layer) / len(layers)
+        grouped = _graph_time(lambda: layer(moe_config(t, k, e))) / len(layers)
         distinct = route(x @ router.T, k, True)[1].unique().numel()
         nbytes = distinct * per_expert
-        rows.append([str(t), str(distinct), f"{nbytes / 1e6:.1f}", f"{fused * 1e6:.1f}",
-                     f"{nbytes / fused / 1e9:.0f}", f"{100 * nbytes / fused / bw:.0f}%"])
+        path = "gemv" if mxfp4_gemv.gemv_settings(t) else "grouped"
+        rows.append([str(t), str(distinct), f"{nbytes / 1e6:.1f}", path, f"{engine * 1e6:.1f}",
+                     f"{nbytes / engine / 1e9:.0f}", f"{100 * nbytes / engine / bw:.0f}%", f"{grouped * 1e6:.1f}"])
     return rows
 
 
 def use_settings(settings: list) -> None:
     """Put [shape key, setting] pairs into the kernels' per-shape tables (the engine runs in this
     process): 16-bit GEMV settings for (N, K) keys (gemv_sweep.py --best-json); quantized ones
-    (quant_gemv_sweep.py --best-json): pairs-kernel settings for one row, mma-kernel ones for 2 to 8 rows."""
+    (quant_gemv_sweep.py --best-json): pairs-kernel settings for one row, mma-kernel ones for 2 to 8 rows;
+    "mxfp4_gemv": gpt-oss's few-token MXFP4 table (moe_sweep.py --mxfp4 --best-json)."""
     from kvship.kernels import gemv, quant_linear
 
     for key, cfg in settings:
+        if key == "mxfp4_gemv":  # moe_sweep.py --mxfp4 --best-json: the whole few-token table
+            mxfp4_gemv.MXFP4_GEMV = tuple(tuple(entry) for entry in cfg)
+            print(f"MXFP4_GEMV: {mxfp4_gemv.MXFP4_GEMV}", file=sys.stderr)
+            continue
         if len(key) == 2:
             table_ = gemv.GEMV_SHAPES
         else:
@@ -259,8 +272,8 @@ def main() -> None:
     if mxfp4:
         print(f"\nOne MXFP4 MoE layer (router + experts, {args.shape}), GPU time per call; bytes: the distinct "
               "experts its tokens pick (codes + scales)\n")
-        print(table(mxfp4_moe_rows(args.shape, bw), ["tokens", "experts read", "MB", "grouped us (graph)", "GB/s",
-                                                     "of copy BW"]))
+        print(table(mxfp4_moe_rows(args.shape, bw), ["tokens", "experts read", "MB", "path", "us (graph)", "GB/s",
+                                                     "of copy BW", "grouped GEMMs us"]))
     elif SHAPES[args.shape].get("num_experts"):
         print(f"\nOne MoE layer (router + experts, {args.shape}), GPU time per call; bytes: the distinct "
               "experts its tokens pick\n")

@@ -7,11 +7,20 @@ same run. Routing is computed outside the timed region (same for both paths).
     python bench/moe_sweep.py [--tokens 1 4] [--quick]
 
 The one-token settings (kernels/tuning/moe.py: GEMV_GATE_UP, GEMV_DOWN) come from the best line here.
+
+    python bench/moe_sweep.py --mxfp4 [--shape gpt-oss-20b] [--tokens 1 2 4 8 16] [--quick] [--best-json F]
+
+gpt-oss's MXFP4 experts (kernels/mxfp4_gemv.py) the same way: per token count the grouped GEMMs,
+the GEMVs' current table, then each GEMV's settings swept (gate/up with down at the table's, down
+with the best gate/up); bytes are the distinct experts' codes and scales. It ends with the winning
+table as Python for kernels/tuning/moe.py's MXFP4_GEMV (token counts where the GEMVs beat the
+grouped GEMMs); --best-json writes it for `bench/latency.py --settings`.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -22,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, header, measure_ceilings, table
 from gemv_sweep import time_per_call
 from kvship.kernels import fused_moe as fm
+from kvship.kernels import gpt_oss_moe as gm
+from kvship.kernels import mxfp4_gemv
 
 
 def main() -> None:
@@ -29,7 +40,11 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-30b-a3b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--mxfp4", action="store_true", help="gpt-oss's MXFP4 experts (default shape gpt-oss-20b)")
+    ap.add_argument("--best-json", help="with --mxfp4: write the winning MXFP4_GEMV table here")
     args = ap.parse_args()
+    if args.mxfp4:
+        return mxfp4_sweep(args)
     c = SHAPES[args.shape]
     e, k, h, inter = c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
     bw, _ = measure_ceilings()
@@ -84,6 +99,79 @@ def main() -> None:
     print(header(f"Few-token MoE kernels, {args.shape} (E {e}, top {k}, hidden {h}, intermediate {inter}), bf16"))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {copies} layers' experts cycled\n")
     print(table(rows, ["tokens", "path", "us per layer", "GB/s", "of copy BW", "rel err vs fp32"]))
+
+
+def mxfp4_candidates(quick: bool) -> list[dict]:
+    """GEMV settings where each thread holds 1 to 8 (row, group) slots of 16 code bytes."""
+    out = [dict(block_n=bn, block_g=bg, num_warps=nw)
+           for bn, bg, nw in itertools.product([1, 2, 4, 8, 16, 32], [4, 8, 16, 32], [1, 2, 4, 8])
+           if 32 * nw <= bn * bg <= 8 * 32 * nw]
+    return out[::3] if quick else out
+
+
+@torch.inference_mode()
+def mxfp4_sweep(args) -> None:
+    shape = "gpt-oss-20b" if args.shape == "qwen3-30b-a3b" else args.shape
+    c = SHAPES[shape]
+    e, k, h, inter = c["num_local_experts"], c["num_experts_per_tok"], c["hidden_size"], c["intermediate_size"]
+    tokens = args.tokens if args.tokens != [1, 4] else [1, 2, 4, 8, 16]
+    bw, _ = measure_ceilings()
+    per_expert = 3 * h * inter // 2 + 3 * h * inter // 32  # codes + scales
+    copies = max(3, -(-3_000_000_000 // (e * per_expert)))
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def mxfp4(n, kk):
+        return (torch.randint(0, 256, (e, n, kk // 2), generator=g, device="cuda", dtype=torch.uint8),
+                torch.randint(119, 123, (e, n, kk // 32), generator=g, device="cuda", dtype=torch.uint8))
+
+    def experts():
+        (w13, s13), (w2, s2) = mxfp4(2 * inter, h), mxfp4(h, inter)
+        b13 = torch.randn(e, 2 * inter, generator=g, device="cuda") * 0.1
+        return gm.GptOssExperts(w13, b13, w2, torch.randn(e, h, generator=g, device="cuda") * 0.1, s13, s2)
+
+    layers = [experts() for _ in range(copies)]
+    router = torch.randn(e, h, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+    candidates = mxfp4_candidates(args.quick)
+    rows, winners, winning = [], [], True
+    for t in sorted(tokens):
+        x = torch.randn(t, h, generator=g, device="cuda", dtype=torch.bfloat16)
+        weights, ids = fm.route(x @ router.T, k, True)
+        nbytes = ids.unique().numel() * per_expert
+        want = gm.gpt_oss_moe_torch(x.float(), layers[0], weights, ids)
+
+        def gemv(i, gu, dn):
+            ex = layers[i]
+            return mxfp4_gemv.mxfp4_moe_gemv(x, ex.w13, ex.w13_scale, ex.w13_bias, ex.w2, ex.w2_scale, ex.w2_bias,
+                                             weights, ids, ex.alpha, ex.limit, gu, dn)
+
+        def row(name, us, out):
+            err = ((out.float() - want).norm() / want.norm()).item()
+            rows.append([str(t), name, f"{us:.1f}", f"{nbytes / us / 1e3:.0f}", f"{100 * nbytes / us / 1e-6 / bw:.0f}%",
+                         f"{err:.1e}"])
+
+        cfg = fm.moe_config(t, k, e)
+        grouped = time_per_call(lambda i: gm.gpt_oss_moe_triton(x, layers[i], weights, ids, config=cfg), copies)
+        row(f"grouped GEMMs {cfg}", grouped, gm.gpt_oss_moe_triton(x, layers[0], weights, ids, config=cfg))
+        gu0, dn0 = mxfp4_gemv.gemv_settings(t) or mxfp4_gemv.MXFP4_GEMV[-1][1:]
+        row(f"gemv, table: gate/up {gu0}, down {dn0}", time_per_call(lambda i: gemv(i, gu0, dn0), copies),
+            gemv(0, gu0, dn0))
+        best_gu = min(candidates, key=lambda gu: time_per_call(lambda i: gemv(i, gu, dn0), copies))
+        best_dn = min(candidates, key=lambda dn: time_per_call(lambda i: gemv(i, best_gu, dn), copies))
+        best = time_per_call(lambda i: gemv(i, best_gu, best_dn), copies)
+        row(f"gemv, swept: gate/up {best_gu}, down {best_dn}", best, gemv(0, best_gu, best_dn))
+        if best < grouped and winning:
+            winners.append((t, best_gu, best_dn))
+        winning = winning and best < grouped  # the table covers 1 token up to the last count won
+    print(header(f"Few-token MXFP4 MoE kernels, {shape} (E {e}, top {k}, hidden {h}, intermediate {inter}), "
+                 "bf16 activations"))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {copies} layers' experts cycled; bytes: the distinct experts' "
+          "codes and scales\n")
+    print(table(rows, ["tokens", "path", "us per layer", "GB/s", "of copy BW", "rel err vs fp32"]))
+    print("\n# kernels/tuning/moe.py\nMXFP4_GEMV = (\n" + "".join(f"    ({t}, {json.dumps(gu)}, {json.dumps(dn)}),\n"
+                                                            for t, gu, dn in winners)
+          + ")")
+    if args.best_json:
+        Path(args.best_json).write_text(json.dumps([["mxfp4_gemv", winners]]))
 
 
 if __name__ == "__main__":

@@ -42,14 +42,15 @@ class GptOssAttention(nn.Module):
         # partial sums for the post-attention norm to reduce, as LlamaAttention's; the bias beside it
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, False, tp,
                                         reduce=False)
-        self.o_bias = self._param(cfg.hidden_size, self._load_o_bias)
+        # in the model's dtype, as o_proj's output: no conversion kernel before its add each step
+        self.o_bias = self._param(cfg.hidden_size, self._load_o_bias, torch.get_default_dtype())
         self.sinks = self._param(self.num_heads, self._load_sinks)  # float32: they join float32 sums
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, rotary, backend,
                                    cfg.head_dim ** -0.5, window)
 
     @staticmethod
-    def _param(size: int, loader) -> nn.Parameter:
-        p = nn.Parameter(torch.zeros(size, dtype=torch.float32), requires_grad=False)
+    def _param(size: int, loader, dtype: torch.dtype = torch.float32) -> nn.Parameter:
+        p = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
         p.weight_loader = loader
         return p
 
@@ -66,7 +67,7 @@ class GptOssAttention(nn.Module):
         out = self.attn(positions, q.view(-1, self.num_heads, self.head_dim),
                         k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim),
                         meta, sinks=self.sinks)
-        return self.o_proj(out.flatten(1)) + self.o_bias.to(x.dtype)
+        return self.o_proj(out.flatten(1)) + self.o_bias
 
 
 class GptOssMoE(nn.Module):
