@@ -67,13 +67,6 @@ def test_packing_matches_compressed_tensors():
     torch.testing.assert_close(mo.dequantize(), qt.dequantize(), rtol=1e-6, atol=0)
 
 
-def test_int8_form_of_the_experts_is_exact():
-    qt = nvfp4(dict(_compress(torch.randn(16, 64, generator=torch.Generator().manual_seed(1)))))
-    as_int = qt.e2m1_as_int8()
-    assert as_int.bits == 8 and not as_int.e2m1 and as_int.group_size == 16
-    assert torch.equal(as_int.dequantize(), qt.dequantize())
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 @pytest.mark.parametrize("m", [1, 5, 40])
 @pytest.mark.parametrize("k", [64, 96])
@@ -167,8 +160,7 @@ def test_checkpoint_matches_transformers_on_dequantized_weights(tmp_path, caplog
     for p, ours in zip(prompts, got):
         with torch.no_grad():
             want = ref(torch.tensor([p])).logits[0]
-        # the experts' scales are held in float16 (fused_moe's integer layout): 2**-11 of a weight
-        torch.testing.assert_close(ours, want, atol=2e-3 if DEV == "cpu" else 2e-2, rtol=0)
+        torch.testing.assert_close(ours, want, atol=1e-4 if DEV == "cpu" else 2e-2, rtol=0)
         assert torch.equal(ours.argmax(-1), want.argmax(-1)), "greedy tokens differ"
 
 
@@ -180,7 +172,9 @@ def test_moe_experts_stay_quantized(tmp_path):
     _write_nvfp4(folder, "compressed-tensors", ref)
     llm = LLM(str(folder), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
-    assert experts.w13.dtype == torch.uint8 and experts.scales().w13_group == experts.scales().w2_group == 16
+    scales = experts.scales()
+    assert scales.e2m1 and scales.w13_group == scales.w2_group == 16 and scales.w13.dtype == torch.float32
+    assert experts.w13.dtype == torch.uint8 and experts.w13.shape[2] == ref.config.hidden_size // 2  # two a byte
 
 
 @pytest.mark.parametrize("cfg,match", [

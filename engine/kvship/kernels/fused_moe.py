@@ -41,6 +41,7 @@ class ExpertScales:
     w2_bias: torch.Tensor | None = None
     w13_bits: int = 8
     w2_bits: int = 8
+    e2m1: bool = False  # NVFP4 codes (4-bit floats) with float32 scales: kernels/nvfp4_moe.py multiplies them
 
     def of(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None, int, int]:
         """(scales, biases, group, bits) of the stack ``name``, "w13" or "w2"."""
@@ -57,7 +58,8 @@ def expert_weight(w: torch.Tensor, scales: ExpertScales, name: str, e: int, k: i
     s, b, group, bits = scales.of(name)
     if s is None:
         return w[e]
-    return dequantize_torch(QWeight(w[e], s[e], None if b is None else b[e], None, bits, group or k, k)).to(dtype)
+    return dequantize_torch(QWeight(w[e], s[e], None if b is None else b[e], None, bits, group or k, k,
+                                    scales.e2m1)).to(dtype)
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -451,6 +453,8 @@ class _Operands:
 def _operands(w: torch.Tensor, scales: ExpertScales, name: str) -> _Operands:
     """The stack ``name`` as the kernels take it (its storage is checked once, at load, by MoEExperts)."""
     s, b, group, bits = scales.of(name)
+    if scales.e2m1:
+        raise ValueError("NVFP4 experts are multiplied by kernels/nvfp4_moe.py, not fused_moe's kernels")
     if s is None:
         return _Operands(w, w, w, 0, 0, 1, dict(FP8=False, INT=False, PACK=1, SYMM=False, CENTRE=0.0, GROUP=0))
     fp8 = w.dtype == torch.float8_e4m3fn

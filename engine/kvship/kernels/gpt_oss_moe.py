@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from kvship.kernels import mxfp4_gemv
 from kvship.kernels._triton import tl, triton, use_triton
+from kvship.kernels.fp4 import e2m1 as _e2m1
 from kvship.kernels.fused_moe import _dot, align_by_expert, expert_block, moe_config
-from kvship.kernels.nvfp4_linear import _e2m1
 from kvship.kernels.tuning.moe import GPT_OSS_GEMV_DOWN as GEMV_DOWN
 from kvship.kernels.tuning.moe import GPT_OSS_GEMV_GATE_UP as GEMV_GATE_UP
 from kvship.quant.tensor import e2m1_values

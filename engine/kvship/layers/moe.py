@@ -5,7 +5,8 @@ Experts are stacked, w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], 
 kernels/fused_moe.py. Tensor parallelism shards each expert's intermediate dimension as the
 dense MLP does; the router is replicated. Quantized experts stay quantized in fused_moe's
 layout (codes in w13/w2, scales in w13_scale/w2_scale, offsets in *_bias): FP8 per row or per
-block, integer codes of 4 or 8 bits. A stack takes the storage of its first matrix; later ones
+block, integer codes of 4 or 8 bits, or NVFP4 (e2m1 codes two a byte, float32 scales per 16,
+multiplied by kernels/nvfp4_moe.py). A stack takes the storage of its first matrix; later ones
 stored more coarsely are widened to it, finer ones and act-order (g_idx) experts refused."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvship.kernels.fused_moe import ExpertScales, fused_moe, route
+from kvship.kernels.nvfp4_moe import nvfp4_moe
 from kvship.kernels.quant_linear import pack
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor, quantize
@@ -34,6 +36,7 @@ class MoEExperts(nn.Module):
         self.quant = quant
         self.groups = {"w13": 0, "w2": 0}  # inputs per scale, 0 for one scale per row
         self.bits = {"w13": 8, "w2": 8}  # integer codes: 4 (two a byte) or 8
+        self.e2m1: bool | None = None  # NVFP4 codes; set by the first quantized matrix
         for name in ("w13_scale", "w2_scale", "w13_bias", "w2_bias"):
             self.register_buffer(name, None)
         if quant is None:
@@ -61,8 +64,6 @@ class MoEExperts(nn.Module):
         if self.quant.insitu is not None:  # one matrix at a time, on the device
             src = quantize((src.dequantize() if isinstance(src, QuantizedTensor) else src).to(stack.device),
                            self.quant.insitu)
-        if isinstance(src, QuantizedTensor) and src.e2m1:  # NVFP4: exact as 8-bit integer codes (fused_moe's)
-            src = src.e2m1_as_int8()
         if isinstance(src, QuantizedTensor) and src.g_idx is not None:  # checked on every matrix: GPTQ
             # drops the table of one whose groups happen to be in order, so the first may pass
             raise ValueError(f"expert {expert}'s {'down' if part is None else 'gate/up'} matrix is quantized with "
@@ -73,6 +74,10 @@ class MoEExperts(nn.Module):
         if isinstance(src, QuantizedTensor) != (getattr(self, name + "_scale") is not None):
             raise ValueError(f"the experts of one layer come partly quantized, partly in 16 bits ({name})")
         if isinstance(src, QuantizedTensor):
+            if self.e2m1 is None:
+                self.e2m1 = src.e2m1
+            elif src.e2m1 != self.e2m1:
+                raise ValueError(f"the experts of one layer come partly in NVFP4, partly stored otherwise ({name})")
             packed = pack(self._conform(name, src), stack.device)
             getattr(self, name + "_scale")[expert, rows].copy_(packed.scales)
             if packed.biases is not None:
@@ -112,7 +117,7 @@ class MoEExperts(nn.Module):
                                  "from 16 are, as 32 and 128 are)")
             self.groups[name], self.bits[name] = group, first.bits
             shape = (self.num_experts, rows, first.scales.shape[1])
-            sdtype = torch.float32 if first.is_fp8 else torch.float16  # as quant_linear.pack stores them
+            sdtype = torch.float32 if first.is_fp8 or first.e2m1 else torch.float16  # as quant_linear.pack stores them
             self.register_buffer(name + "_scale", torch.empty(shape, dtype=sdtype, device=device))
             if first.biases is not None:
                 self.register_buffer(name + "_bias", torch.empty(shape, dtype=sdtype, device=device))
@@ -129,12 +134,14 @@ class MoEExperts(nn.Module):
     def scales(self) -> ExpertScales:
         """How the stacks are stored, as the kernels take it (no scales: 16-bit)."""
         return ExpertScales(self.w13_scale, self.w2_scale, self.groups["w13"], self.groups["w2"], self.w13_bias,
-                            self.w2_bias, self.bits["w13"], self.bits["w2"])
+                            self.w2_bias, self.bits["w13"], self.bits["w2"], bool(self.e2m1))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, add: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """x [T, H], routing (weights, ids) [T, k] -> this rank's partial sums [T, H], plus ``add``
         (this rank's partial sums of a shared expert) when given."""
+        if self.e2m1:
+            return nvfp4_moe(x, self.w13, self.w2, weights, ids, self.scales(), add)
         return fused_moe(x, self.w13, self.w2, weights, ids, self.scales(), add)
 
 

@@ -88,13 +88,6 @@ class QuantizedTensor:
         return w.to(dtype)
 
 
-    def e2m1_as_int8(self) -> "QuantizedTensor":
-        """The same values as symmetric 8-bit integer codes: every e2m1 value times 2 is an
-        integer in [-12, 12], so codes 2v + 128 with half the scales are exact (for kernels that
-        take integer codes only: the routed experts)."""
-        codes = (e2m1_values(self.codes) * 2 + 128).to(torch.uint8)
-        return QuantizedTensor(codes, self.scales / 2, None, 8, self.group_size, self.g_idx)
-
 
 # e2m1 (OCP FP4): sign bit 3, then 2 exponent bits (bias 1) and 1 mantissa bit; exponent 0 is 0 or 0.5
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
