@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kvship.kernels._triton import tl, triton
+from kvship.kernels._triton import INTERPRET, tl, triton
+from kvship.kernels.quant_gemv import _half, _pair, _split4
 from kvship.kernels.tuning.moe import MXFP4_GEMV
 
 GROUP = 32  # inputs per e8m0 scale; 16 code bytes
@@ -59,6 +60,104 @@ def _group_sums(rows, srows, nmask, x_row, g0, NG, BLOCK_G: tl.constexpr):
     return part * _scale(s)
 
 
+# ---- packed pairs: two codes per instruction --------------------------------------------------
+# The float32 decode above spends about five integer instructions a code. Here a 32-bit word
+# (8 codes, code j = input j) is taken as 4 float16 pairs, codes (j, j + 4) in the two halves:
+# shifted left so that their signs sit at bits 15 and 31, and so that their exponent and mantissa
+# bits sit at 11..9 and 27..25, one AND and one LOP3 make the pair's float16 bits (the values
+# times 2 ** -14, as above), one mul.rn.f16x2 by 2 ** 14 makes them exact values, one
+# fma.rn.f16x2 multiplies them by x's pair (inputs j, j + 4 as float16) into the word's sum,
+# which leaves for float32 after its 4 pairs (8 products of |code| <= 6: any x under 1365 is
+# safe in float16). Under two integer instructions a code.
+PAIR_SHIFTS = ((12, 9), (8, 5), (4, 1), (0, -3))  # pair j: left shifts (right if < 0) for sign, for the rest
+SIGNS, MAGNITUDES = 0x80008000, 0x0E000E00
+F16_2_POW_14 = 0x7400
+
+
+def _shift_ptx(dst: str, src: str, n: int) -> str:
+    return f"shl.b32 {dst}, {src}, {n};" if n >= 0 else f"shr.b32 {dst}, {src}, {-n};"
+
+
+def _word_ptx() -> str:
+    """$0 (f32) = the word $1's 8 decoded codes times x's pairs $2..$5, summed."""
+    lines = [".reg .b32 t, u, w, k, a;", ".reg .f16 lo, hi;", ".reg .f32 flo, fhi;",
+             f"mov.b32 k, {F16_2_POW_14 * 0x10001:#010x};"]
+    for j, (sign, rest) in enumerate(PAIR_SHIFTS):
+        lines += [_shift_ptx("t", "$1", sign), _shift_ptx("u", "$1", rest), f"and.b32 t, t, {SIGNS:#010x};",
+                  f"lop3.b32 w, u, {MAGNITUDES:#010x}, t, 0xEA;", "mul.rn.f16x2 w, w, k;",
+                  f"mul.rn.f16x2 a, w, ${2 + j};" if j == 0 else f"fma.rn.f16x2 a, w, ${2 + j}, a;"]
+    lines += ["mov.b32 {lo, hi}, a;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.f32 $0, flo, fhi;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_WORD_PTX = tl.constexpr(_word_ptx())
+
+
+@triton.jit
+def _pair_bits(q, SIGN: tl.constexpr, REST: tl.constexpr):
+    """The interpreter's shifts, AND and LOP3 of one pair (int32: 0x80008000 is -0x7FFF8000)."""
+    t = q << SIGN
+    if REST >= 0:
+        u = q << REST
+    else:
+        u = q >> -REST  # arithmetic: the bits it brings in are masked off
+    return (t & -0x7FFF8000) | (u & 0x0E000E00)
+
+
+@triton.jit
+def _pair_fma(a_lo, a_hi, w, xp):
+    """The interpreter's mul.rn.f16x2 by 2 ** 14 and fma.rn.f16x2 with x's pair xp."""
+    k = tl.full(w.shape, 16384.0, tl.float16)
+    return a_lo + _half(w, False) * k * _half(xp, False), a_hi + _half(w, True) * k * _half(xp, True)
+
+
+@triton.jit
+def _word_sums(q, x0, x1, x2, x3, ASM: tl.constexpr):
+    """float32 [..]: each word of q (int32) decoded and multiplied by x's pairs x0..x3 (int32
+    holding two float16: inputs j and j + 4 of the word), summed."""
+    if ASM:
+        out = tl.inline_asm_elementwise(_WORD_PTX, "=f,r,r,r,r,r", [q, x0, x1, x2, x3], dtype=tl.float32,
+                                        is_pure=True, pack=1)
+    else:
+        a_lo = tl.zeros(q.shape, tl.float16)
+        a_hi = tl.zeros(q.shape, tl.float16)
+        a_lo, a_hi = _pair_fma(a_lo, a_hi, _pair_bits(q, 12, 9), x0)
+        a_lo, a_hi = _pair_fma(a_lo, a_hi, _pair_bits(q, 8, 5), x1)
+        a_lo, a_hi = _pair_fma(a_lo, a_hi, _pair_bits(q, 4, 1), x2)
+        a_lo, a_hi = _pair_fma(a_lo, a_hi, _pair_bits(q, 0, -3), x3)
+        out = a_lo.to(tl.float32) + a_hi.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _group_sums_pairs(rows, srows, nmask, x_row, g0, NG, BLOCK_G: tl.constexpr, ASM: tl.constexpr):
+    """``_group_sums`` with rows of int32 words (4 a group) by the packed pairs."""
+    gs = g0 + tl.arange(0, BLOCK_G)
+    gmask = gs < NG
+    word = tl.arange(0, 4)
+    q = tl.load(rows[:, None, None] + (gs * 4)[None, :, None] + word[None, None, :],
+                mask=nmask[:, None, None] & gmask[None, :, None], other=0, eviction_policy="evict_first")
+    s = tl.load(srows[:, None] + gs[None, :], mask=nmask[:, None] & gmask[None, :], other=0,
+                eviction_policy="evict_first")
+    # x's pairs [groups, words, 4]: inputs j and j + 4 of each word, made once per program
+    xo = (gs * GROUP)[:, None, None] + (word * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    xm = gmask[:, None, None]
+    xp = _pair(tl.load(x_row + xo, mask=xm, other=0.0).to(tl.float32),
+               tl.load(x_row + xo + 4, mask=xm, other=0.0).to(tl.float32), ASM)
+    x0, x1, x2, x3 = _split4(xp)
+    part = tl.sum(_word_sums(q, x0[None], x1[None], x2[None], x3[None], ASM), 2)
+    return part * tl.exp2(s.to(tl.float32) - 127.0)
+
+
+@triton.jit
+def _tile(rows, srows, nmask, x_row, g0, NG, BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+    if PAIRS:
+        out = _group_sums_pairs(rows, srows, nmask, x_row, g0, NG, BLOCK_G, ASM)
+    else:
+        out = _group_sums(rows, srows, nmask, x_row, g0, NG, BLOCK_G)
+    return out
+
+
 @triton.jit
 def _rows(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn):
     n64 = offs_n.to(tl.int64)
@@ -68,7 +167,7 @@ def _rows(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_x, stride_we, stride_wn, stride_se,
                     stride_sn, stride_be, stride_h, alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_G: tl.constexpr):
+                    BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
     """h[pair, n] for n in this program's BLOCK_N of the N intermediate outputs: the clamped SwiGLU
     of gate row n and up row N + n of the pair's expert, biases added."""
     pair = tl.program_id(0)
@@ -82,8 +181,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
     acc_gate = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     for g0 in range(0, NG, BLOCK_G):
-        acc_gate += _group_sums(gate_w, gate_s, nmask, x_row, g0, NG, BLOCK_G)
-        acc_up += _group_sums(up_w, up_s, nmask, x_row, g0, NG, BLOCK_G)
+        acc_gate += _tile(gate_w, gate_s, nmask, x_row, g0, NG, BLOCK_G, PAIRS, ASM)
+        acc_up += _tile(up_w, up_s, nmask, x_row, g0, NG, BLOCK_G, PAIRS, ASM)
     b = bias_ptr + expert * stride_be
     gate = tl.minimum(tl.sum(acc_gate, 1) + tl.load(b + offs_n, mask=nmask, other=0.0), limit)
     up = tl.minimum(tl.maximum(tl.sum(acc_up, 1) + tl.load(b + N + offs_n, mask=nmask, other=0.0), -limit), limit)
@@ -94,7 +193,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr, N, K, stride_h, stride_we, stride_wn,
                  stride_se, stride_sn, stride_be, stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_G: tl.constexpr):
+                 BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
     """out[token, n] = sum over the token's k pairs of weight * (W2[e, n] . h[pair] + b2[e, n])."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,7 +207,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr, N, K, 
         h_row = h_ptr + pair.to(tl.int64) * stride_h
         acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         for g0 in range(0, NG, BLOCK_G):
-            acc += _group_sums(w_rows, s_rows, nmask, h_row, g0, NG, BLOCK_G)
+            acc += _tile(w_rows, s_rows, nmask, h_row, g0, NG, BLOCK_G, PAIRS, ASM)
         bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=nmask, other=0.0)
         y += tl.load(rw_ptr + pair) * (tl.sum(acc, 1) + bias)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=nmask)
@@ -124,7 +223,8 @@ def mxfp4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, 
                    ids: torch.Tensor, alpha: float, limit: float, gate_up: dict, down: dict) -> torch.Tensor:
     """x [T, H]; MXFP4 stacks w13 [E, 2I, H / 2] (gate rows, then up) and w2 [E, H, I / 2] with
     scales [.., K / 32] and float32 biases; the router's (weights, ids) [T, k] -> [T, H].
-    ``gate_up`` / ``down``: {"block_n", "block_g", "num_warps"} (kernels/tuning/moe.py)."""
+    ``gate_up`` / ``down``: {"block_n", "block_g", "num_warps", "pairs"} (kernels/tuning/moe.py;
+    pairs: 1 for the packed-pair decode, else the float32 one)."""
     tokens, top_k = ids.shape
     inter, hidden = w13.shape[1] // 2, x.shape[1]
     if hidden % GROUP or inter % GROUP:
@@ -133,12 +233,22 @@ def mxfp4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, 
     ids, rw = ids.flatten().contiguous(), weights.flatten().float().contiguous()
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    gu_w, dn_w = (_words(w13, gate_up), _words(w2, down))
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up["block_n"]))](
-        x, w13, w13_scale, w13_bias, h, ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
+        x, gu_w, w13_scale, w13_bias, h, ids, inter, hidden, x.stride(0), gu_w.stride(0), gu_w.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), w13_bias.stride(0), h.stride(0), float(alpha), float(limit),
-        TOP_K=top_k, BLOCK_N=gate_up["block_n"], BLOCK_G=gate_up["block_g"], num_warps=gate_up["num_warps"])
+        TOP_K=top_k, **_launch(gate_up))
     _down_kernel[(tokens, triton.cdiv(hidden, down["block_n"]))](
-        h, w2, w2_scale, w2_bias, out, rw, ids, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
-        w2_scale.stride(0), w2_scale.stride(1), w2_bias.stride(0), out.stride(0), TOP_K=top_k,
-        BLOCK_N=down["block_n"], BLOCK_G=down["block_g"], num_warps=down["num_warps"])
+        h, dn_w, w2_scale, w2_bias, out, rw, ids, hidden, inter, h.stride(0), dn_w.stride(0), dn_w.stride(1),
+        w2_scale.stride(0), w2_scale.stride(1), w2_bias.stride(0), out.stride(0), TOP_K=top_k, **_launch(down))
     return out
+
+
+def _words(codes: torch.Tensor, settings: dict) -> torch.Tensor:
+    """The codes as the kernel reads them: bytes, or int32 words for the packed pairs."""
+    return codes.view(torch.int32) if settings.get("pairs") else codes
+
+
+def _launch(settings: dict) -> dict:
+    return dict(BLOCK_N=settings["block_n"], BLOCK_G=settings["block_g"], PAIRS=bool(settings.get("pairs")),
+                ASM=not INTERPRET, num_warps=settings["num_warps"])
