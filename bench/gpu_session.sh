@@ -3,7 +3,7 @@
 # Each target's table goes to $OUT/NAME.md, stderr to $OUT/log. Targets, the wheels serve needs
 # and how to compare two commits: bench/README.md; the figures: docs/performance.md.
 set -uo pipefail
-targets="tests latency-bf16 latency-fp8 latency-int4 throughput serve startup kv moe mla gpt-oss gpt-oss-120b hybrid tp profile kernels"
+targets="tests latency-bf16 latency-fp8 latency-int4 throughput serve startup kv moe mla gpt-oss gpt-oss-120b hybrid tp profile kernels spec"
 if [ $# -eq 0 ]; then
   echo "usage: bash bench/gpu_session.sh NAME...   (NAME: $targets)" >&2
   exit 2
@@ -58,3 +58,4 @@ bench tp 420 "${tp_env[@]}" python3 bench/tp_latency.py --tp 2 --timeout 130
 bench profile 300 bash -c "python3 bench/profile_step.py --graphs --batch 1 && \
   python3 bench/profile_step.py --graphs --batch 256"
 bench kernels 300 python3 bench/kernels_gpu.py
+bench spec 400 python3 bench/spec_decode.py --shape llama3-8b --acceptance 0.5 0.7 --batch 1 8 16 32 48 64

@@ -1,11 +1,15 @@
 """Speculative decoding: output tok/s with and without n-gram speculation on a copy-heavy prompt
 set (the bundled SmolLM2, real weights: acceptance means something), per batch size, with the
-acceptance rate measured in the same run; and, with --shape on a GPU, the time of one verify
-step (k + 1 query tokens a sequence) for k = 1..8 at each batch size against one decode step
-and against the weight-read floor (weight bytes / measured copy bandwidth), with the speed-up
-those times give at the measured acceptance.
+acceptance rate measured in the same run; and, with --shape on a GPU (random weights, no bundled
+model needed with --acceptance), the time of one verify step (k + 1 query tokens a sequence) for
+k = 1..8 at each batch size, replayed from the verify CUDA graphs and run eagerly, against one
+decode step (its CUDA graph) and against the hardware limit (weight bytes / measured copy
+bandwidth, or the rows' FLOPs / measured matmul peak), with the speed-up those times give at
+each acceptance, the best k per batch, and the batch at which speculation stops paying (the
+engine's disable_by_batch_size).
 
-    python bench/spec_decode.py [--k 4] [--batch 1 8 32 64] [--output 128] [--shape llama3-8b]
+    python bench/spec_decode.py [--k 4] [--batch 1 8 32 64] [--output 128]
+    python bench/spec_decode.py --shape llama3-8b --acceptance 0.5 0.7 [--batch 1 8 16 32 48 64] [--context 512]
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import header, measure_ceilings, param_count, table, write_shape_folder
+from common import _time_cuda, header, measure_ceilings, param_count, table, write_shape_folder
 from kvship.llm import LLM
+from kvship.runner.verify_graphs import VerifyGraphs
 from kvship.sampling_params import SamplingParams
 from kvship.sequence import Batch, Sequence
 
@@ -70,46 +75,84 @@ def end_to_end(args) -> float:
     return alpha
 
 
-def verify_ms(llm: LLM, batch: int, k: int, ctx: int = 512, iters: int = 20) -> float:
-    """Median ms of one forward over `batch` sequences of `ctx` tokens, each with k proposals."""
-    eng = llm.engine
+def verify_batch(llm: LLM, batch: int, k: int, ctx: int) -> Batch:
+    """`batch` sequences of `ctx` tokens, each with k proposals (0: a plain decode step)."""
     seqs = []
     for i in range(batch):
         s = Sequence(f"v{i}", 0, list(range(2, ctx + 2)), SamplingParams())
-        assert eng.kv.allocate(s, ctx + k), "KV cache too small for the verify shape"
+        assert llm.engine.kv.allocate(s, ctx + k), "KV cache too small for the verify shape"
         s.num_computed_tokens = ctx - 1
         s.draft_token_ids = [3] * k
         seqs.append(s)
-    step = Batch(seqs, [1 + k] * batch)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for _ in range(iters + 3):
-        sync()
-        t0 = time.perf_counter()
-        eng.runner.run(step)
-        sync()
-        times.append(time.perf_counter() - t0)
-    for s in seqs:
-        eng.kv.free(s)
-    return sorted(times[3:])[iters // 2] * 1e3
+    return Batch(seqs, [1 + k] * batch)
 
 
-def verify_table(args, alpha: float) -> None:
-    bw, _ = measure_ceilings()
-    floor_ms = param_count(args.shape) * 2 / bw * 1e3
+def step_ms(llm: LLM, step: Batch, iters: int = 20) -> float:
+    """Mean ms of one forward of `step`, on CUDA events over back-to-back steps after warm-up."""
+    run = lambda: llm.engine.runner.run(step)  # noqa: E731
+    ms = _time_cuda(run, iters) * 1e3
+    for s in step.seqs:
+        llm.engine.kv.free(s)
+    return ms
+
+
+def tokens_per_verify(alpha: float, k: int) -> float:
+    """Expected tokens a verify of k proposals yields when each is accepted with probability alpha."""
+    return (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+
+
+def verify_table(args, alphas: list[float]) -> None:
+    """Table 2 per batch: decode vs verify (graphs and eager) for k = 1..8 and the speed-ups at
+    each acceptance; then the best k per batch and the batch at which speculation stops paying."""
+    bw, flops = measure_ceilings()
+    params = param_count(args.shape)
+    max_bs = max(args.batch)
+    best: dict[tuple[int, float], tuple[int, float]] = {}
     with tempfile.TemporaryDirectory() as root:
-        llm = LLM(write_shape_folder(args.shape, root), load_format="dummy", max_model_len=2048)
-        for b in args.batch:
-            decode = verify_ms(llm, b, 0)
-            rows = []
-            for k in range(1, 9):
-                t = verify_ms(llm, b, k)
-                tokens = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1  # expected per verify
-                rows.append([k, f"{t:.2f}", f"{t / decode:.2f}", f"{tokens * decode / t:.2f}x"])
-            print(f"\n{args.shape}, batch {b}: one decode step {decode:.2f} ms (CUDA graph), weight-read floor "
-                  f"{floor_ms:.2f} ms; speed-up at acceptance {alpha:.2f}, proposals free\n")
-            print(table(rows, ["k", "verify ms (eager)", "verify / decode", "speed-up"]))
+        llm = LLM(write_shape_folder(args.shape, root), load_format="dummy", dtype="bfloat16",
+                  max_model_len=args.context + 64, max_num_seqs=max_bs)
+        runner = llm.engine.runner
+        assert runner.graphs is not None, "the decode graphs are off: the comparison needs them"
+        timings = {b: {0: step_ms(llm, verify_batch(llm, b, 0, args.context))} for b in args.batch}
+        for k in range(1, 9):
+            runner.verify_graphs = VerifyGraphs(runner.model, max_bs, k + 1, runner.max_model_len, runner.block_size,
+                                                runner.device)
+            runner.verify_graphs.capture(runner.graphs.pool)
+            for b in args.batch:
+                graph = step_ms(llm, verify_batch(llm, b, k, args.context))
+                graphs, runner.verify_graphs = runner.verify_graphs, None
+                eager = step_ms(llm, verify_batch(llm, b, k, args.context))
+                runner.verify_graphs = graphs
+                timings[b][k] = (graph, eager)
+            runner.verify_graphs = None
         llm.shutdown()
+    floor_ms = params * 2 / bw * 1e3  # bf16 weights read once a step
+    for b in args.batch:
+        decode = timings[b][0]
+        rows = []
+        for k in range(1, 9):
+            graph, eager = timings[b][k]
+            limit = max(floor_ms, 2 * params * b * (k + 1) / flops * 1e3)
+            ups = [tokens_per_verify(a, k) * decode / graph for a in alphas]
+            for a, up in zip(alphas, ups):
+                if up > best.get((b, a), (0, 0.0))[1]:
+                    best[(b, a)] = (k, up)
+            rows.append([k, b * (k + 1), f"{graph:.2f}", f"{eager:.2f}", f"{limit:.2f}", f"{graph / decode:.2f}",
+                         *(f"{up:.2f}x" for up in ups)])
+        print(f"\n{args.shape}, batch {b}, context {args.context}: one decode step {decode:.2f} ms (CUDA graph); "
+              f"weight-read floor {floor_ms:.2f} ms ({params * 2 / 1e9:.1f} GB at {bw / 1e9:.0f} GB/s)\n")
+        print(table(rows, ["k", "rows", "verify ms (graph)", "verify ms (eager)", "limit ms", "verify / decode",
+                           *(f"speed-up @ {a:.2f}" for a in alphas)]))
+    print("\nBest k per batch (proposals free, as n-gram lookup nearly is); limit: max(weights / bandwidth, "
+          "FLOPs / matmul peak)\n")
+    print(table([[b, *(f"k={best[(b, a)][0]}: {best[(b, a)][1]:.2f}x" for a in alphas)] for b in args.batch],
+                ["batch", *(f"acceptance {a:.2f}" for a in alphas)]))
+    for a in alphas:
+        stops = next((b for b in args.batch if best[(b, a)][1] <= 1.0), None)
+        pays = [b for b in args.batch if stops is None or b < stops]
+        print(f"\nacceptance {a:.2f}: speculation pays up to batch {pays[-1] if pays else '-'} "
+              f"(disable_by_batch_size {pays[-1] if pays else 0}); "
+              + (f"it stops paying at batch {stops}" if stops else "it pays at every batch measured"))
 
 
 def main() -> None:
@@ -122,11 +165,15 @@ def main() -> None:
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculation off above this many running sequences (default: the engine's)")
     p.add_argument("--shape", default=None, help="GPU: also time verify steps of this shape (random weights)")
+    p.add_argument("--context", type=int, default=512, help="--shape: each sequence's context")
+    p.add_argument("--acceptance", type=float, nargs="+", default=None,
+                   help="--shape: the acceptance rates to compute speed-ups at, instead of running the bundled "
+                        "model's copy-heavy set for one (that set is skipped)")
     args = p.parse_args()
     print(header("Speculative decoding (n-gram)"))
-    alpha = end_to_end(args)
+    alphas = args.acceptance or [end_to_end(args)]
     if args.shape and torch.cuda.is_available():
-        verify_table(args, alpha)
+        verify_table(args, alphas)
 
 
 if __name__ == "__main__":

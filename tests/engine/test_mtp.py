@@ -202,7 +202,7 @@ def test_checkpoint_without_mtp_layers_is_refused(tmp_path):
 @pytest.mark.timeout(600)
 def test_gpu_mtp_greedy_identical(checkpoint):
     """On the GPU: the latent attention's kernels for the layer's own cache; plain decoding runs
-    the decode graphs, MTP speculation eagerly (the runner keeps hidden states), float32."""
+    the decode graphs, MTP speculation the verify graphs (the runner keeps hidden states), float32."""
     folder = str(checkpoint[0])
     opts = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.3)
     g = torch.Generator().manual_seed(0)
@@ -213,5 +213,6 @@ def test_gpu_mtp_greedy_identical(checkpoint):
     with LLM(folder, **opts, speculative_config=MTP) as spec:
         assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
         assert spec.engine.speculator.stats.num_draft_tokens > 0
+        assert spec.engine.runner.verify_graphs.padded_rows is not None  # verify steps replayed, hidden states kept
         proposer = spec.engine.speculator.proposer
         assert not proposer.tracks and proposer.kv.num_free_blocks == proposer.kv.num_blocks

@@ -64,11 +64,14 @@ def padded_equals_ragged(llm, graphs: VerifyGraphs, tol: float) -> None:
     batch = verify_batch(llm)
     runner.verify_graphs = None
     eager = runner.run(batch)
+    eager_hidden = runner.take_hidden()
     kv = caches(runner)
     runner.verify_graphs = graphs
     padded = runner.run(batch)
     assert graphs.padded_rows is not None and padded.shape == eager.shape == (sum(batch.num_new_tokens), 320)
     torch.testing.assert_close(padded, eager, atol=tol, rtol=tol)
+    if runner.keep_hidden:  # an MTP proposer's input: a row per input token, in the step's order
+        torch.testing.assert_close(runner.take_hidden(), eager_hidden, atol=tol, rtol=tol)
     for a, b in zip(caches(runner), kv):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
     assert (padded.argmax(-1) == eager.argmax(-1)).float().mean() > 0.95
@@ -81,7 +84,8 @@ def padded_equals_ragged(llm, graphs: VerifyGraphs, tol: float) -> None:
 def test_padded_verify_layout_equals_ragged_on_cpu(folders, arch):
     llm = LLM(folders[arch], device="cpu", block_size=4, num_kv_blocks=120, max_model_len=64)
     runner = llm.engine.runner
-    graphs = VerifyGraphs(runner.model, 8, K + 1, runner.max_model_len, runner.block_size, runner.device)
+    runner.keep_hidden = True  # as for MTP: the hidden states handed out too
+    graphs = VerifyGraphs(runner.model, 8, K + 1, runner.max_model_len, runner.block_size, runner.device, True)
     assert graphs.sizes == [1, 2, 4, 8]  # six sequences: two padding ones
     padded_equals_ragged(llm, graphs, 1e-4)
 
