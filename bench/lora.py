@@ -33,7 +33,8 @@ from common import (
     write_shape_folder,
 )
 from kvship.kernels.gemv import act_mul_linear, linear
-from kvship.kernels.lora import lora_expand_triton, lora_shrink_triton
+from kvship.kernels.lora import GROUPED_MIN_ROWS, lora_expand, lora_shrink
+from kvship.kernels.lora_segments import DECODE_BLOCK_M, RowGroups, group_rows, num_blocks
 from kvship.llm import LLM
 from kvship.lora_request import LoRARequest
 from kvship.sampling_params import SamplingParams
@@ -124,7 +125,7 @@ def _graph_time(fn, reps: int = 20) -> float:
 
 def kernel_table(args, bw: float) -> str:
     """Shrink and expand of each projection of one layer, at batch 1 and ``--batch`` (rows spread
-    over the adapters), against the base projection and the bytes limit (A or B of the adapters the
+    over the adapters; per row or grouped, as the decode graphs run them), against the base projection and the bytes limit (A or B of the adapters the
     rows use, x / y / partial sums) at copy bandwidth. Per step: times the layers."""
     c = SHAPES[args.shape]
     h, inter = c["hidden_size"], c["intermediate_size"]
@@ -137,6 +138,10 @@ def kernel_table(args, bw: float) -> str:
         total = [0.0] * 4
         slots = (torch.arange(batch, device=dev) % args.adapters).to(torch.int32)
         used = min(batch, args.adapters)
+        capacity = num_blocks(batch, args.adapters, DECODE_BLOCK_M)
+        order, blocks = group_rows(slots.tolist(), DECODE_BLOCK_M, capacity)
+        groups = RowGroups(torch.from_numpy(order).to(dev), torch.from_numpy(blocks).to(dev), DECODE_BLOCK_M)
+        form = "grouped" if batch >= GROUPED_MIN_ROWS else "per row"
         for name, (k, parts) in modules.items():
             n = sum(parts)
             act = "silu" if name == "down" else None  # its input the gate/up output, activated as read
@@ -145,16 +150,16 @@ def kernel_table(args, bw: float) -> str:
             a = torch.randn(args.adapters, len(parts) * r, k, device=dev, dtype=bf16) * 0.01
             b = torch.randn(args.adapters, n, r, device=dev, dtype=bf16) * 0.01
             y = torch.zeros(batch, n, device=dev, dtype=bf16)
-            h_part = lora_shrink_triton(x, a, slots, act)
+            h_part = lora_shrink(x, a, slots, groups, act)
             t_base = _graph_time(lambda: act_mul_linear(x, w, act) if act else linear(x, w))
-            t_shrink = _graph_time(lambda: lora_shrink_triton(x, a, slots, act))
-            t_expand = _graph_time(lambda: lora_expand_triton(y, h_part, b, slots, parts))
+            t_shrink = _graph_time(lambda: lora_shrink(x, a, slots, groups, act))
+            t_expand = _graph_time(lambda: lora_expand(y, h_part, b, slots, parts, groups))
             shrink_bytes = used * a[0].numel() * 2 + x.numel() * 2 + h_part.numel() * 4
             expand_bytes = used * b[0].numel() * 2 + 2 * y.numel() * 2 + h_part.numel() * 4
             limit = (shrink_bytes + expand_bytes) / bw
             for i, t in enumerate((t_base, t_shrink, t_expand, limit)):
                 total[i] += t
-            rows.append([batch, name, f"{t_base * 1e6:.1f}", f"{t_shrink * 1e6:.1f}", f"{t_expand * 1e6:.1f}",
+            rows.append([f"{batch} ({form})", name, f"{t_base * 1e6:.1f}", f"{t_shrink * 1e6:.1f}", f"{t_expand * 1e6:.1f}",
                          f"{limit * 1e6:.2f}", f"{h_part.shape[0]}"])
         layers = c["num_hidden_layers"]
         rows.append([batch, f"per step ({layers} layers), ms", *(f"{t * layers * 1e3:.2f}" for t in total), ""])

@@ -99,7 +99,7 @@ def test_lora_layers_add_only_the_adapters_rows():
 
     base = QKVParallelLinear(16, 4, 2, 1, False, SINGLE)
     base.weight.data.normal_()
-    batch = LoRABatch(8, torch.device("cpu"))
+    batch = LoRABatch(8, 2, torch.device("cpu"))
     layer = LoRALinear(base, 16, [("q", 8), ("k", 4), ("v", 4)], 2, 4, batch, torch.float32, torch.device("cpu"))
     a, b = torch.randn(2, 16), torch.randn(4, 2)
     layer.set_slot(1, "k", a, b)
@@ -167,7 +167,7 @@ def test_gpu_mixed_adapters_with_graphs(tiny_lora, quantization):
     root, base, adapters = tiny_lora
     jobs = [(p, n) for p in PROMPTS for n in [None, *adapters]]
     llm = LLM(str(root / "base"), device="cuda", dtype="float32" if quantization is None else "bfloat16",
-              max_model_len=128, max_num_seqs=16, num_kv_blocks=64, enable_lora=True, max_loras=3,
+              max_model_len=128, max_num_seqs=48, num_kv_blocks=160, enable_lora=True, max_loras=3,
               quantization=quantization)
     runner = llm.engine.runner
     assert runner.graphs is not None
@@ -178,19 +178,24 @@ def test_gpu_mixed_adapters_with_graphs(tiny_lora, quantization):
                     for (p, n), o in zip(jobs, outs))
         assert agree >= len(jobs) - 1
     # graph vs eager on a decode step mixing adapters and the base model (the graphs with the
-    # LoRA kernels), then on one of the base model alone (the graphs without them)
+    # LoRA kernels), on one of the base model alone (the graphs without them), and on 40 rows
+    # mixing them (the graph's grouped LoRA kernels against the per-row ones)
     graphs = runner.graphs
     assert set(graphs.graphs) == set(graphs.lora_graphs) == set(graphs.sizes)
-    for tag, names in [("mixed", [n for _, n in jobs[:8]]), ("base", [None] * 5)]:
-        other = "graphs" if tag == "mixed" else "lora_graphs"
-        with_graph, eager = _decode_step_graph_and_eager(llm, [p for p, _ in jobs[:len(names)]],
-                                                          [adapters[n][1] if n else None for n in names], tag, other)
+    many = [jobs[i % len(jobs)] for i in range(40)]
+    for tag, group in [("mixed", jobs[:8]), ("base", [(p, None) for p, _ in jobs[:5]]), ("many", many)]:
+        other = "lora_graphs" if tag == "base" else "graphs"
+        with_graph, eager = _decode_step_graph_and_eager(llm, [p for p, _ in group],
+                                                          [adapters[n][1] if n else None for _, n in group], tag, other)
         torch.testing.assert_close(with_graph, eager, atol=2e-2, rtol=2e-2)
 
 
 def _decode_step_graph_and_eager(llm, prompts, loras, tag, not_replayed):
-    """The logits of one decode step of these requests replayed from a graph and run eagerly;
-    the graph set ``not_replayed`` is emptied meanwhile (a replay from it would fail)."""
+    """The logits of one decode step of these requests replayed from a graph and run eagerly
+    with the per-row LoRA kernels; the graph set ``not_replayed`` is emptied meanwhile (a replay
+    from it would fail)."""
+    from kvship.kernels import lora as lora_kernels
+
     eng, runner = llm.engine, llm.engine.runner
     for i, (p, lora) in enumerate(zip(prompts, loras)):
         eng.add_request(f"{tag}{i}", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
@@ -206,11 +211,12 @@ def _decode_step_graph_and_eager(llm, prompts, loras, tag, not_replayed):
         with_graph = runner.run(batch, prev).clone()
     finally:
         setattr(graphs, not_replayed, kept)
-    runner.graphs = None
+    runner.graphs, grouped_from = None, lora_kernels.GROUPED_MIN_ROWS
+    lora_kernels.GROUPED_MIN_ROWS = 1 << 30
     try:
         eager = runner.run(batch, prev)
     finally:
-        runner.graphs = graphs
+        runner.graphs, lora_kernels.GROUPED_MIN_ROWS = graphs, grouped_from
     for i in range(len(prompts)):  # leave the engine empty for the next case
         eng.abort(f"{tag}{i}")
     while eng.has_work():

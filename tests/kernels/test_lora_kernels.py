@@ -78,21 +78,78 @@ def test_shrink_splits_and_gated_input(k, min_split_k, block_k, act, monkeypatch
     torch.testing.assert_close(h.sum(0)[has], h_ref[0, has], rtol=tol, atol=tol * 10)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.timeout(300)
-def test_segment_kernels_match_reference(dtype):
+def test_group_rows_blocks_any_grouping_fits():
     slot_list = [1] * 40 + [-1] * 5 + [0] * 7 + [1] + [-1, 2, 2]
-    blocks_list = lora_segments.segment_blocks(slot_list)
-    assert [blk[1] for blk in blocks_list] == [32, 8, 7, 1, 2]
-    slots, x, a, b, y0 = _operands(slot_list, dtype, 1)
-    blocks = torch.tensor(blocks_list, dtype=torch.int32, device=DEV).T.contiguous()
+    cap = lora_segments.num_blocks(len(slot_list), 3, 32)
+    order, blocks = lora_segments.group_rows(slot_list, 32, cap)
+    assert blocks.shape == (cap, 3)
+    # slot 0's 7 rows, slot 1's 41 (40 + the one after slot 0's) in 32 + 9, slot 2's 2; the rest empty
+    assert blocks[:4].tolist() == [[0, 7, 0], [7, 32, 1], [39, 9, 1], [48, 2, 2]] and not blocks[4:].any()
+    assert order[:7].tolist() == list(range(45, 52)) and order[39:48].tolist() == list(range(32, 40)) + [52]
+    assert len(order) == 50
+    # the worst case: every adapter's rows one more than a block
+    worst = [s for s in range(3) for _ in range(17)]
+    _, blocks = lora_segments.group_rows(worst, 16, lora_segments.num_blocks(len(worst), 3, 16))
+    assert (blocks[:, 1] > 0).sum() == 6
+
+
+def _groups(slot_list, block_m):
+    cap = lora_segments.num_blocks(len(slot_list), 3, block_m)
+    order, blocks = lora_segments.group_rows(slot_list, block_m, cap)
+    return lora_segments.RowGroups(torch.from_numpy(order).to(DEV), torch.from_numpy(blocks).to(DEV), block_m)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_m, act", [(32, None), (16, "silu")])
+@pytest.mark.timeout(300)
+def test_grouped_kernels_match_reference(dtype, block_m, act, monkeypatch):
+    """A prompt chunk's runs of one adapter (32 rows a block) and a decode batch's scattered
+    rows (16 a block, the down projection's gated input); the shrink in splits, the expand's
+    tile holding all three parts."""
+    monkeypatch.setattr(lora_segments, "device_sms", lambda x: 8)  # a split of the small K
+    monkeypatch.setattr(lora_segments, "GROUP_MIN_SPLIT_K", 64)
+    slot_list = [1] * 40 + [-1] * 5 + [0] * 7 + [1] + [-1, 2, 2] if block_m == 32 else \
+        [i % 4 - 1 for i in range(37)]
+    slots, x, a, b, y0 = _operands(slot_list, dtype, 1, x_width=2 * K if act else K)
+    groups = _groups(slot_list, block_m)
     has = slots >= 0
-    h_ref = lora.lora_shrink_torch(x, a, slots)
-    h = lora_segments.lora_shrink_segments(x, a, blocks)
+    h_ref = lora.lora_shrink_torch(x, a, slots, act)
+    h = lora_segments.lora_shrink_grouped(x, a, groups, act)
+    assert h.shape[0] > 1
     tol = _tol(dtype)
-    torch.testing.assert_close(h[0, has], h_ref[0, has], rtol=tol, atol=tol * 10)
+    torch.testing.assert_close(h.sum(0)[has], h_ref[0, has], rtol=tol, atol=tol * 10)
     y_ref, y = y0.clone(), y0.clone()
     lora.lora_expand_torch(y_ref, h_ref, b, slots, SLICES)
-    lora_segments.lora_expand_segments(y, h_ref, b, blocks, SLICES)
+    lora_segments.lora_expand_grouped(y, h, b, groups, SLICES)
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol * 10)
     assert torch.equal(y[~has], y0[~has])
+    # a plain projection's one part, over tiles of 64 columns of which the last is partial
+    b1 = torch.randn(3, 100, RANK, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
+    h1 = h[:, :, :RANK].contiguous()
+    y_ref, y = y0[:, :1].repeat(1, 100), y0[:, :1].repeat(1, 100)
+    lora.lora_expand_torch(y_ref, h1.sum(0, keepdim=True), b1, slots, [100])
+    lora_segments.lora_expand_grouped(y, h1, b1, groups, [100])
+    torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.timeout(300)
+def test_dispatch_takes_grouped_kernels_from_many_rows(monkeypatch):
+    """lora_shrink / lora_expand with the rows grouped: the per-row kernels below
+    GROUPED_MIN_ROWS rows, the grouped ones from there; both give the reference's result."""
+    if not GPU:
+        monkeypatch.setattr(lora, "use_triton", lambda t: True)
+    called = []
+    for name in ("lora_shrink_grouped", "lora_expand_grouped", "lora_shrink_triton", "lora_expand_triton"):
+        fn = getattr(lora, name)
+        monkeypatch.setattr(lora, name, lambda *args, _fn=fn, _name=name, **kw: called.append(_name) or _fn(*args, **kw))
+    dtype = DTYPES[-1]
+    for n in (lora.GROUPED_MIN_ROWS - 1, lora.GROUPED_MIN_ROWS):
+        slot_list = [i % 4 - 1 for i in range(n)]
+        slots, x, a, b, y0 = _operands(slot_list, dtype, 2)
+        h = lora.lora_shrink(x, a, slots, _groups(slot_list, 16))
+        y, y_ref = y0.clone(), y0.clone()
+        lora.lora_expand(y, h, b, slots, SLICES, _groups(slot_list, 16))
+        lora.lora_expand_torch(y_ref, lora.lora_shrink_torch(x, a, slots), b, slots, SLICES)
+        tol = _tol(dtype)
+        torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol * 10)
+    assert called == ["lora_shrink_triton", "lora_expand_triton", "lora_shrink_grouped", "lora_expand_grouped"]

@@ -13,17 +13,21 @@ small batch still fills the GPU, each program reading a few wide tiles (a latenc
 one or two loads in flight per program beat a long loop). Both launch with PDL, as the base
 model's kernels around them do. With ``act`` the shrink takes a gate/up output [T, 2 in] and
 applies act(gate) * up as it reads it (the down projection's input), so the base layer keeps
-its fused GEMV and no activation kernel runs for the adapters. An eager step with prompt chunks
-takes the grouped kernels of kernels/lora_segments.py instead. The torch references group rows
-by adapter (host-side).
+its fused GEMV and no activation kernel runs for the adapters. From GROUPED_MIN_ROWS rows (a
+step with prompt chunks, a large decode batch, in a graph or not) the grouped kernels of
+kernels/lora_segments.py run instead: one row a program reads each row's adapter again. The
+torch references group rows by adapter (host-side).
 """
 from __future__ import annotations
 
 import torch
 
 from kvship.kernels._triton import device_sms, next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
-from kvship.kernels.activation import act_and_mul, act_and_mul_torch, gelu_tanh_mul, silu_mul
-from kvship.kernels.lora_segments import lora_expand_segments, lora_shrink_segments
+from kvship.kernels.activation import act_and_mul_torch, gelu_tanh_mul, silu_mul
+from kvship.kernels.lora_segments import RowGroups, lora_expand_grouped, lora_shrink_grouped
+
+# From this many rows a step takes the grouped kernels (when it has its rows grouped)
+GROUPED_MIN_ROWS = 32
 
 
 def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, act: str | None = None
@@ -155,26 +159,26 @@ def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots:
                                                  BLOCK_R=block_r, **pdl_launch(y))
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor | None = None,
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: RowGroups | None = None,
                 act: str | None = None) -> torch.Tensor:
     """[T, in] x, [S, R, in] stacked A, [T] int32 slots -> [SPLIT, T, R] float32 partial sums
-    (rows of slot -1: undefined). ``blocks`` (lora_segments.segment_blocks of the same slots, on
-    the device): the grouped kernel. ``act``: x is a gate/up output [T, 2 in], the product is
+    (rows of slot -1: undefined). ``groups``: the same slots' rows grouped by adapter, on the
+    device (lora_segments.group_rows). ``act``: x is a gate/up output [T, 2 in], the product is
     taken on act(gate) * up."""
     if not use_triton(x):
         return lora_shrink_torch(x, a, slots, act)
-    if blocks is None:
-        return lora_shrink_triton(x, a, slots, act)
-    return lora_shrink_segments(act_and_mul(x, act) if act else x, a, blocks)
+    if groups is not None and x.shape[0] >= GROUPED_MIN_ROWS:
+        return lora_shrink_grouped(x, a, groups, act)
+    return lora_shrink_triton(x, a, slots, act)
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, slices: list[int],
-                blocks: torch.Tensor | None = None) -> None:
+                groups: RowGroups | None = None) -> None:
     """y [T, out] += each part's B[slot] @ h's ranks of that part, in place, for rows with a slot;
     ``slices``: the parts' output sizes, summing to out."""
     if not use_triton(y):
         lora_expand_torch(y, h, b, slots, slices)
-    elif blocks is None:
-        lora_expand_triton(y, h, b, slots, slices)
+    elif groups is not None and y.shape[0] >= GROUPED_MIN_ROWS:
+        lora_expand_grouped(y, h, b, groups, slices)
     else:
-        lora_expand_segments(y, h, b, blocks, slices)
+        lora_expand_triton(y, h, b, slots, slices)

@@ -13,18 +13,22 @@ import torch
 from torch import nn
 
 from kvship.kernels.lora import lora_expand, lora_shrink
+from kvship.kernels.lora_segments import DECODE_BLOCK_M, RowGroups, num_blocks
 
 
 class LoRABatch:
-    """Each token's adapter slot in the current step, shared by every LoRA layer of a model: one
-    fixed buffer, written before each forward, which the decode graphs read where it is.
-    ``active`` False (no token of the step has an adapter) lets eager steps skip the kernels;
-    graphs are captured with it on."""
+    """Each token's adapter slot in the current step, and the rows grouped by adapter (the
+    grouped kernels'), shared by every LoRA layer of a model: fixed buffers, written before each
+    forward, which the decode graphs read where they are. ``active`` False (no token of the step
+    has an adapter) skips the kernels, eagerly or by replaying the graphs captured without them."""
 
-    def __init__(self, max_tokens: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_loras: int, device: torch.device):
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.active = False
-        self.blocks: torch.Tensor | None = None  # an eager step's runs of one adapter (kernels/lora.py)
+        capacity = num_blocks(max_tokens, max_loras, DECODE_BLOCK_M)
+        # decode steps group by DECODE_BLOCK_M rows, as the graphs are captured
+        self.groups = RowGroups(torch.zeros(max_tokens, dtype=torch.int32, device=device),
+                                torch.zeros(capacity, 3, dtype=torch.int32, device=device), DECODE_BLOCK_M)
 
     def slots(self, num_tokens: int) -> torch.Tensor:
         if num_tokens > self.token_slots.shape[0]:
@@ -66,9 +70,9 @@ class LoRALinear(nn.Module):
             # down projection's input still gated: its GEMV and the shrink apply it as they read it
             y = self.base(x)
             act = self.act if self.gated_input and x.shape[-1] != self.in_features else None
-            slots, blocks = self.batch.slots(x.shape[0]), self.batch.blocks
-            h = lora_shrink(x, self.lora_a, slots, blocks, act)
-            lora_expand(y, h, self.lora_b, slots, self.slice_sizes, blocks)
+            slots, groups = self.batch.slots(x.shape[0]), self.batch.groups
+            h = lora_shrink(x, self.lora_a, slots, groups, act)
+            lora_expand(y, h, self.lora_b, slots, self.slice_sizes, groups)
         else:
             y = self.base(x, *args)
         if self.reduce:

@@ -11,10 +11,11 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
-from kvship.kernels.lora_segments import segment_blocks
+from kvship.kernels.lora_segments import DECODE_BLOCK_M, PREFILL_BLOCK_M, group_rows
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvship.layers.lora import LoRABatch, LoRALinear
 from kvship.loader.lora_adapter import LoRAAdapter, LoRAAdapterError, read_adapter
@@ -59,7 +60,7 @@ class LoRAManager:
     def __init__(self, model: nn.Module, model_config: ModelConfig, max_loras: int, max_rank: int,
                  max_cpu_loras: int, max_tokens: int, dtype: torch.dtype, device: torch.device):
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
-        self.batch = LoRABatch(max_tokens, device)
+        self.batch = LoRABatch(max_tokens, max_loras, device)
         self.device = device
         self.packed = getattr(model, "packed", {})  # checkpoint module name -> (ours, shard id)
         self.layers: dict[str, LoRALinear] = {}
@@ -150,8 +151,8 @@ class LoRAManager:
         log.info("LoRA adapter %s (id %d) loaded into slot %d", request.lora_name, request.lora_int_id, slot)
 
     def prepare(self, batch: Batch) -> None:
-        """Each token's slot for this step, into the shared buffer (one copy); for a step with a
-        prompt chunk (never a graph's) also its runs of one adapter, for the grouped kernels."""
+        """Each token's slot for this step, and its rows grouped by adapter, into the shared
+        buffers."""
         requests = {s.lora.lora_int_id: s.lora for s in batch.seqs if s.lora is not None}
         slots = {i: self._slot(r, set(requests)) for i, r in requests.items()}
         per_token = [-1 if s.lora is None else slots[s.lora.lora_int_id]
@@ -161,13 +162,20 @@ class LoRAManager:
         self.batch.slots(len(per_token)).copy_(host, non_blocking=True)
         self.batch.active = bool(requests)
         self.step_slots = per_token if requests else []
-        self._set_blocks(per_token if requests and max(batch.num_new_tokens) > 1 else None)
+        if requests:
+            self._set_groups(per_token, max(batch.num_new_tokens) > 1)
 
-    def _set_blocks(self, per_token: list[int] | None) -> None:
-        self.batch.blocks = None
-        if per_token is not None and self.device.type == "cuda":
-            blocks = torch.tensor(segment_blocks(per_token), dtype=torch.int32).T.contiguous()
-            self.batch.blocks = blocks.pin_memory().to(self.device, non_blocking=True)
+    def _set_groups(self, per_token: list[int], prefill: bool) -> None:
+        """The rows grouped by adapter, for the grouped kernels (GPU only: the torch references
+        group rows themselves); decode steps by the graphs' block size."""
+        if self.device.type != "cuda":
+            return
+        groups = self.batch.groups
+        groups.block_m = PREFILL_BLOCK_M if prefill else DECODE_BLOCK_M
+        order, blocks = group_rows(per_token, groups.block_m, groups.blocks.shape[0])
+        host = torch.from_numpy(np.concatenate([blocks.ravel(), order])).pin_memory()
+        groups.blocks.view(-1).copy_(host[:blocks.size], non_blocking=True)
+        groups.order[:len(order)].copy_(host[blocks.size:], non_blocking=True)
 
     def take_message(self) -> tuple[list[int], list]:
         """Rank 0: this step's (per-token slots, slot loads) for the other ranks."""
@@ -179,8 +187,6 @@ class LoRAManager:
         for slot, lora_id, name, path in loads:
             self.load(slot, LoRARequest(name, lora_id, path))
         self.batch.active = slots is not None
-        if slots is None:
-            self._set_blocks(None)
-            return
-        self.batch.slots(num_tokens).copy_(slots)
-        self._set_blocks(slots.tolist() if prefill else None)
+        if slots is not None:
+            self.batch.slots(num_tokens).copy_(slots)
+            self._set_groups(slots.tolist(), prefill)
