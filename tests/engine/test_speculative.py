@@ -254,8 +254,8 @@ def test_mtp_without_mtp_layers_is_refused_clearly():
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 def test_gpu_ngram_outputs_identical(bundled):
-    """On the GPU the verify runs the prefill kernels eagerly and plain decoding the decode graphs:
-    in float32 the greedy and seeded tokens still agree."""
+    """On the GPU the verify steps replay the verify graphs (the prefill kernels over k + 1 rows a
+    sequence) and plain decoding the decode graphs: in float32 the greedy and seeded tokens still agree."""
     with LLM(**GPU_OPTIONS) as plain:
         want = outputs(plain, PROMPTS, MIXED)
     with LLM(**GPU_OPTIONS, speculative_config=NGRAM) as spec:

@@ -6,9 +6,11 @@ prefill kernel reads the (constant) ``cu_seqlens_q`` of q rows a sequence from t
 A sequence with n < q rows keeps its real rows first; its context length is raised by q - n,
 so that the kernel, which places a sequence's rows at the context's last q positions, puts the
 real ones at their true positions. The q - n phantom positions after them store nothing (slot
--1) and are masked for the real rows (causal), and their rotary position is 0. Their keys are
-still read (masked) from whatever the table names there, so the table keeps room for q
-positions past the context's end. Padding sequences are q phantom rows at positions 0..q-1."""
+-1) and are masked for the real rows (causal), and their rotary position is 0. Their keys and
+values are still read from whatever the table names there (a weight of 0 times a value: the
+cache starts zeroed and holds only what the model stored, so it stays 0), and the table keeps
+room for q positions past the context's end. Padding sequences are q phantom rows at positions
+0..q-1."""
 from __future__ import annotations
 
 import torch
