@@ -64,6 +64,7 @@ def test_shrink_splits_and_gated_input(k, min_split_k, block_k, act, monkeypatch
     tiles (two, the second half masked); the input a gate/up output, activated as it is read."""
     monkeypatch.setattr(lora, "MIN_SPLIT_K", min_split_k)
     monkeypatch.setattr(lora, "SHRINK_BLOCK_K", block_k)
+    monkeypatch.setattr(lora, "device_sms", lambda x: 4)  # the split the interpreter gets, on a GPU too
     dtype = DTYPES[-1]
     slots, x, a, _, _ = _operands([2, -1, 0], dtype, 3, k=k, x_width=2 * k)
     has = slots >= 0
