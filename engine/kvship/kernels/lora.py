@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from kvship.kernels._triton import device_sms, next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
-from kvship.kernels.activation import act_and_mul_torch, gelu_tanh_mul, silu_mul
-from kvship.kernels.lora_segments import RowGroups, lora_expand_grouped, lora_shrink_grouped
+from kvship.kernels.activation import act_and_mul_torch
+from kvship.kernels.lora_segments import RowGroups, lora_expand_grouped, lora_shrink_grouped, shrink_input
 
 # From this many rows a step takes the grouped kernels (when it has its rows grouped)
 GROUPED_MIN_ROWS = 32
@@ -74,13 +74,7 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, K, R, K_PER_SPLIT, stride_x, 
         for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < k_end
-            x = tl.load(x_row + kk, mask=kmask, other=0.0)
-            if GATED:  # x holds [gate | up]: act(gate) * up, rounded as act_and_mul's output is
-                up = tl.load(x_row + K + kk, mask=kmask, other=0.0)
-                if GELU:
-                    x = gelu_tanh_mul(x, up).to(x_ptr.dtype.element_ty)
-                else:
-                    x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
+            x = shrink_input(x_row + kk, K, kmask, GATED, GELU)
             a = tl.load(rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
         tl.store(h_ptr + split * stride_hs + t.to(tl.int64) * stride_h + offs_r, tl.sum(acc, 1), mask=rmask)

@@ -60,6 +60,20 @@ def group_rows(slots: list[int], block_m: int, capacity: int) -> tuple[np.ndarra
 
 
 @triton.jit
+def shrink_input(ptrs, K, mask, GATED: tl.constexpr, GELU: tl.constexpr):
+    """The shrink's input at ``ptrs``; GATED: a gate/up output [gate | up], act(gate) * up,
+    rounded as act_and_mul's output is."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if GATED:
+        up = tl.load(ptrs + K, mask=mask, other=0.0)
+        if GELU:
+            x = gelu_tanh_mul(x, up).to(ptrs.dtype.element_ty)
+        else:
+            x = silu_mul(x, up).to(ptrs.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _block_rows(blocks_ptr, order_ptr, BLOCK_M: tl.constexpr):
     """This program's block: (its rows, which are real, the adapter's slot, how many rows)."""
     b = tl.program_id(0)
@@ -90,14 +104,7 @@ def _shrink_group_kernel(x_ptr, a_ptr, blocks_ptr, order_ptr, h_ptr, K, R, K_PER
         for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < k_end
-            xmask = mmask[:, None] & kmask[None, :]
-            x = tl.load(x_rows + kk[None, :], mask=xmask, other=0.0)
-            if GATED:  # x holds [gate | up]: act(gate) * up, rounded as act_and_mul's output is
-                up = tl.load(x_rows + K + kk[None, :], mask=xmask, other=0.0)
-                if GELU:
-                    x = gelu_tanh_mul(x, up).to(x_ptr.dtype.element_ty)
-                else:
-                    x = silu_mul(x, up).to(x_ptr.dtype.element_ty)
+            x = shrink_input(x_rows + kk[None, :], K, mmask[:, None] & kmask[None, :], GATED, GELU)
             a = tl.load(a_ptr + slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar + kk[:, None],
                         mask=rmask[None, :] & kmask[:, None], other=0.0)
             acc += tl.dot(x, a.to(x.dtype))
