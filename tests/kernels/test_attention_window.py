@@ -1,4 +1,5 @@
-"""Sliding-window attention and score soft-capping in the paged attention kernels: the torch
+"""Sliding-window attention, chunked local attention (Llama 4) and score soft-capping in the
+paged attention kernels: the torch
 reference against the definition (dense, in float64), the Triton kernels (decode split-K and
 varlen prefill, in the interpreter without a GPU) against the reference, and the GELU-tanh
 gated activation beside SiLU."""
@@ -16,13 +17,17 @@ from test_kernels import DEV, DTYPES, GPU, close, make_paged
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 KERNEL_DTYPES = DTYPES[:1]  # the interpreter: float32 only (test_kernels.py covers float16); a GPU: bfloat16
 
-# (window, softcap): window only, cap only, both; windows below, at and above a tile's width
-OPTIONS = [(8, None), (None, 5.0), (5, 2.0), (20, None)] if not GPU else [(1024, None), (None, 50.0), (4096, 50.0)]
+# (window, softcap, chunk): window only, cap only, both; windows below, at and above a tile's
+# width; chunks of a tile's width and across tiles' and pages' edges, one beside a window
+OPTIONS = [(8, None, None), (None, 5.0, None), (5, 2.0, None), (20, None, None), (None, None, 16), (None, 3.0, 12),
+           (6, None, 12)] if not GPU else [(1024, None, None), (None, 50.0, None), (4096, 50.0, None),
+                                           (None, None, 1000), (None, None, 8192)]
 
 
-def dense_reference(q, kc, vc, bt, sl, cu, scale, window, softcap):
+def dense_reference(q, kc, vc, bt, sl, cu, scale, window, softcap, chunk):
     """Attention by its definition, sequence by sequence, in float64: key k is visible to the
-    query at position p when k <= p and (no window or k > p - window)."""
+    query at position p when k <= p and (no window or k > p - window) and (no chunk or
+    k >= p - p % chunk)."""
     out = torch.zeros_like(q, dtype=torch.float64)
     group = q.shape[1] // kc.shape[2]
     starts = cu.tolist()
@@ -38,18 +43,19 @@ def dense_reference(q, kc, vc, bt, sl, cu, scale, window, softcap):
         q_pos = torch.arange(ctx - (e - s), ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
         visible = (k_pos <= q_pos) & (k_pos > q_pos - window if window else True)
+        visible &= k_pos >= q_pos - q_pos % chunk if chunk else True
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[s:e] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
 
 
-@pytest.mark.parametrize("window,softcap", OPTIONS)
-def test_reference_is_the_definition(window, softcap):
+@pytest.mark.parametrize("window,softcap,chunk", OPTIONS)
+def test_reference_is_the_definition(window, softcap, chunk):
     """Decode (one token each, the batched path) and prefill (chunks over cached prefixes)."""
     for q_lens, ctx in (([1, 1, 1], [3, 9, 30]), ([7, 1, 0, 12], [7, 30, 5, 40])):
         q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, 4, 2, 16, 4, torch.float32, seed=len(q_lens))
-        got = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, 0.3, window=window, softcap=softcap)
-        want = dense_reference(q, kc, vc, bt, sl, cu, 0.3, window, softcap)
+        got = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, 0.3, window=window, softcap=softcap, chunk=chunk)
+        want = dense_reference(q, kc, vc, bt, sl, cu, 0.3, window, softcap, chunk)
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -62,40 +68,41 @@ def test_window_wider_than_the_context_changes_nothing():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("window,softcap", OPTIONS)
-def test_decode_kernel(window, softcap, dtype, monkeypatch):
-    """Contexts shorter than, equal to and longer than the window; small tiles so that a
-    window starts inside a tile and several splits cover it."""
+@pytest.mark.parametrize("window,softcap,chunk", OPTIONS)
+def test_decode_kernel(window, softcap, chunk, dtype, monkeypatch):
+    """Contexts shorter than, equal to and longer than the window or chunk; small tiles so that
+    a window or chunk starts inside a tile and several splits cover it."""
     if not GPU:
         monkeypatch.setitem(pa.DECODE_CONFIG, "block_n", 16)
     ctx = [3, 8, 21, 50] if not GPU else [100, 1024, 5000, 33]
     hq, hkv, d = (8, 2, 32) if not GPU else (16, 8, 256)
     q, kc, vc, bt, sl, cu = make_paged([1] * len(ctx), ctx, hq, hkv, d, 8 if not GPU else 16, dtype, seed=5)
-    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, d**-0.5, window=window, softcap=softcap)
+    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, d**-0.5, window=window, softcap=softcap, chunk=chunk)
     for ns in ([1, 3] if not GPU else [None, 1, 8]):
         out = torch.full_like(q, float("nan"))
         pa.paged_attention_triton(q, kc, vc, bt, sl, cu, d**-0.5, 1, out=out, num_splits=ns, window=window,
-                                  softcap=softcap)
-        close(out, ref, dtype, f"decode window={window} softcap={softcap} splits={ns}")
+                                  softcap=softcap, chunk=chunk)
+        close(out, ref, dtype, f"decode window={window} softcap={softcap} chunk={chunk} splits={ns}")
 
 
 @needs_triton
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("window,softcap", OPTIONS)
-def test_prefill_kernel(window, softcap, dtype, monkeypatch):
+@pytest.mark.parametrize("window,softcap,chunk", OPTIONS)
+def test_prefill_kernel(window, softcap, chunk, dtype, monkeypatch):
     """A fresh prompt, a later chunk over a cached prefix, a decode token and an empty
-    sequence in one batch; 16-row/16-key tiles so that the window's skipped, masked-edge and
-    unmasked tiles all occur."""
+    sequence in one batch; 16-row/16-key tiles so that the window's (or attention chunk's)
+    skipped, masked-edge and unmasked tiles all occur."""
     if not GPU:
         monkeypatch.setitem(pa.PREFILL_CONFIG, 64, {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1})
         q_lens, ctx, (hq, hkv, d) = [40, 9, 1, 0], [40, 45, 30, 6], (4, 2, 64)
     else:
         q_lens, ctx, (hq, hkv, d) = [700, 256, 1, 0, 1024], [700, 5000, 513, 40, 1500], (16, 8, 256)
     q, kc, vc, bt, sl, cu = make_paged(q_lens, ctx, hq, hkv, d, 8 if not GPU else 16, dtype, seed=9)
-    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, d**-0.5, window=window, softcap=softcap)
+    ref = pa.paged_attention_torch(q, kc, vc, bt, sl, cu, d**-0.5, window=window, softcap=softcap, chunk=chunk)
     out = torch.full_like(q, float("nan"))
-    pa.paged_attention_triton(q, kc, vc, bt, sl, cu, d**-0.5, max(q_lens), out=out, window=window, softcap=softcap)
-    close(out, ref, dtype, f"prefill window={window} softcap={softcap}")
+    pa.paged_attention_triton(q, kc, vc, bt, sl, cu, d**-0.5, max(q_lens), out=out, window=window, softcap=softcap,
+                              chunk=chunk)
+    close(out, ref, dtype, f"prefill window={window} softcap={softcap} chunk={chunk}")
 
 
 @needs_triton

@@ -19,7 +19,7 @@ from routed_family_cases import (
     prompts,
     sharpen_and_save,
 )
-from test_models import DEVICES, assert_logits_match
+from test_models import DEVICES, assert_graph_step_equals_eager, assert_logits_match, gpu_greedy_agreement
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -77,6 +77,25 @@ def test_greedy_matches_transformers_batched_chunked_and_cached(models, arch):
 
 def test_preempted_sequences_give_the_same_tokens(models):
     assert_preemption_changes_nothing(*models["scout-like"])
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_attention_in_the_kernels_and_cuda_graphs(models):
+    """On the GPU the rotary layers' chunks are masked by the Triton paged attention (decode and
+    prefill) and decode steps are captured in CUDA graphs: greedy tokens of a batch crossing
+    several chunks equal transformers' in fp32, and a bf16 decode step replayed from its graph
+    gives the eager step's logits."""
+    from kvship.llm import LLM
+
+    folder, ref = models["scout-like"]
+    batch = prompts(5) + [[3, 1, 4, 1, 5]]
+    llm = LLM(str(folder), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16, num_kv_blocks=64)
+    attn = llm.engine.runner.model.model.layers[0].self_attn.attn
+    assert attn.chunk == 8 and not attn.force_torch and llm.engine.runner.graphs is not None
+    assert gpu_greedy_agreement(llm, ref, batch, 10) >= len(batch) - 1  # a near-tie may flip
+    del llm
+    llm = LLM(str(folder), device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=16, num_kv_blocks=64)
+    assert_graph_step_equals_eager(llm, batch)
 
 
 def test_conditional_generation_checkpoint_reads_its_language_model(models, tmp_path):

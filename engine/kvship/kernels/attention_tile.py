@@ -77,11 +77,11 @@ def _attend_tile(
     acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
+    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, CHUNK: tl.constexpr = 0,
 ):
     """One BLOCK_N tile of keys/values, gathered through the block table, folded into the running
     softmax state (log2 domain). ``pages``: ``_pages``'s tuple. MASK: 0 none, 1 pos < kv_end, 2 that
-    and causal (and the window). SOFTCAP in the log2 domain. PACKED: 1 keys and values packed, 2
+    and causal (and the window or chunk: ``first_visible``). SOFTCAP in the log2 domain. PACKED: 1 keys and values packed, 2
     values alone, 3 int4 split into even and odd channels (q and acc are then pairs, q float16)."""
     (kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
      stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh) = pages
@@ -135,12 +135,12 @@ def _attend_tile(
         qk = tl.where(nmask[None, :], qk, float("-inf"))
     elif MASK == 2:
         visible = (pos[None, :] <= q_pos[:, None]) & nmask[None, :]
-        if WINDOW > 0:
-            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+        if WINDOW > 0 or CHUNK > 0:
+            visible = visible & (pos[None, :] >= first_visible(q_pos, WINDOW, CHUNK)[:, None])
         qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_ref = m_new
-    if WINDOW > 0:  # a row may see no key of a tile on its window's lower edge: zeros, not NaN
+    if WINDOW > 0 or CHUNK > 0:  # a row may see no key of a tile below its first visible one: zeros, not NaN
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(qk - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
@@ -159,6 +159,18 @@ def _attend_tile(
 
 
 @triton.jit
+def first_visible(q_pos, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+    """The oldest key a query at ``q_pos`` sees: the first of its window (q_pos - WINDOW < k) and
+    of its chunk (chunked local attention, Llama 4: k >= q_pos - q_pos % CHUNK), 0 without either."""
+    first = q_pos * 0
+    if WINDOW > 0:
+        first = tl.maximum(q_pos - WINDOW + 1, 0)
+    if CHUNK > 0:
+        first = tl.maximum(first, q_pos - q_pos % CHUNK)
+    return first
+
+
+@triton.jit
 def _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
            stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh):
     """What ``_attend_tile`` reads one sequence's KV head through, as one value: the caches and
@@ -173,12 +185,12 @@ def _attend_range(
     acc, l_i, m_i, q, q_pos, pages, lo, hi, kv_end, qk_scale, offs_n, offs_d, dmask,
     BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0,
+    INTERPRET: tl.constexpr = False, HEAD_DIM: tl.constexpr = 0, CHUNK: tl.constexpr = 0,
 ):
     """``_attend_tile`` over the tiles from lo up to hi (BLOCK_N apart), all with one MASK."""
     for n0 in range(lo, hi, offs_n.shape[0]):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, pages, n0, kv_end, qk_scale, offs_n, offs_d, dmask,
-                                     BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET, HEAD_DIM)
+                                     BLOCK_SIZE, MASK, KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET, HEAD_DIM, CHUNK)
     return acc, l_i, m_i
 
 

@@ -8,8 +8,9 @@ each context *including* the new tokens (already stored); block_tables [B, max_b
 i of sequence b sits at position seq_lens[b] - q_len[b] + i and attends causally. Options per
 layer: ``window`` (a query at p sees keys p - window < k <= p), ``softcap`` (scores become
 tanh(s / softcap) * softcap before the softmax) and ``sinks`` (gpt-oss: a learned logit per query
-head that joins the softmax's denominator and attends to nothing). The torch reference also takes one cache as both
-(latent attention).
+head that joins the softmax's denominator and attends to nothing) and ``chunk`` (chunked local
+attention, Llama 4: a query at p sees keys p - p % chunk <= k <= p). The torch reference also
+takes one cache as both (latent attention).
 
 The plain-torch reference (CPU path, the kernels' oracle) comes first, then the Triton kernels
 (storing new keys/values is fused with rotary: kernels/rotary.py). Decode: one program holds
@@ -18,7 +19,7 @@ all query heads of a KV head, so each K/V tile is read once per KV head, split o
 from shapes only. Prefill: one program per (query head, BLOCK_M new tokens, sequence), unmasked
 tiles below the diagonal, masked ones on it. Both read pages through the block table (any block
 size) and dequantize quantized pages in registers; the tile step is kernels/attention_tile.py.
-WINDOW and SOFTCAP are compile-time constants (0: off)."""
+WINDOW, CHUNK and SOFTCAP are compile-time constants (0: off)."""
 from __future__ import annotations
 
 import torch
@@ -31,6 +32,7 @@ from kvship.kernels.attention_tile import (
     _pages,
     _split_channels,
     decode_row,
+    first_visible,
     prefill_block,
     split_range,
     store_split_lse,
@@ -156,14 +158,15 @@ def paged_attention_torch(
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q: int, out=None,
                     k_scale=None, v_scale=None, window: int | None = None, softcap: float | None = None,
-                    num_decodes: int = 0, sinks: torch.Tensor | None = None):
+                    num_decodes: int = 0, sinks: torch.Tensor | None = None, chunk: int | None = None):
     if use_triton(q):
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_seqlen_q, out=out,
             k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap, num_decodes=num_decodes, sinks=sinks,
+            chunk=chunk,
         )
     o = paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, k_scale, v_scale,
-                              window=window, softcap=softcap, sinks=sinks)
+                              window=window, softcap=softcap, sinks=sinks, chunk=chunk)
     if out is not None:
         out.copy_(o)
         return out
@@ -223,7 +226,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, KV_MODE: tl.constexpr,
     WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, PACKED: tl.constexpr = 0,
-    INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False, SINKS: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False, SINKS: tl.constexpr = False, CHUNK: tl.constexpr = 0,
 ):
     # The step's metadata comes from the host and no kernel writes it: read before the PDL wait,
     # overlapping the kernel before.
@@ -242,12 +245,12 @@ def _decode_kernel(
     heads = kvh * GROUP + offs_g
     qmask = gmask[:, None] & dmask[None, :]
     even = _split_channels(BLOCK_D)  # PACKED 3: the even channels, and the odd ones (even + 1)
-    # This split's share of the actual context (with a window: of its last WINDOW tokens, from
-    # the tile holding the first of them), in whole BLOCK_N tiles.
+    # This split's share of the actual context (with a window or chunk: of the keys the query
+    # sees, from the tile holding the first of them), in whole BLOCK_N tiles.
     first = 0
-    q_pos = offs_g  # read only with a window: then every head's query is the last token
-    if WINDOW > 0:
-        first = (tl.maximum(seq_len - WINDOW, 0) // BLOCK_N) * BLOCK_N
+    q_pos = offs_g  # read only with a window or chunk: then every head's query is the last token
+    if WINDOW > 0 or CHUNK > 0:
+        first = (first_visible(seq_len - 1, WINDOW, CHUNK) // BLOCK_N) * BLOCK_N
         q_pos = tl.zeros([BLOCK_G], tl.int32) + (seq_len - 1)
     start, end = split_range(seq_len, first, split, BLOCK_N, NUM_SPLITS)
 
@@ -272,8 +275,8 @@ def _decode_kernel(
     pages = _pages(kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_row, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                    stride_vh, stride_gb, stride_gs, stride_gh, stride_ksb, stride_ksh, kvh)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, start, end, end, qk_scale, offs_n, offs_d, dmask,
-                                  BLOCK_SIZE, 1 + (WINDOW > 0), KV_MODE, WINDOW, SOFTCAP, PACKED, INTERPRET,
-                                  HEAD_DIM)
+                                  BLOCK_SIZE, 1 + (WINDOW > 0 or CHUNK > 0), KV_MODE, WINDOW, SOFTCAP, PACKED,
+                                  INTERPRET, HEAD_DIM, CHUNK)
     if SINKS and NUM_SPLITS == 1:  # split contexts: the reduce kernel adds the sink once
         l_i += sink_weight(sinks_ptr, heads, gmask, m_i)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -353,7 +356,7 @@ def _prefill_kernel(
     stride_ksb, stride_ksh, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_MODE: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, SINKS: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, SINKS: tl.constexpr = False, CHUNK: tl.constexpr = 0,
 ):
     h, mblk, b, q_start, q_len, ctx, has_rows = prefill_block(cuq_ptr, seqlens_ptr, BLOCK_M)
     if not has_rows:
@@ -382,21 +385,22 @@ def _prefill_kernel(
     if KV_MODE == 1:
         qk_scale = qk_scale * tl.load(ks_ptr)
     full_start = 0
-    if WINDOW > 0:
-        # Tiles below the first row's window are skipped; the keys the block's last row still
-        # sees are visible to every row (unmasked, up to full_end); the tiles between are masked.
-        lo = (tl.maximum(prefix + mblk * BLOCK_M - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+    if WINDOW > 0 or CHUNK > 0:
+        # Tiles below the first row's first visible key are skipped; the keys from the block's
+        # last row's first one are visible to every row (unmasked, up to full_end); the tiles
+        # between are masked. (first_visible never decreases along the rows.)
+        lo = (first_visible(prefix + mblk * BLOCK_M, WINDOW, CHUNK) // BLOCK_N) * BLOCK_N
         last = prefix + tl.minimum((mblk + 1) * BLOCK_M, q_len) - 1
-        full_start = tl.cdiv(tl.maximum(last - WINDOW + 1, 0), BLOCK_N) * BLOCK_N
+        full_start = tl.cdiv(first_visible(last, WINDOW, CHUNK), BLOCK_N) * BLOCK_N
         full_start = tl.maximum(tl.minimum(full_start, full_end), lo)
         full_end = tl.maximum(full_end, full_start)
         acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, lo, full_start, ctx, qk_scale, offs_n, offs_d,
-                                      dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP)
+                                      dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP, 0, False, 0, CHUNK)
     # unmasked below the diagonal, then masked on it
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, full_start, full_end, ctx, qk_scale, offs_n, offs_d,
-                                  dmask, BLOCK_SIZE, 0, KV_MODE, WINDOW, SOFTCAP)
+                                  dmask, BLOCK_SIZE, 0, KV_MODE, WINDOW, SOFTCAP, 0, False, 0, CHUNK)
     acc, l_i, m_i = _attend_range(acc, l_i, m_i, q, q_pos, pages, full_end, hi, ctx, qk_scale, offs_n, offs_d,
-                                  dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP)
+                                  dmask, BLOCK_SIZE, 2, KV_MODE, WINDOW, SOFTCAP, 0, False, 0, CHUNK)
     if SINKS:
         l_i += sink_weight(sinks_ptr, h + 0 * offs_m, offs_m >= 0, m_i)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -457,6 +461,7 @@ def paged_attention_triton(
     decode_config: dict | None = None,
     num_decodes: int = 0,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``paged_attention_torch`` (same layouts and semantics).
 
@@ -472,7 +477,7 @@ def paged_attention_triton(
     if max_seqlen_q > 1 and 0 < num_decodes < seq_lens.shape[0]:
         # Both kernels find their query rows through cu_seqlens_q, so q and out stay whole.
         options = dict(out=out, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, window=window,
-                       softcap=softcap, decode_config=decode_config, sinks=sinks)
+                       softcap=softcap, decode_config=decode_config, sinks=sinks, chunk=chunk)
         d = num_decodes
         paged_attention_triton(q, k_cache, v_cache, block_tables[:d], seq_lens[:d], cu_seqlens_q[:d + 1], scale, 1,
                                **options)
@@ -486,7 +491,8 @@ def paged_attention_triton(
     if num_tokens == 0 or batch == 0:
         return out
     qk_scale = float(scale) * LOG2E
-    options = dict(WINDOW=window or 0, SOFTCAP=(softcap or 0.0) * LOG2E, SINKS=sinks is not None)  # per model
+    options = dict(WINDOW=window or 0, SOFTCAP=(softcap or 0.0) * LOG2E, SINKS=sinks is not None,
+                   CHUNK=chunk or 0)  # per layer
     sinks_arg = q if sinks is None else sinks  # unread without sinks
     kv_mode = kvq.kv_mode(k_cache)
     block_d = head_block(head_dim, kv_mode)
@@ -505,8 +511,9 @@ def paged_attention_triton(
         assert kv_mode != kvq.KV_INT4 or block_n >= 32, "int4 pages are read in tiles of 32 tokens or more"
         if num_splits is None:
             context = block_tables.shape[1] * block_size
-            if window:  # the tiles a windowed query reads, at most
-                context = min(context, window + block_n)
+            for span in (window, chunk):  # the tiles a windowed or chunked query reads, at most
+                if span:
+                    context = min(context, span + block_n)
             num_splits = decode_num_splits(batch, num_kv_heads, context, device_sms(q), block_n, cfg)
         packed = packed_read(cfg, kv_mode, q.dtype, head_dim)
         if num_splits > 1:

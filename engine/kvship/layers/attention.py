@@ -132,8 +132,8 @@ class PagedAttention(nn.Module):
     ``scale`` multiplies the scores (default head_dim ** -0.5); ``window`` limits this layer to
     the last ``window`` positions, ``softcap`` caps its scores; forward's ``sinks`` (float32, one
     per query head) join each softmax's denominator (kernels/paged_attention.py).
-    ``chunk``: chunked local attention (Llama 4), run by the torch reference on the GPU too (the
-    Triton kernels do not mask by chunk); a model passes it only where a context can pass one.
+    ``chunk``: chunked local attention (Llama 4: a query at p sees keys from p - p % chunk), masked
+    by every path; a model passes it only where a context can pass one.
 
     The runner sizes and allocates each layer's cache from num_kv_heads and head_dim, a key and
     a value cache each, or a key cache alone where ``cache_values`` is False (LatentAttention)."""
@@ -149,7 +149,7 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window, self.softcap = window, softcap
         self.rotary = rotary
-        self.force_torch = backend == "torch" or chunk is not None
+        self.force_torch = backend == "torch"
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
         self.v_cache: torch.Tensor | None = None
         self.k_scale: torch.Tensor | None = None
@@ -204,13 +204,13 @@ class PagedAttention(nn.Module):
         store = (self.rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping, *scales, self.k_transform,
                  qk_norm)
         args = (self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale)
-        options = dict(window=self.window, softcap=self.softcap, sinks=sinks)
+        options = dict(window=self.window, softcap=self.softcap, sinks=sinks, chunk=self.chunk)
         if q.device.type == "cpu":  # no kernels: per-sequence attention over its own blocks
             q = rotary_store_kv_torch(positions, q, k, v, *store)
-            return paged_attention_cpu(q, *args, *scales, **options, chunk=self.chunk)
+            return paged_attention_cpu(q, *args, *scales, **options)
         if self.force_torch:
             q = rotary_store_kv_torch(positions, q, k, v, *store)
-            return pa.paged_attention_torch(q, *args, *scales, **options, chunk=self.chunk)
+            return pa.paged_attention_torch(q, *args, *scales, **options)
         q = rotary_store_kv(positions, q, k, v, *store)  # transformed by k_transform too
         return pa.paged_attention(q, *args, meta.max_seqlen_q, k_scale=scales[0], v_scale=scales[1],
                                   num_decodes=meta.num_decodes, **options)

@@ -17,9 +17,9 @@ Checkpoints store the feed-forward as ``feed_forward`` and the experts fused, ga
 loader transposed, one expert read at a time. Per-expert checkpoints (experts.E.gate_proj)
 load as other MoE families'.
 
-Chunked attention runs in the torch reference on the GPU (layers/attention.py), and only where a
-context can outgrow a chunk (max_model_len > attention_chunk_size); below that it is plain
-causal attention and takes the kernels (and CUDA graphs)."""
+Chunked attention is masked by the paged attention kernels (CUDA graphs included), and only
+where a context can outgrow a chunk (max_model_len > attention_chunk_size); below that it is
+plain causal attention."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -49,7 +49,7 @@ class Llama4Attention(LlamaAttention):
         if self.use_rope:
             d = cfg.head_dim
             self.register_buffer("order", torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]), persistent=False)
-            self.attn.chunk, self.attn.force_torch = chunk, self.attn.force_torch or chunk is not None
+            self.attn.chunk = chunk
         self.l2_norm = self.use_rope and spec.l2_qk_norm
         if self.l2_norm:  # RMSNorm without a weight: the kernel's norm with ones
             self.register_buffer("unit", torch.ones(cfg.head_dim), persistent=False)
@@ -115,11 +115,6 @@ class Llama4Model(LlamaModel):
 
 class Llama4ForCausalLM(LlamaForCausalLM):
     backbone = Llama4Model
-
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPContext, backend: str):
-        super().__init__(cfg, max_positions, tp, backend)
-        chunked = cfg.llama4.chunk and max_positions > cfg.llama4.chunk
-        self.cuda_graphs = not chunked  # the torch reference syncs with the host
 
     def load_weights(self, weights: Iterable[tuple[str, object]], need_lm_head: bool = True) -> None:
         super().load_weights(self._renamed(weights), need_lm_head)
