@@ -18,6 +18,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
 SHAPES = [(9, 0), (30, 2), (17, K), (5, 1), (62, 1), (40, 3)]
 TINY = {
     "llama": None,
+    # every layer over a 16-token window: given-back blocks in the table, the window's mask
+    "mistral-window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=16)),
     # multi-head latent attention: the latent cache's prefill path in the padded layout
     "deepseek-v3": ("DeepseekV3Config", dict(
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1,
