@@ -12,6 +12,7 @@ from kvship.kernels import gpt_oss_moe as gm
 from kvship.kernels import mxfp4_gemv
 from kvship.kernels._triton import HAS_TRITON, tl, triton
 from kvship.kernels.fused_moe import MoEConfig
+from sm90_compile import compile_in_child, ints
 from test_gpt_oss_moe import make_experts, ocp_e2m1, route
 from test_kernels import GPU
 
@@ -94,6 +95,27 @@ def test_dispatch_takes_the_gemv_for_few_tokens(monkeypatch):
     got = gm.gpt_oss_moe_triton(x, ex, weights, ids)
     assert len(calls) == 1
     torch.testing.assert_close(got, gm.gpt_oss_moe_torch(x, ex, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(600)
+def test_kernels_compile_for_sm90():
+    """Both kernels with both decodes (the packed pairs' inline PTX is compiled only here and on
+    the GPU: the interpreter runs its pure-Triton twin), at the table's settings and a few more."""
+    sizes = ints("N", "K", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_be")
+    common = {"s_ptr": "*u8", "bias_ptr": "*fp32", "ids_ptr": "*i64", **sizes}
+    gate_up = {"x_ptr": "*bf16", "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", **ints("stride_x", "stride_h")}
+    down = {"h_ptr": "*bf16", "out_ptr": "*bf16", "rw_ptr": "*fp32", **ints("stride_h", "stride_out")}
+    tables = [(gu, dn) for _, gu, dn in mxfp4_gemv.MXFP4_GEMV] + [({"block_n": 2, "block_g": 32, "num_warps": 1},) * 2]
+    specs = []
+    for pairs in (False, True):
+        codes = {"w_ptr": "*i32" if pairs else "*u8"}
+        for gu, dn in tables:
+            for name, types, cfg in (("_gate_up_kernel", gate_up, gu), ("_down_kernel", down, dn)):
+                specs.append({"kernel": f"kvship.kernels.mxfp4_gemv:{name}", "types": {**common, **codes, **types},
+                              "constexprs": {"TOP_K": 4, "BLOCK_N": cfg["block_n"], "BLOCK_G": cfg["block_g"],
+                                             "PAIRS": pairs, "ASM": True},
+                              "options": {"num_warps": cfg["num_warps"]}})
+    compile_in_child(specs)
 
 
 # -- GPU: gpt-oss-20b's sizes, bf16 activations ----------------------------------------------------

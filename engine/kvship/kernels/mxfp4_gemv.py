@@ -26,6 +26,7 @@ from kvship.kernels.quant_gemv import _half, _pair, _split4
 from kvship.kernels.tuning.moe import MXFP4_GEMV
 
 GROUP = 32  # inputs per e8m0 scale; 16 code bytes
+_GROUP = tl.constexpr(GROUP)  # the kernels' copy
 
 
 @triton.jit
@@ -36,28 +37,16 @@ def _e2m1_times_2_pow_m14(c):
 
 
 @triton.jit
-def _scale(s):
-    """e8m0 bytes -> 2 ** (s - 127) times the 2 ** 14 the codes' decode leaves out."""
-    return tl.exp2(s.to(tl.float32) - 113.0)
+def _scale(s, EXTRA: tl.constexpr):
+    """e8m0 bytes -> 2 ** (s - 127 + EXTRA) as float32 bits (exact; 2 ** -127 alone becomes 0)."""
+    return ((s.to(tl.int32) + EXTRA) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _group_sums(rows, srows, nmask, x_row, g0, NG, BLOCK_G: tl.constexpr):
-    """[BLOCK_N, BLOCK_G] float32: rows' groups g0 .. g0 + BLOCK_G (rows: first code byte of
-    each row, srows: first scale) times x's inputs there (x_row: the activation row), scaled."""
-    gs = g0 + tl.arange(0, BLOCK_G)
-    gmask = gs < NG
-    byte = tl.arange(0, 16)
-    m3 = nmask[:, None, None] & gmask[None, :, None]
-    q = tl.load(rows[:, None, None] + (gs * 16)[None, :, None] + byte[None, None, :], mask=m3, other=0,
-                eviction_policy="evict_first").to(tl.int32)
-    s = tl.load(srows[:, None] + gs[None, :], mask=nmask[:, None] & gmask[None, :], other=0,
-                eviction_policy="evict_first")
-    # x's 32 inputs of each group, then its even (low nibble) and odd (high nibble) halves
-    xo = (gs * GROUP)[:, None, None] + (2 * byte)[None, :, None] + tl.arange(0, 2)[None, None, :]
-    xe, xd = tl.split(tl.load(x_row + xo, mask=gmask[:, None, None], other=0.0).to(tl.float32))
-    part = tl.sum(_e2m1_times_2_pow_m14(q & 15) * xe[None] + _e2m1_times_2_pow_m14(q >> 4) * xd[None], 2)
-    return part * _scale(s)
+def _sums_f32(q, xe, xd):
+    """[BLOCK_N, BLOCK_G] float32: code bytes q [BLOCK_N, BLOCK_G, 16] (int32) times x's even
+    (low nibble) and odd (high nibble) inputs xe, xd [BLOCK_G, 16], per group, times 2 ** -14."""
+    return tl.sum(_e2m1_times_2_pow_m14(q & 15) * xe[None] + _e2m1_times_2_pow_m14(q >> 4) * xd[None], 2)
 
 
 # ---- packed pairs: two codes per instruction --------------------------------------------------
@@ -130,31 +119,38 @@ def _word_sums(q, x0, x1, x2, x3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_sums_pairs(rows, srows, nmask, x_row, g0, NG, BLOCK_G: tl.constexpr, ASM: tl.constexpr):
-    """``_group_sums`` with rows of int32 words (4 a group) by the packed pairs."""
-    gs = g0 + tl.arange(0, BLOCK_G)
-    gmask = gs < NG
-    word = tl.arange(0, 4)
-    q = tl.load(rows[:, None, None] + (gs * 4)[None, :, None] + word[None, None, :],
-                mask=nmask[:, None, None] & gmask[None, :, None], other=0, eviction_policy="evict_first")
-    s = tl.load(srows[:, None] + gs[None, :], mask=nmask[:, None] & gmask[None, :], other=0,
-                eviction_policy="evict_first")
-    # x's pairs [groups, words, 4]: inputs j and j + 4 of each word, made once per program
-    xo = (gs * GROUP)[:, None, None] + (word * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
-    xm = gmask[:, None, None]
-    xp = _pair(tl.load(x_row + xo, mask=xm, other=0.0).to(tl.float32),
-               tl.load(x_row + xo + 4, mask=xm, other=0.0).to(tl.float32), ASM)
-    x0, x1, x2, x3 = _split4(xp)
-    part = tl.sum(_word_sums(q, x0[None], x1[None], x2[None], x3[None], ASM), 2)
-    return part * tl.exp2(s.to(tl.float32) - 127.0)
+def _x_tile(x_row, gs, gmask, PAIRS: tl.constexpr, ASM: tl.constexpr):
+    """x's inputs in groups gs as the codes take them, made once per tile for all its rows:
+    PAIRS, 4 int32 [BLOCK_G, 4 words] (pair j: inputs j and j + 4 of each word as float16);
+    else float32 [BLOCK_G, 16] even and odd inputs (twice)."""
+    if PAIRS:
+        xo = (gs * _GROUP)[:, None, None] + (tl.arange(0, 4) * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
+        xm = gmask[:, None, None]
+        xp = _pair(tl.load(x_row + xo, mask=xm, other=0.0).to(tl.float32),
+                   tl.load(x_row + xo + 4, mask=xm, other=0.0).to(tl.float32), ASM)
+        x0, x1, x2, x3 = _split4(xp)
+    else:
+        xo = (gs * _GROUP)[:, None, None] + (2 * tl.arange(0, 16))[None, :, None] + tl.arange(0, 2)[None, None, :]
+        x0, x1 = tl.split(tl.load(x_row + xo, mask=gmask[:, None, None], other=0.0).to(tl.float32))
+        x2, x3 = x0, x1
+    return x0, x1, x2, x3
 
 
 @triton.jit
-def _tile(rows, srows, nmask, x_row, g0, NG, BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
-    if PAIRS:
-        out = _group_sums_pairs(rows, srows, nmask, x_row, g0, NG, BLOCK_G, ASM)
-    else:
-        out = _group_sums(rows, srows, nmask, x_row, g0, NG, BLOCK_G)
+def _tile(rows, srows, nmask, gs, gmask, x0, x1, x2, x3, PAIRS: tl.constexpr, ASM: tl.constexpr):
+    """[BLOCK_N, BLOCK_G] float32: the rows' groups gs (rows: each row's first byte, or word for
+    PAIRS; srows: its first scale) times x's inputs there (``_x_tile``), scaled."""
+    s = tl.load(srows[:, None] + gs[None, :], mask=nmask[:, None] & gmask[None, :], other=0,
+                eviction_policy="evict_first")
+    m3 = nmask[:, None, None] & gmask[None, :, None]
+    if PAIRS:  # 4 words a group
+        q = tl.load(rows[:, None, None] + (gs * 4)[None, :, None] + tl.arange(0, 4)[None, None, :], mask=m3,
+                    other=0, eviction_policy="evict_first")
+        out = tl.sum(_word_sums(q, x0[None], x1[None], x2[None], x3[None], ASM), 2) * _scale(s, 0)
+    else:  # 16 bytes a group
+        q = tl.load(rows[:, None, None] + (gs * 16)[None, :, None] + tl.arange(0, 16)[None, None, :], mask=m3,
+                    other=0, eviction_policy="evict_first").to(tl.int32)
+        out = _sums_f32(q, x0, x1) * _scale(s, 14)  # the 2 ** 14 the decode leaves out
     return out
 
 
@@ -177,12 +173,15 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
     nmask = offs_n < N
     gate_w, gate_s = _rows(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn)
     up_w, up_s = gate_w + N * stride_wn, gate_s + N * stride_sn
-    NG = K // GROUP
+    NG = K // _GROUP
     acc_gate = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     for g0 in range(0, NG, BLOCK_G):
-        acc_gate += _tile(gate_w, gate_s, nmask, x_row, g0, NG, BLOCK_G, PAIRS, ASM)
-        acc_up += _tile(up_w, up_s, nmask, x_row, g0, NG, BLOCK_G, PAIRS, ASM)
+        gs = g0 + tl.arange(0, BLOCK_G)
+        gmask = gs < NG
+        x0, x1, x2, x3 = _x_tile(x_row, gs, gmask, PAIRS, ASM)  # one x tile for both
+        acc_gate += _tile(gate_w, gate_s, nmask, gs, gmask, x0, x1, x2, x3, PAIRS, ASM)
+        acc_up += _tile(up_w, up_s, nmask, gs, gmask, x0, x1, x2, x3, PAIRS, ASM)
     b = bias_ptr + expert * stride_be
     gate = tl.minimum(tl.sum(acc_gate, 1) + tl.load(b + offs_n, mask=nmask, other=0.0), limit)
     up = tl.minimum(tl.maximum(tl.sum(acc_up, 1) + tl.load(b + N + offs_n, mask=nmask, other=0.0), -limit), limit)
@@ -198,7 +197,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr, N, K, 
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    NG = K // GROUP
+    NG = K // _GROUP
     y = tl.zeros([BLOCK_N], tl.float32)
     for j in range(TOP_K):
         pair = token * TOP_K + j
@@ -207,7 +206,10 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr, N, K, 
         h_row = h_ptr + pair.to(tl.int64) * stride_h
         acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
         for g0 in range(0, NG, BLOCK_G):
-            acc += _tile(w_rows, s_rows, nmask, h_row, g0, NG, BLOCK_G, PAIRS, ASM)
+            gs = g0 + tl.arange(0, BLOCK_G)
+            gmask = gs < NG
+            x0, x1, x2, x3 = _x_tile(h_row, gs, gmask, PAIRS, ASM)
+            acc += _tile(w_rows, s_rows, nmask, gs, gmask, x0, x1, x2, x3, PAIRS, ASM)
         bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=nmask, other=0.0)
         y += tl.load(rw_ptr + pair) * (tl.sum(acc, 1) + bias)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=nmask)
