@@ -98,19 +98,16 @@ class ServerProcess:
 def start_server(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
     # free_port() only finds a port that was free: a process of the other test worker may take it
     # before the server binds, so a server that lost that race starts again on another one.
-    for attempt in range(3):
+    for attempt in range(1, 4):
         server = ServerProcess(*args, env=env)
         try:
             server.wait_ready()
             return server
-        except RuntimeError:
+        except BaseException as e:
             server.stop(5)
-            if attempt == 2 or "address already in use" not in server.log():
+            lost_the_port = isinstance(e, RuntimeError) and "address already in use" in server.log()
+            if not lost_the_port or attempt == 3:
                 raise
-        except BaseException:
-            server.stop(5)
-            raise
-    raise AssertionError("unreachable")
 
 
 def assert_error(resp: httpx.Response, status: int, param: str | None = "ANY") -> dict:

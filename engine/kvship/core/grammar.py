@@ -408,6 +408,22 @@ def check_schema(schema: object, param: str) -> None:
     anything outside itself, or that no value can satisfy in ways cheap to see (an empty enum,
     a minimum above its maximum, a required property that may not appear, a count no reply can
     hold)."""
+    _check_valid_then(_check_node, schema, param)
+
+
+def check_tool_parameters(schema: object, param: str) -> None:
+    """A function's `parameters`: a valid JSON schema of an object (a call's arguments are a
+    JSON object, whatever the tool_choice), referring to nothing outside itself."""
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        kind = schema.get("type") if isinstance(schema, dict) else type(schema).__name__
+        raise InvalidParamsError(f"a function's 'parameters' must be a JSON schema of type 'object' (a call's "
+                                 f"arguments are a JSON object), got type {_short(str(kind))!r}", param)
+    _check_valid_then(_check_refs, schema, param)
+
+
+def _check_valid_then(check, schema: object, param: str) -> None:
+    """A valid Draft 2020-12 schema, then ``check(schema, param, path)`` of kvship's own rules:
+    each failure as an InvalidParamsError on ``param``."""
     from jsonschema import Draft202012Validator
     from jsonschema.exceptions import SchemaError
 
@@ -415,26 +431,7 @@ def check_schema(schema: object, param: str) -> None:
         # No format checker: `pattern` is an ECMA regex that Python's re may not read; xgrammar
         # parses it and a bad one is refused when it is compiled.
         Draft202012Validator.check_schema(schema, format_checker=None)
-        _check_node(schema, param, "#")
-    except SchemaError as exc:
-        raise InvalidParamsError(_schema_error(exc), param) from None
-    except RecursionError:
-        raise InvalidParamsError("the JSON schema is nested too deeply", param) from None
-
-
-def check_tool_parameters(schema: object, param: str) -> None:
-    """A function's `parameters`: a valid JSON schema of an object (a call's arguments are a
-    JSON object, whatever the tool_choice), referring to nothing outside itself."""
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import SchemaError
-
-    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
-        kind = schema.get("type") if isinstance(schema, dict) else type(schema).__name__
-        raise InvalidParamsError(f"a function's 'parameters' must be a JSON schema of type 'object' (a call's "
-                                 f"arguments are a JSON object), got type {_short(str(kind))!r}", param)
-    try:
-        Draft202012Validator.check_schema(schema, format_checker=None)
-        _check_refs(schema, param, "#")
+        check(schema, param, "#")
     except SchemaError as exc:
         raise InvalidParamsError(_schema_error(exc), param) from None
     except RecursionError:
@@ -443,16 +440,19 @@ def check_tool_parameters(schema: object, param: str) -> None:
 
 def _check_refs(schema: object, param: str, path: str) -> None:
     if isinstance(schema, dict):
-        ref = schema.get("$ref")
-        if isinstance(ref, str) and not ref.startswith("#"):
-            raise InvalidParamsError(f"the JSON schema's '$ref' {_short(ref)!r} (at {path}) refers outside the "
-                                     "schema; only references within it (#/$defs/...) are followed, nothing is "
-                                     "fetched", param)
+        _check_local_ref(schema.get("$ref"), param, path)
         for key, value in schema.items():
             _check_refs(value, param, f"{path}/{_escape(str(key))}")
     elif isinstance(schema, list):
         for i, value in enumerate(schema):
             _check_refs(value, param, f"{path}/{i}")
+
+
+def _check_local_ref(ref: object, param: str, path: str) -> None:
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise InvalidParamsError(f"the JSON schema's '$ref' {_short(ref)!r} (at {path}) refers outside the "
+                                 "schema; only references within it (#/$defs/...) are followed, nothing is "
+                                 "fetched", param)
 
 
 def _schema_error(exc: Any) -> str:
@@ -475,10 +475,8 @@ def _check_node(schema: object, param: str, path: str) -> None:
         if key == "format" and value not in SCHEMA_FORMATS:
             raise InvalidParamsError(f"the JSON schema string format {value!r} (at {path}) is not supported for "
                                      f"constrained output; supported: {', '.join(sorted(SCHEMA_FORMATS))}", param)
-        if key == "$ref" and not value.startswith("#"):
-            raise InvalidParamsError(f"the JSON schema's '$ref' {_short(value)!r} (at {path}) refers outside the "
-                                     "schema; only references within it (#/$defs/...) are followed, nothing is "
-                                     "fetched", param)
+        if key == "$ref":
+            _check_local_ref(value, param, path)
     _check_satisfiable(schema, param, path)
     for key, value in schema.items():
         if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
