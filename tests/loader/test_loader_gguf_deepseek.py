@@ -22,7 +22,17 @@ from gguf import GGMLQuantizationType as QT
 
 from conftest import make_tiny_model
 from kvship.loader import resolve_model
-from test_loader_gguf_moe import PROMPTS, TOP, _check_against, _encoded, dense_metadata, layer_tensors
+from test_loader_gguf_moe import (
+    PROMPTS,
+    TOP,
+    _check_against,
+    _encoded,
+    dense_metadata,
+    layer_tensors,
+    routed_expert_tensor,
+    routed_metadata,
+    write_tensors_and_close,
+)
 from test_models_deepseek import DEEPSEEK
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,13 +59,9 @@ def _gguf_tensors(model, split_kv_b: bool) -> dict[str, np.ndarray]:
     cfg = model.config
     out = {}
     for blk, rest, w in layer_tensors(model, out):
-        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
-            out[blk + "ffn_gate_exps.weight"], out[blk + "ffn_up_exps.weight"] = np.split(w, 2, axis=1)
-        elif rest == "mlp.experts.down_proj":
-            out[blk + "ffn_down_exps.weight"] = w
-        elif rest == "mlp.gate.e_score_correction_bias":
-            out[blk + "exp_probs_b.bias"] = w
-        elif rest == "self_attn.kv_b_proj.weight" and split_kv_b:
+        if routed_expert_tensor(out, blk, rest, w):
+            continue
+        if rest == "self_attn.kv_b_proj.weight" and split_kv_b:
             nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
             kv_b = w.reshape(cfg.num_attention_heads, nope + v, w.shape[-1])
             out[blk + "attn_k_b.weight"] = np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1))
@@ -89,13 +95,7 @@ def _metadata(w, cfg, split_kv_b: bool) -> None:
     if cfg.q_lora_rank:
         w.add_q_lora_rank(cfg.q_lora_rank)
     w.add_kv_lora_rank(rank)
-    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_expert_count(cfg.n_routed_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_shared_count(cfg.n_shared_experts)
-    w.add_expert_weights_scale(cfg.routed_scaling_factor)
-    w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    routed_metadata(w, cfg)
     sigmoid = getattr(cfg, "scoring_func", "softmax") == "sigmoid" or cfg.model_type == "deepseek_v3"
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
     if (cfg.n_group or 1) > 1:
@@ -114,16 +114,9 @@ def write_deepseek_gguf(path, model, split_kv_b: bool, q8: bool, drop: str | Non
     w = gguf.GGUFWriter(str(path), "deepseek2")
     _metadata(w, model.config, split_kv_b)
     rng = np.random.default_rng(0)
-    for name, arr in _gguf_tensors(model, split_kv_b).items():
-        if name == drop:
-            continue
-        qtype = QT.Q8_0 if q8 and name.endswith(_Q8) else QT.F32
-        data = _encoded(arr, qtype, rng)
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    tensors = {name: arr for name, arr in _gguf_tensors(model, split_kv_b).items() if name != drop}
+    write_tensors_and_close(w, tensors, lambda name, arr: QT.Q8_0 if q8 and name.endswith(_Q8) else QT.F32,
+                            lambda arr, qtype: _encoded(arr, qtype, rng))
 
 
 def _reference_from(model, tensors: dict[str, np.ndarray], split_kv_b: bool):

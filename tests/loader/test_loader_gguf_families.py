@@ -16,7 +16,7 @@ from gguf import quants
 
 from conftest import write_word_tokenizer
 from kvship.loader import resolve_model
-from test_loader_gguf_moe import TOP, dense_metadata
+from test_loader_gguf_moe import TOP, dense_metadata, write_tensors_and_close
 from test_models import our_logits
 
 pytestmark = pytest.mark.timeout(300)
@@ -107,14 +107,8 @@ def _write(path, model, arch: str, linear_type=QT.F32) -> None:
         w.add_rope_freq_base(float(rope["rope_theta"]))
         w.add_rope_dimension_count(head_dim)
         w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
-    for name, arr in _tensors(model, arch).items():
-        qtype = linear_type if arr.ndim == 2 and name.startswith("blk.") else QT.F32
-        data = quants.quantize(np.ascontiguousarray(arr), qtype)
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors_and_close(w, _tensors(model, arch),
+                            lambda name, arr: linear_type if arr.ndim == 2 and name.startswith("blk.") else QT.F32)
 
 
 PROMPTS = [[3, 17, 250, 9, 44], [100 + i for i in range(21)]]

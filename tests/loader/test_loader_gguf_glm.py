@@ -15,12 +15,19 @@ import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType as QT
 
 from conftest import make_tiny_model
 from kvship.loader import resolve_model
 from routed_family_cases import sharpen_and_save
-from test_loader_gguf_moe import PROMPTS, _check_against, dense_metadata, layer_tensors
+from test_loader_gguf_moe import (
+    PROMPTS,
+    _check_against,
+    dense_metadata,
+    layer_tensors,
+    routed_expert_tensor,
+    routed_metadata,
+    write_tensors_and_close,
+)
 from test_models_glm4_moe import GLM
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,13 +45,7 @@ def _gguf_tensors(model) -> dict[str, np.ndarray]:
     last layer's tensors shifted, plus the nextn.* ones)."""
     out = {}
     for blk, rest, w in layer_tensors(model, out):
-        if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
-            out[blk + "ffn_gate_exps.weight"], out[blk + "ffn_up_exps.weight"] = np.split(w, 2, axis=1)
-        elif rest == "mlp.experts.down_proj":
-            out[blk + "ffn_down_exps.weight"] = w
-        elif rest == "mlp.gate.e_score_correction_bias":
-            out[blk + "exp_probs_b.bias"] = w
-        else:
+        if not routed_expert_tensor(out, blk, rest, w):
             part, kind = rest.rsplit(".", 1)
             out[f"{blk}{_LAYER[part]}.{kind}"] = w
     n, h = model.config.num_hidden_layers, model.config.hidden_size
@@ -65,23 +66,12 @@ def write_glm_gguf(path, model, tensors: dict[str, np.ndarray]) -> None:
     w.add_nextn_predict_layers(1)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
-    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_expert_count(cfg.n_routed_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_shared_count(cfg.n_shared_experts)
-    w.add_expert_weights_scale(cfg.routed_scaling_factor)
-    w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    routed_metadata(w, cfg)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     if cfg.n_group > 1:
         w.add_expert_group_count(cfg.n_group)
         w.add_expert_group_used_count(cfg.topk_group)
-    for name, arr in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(arr), raw_dtype=QT.F32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors_and_close(w, tensors)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from gguf import quants
 
 from kvship.loader import resolve_model
 from kvship.sampling_params import SamplingParams
-from test_loader_gguf_moe import dense_metadata
+from test_loader_gguf_moe import dense_metadata, write_tensors_and_close
 from test_models_qwen3_next import COMMON, SPECS, greedy_reference, our_logits
 
 pytestmark = pytest.mark.timeout(300)
@@ -136,15 +136,8 @@ def write_gguf(path, model, gguf_arch: str, linear_type=QT.F32) -> None:
         w.add_expert_used_count(c.num_experts_per_tok)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    for name, arr in _converted(model, gguf_arch).items():
-        quantize = arr.ndim == 2 and name.startswith("blk.") and any(p in name for p in QUANTIZED)
-        qtype = linear_type if quantize else QT.F32
-        data = quants.quantize(np.ascontiguousarray(arr), qtype)
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors_and_close(w, _converted(model, gguf_arch), lambda name, arr: linear_type if (
+        arr.ndim == 2 and name.startswith("blk.") and any(p in name for p in QUANTIZED)) else QT.F32)
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType as QT
 
 from kvship.loader import resolve_model
-from test_loader_gguf_moe import PROMPTS, _check_against, dense_metadata, layer_tensors
+from test_loader_gguf_moe import PROMPTS, _check_against, dense_metadata, layer_tensors, write_tensors_and_close
 from test_models_llama4 import make_tiny_llama4
 
 pytestmark = pytest.mark.timeout(300)
@@ -79,12 +78,7 @@ def llama4_file(tmp_path_factory):
     w.add_expert_feed_forward_length(32)
     w.add_expert_count(4)
     w.add_expert_used_count(1)
-    for name, arr in _gguf_tensors(model).items():
-        w.add_tensor(name, np.ascontiguousarray(arr), raw_dtype=QT.F32)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors_and_close(w, _gguf_tensors(model))
     return root / "tiny-llama4.gguf", model
 
 

@@ -73,6 +73,45 @@ def layer_tensors(model, out: dict[str, np.ndarray]) -> Iterator[tuple[str, str,
         yield f"blk.{layer}.", rest, w
 
 
+def routed_expert_tensor(out: dict[str, np.ndarray], blk: str, rest: str, w: np.ndarray) -> bool:
+    """A DeepSeek-style routed layer's stacked experts and router bias under llama.cpp's names
+    (into ``out``); False for any other tensor."""
+    if rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]: gate rows, then up rows
+        out[blk + "ffn_gate_exps.weight"], out[blk + "ffn_up_exps.weight"] = np.split(w, 2, axis=1)
+    elif rest == "mlp.experts.down_proj":
+        out[blk + "ffn_down_exps.weight"] = w
+    elif rest == "mlp.gate.e_score_correction_bias":
+        out[blk + "exp_probs_b.bias"] = w
+    else:
+        return False
+    return True
+
+
+def routed_metadata(w, cfg) -> None:
+    """The expert keys llama.cpp writes for DeepSeek-style routing (leading dense layers, routed
+    and shared experts, the weights' scale and renormalization)."""
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+
+
+def write_tensors_and_close(w, tensors: dict[str, np.ndarray], qtype_of=None, encode=None) -> None:
+    """Add ``tensors`` to the GGUFWriter, each in ``qtype_of(name, array)`` (default F32) encoded by
+    ``encode(array, qtype)`` (default the gguf package's quantization), and write the file."""
+    for name, arr in tensors.items():
+        qtype = qtype_of(name, arr) if qtype_of is not None else QT.F32
+        data = encode(arr, qtype) if encode is not None else quants.quantize(np.ascontiguousarray(arr), qtype)
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _gguf_tensors(model, arch: str, split_experts: bool = False) -> dict[str, np.ndarray]:
     cfg = model.config
     out = {}
@@ -145,15 +184,11 @@ def write_gguf(path, model, arch: str, expert_type=QT.F32, split_experts: bool =
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, model, arch)
     rng = np.random.default_rng(0)
-    for name, arr in _gguf_tensors(model, arch, split_experts).items():
-        qtype = expert_type if name.endswith(("_exps.weight", "attn_output.weight")) else QT.F32
-        qtype = (types or {}).get(name, qtype)
-        data = _encoded(arr, qtype, rng)
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors_and_close(
+        w, _gguf_tensors(model, arch, split_experts),
+        lambda name, arr: (types or {}).get(name, expert_type if name.endswith(("_exps.weight", "attn_output.weight"))
+                                             else QT.F32),
+        lambda arr, qtype: _encoded(arr, qtype, rng))
 
 
 @pytest.fixture(scope="module")

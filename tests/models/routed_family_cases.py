@@ -23,6 +23,19 @@ def sharpen_and_save(ref, folder) -> None:
     ref.save_pretrained(folder)
 
 
+def make_routed_models(root, specs: dict) -> dict:
+    """{name: (folder, transformers model)} for each ``specs`` entry (name -> (config class, fields)),
+    a tiny random checkpoint under root/name made by conftest.make_tiny_model and sharpened."""
+    from conftest import make_tiny_model
+
+    out = {}
+    for name, spec in specs.items():
+        ref = make_tiny_model(root / name, name, spec=spec)
+        sharpen_and_save(ref, root / name)
+        out[name] = (root / name, ref)
+    return out
+
+
 def prompts(seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 319, (n,), generator=g).tolist() for n in (5, 17, 45)]

@@ -33,7 +33,13 @@ def our_logits(folder, prompts: list[list[int]], block_size: int = 4, chunk: int
     if quantization is not None:
         mc.quantization = QuantScheme(insitu=quantization)
     runner = ModelRunner(cfg, mc, source.weights())
-    kv = KVCacheManager(runner.num_blocks, block_size)
+    return runner_logits(runner, KVCacheManager(runner.num_blocks, block_size), prompts, chunk)
+
+
+def runner_logits(runner: ModelRunner, kv: KVCacheManager, prompts: list[list[int]], chunk: int | None = None
+                  ) -> list[torch.Tensor]:
+    """All-position logits for each prompt from ``runner``'s model, the prompts run as one batch,
+    ``chunk`` tokens of each a step (None: whole), their KV in ``kv``'s blocks."""
     seqs = [Sequence(f"r{i}", 0, list(p), SamplingParams()) for i, p in enumerate(prompts)]
     results = [[] for _ in seqs]
     step = chunk or max(len(p) for p in prompts)
@@ -44,6 +50,7 @@ def our_logits(folder, prompts: list[list[int]], block_size: int = 4, chunk: int
             if n:
                 assert kv.allocate(s, n)
                 batch.add(s, n)
+        batch = batch.decodes_first()
         ids, pos, meta, _ = runner.prepare(batch)
         with torch.inference_mode():
             logits = runner.model.compute_logits(runner.model(ids, pos, meta))

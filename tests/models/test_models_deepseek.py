@@ -13,13 +13,12 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_tiny_model
 from kvship.config import EngineConfig
 from kvship.kernels import kv_quant as kvq
 from kvship.models.config import ModelConfig, UnsupportedModelError
 from kvship.parallel import SINGLE
 from kvship.sampling_params import SamplingParams
-from routed_family_cases import prompts, sharpen_and_save
+from routed_family_cases import make_routed_models, prompts
 from test_models import (
     ATOL,
     DEVICES,
@@ -68,13 +67,7 @@ V2_LITE = dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deepseek")
-    out = {}
-    for name, spec in DEEPSEEK.items():
-        ref = make_tiny_model(root / name, name, spec=spec)
-        sharpen_and_save(ref, root / name)  # V3's router bias drawn too
-        out[name] = (root / name, ref)
-    return out
+    return make_routed_models(tmp_path_factory.mktemp("deepseek"), DEEPSEEK)
 
 
 _prompts = prompts

@@ -10,13 +10,12 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_model
 from kvship.models.config import ModelConfig, UnsupportedModelError
 from routed_family_cases import (
     assert_greedy_batched_chunked_cached,
     assert_preemption_changes_nothing,
+    make_routed_models,
     prompts,
-    sharpen_and_save,
 )
 from test_models import DEVICES, assert_logits_match
 
@@ -32,13 +31,7 @@ MINIMAX = {
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("minimax")
-    out = {}
-    for name, spec in MINIMAX.items():
-        ref = make_tiny_model(root / name, name, spec=spec)
-        sharpen_and_save(ref, root / name)
-        out[name] = (root / name, ref)
-    return out
+    return make_routed_models(tmp_path_factory.mktemp("minimax"), MINIMAX)
 
 
 @pytest.mark.parametrize("device", DEVICES)

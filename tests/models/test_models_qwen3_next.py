@@ -18,9 +18,8 @@ from kvship.loader import resolve_model
 from kvship.models.config import ModelConfig
 from kvship.runner.model_runner import ModelRunner
 from kvship.sampling_params import SamplingParams
-from kvship.sequence import Batch, Sequence
+from test_models import ATOL, runner_logits
 
-ATOL = 2e-4  # fp32 on both sides
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, eos_token_id=319, bos_token_id=0,
@@ -69,27 +68,8 @@ def our_logits(folder, prompts, chunk: int | None = None) -> list[torch.Tensor]:
     cfg = EngineConfig(model=str(folder), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
                        enforce_eager=True, max_model_len=256, max_num_seqs=4)
     runner = ModelRunner(cfg, ModelConfig.from_hf(source.hf_config), source.weights())
-    kv = KVCacheManager(runner.num_blocks, 4, enable_prefix_caching=False)
-    seqs = [Sequence(f"r{i}", 0, list(p), SamplingParams()) for i, p in enumerate(prompts)]
-    results = [[] for _ in seqs]
-    step = chunk or max(map(len, prompts))
-    while any(s.num_computed_tokens < s.num_tokens for s in seqs):
-        batch = Batch()
-        for s in seqs:
-            n = min(step, s.num_tokens - s.num_computed_tokens)
-            if n:
-                assert kv.allocate(s, n)
-                batch.add(s, n)
-        batch = batch.decodes_first()
-        ids, pos, meta, _ = runner.prepare(batch)
-        assert meta.state_slots is not None
-        with torch.inference_mode():
-            logits = runner.model.compute_logits(runner.model(ids, pos, meta))
-        bounds = meta.cu_seqlens_q.tolist()
-        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            results[seqs.index(s)].append(logits[bounds[i]:bounds[i + 1]])
-            s.num_computed_tokens += n
-    return [torch.cat(r) for r in results]
+    assert runner.num_state_slots  # the recurrent layers' states have their slots
+    return runner_logits(runner, KVCacheManager(runner.num_blocks, 4, enable_prefix_caching=False), prompts, chunk)
 
 
 @pytest.mark.timeout(300)
