@@ -73,6 +73,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most sequences in a batch (default: from the KV cache's size, 256 to 1024)")
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help="token budget per step (default: 8192 on a GPU, 64 on a CPU)")
+    g.add_argument("--prefill-join-tokens", type=int, default=512,
+                   help="once a prompt's prefill ends in a step, later prompts join it only while the step holds at "
+                        "most this many tokens: prompts finish one at a time, shortest first, for a lower mean time to "
+                        "first token (--max-num-batched-tokens or more: they share the whole budget)")
     g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block (power of two)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")

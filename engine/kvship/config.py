@@ -73,6 +73,9 @@ class EngineConfig:
     max_num_seqs: int | None = None
     # Token budget per step (chunked prefill); None: default_token_budget(device).
     max_num_batched_tokens: int | None = None
+    # Once a prompt's prefill ends in a step, later prompts join that step only while it holds at
+    # most this many tokens (core/scheduler.py); max_num_batched_tokens or more: they share it all.
+    prefill_join_tokens: int = 512
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (vLLM's --kv-events-config)
@@ -114,6 +117,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.prefill_join_tokens < 0:
+            raise ValueError("prefill_join_tokens must be at least 0")
         if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
             raise ValueError("num_state_checkpoints must be at least 0")
         if self.tensor_parallel_size < 1:

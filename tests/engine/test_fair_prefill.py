@@ -1,6 +1,7 @@
 """Chunked prefill shares each step's token budget: a short request that arrives while a long
 prompt is part-way through its prefill starts in the next step and can finish before the long
-prompt's prefill does, and neither's greedy output changes for it."""
+prompt's prefill does, and neither's greedy output changes for it. Prompts finish one a step,
+shortest remaining first, once a step is past the join size (prefill_join_tokens)."""
 import pytest
 
 from kvship.config import CPU_TOKEN_BUDGET, EngineConfig, default_token_budget
@@ -55,9 +56,59 @@ def test_two_long_prefills_go_shortest_remaining_first():
     assert 0 < first.num_computed_tokens  # the step that finished second's prompt gave first the rest
 
 
+def _prefill_end_steps(sched: Scheduler, seqs: list[Sequence], steps: int = 10) -> dict[str, int]:
+    """The step in which each sequence's prefill ends, its sampled token fed back as the next
+    step's in-flight input (as the engine's overlapped loop does)."""
+    ends: dict[str, int] = {}
+    in_flight: set[Sequence] = set()
+    for step in range(steps):
+        batch = sched.schedule(in_flight)
+        sampled = {s for s, n in zip(batch.seqs, batch.num_new_tokens)
+                   if s.num_computed_tokens + n >= s.num_tokens + (s in in_flight)}
+        sched.commit(batch)
+        for s in in_flight:
+            s.token_ids.append(7)
+        for s in sampled:
+            ends.setdefault(s.request_id, step)
+        in_flight = sampled
+        if len(ends) == len(seqs):
+            break
+    return ends
+
+
+@pytest.mark.parametrize("join, want", [
+    # one prompt ends a step, shortest first, equals in arrival order; the rest wait for the next
+    (16, {"b": 0, "a": 1, "c": 2}),
+    # sharing the whole budget: a and b end together in step 0, a's first token no sooner
+    (None, {"b": 0, "a": 0, "c": 1}),
+])
+def test_prompts_finish_one_a_step_shortest_first(join, want):
+    kv = KVCacheManager(num_blocks=64, block_size=16)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=256, prefill_join_tokens=join)
+    seqs = [_seq("a", 100), _seq("b", 60), _seq("c", 100)]
+    for s in seqs:
+        sched.add(s)
+    assert _prefill_end_steps(sched, seqs) == want
+
+
+def test_a_short_prompt_ends_first_and_a_long_one_fills_the_step_to_the_join_size():
+    kv = KVCacheManager(num_blocks=64, block_size=16)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=BUDGET, prefill_join_tokens=16)
+    long, short = _seq("long", 500), _seq("short", 5)
+    sched.add(long)
+    batch = sched.schedule()  # alone, the long prompt takes the whole budget: no prompt ends here
+    assert batch.num_new_tokens == [BUDGET]
+    sched.commit(batch)
+    sched.add(short)
+    batch = sched.schedule()  # the short prompt ends: the long one goes on only up to 16 tokens in all
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("short", 5), ("long", 11)]
+
+
 def test_default_budget_by_device():
     assert EngineConfig().max_num_batched_tokens is None
     assert default_token_budget("cpu") == CPU_TOKEN_BUDGET < default_token_budget("cuda")
+    # a CPU's budget is below the join size: its steps are shared as before
+    assert CPU_TOKEN_BUDGET <= EngineConfig().prefill_join_tokens < default_token_budget("cuda")
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,13 @@
 """Continuous batching under a per-step token budget.
 
 Each step: running decodes first, one token each; then prefills (prompts part-way through a
-chunked prefill, and waiting sequences) share what is left of the budget, the fewest remaining
+chunked prefill, and waiting sequences) take what is left of the budget, the fewest remaining
 tokens first, so that a short request starts at once beside a long prompt, which goes on with
-the rest. The batch lists its one-token entries first (Batch.decodes_first), for the attention
+the rest. Once a prompt's prefill ends in the step, later prompts join it only while the step
+holds at most ``prefill_join_tokens``: past the size where a step turns compute-bound, every
+token added delays that prompt's first token and every decode's next, and packing several
+whole prompts into one step gives them all the last one's TTFT (shortest remaining first, one
+prompt finished at a time, minimises the mean). The batch lists its one-token entries first (Batch.decodes_first), for the attention
 kernels. A sequence with a LoRA adapter waits while the running ones already use as many
 distinct adapters as the device has slots (``max_loras``). When blocks run out, the newest running sequence not yet in the batch is preempted
 (its blocks freed, recomputed later from its tokens; the prefix cache usually makes that cheap).
@@ -22,11 +26,13 @@ from kvship.sequence import Batch, SeqStatus, Sequence
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_loras: int | None = None):
+                 max_loras: int | None = None, prefill_join_tokens: int | None = None):
         self.kv = kv
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # None: prompts share the whole budget, however many end in the step
+        self.prefill_join_tokens = max_num_batched_tokens if prefill_join_tokens is None else prefill_join_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -88,17 +94,18 @@ class Scheduler:
                     batch.add(seq, n)
                     budget -= n
 
-        # Prefills share what is left, fewest remaining tokens first (running ones first among
+        # Prefills take what is left, fewest remaining tokens first (running ones first among
         # equals, then arrival order): a short prompt is not queued behind a long prompt's chunks.
         # Waiting sequences are admitted only while nothing had to be preempted this step.
         admitting = not preempted
         loras = {seq.lora_id for seq in self.running if seq.lora is not None}
         waiting = [seq for seq in self.waiting if not seq.gated] if admitting else []
+        room, ended = budget, False  # what the next prefill may take; whether a prompt's prefill ends in this step
         for seq in sorted(prefills + waiting, key=lambda seq: seq.num_tokens - seq.num_computed_tokens):
-            if budget == 0:
+            if room <= 0:
                 break
             if seq.status is SeqStatus.RUNNING:
-                n = self.kv.prefill_chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+                n = self.kv.prefill_chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, room))
                 fits, preempted = self._fit(seq, n, batch, preempted)
                 admitting = admitting and not preempted
             elif seq in prefills or not admitting or len(self.running) >= self.max_num_seqs:
@@ -106,12 +113,14 @@ class Scheduler:
             elif seq.lora is not None and seq.lora_id not in loras and len(loras) >= (self.max_loras or len(loras) + 1):
                 continue  # every adapter slot is taken by running sequences
             else:
-                n = self._admit(seq, budget, batch)
+                n = self._admit(seq, room, batch)
                 fits = n > 0
                 admitting = fits  # one that does not fit keeps the later ones waiting behind it
             if fits:
+                ended = ended or seq.num_computed_tokens + n >= seq.num_tokens
                 batch.add(seq, n)
                 budget -= n
+                room = min(budget, self.prefill_join_tokens - (self.max_num_batched_tokens - budget)) if ended else budget
                 if seq.lora is not None:
                     loras.add(seq.lora_id)
                 if copy := self.kv.state_checkpoint(seq, n):
