@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model
+from kvship.kernels._triton import HAS_TRITON
 from kvship.llm import LLM
 from kvship.lora_request import LoRARequest
 from kvship.sampling_params import InvalidParamsError, SamplingParams
@@ -31,9 +32,9 @@ def tiny_lora(tmp_path_factory):
 
 
 def _llm(root, **kw):
-    kw = {"max_lora_rank": 16} | kw
+    kw = {"max_lora_rank": 16, "max_num_batched_tokens": 16} | kw
     return LLM(str(root / "base"), device="cpu", dtype="float32", num_kv_blocks=128, block_size=4,
-               max_num_batched_tokens=16, max_model_len=128, enable_lora=True, **kw)
+               max_model_len=128, enable_lora=True, **kw)
 
 
 @pytest.mark.timeout(300)
@@ -154,6 +155,35 @@ def test_adapters_on_quantized_base_weights(tiny_lora, method):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([PROMPTS[2]] * 2, params, lora_request=[None, adapters["r4"][1]])
     assert [o.outputs[0].token_ids for o in outs] == [want["base"], want["r4"]]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.timeout(900)
+def test_triton_kernels_in_the_engine(tiny_lora, monkeypatch):
+    """The engine's LoRA path through the Triton kernels (the interpreter on a CPU): rows
+    grouped by adapter on the host, by 32 for prompt chunks and by 16 for decode steps (of 5
+    rows: grouped from 5 here), the down projection's input activated by the shrink. Greedy
+    tokens equal the merged models'."""
+    from kvship.kernels import lora as lora_kernels
+    from kvship.runner import lora_manager
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(lora_kernels, "use_triton", lambda t: True)
+        monkeypatch.setattr(lora_manager, "use_triton", lambda t: True)
+    monkeypatch.setattr(lora_kernels, "GROUPED_MIN_ROWS", 5)
+    block_sizes = []
+    grouped = lora_kernels.lora_shrink_grouped
+    monkeypatch.setattr(lora_kernels, "lora_shrink_grouped",
+                        lambda x, a, groups, act=None: block_sizes.append(groups.block_m) or grouped(x, a, groups, act))
+    root, base, adapters = tiny_lora
+    llm = _llm(root, max_loras=3, max_num_batched_tokens=32)
+    jobs = [(PROMPTS[1], None), (PROMPTS[1], "r4"), (PROMPTS[2], "r8-attn"), (PROMPTS[0], "r16-rs"),
+            (PROMPTS[0], "r4")]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([p for p, _ in jobs], params, lora_request=[adapters[n][1] if n else None for _, n in jobs])
+    for (prompt, name), out in zip(jobs, outs):
+        assert out.outputs[0].token_ids == greedy(adapters[name][0] if name else base, prompt, 4), (name, prompt)
+    assert set(block_sizes) == {16, 32}
 
 
 @pytest.mark.gpu

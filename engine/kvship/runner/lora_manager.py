@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvship.kernels._triton import use_triton
 from kvship.kernels.lora_segments import DECODE_BLOCK_M, PREFILL_BLOCK_M, group_rows
 from kvship.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvship.layers.lora import LoRABatch, LoRALinear
@@ -166,14 +167,15 @@ class LoRAManager:
             self._set_groups(per_token, max(batch.num_new_tokens) > 1)
 
     def _set_groups(self, per_token: list[int], prefill: bool) -> None:
-        """The rows grouped by adapter, for the grouped kernels (GPU only: the torch references
-        group rows themselves); decode steps by the graphs' block size."""
-        if self.device.type != "cuda":
+        """The rows grouped by adapter, for the grouped kernels (the torch references group rows
+        themselves); decode steps by the graphs' block size."""
+        if not use_triton(self.batch.token_slots):
             return
         groups = self.batch.groups
         groups.block_m = PREFILL_BLOCK_M if prefill else DECODE_BLOCK_M
         order, blocks = group_rows(per_token, groups.block_m, groups.blocks.shape[0])
-        host = torch.from_numpy(np.concatenate([blocks.ravel(), order])).pin_memory()
+        host = torch.from_numpy(np.concatenate([blocks.ravel(), order]))
+        host = host.pin_memory() if self.device.type == "cuda" else host
         groups.blocks.view(-1).copy_(host[:blocks.size], non_blocking=True)
         groups.order[:len(order)].copy_(host[blocks.size:], non_blocking=True)
 
