@@ -14,7 +14,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 from kvship.kernels import fused_moe as fm
 from kvship.kernels._triton import HAS_TRITON
-from kvship.kernels.nvfp4_moe import nvfp4_moe, nvfp4_moe_triton
+from kvship.kernels.nvfp4_moe import nvfp4_moe, nvfp4_moe_gemv, nvfp4_moe_triton
 from kvship.layers.moe import route
 from kvship.quant import quantize
 from kvship.quant.nvfp4 import nvfp4
@@ -50,8 +50,9 @@ def _to_nvfp4(m: torch.Tensor):
 @pytest.mark.timeout(240)
 def test_nvfp4_experts_stay_4bit_and_match_the_reference():
     """Hidden 80 and intermediate 48 (5 and 3 scales a row: ragged against every K tile), top 2
-    of 8 experts with expert 0 never chosen and NaN (a kernel reading it fails): one token and
-    nine, two tilings, with and without a shared expert's output added."""
+    of 8 experts with expert 0 never chosen and NaN (a kernel reading it fails): one token (the
+    dispatch's GEMV, and the grouped GEMMs) and nine (two tilings, and the GEMV with tiles of a few
+    rows), with and without a shared expert's output added."""
     hidden, inter, experts = 80, 48, 8
     x, router, w13, w2 = _problem(9, 2, experts, hidden, inter, seed=3, dead=0)
     weights, ids = route(x @ router.T, 2, True)
@@ -69,6 +70,10 @@ def test_nvfp4_experts_stay_4bit_and_match_the_reference():
                                          _on(scales, "cpu")), want.cpu(), atol=1e-5, rtol=1e-5)
     close = dict(atol=1e-5, rtol=1e-5)  # fp32, only the summation order differs
     torch.testing.assert_close(nvfp4_moe_triton(x[:1], c13, c2, weights[:1], ids[:1], scales), want[:1], **close)
+    torch.testing.assert_close(nvfp4_moe_triton(x[1:2], c13, c2, weights[1:2], ids[1:2], scales,
+                                                config=fm.moe_config(1, 2, experts)), want[1:2], **close)
+    tile = {"block_n": 4, "block_k": 32, "num_warps": 1, "num_stages": 1}
+    torch.testing.assert_close(nvfp4_moe_gemv(x, c13, c2, weights, ids, scales, None, tile, tile), want, **close)
     for cfg in (fm.moe_config(9, 2, experts), fm.MoEConfig(32, 32, 32, 4, 2)):
         torch.testing.assert_close(nvfp4_moe_triton(x, c13, c2, weights, ids, scales, config=cfg), want, **close)
     add = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(x)

@@ -9,6 +9,9 @@ GEMV_DOWN = {"block_n": 4, "block_k": 256, "num_warps": 2, "num_stages": 3}
 # gpt-oss's one-token GEMV for 16-bit experts (kernels/gpt_oss_moe.py): untuned starting points
 GPT_OSS_GEMV_GATE_UP = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}
 GPT_OSS_GEMV_DOWN = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}
+# NVFP4 experts' one-token GEMV (kernels/nvfp4_moe.py): untuned starting points (bench/nvfp4_moe.py times them)
+NVFP4_GEMV_GATE_UP = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}
+NVFP4_GEMV_DOWN = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}
 # gpt-oss's MXFP4 experts for few tokens (kernels/mxfp4_gemv.py), from `bench/moe_sweep.py --mxfp4`:
 # (tokens up to, gate/up settings, down settings); more tokens take the grouped GEMMs. A program
 # holds block_n rows (gate/up: of each) x block_g groups of 32 inputs; block_n * block_g of at
