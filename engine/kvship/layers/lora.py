@@ -30,6 +30,12 @@ class LoRABatch:
         self.groups = RowGroups(torch.zeros(max_tokens, dtype=torch.int32, device=device),
                                 torch.zeros(capacity, 3, dtype=torch.int32, device=device), DECODE_BLOCK_M)
 
+    def capture_state(self, active: bool) -> None:
+        """As a decode graph is captured: with or without the kernels; rows grouped as decode
+        steps group them (the graph keeps the block size)."""
+        self.active = active
+        self.groups.block_m = DECODE_BLOCK_M
+
     def slots(self, num_tokens: int) -> torch.Tensor:
         if num_tokens > self.token_slots.shape[0]:
             raise RuntimeError(f"a step of {num_tokens} tokens exceeds the LoRA slot buffer "

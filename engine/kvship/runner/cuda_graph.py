@@ -124,7 +124,7 @@ class DecodeGraphs(CapturedSteps):
         if self.lora is None:
             return super().capture(pool)
         for with_lora in (False, True):
-            self.lora.active = with_lora  # the layers read it as the graph is captured
+            self.lora.capture_state(with_lora)  # the layers read it as the graph is captured
             pool = self._capture_sizes(self.lora_graphs if with_lora else self.graphs, pool)
         self.pool = pool
         self.lora.active = False  # each step sets it (runner/lora_manager.py)
