@@ -12,13 +12,15 @@ GPT_OSS_GEMV_DOWN = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages"
 # NVFP4 experts' one-token GEMV (kernels/nvfp4_moe.py): untuned starting points (bench/nvfp4_moe.py times them)
 NVFP4_GEMV_GATE_UP = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}
 NVFP4_GEMV_DOWN = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 3}
-# gpt-oss's MXFP4 experts for few tokens (kernels/mxfp4_gemv.py), from `bench/moe_sweep.py --mxfp4`:
+# gpt-oss's MXFP4 experts for few tokens (kernels/mxfp4_gemv.py), tuned on sm_90 with
+# `python bench/moe_sweep.py --mxfp4 --tokens 1 4 16` at gpt-oss-20b's sizes:
 # (tokens up to, gate/up settings, down settings); more tokens take the grouped GEMMs. A program
-# holds block_n rows (gate/up: of each) x block_g groups of 32 inputs; block_n * block_g of at
-# least 32 per warp keeps every thread on its own 16 bytes. Untuned starting points.
+# holds block_n rows (gate/up: of each) x block_g groups of 32 inputs; 'pairs' decodes a word's
+# codes as float16 pairs.
 MXFP4_GEMV = (
-    (1, {"block_n": 8, "block_g": 16, "num_warps": 4}, {"block_n": 4, "block_g": 16, "num_warps": 2}),
-    (16, {"block_n": 8, "block_g": 16, "num_warps": 4}, {"block_n": 8, "block_g": 16, "num_warps": 4}),
+    (1, {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1}, {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1}),
+    (4, {"block_n": 4, "block_g": 8, "num_warps": 1, "pairs": 1}, {"block_n": 16, "block_g": 32, "num_warps": 4, "pairs": 1}),
+    (16, {"block_n": 16, "block_g": 4, "num_warps": 1, "pairs": 1}, {"block_n": 16, "block_g": 32, "num_warps": 4, "pairs": 1}),
 )
 
 # The grouped GEMMs' tiles (block_m, block_n, block_k, num_warps, num_stages) by the pairs each
