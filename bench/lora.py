@@ -106,8 +106,7 @@ def graph_replays(llm, sizes: list[int], num_adapters: int) -> dict[int, tuple[f
     out = {}
     for n in sizes:
         bs = next(s for s in graphs.sizes if s >= n)
-        slots = runner.lora.batch.token_slots
-        slots[:bs].copy_(torch.arange(bs, device=slots.device) % num_adapters)
+        runner.lora.write_slots([i % num_adapters for i in range(bs)], prefill=False)
         out[n] = (_time_cuda(graphs.graphs[bs].replay, iters=50), _time_cuda(graphs.lora_graphs[bs].replay, iters=50))
     return out
 

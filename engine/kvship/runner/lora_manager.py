@@ -158,13 +158,17 @@ class LoRAManager:
         slots = {i: self._slot(r, set(requests)) for i, r in requests.items()}
         per_token = [-1 if s.lora is None else slots[s.lora.lora_int_id]
                      for s, n in zip(batch.seqs, batch.num_new_tokens) for _ in range(n)]
-        cuda = self.device.type == "cuda"
-        host = torch.tensor(per_token, dtype=torch.int32, pin_memory=cuda)
-        self.batch.slots(len(per_token)).copy_(host, non_blocking=True)
-        self.batch.active = bool(requests)
+        self.write_slots(per_token, max(batch.num_new_tokens) > 1)
         self.step_slots = per_token if requests else []
-        if requests:
-            self._set_groups(per_token, max(batch.num_new_tokens) > 1)
+
+    def write_slots(self, per_token: list[int], prefill: bool) -> None:
+        """A step's per-token slots (-1: no adapter) and its rows grouped by adapter, into the
+        buffers the LoRA layers read (``prefill``: the step has prompt chunks)."""
+        host = torch.tensor(per_token, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self.batch.slots(len(per_token)).copy_(host, non_blocking=True)
+        self.batch.active = max(per_token, default=-1) >= 0
+        if self.batch.active:
+            self._set_groups(per_token, prefill)
 
     def _set_groups(self, per_token: list[int], prefill: bool) -> None:
         """The rows grouped by adapter, for the grouped kernels (the torch references group rows
