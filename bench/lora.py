@@ -32,8 +32,9 @@ from common import (
     weight_bytes_per_token,
     write_shape_folder,
 )
+from kvship.kernels import lora as lora_kernels
 from kvship.kernels.gemv import act_mul_linear, linear
-from kvship.kernels.lora import GROUPED_MIN_ROWS, lora_expand, lora_shrink
+from kvship.kernels.lora import lora_expand, lora_shrink
 from kvship.kernels.lora_segments import DECODE_BLOCK_M, RowGroups, group_rows, num_blocks
 from kvship.llm import LLM
 from kvship.lora_request import LoRARequest
@@ -123,8 +124,9 @@ def _graph_time(fn, reps: int = 20) -> float:
 
 
 def kernel_table(args, bw: float) -> str:
-    """Shrink and expand of each projection of one layer, at batch 1 and ``--batch`` (rows spread
-    over the adapters; per row or grouped, as the decode graphs run them), against the base projection and the bytes limit (A or B of the adapters the
+    """Shrink and expand of each projection of one layer, at batch 1 (per row) and ``--batch``
+    (per row and grouped: the engine takes grouped from GROUPED_MIN_ROWS rows), rows spread over
+    the adapters, against the base projection and the bytes limit (A or B of the adapters the
     rows use, x / y / partial sums) at copy bandwidth. Per step: times the layers."""
     c = SHAPES[args.shape]
     h, inter = c["hidden_size"], c["intermediate_size"]
@@ -132,15 +134,15 @@ def kernel_table(args, bw: float) -> str:
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     modules = {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [inter, inter]), "down": (inter, [h])}
     dev, bf16, r = "cuda", torch.bfloat16, args.rank
-    rows = []
-    for batch in (1, args.batch):
+    rows, grouped_from = [], lora_kernels.GROUPED_MIN_ROWS
+    for batch, form in [(1, "per row"), (args.batch, "per row"), (args.batch, "grouped")]:
+        lora_kernels.GROUPED_MIN_ROWS = 1 if form == "grouped" else 1 << 30
         total = [0.0] * 4
         slots = (torch.arange(batch, device=dev) % args.adapters).to(torch.int32)
         used = min(batch, args.adapters)
         capacity = num_blocks(batch, args.adapters, DECODE_BLOCK_M)
         order, blocks = group_rows(slots.tolist(), DECODE_BLOCK_M, capacity)
         groups = RowGroups(torch.from_numpy(order).to(dev), torch.from_numpy(blocks).to(dev), DECODE_BLOCK_M)
-        form = "grouped" if batch >= GROUPED_MIN_ROWS else "per row"
         for name, (k, parts) in modules.items():
             n = sum(parts)
             act = "silu" if name == "down" else None  # its input the gate/up output, activated as read
@@ -158,10 +160,12 @@ def kernel_table(args, bw: float) -> str:
             limit = (shrink_bytes + expand_bytes) / bw
             for i, t in enumerate((t_base, t_shrink, t_expand, limit)):
                 total[i] += t
-            rows.append([f"{batch} ({form})", name, f"{t_base * 1e6:.1f}", f"{t_shrink * 1e6:.1f}", f"{t_expand * 1e6:.1f}",
-                         f"{limit * 1e6:.2f}", f"{h_part.shape[0]}"])
+            rows.append([f"{batch} ({form})", name, f"{t_base * 1e6:.1f}", f"{t_shrink * 1e6:.1f}",
+                         f"{t_expand * 1e6:.1f}", f"{limit * 1e6:.2f}", f"{h_part.shape[0]}"])
         layers = c["num_hidden_layers"]
-        rows.append([batch, f"per step ({layers} layers), ms", *(f"{t * layers * 1e3:.2f}" for t in total), ""])
+        rows.append([f"{batch} ({form})", f"per step ({layers} layers), ms",
+                     *(f"{t * layers * 1e3:.2f}" for t in total), ""])
+    lora_kernels.GROUPED_MIN_ROWS = grouped_from
     return table(rows, ["batch", "projection", "base µs", "shrink µs", "expand µs", "LoRA bytes limit µs",
                         "shrink splits"])
 
