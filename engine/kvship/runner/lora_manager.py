@@ -158,7 +158,7 @@ class LoRAManager:
         slots = {i: self._slot(r, set(requests)) for i, r in requests.items()}
         per_token = [-1 if s.lora is None else slots[s.lora.lora_int_id]
                      for s, n in zip(batch.seqs, batch.num_new_tokens) for _ in range(n)]
-        self.write_slots(per_token, max(batch.num_new_tokens) > 1)
+        self.write_slots(per_token, max(batch.num_new_tokens, default=0) > 1)
         self.step_slots = per_token if requests else []
 
     def write_slots(self, per_token: list[int], prefill: bool) -> None:
