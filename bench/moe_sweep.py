@@ -101,12 +101,14 @@ def main() -> None:
     print(table(rows, ["tokens", "path", "us per layer", "GB/s", "of copy BW", "rel err vs fp32"]))
 
 
-def mxfp4_candidates(quick: bool) -> list[dict]:
-    """GEMV settings, both decodes, where each thread holds 1 to 4 (row, group) slots of 16 code
-    bytes (fewer: threads idle; more: registers spill)."""
-    out = [dict(block_n=bn, block_g=bg, num_warps=nw, pairs=p)
-           for p, bn, bg, nw in itertools.product([1, 0], [1, 2, 4, 8, 16], [4, 8, 16, 32], [1, 2, 4, 8])
-           if 32 * nw <= bn * bg <= 4 * 32 * nw]
+def mxfp4_candidates(rows_per_n: int, quick: bool) -> list[dict]:
+    """GEMV settings where each thread holds 1 to 4 (row, group) slots of 16 code bytes (fewer:
+    threads idle; more: registers spill); a program holds rows_per_n rows a block_n row (gate
+    and up: 2; down: the k experts). The packed-pair decode in full, the float32 one sampled."""
+    grid = [dict(block_n=bn, block_g=bg, num_warps=nw)
+            for bn, bg, nw in itertools.product([1, 2, 4, 8, 16], [4, 8, 16, 32], [1, 2, 4])
+            if 32 * nw <= rows_per_n * bn * bg <= 4 * 32 * nw]
+    out = [dict(cfg, pairs=1) for cfg in grid] + [dict(cfg, pairs=0) for cfg in grid[::4]]
     return out[::3] if quick else out
 
 
@@ -141,7 +143,7 @@ def mxfp4_sweep(args) -> None:
 
     layers = [experts() for _ in range(copies)]
     router = torch.randn(e, h, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
-    candidates = mxfp4_candidates(args.quick)
+    gate_up_grid, down_grid = mxfp4_candidates(2, args.quick), mxfp4_candidates(k, args.quick)
     rows, winners, winning = [], [], True
     for t in sorted(tokens):
         x = torch.randn(t, h, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -165,13 +167,15 @@ def mxfp4_sweep(args) -> None:
         gu0, dn0 = mxfp4_gemv.gemv_settings(t) or mxfp4_gemv.MXFP4_GEMV[-1][1:]
         row(f"gemv, table: gate/up {gu0}, down {dn0}", time_per_call(lambda i: gemv(i, gu0, dn0), copies),
             gemv(0, gu0, dn0))
-        best_gu = min(candidates, key=lambda gu: timed_or_failed(lambda i: gemv(i, gu, dn0), copies))
-        best_dn = min(candidates, key=lambda dn: timed_or_failed(lambda i: gemv(i, best_gu, dn), copies))
+        best_gu = min(gate_up_grid, key=lambda gu: timed_or_failed(lambda i: gemv(i, gu, dn0), copies))
+        best_dn = min(down_grid, key=lambda dn: timed_or_failed(lambda i: gemv(i, best_gu, dn), copies))
         best = time_per_call(lambda i: gemv(i, best_gu, best_dn), copies)
         row(f"gemv, swept: gate/up {best_gu}, down {best_dn}", best, gemv(0, best_gu, best_dn))
         if best < grouped and winning:
             winners.append((t, best_gu, best_dn))
         winning = winning and best < grouped  # the table covers 1 token up to the last count won
+        if args.best_json:  # as it grows: a sweep cut short still leaves what it found
+            Path(args.best_json).write_text(json.dumps([["mxfp4_gemv", winners]]))
         print(table(rows[-3:], ["tokens", "path", "us per layer", "GB/s", "of copy BW", "rel err"]), flush=True)
     print(header(f"Few-token MXFP4 MoE kernels, {shape} (E {e}, top {k}, hidden {h}, intermediate {inter}), "
                  "bf16 activations"))
@@ -181,8 +185,6 @@ def mxfp4_sweep(args) -> None:
     print("\n# kernels/tuning/moe.py\nMXFP4_GEMV = (\n" + "".join(f"    ({t}, {json.dumps(gu)}, {json.dumps(dn)}),\n"
                                                             for t, gu, dn in winners)
           + ")")
-    if args.best_json:
-        Path(args.best_json).write_text(json.dumps([["mxfp4_gemv", winners]]))
 
 
 if __name__ == "__main__":

@@ -105,15 +105,17 @@ def test_kernels_compile_for_sm90():
     common = {"s_ptr": "*u8", "bias_ptr": "*fp32", "ids_ptr": "*i64", **sizes}
     gate_up = {"x_ptr": "*bf16", "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", **ints("stride_x", "stride_h")}
     down = {"h_ptr": "*bf16", "out_ptr": "*bf16", "rw_ptr": "*fp32", **ints("stride_h", "stride_out")}
-    tables = [(gu, dn) for _, gu, dn in mxfp4_gemv.MXFP4_GEMV] + [({"block_n": 2, "block_g": 32, "num_warps": 1},) * 2]
+    narrow = ({"block_n": 2, "block_g": 32, "num_warps": 1}, {"block_n": 1, "block_g": 32, "num_warps": 1})
+    tables = [(gu, dn) for _, gu, dn in mxfp4_gemv.MXFP4_GEMV] + [narrow]
     specs = []
     for pairs in (False, True):
         codes = {"w_ptr": "*i32" if pairs else "*u8"}
         for gu, dn in tables:
-            for name, types, cfg in (("_gate_up_kernel", gate_up, gu), ("_down_kernel", down, dn)):
+            for name, types, cfg, extra in (("_gate_up_kernel", gate_up, gu, {}),
+                                            ("_down_kernel", down, dn, {"K_POW2": 4})):
                 specs.append({"kernel": f"kvship.kernels.mxfp4_gemv:{name}", "types": {**common, **codes, **types},
                               "constexprs": {"TOP_K": 4, "BLOCK_N": cfg["block_n"], "BLOCK_G": cfg["block_g"],
-                                             "PAIRS": pairs, "ASM": True},
+                                             "PAIRS": pairs, "ASM": True, **extra},
                               "options": {"num_warps": cfg["num_warps"]}})
     compile_in_child(specs)
 
@@ -128,7 +130,7 @@ def test_gemv_gpu_real_sizes(tokens):
     x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(32)).to("cuda", torch.bfloat16)
     weights, ids = (t.cuda() for t in route(tokens, e, k, 33))
     want = gm.gpt_oss_moe_torch(x.float(), ex, weights, ids)
-    both = [({"block_n": 8, "block_g": 16, "num_warps": 4, "pairs": p}, {"block_n": 4, "block_g": 16, "num_warps": 2,
+    both = [({"block_n": 8, "block_g": 16, "num_warps": 2, "pairs": p}, {"block_n": 4, "block_g": 16, "num_warps": 2,
                                                                        "pairs": p}) for p in (0, 1)]
     for gate_up, down in both + [(gu, dn) for _, gu, dn in mxfp4_gemv.MXFP4_GEMV]:
         got = run_gemv(x, ex, weights, ids, gate_up, down)

@@ -1,22 +1,23 @@
 """gpt-oss's MXFP4 experts for a few tokens (decode): GEMVs that stream the chosen experts' codes.
 
 The grouped GEMMs (kernels/gpt_oss_moe.py) pad each expert's rows to a tensor-core tile and
-decode every code once per tile; at one to a few tokens the step is a read of 4 experts'
-codes, and what bounds it is the instructions per code. Here a program takes one pair (token,
-expert) and BLOCK_N output rows, streams [BLOCK_N, BLOCK_G groups, 16 bytes] of codes (wide
-loads, each 16 bytes one group of 32 inputs) and scales (one byte a group), and per code:
+decode every code once per tile; at one to a few tokens the step is a read of k experts'
+codes, and what bounds it is the instructions a code takes. Here a gate/up program takes one
+pair (token, expert) and BLOCK_N of its outputs (gate and up rows), a down program one token's
+k experts and BLOCK_N rows of each; they stream [rows, BLOCK_G groups, 16 bytes] of codes (wide
+loads, 16 bytes one group of 32 inputs) and one scale byte a group. Two decodes (a setting):
 
-- decodes e2m1 by placing its bits in a float16 (sign at bit 15, exponent and mantissa at bits
-  11..9: the value times 2 ** -14 exactly, 0.5 a subnormal) and widening it to float32;
-- multiplies by x (the even inputs in the low nibbles, x's even and odd halves taken once per
-  tile) with one FMA into a float32 sum per (row, group);
+- float32: each code's bits placed in a float16 (sign at bit 15, exponent and mantissa at bits
+  11..9: the value times 2 ** -14 exactly, 0.5 a subnormal), widened, one FMA with x (even
+  inputs in the low nibbles: x's even and odd halves taken once per tile);
+- packed pairs (below): two codes a float16x2 instruction, under half the instructions.
 
-the group's e8m0 scale (with the 2 ** 14 back) acts once per 32 inputs. The programs of one row
-block and all pairs are launched together (pair fastest), so tokens that pick the same expert
-read it from L2. The gate/up kernel ends in the clamped SwiGLU (biases added); the down kernel
-sums a token's k experts (router weights and biases) in registers and writes the layer's output:
-no alignment by expert, no padded rows, no reduction after. Shapes depend on (T, k) only: CUDA
-graph safe. The reference is kernels/gpt_oss_moe.py's ``gpt_oss_moe_torch``."""
+Sums are float32 per (row, group); the group's e8m0 scale acts once per 32 inputs. The programs
+of one row block and all pairs are launched together (pair fastest), so tokens that pick the
+same expert read it from L2. The gate/up kernel ends in the clamped SwiGLU (biases added); the
+down kernel sums the k experts (router weights and biases) in registers and writes the layer's
+output: no alignment by expert, no padded rows, no reduction after. Shapes depend on (T, k)
+only: CUDA graph safe. The reference is kernels/gpt_oss_moe.py's ``gpt_oss_moe_torch``."""
 from __future__ import annotations
 
 import torch
@@ -44,13 +45,13 @@ def _scale(s, EXTRA: tl.constexpr):
 
 @triton.jit
 def _sums_f32(q, xe, xd):
-    """[BLOCK_N, BLOCK_G] float32: code bytes q [BLOCK_N, BLOCK_G, 16] (int32) times x's even
-    (low nibble) and odd (high nibble) inputs xe, xd [BLOCK_G, 16], per group, times 2 ** -14."""
-    return tl.sum(_e2m1_times_2_pow_m14(q & 15) * xe[None] + _e2m1_times_2_pow_m14(q >> 4) * xd[None], 2)
+    """[.., BLOCK_G] float32: code bytes q [.., BLOCK_G, 16] (int32) times x's even (low nibble)
+    and odd (high nibble) inputs xe, xd (broadcast against q), per group, times 2 ** -14."""
+    return tl.sum(_e2m1_times_2_pow_m14(q & 15) * xe + _e2m1_times_2_pow_m14(q >> 4) * xd, -1)
 
 
 # ---- packed pairs: two codes per instruction --------------------------------------------------
-# The float32 decode above spends about five integer instructions a code. Here a 32-bit word
+# The float32 decode above spends about five instructions a code. Here a 32-bit word
 # (8 codes, code j = input j) is taken as 4 float16 pairs, codes (j, j + 4) in the two halves:
 # shifted left so that their signs sit at bits 15 and 31, and so that their exponent and mantissa
 # bits sit at 11..9 and 27..25, one AND and one LOP3 make the pair's float16 bits (the values
@@ -119,45 +120,40 @@ def _word_sums(q, x0, x1, x2, x3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_row, gs, gmask, PAIRS: tl.constexpr, ASM: tl.constexpr):
-    """x's inputs in groups gs as the codes take them, made once per tile for all its rows:
-    PAIRS, 4 int32 [BLOCK_G, 4 words] (pair j: inputs j and j + 4 of each word as float16);
-    else float32 [BLOCK_G, 16] even and odd inputs (twice)."""
+def _x_tile(x_rows, gs, gmask, PAIRS: tl.constexpr, ASM: tl.constexpr):
+    """x's inputs in groups gs as the codes take them, made once per tile for all its rows;
+    x_rows: a row's first input (or [R, 1, 1, 1] of them). PAIRS: 4 int32 [(R,) BLOCK_G, 4 words]
+    (pair j: inputs j and j + 4 of each word as float16); else float32 [(R,) BLOCK_G, 16] even
+    and odd inputs (twice)."""
     if PAIRS:
         xo = (gs * _GROUP)[:, None, None] + (tl.arange(0, 4) * 8)[None, :, None] + tl.arange(0, 4)[None, None, :]
         xm = gmask[:, None, None]
-        xp = _pair(tl.load(x_row + xo, mask=xm, other=0.0).to(tl.float32),
-                   tl.load(x_row + xo + 4, mask=xm, other=0.0).to(tl.float32), ASM)
+        xp = _pair(tl.load(x_rows + xo, mask=xm, other=0.0).to(tl.float32),
+                   tl.load(x_rows + xo + 4, mask=xm, other=0.0).to(tl.float32), ASM)
         x0, x1, x2, x3 = _split4(xp)
     else:
         xo = (gs * _GROUP)[:, None, None] + (2 * tl.arange(0, 16))[None, :, None] + tl.arange(0, 2)[None, None, :]
-        x0, x1 = tl.split(tl.load(x_row + xo, mask=gmask[:, None, None], other=0.0).to(tl.float32))
+        x0, x1 = tl.split(tl.load(x_rows + xo, mask=gmask[:, None, None], other=0.0).to(tl.float32))
         x2, x3 = x0, x1
     return x0, x1, x2, x3
 
 
 @triton.jit
-def _tile(rows, srows, nmask, gs, gmask, x0, x1, x2, x3, PAIRS: tl.constexpr, ASM: tl.constexpr):
-    """[BLOCK_N, BLOCK_G] float32: the rows' groups gs (rows: each row's first byte, or word for
-    PAIRS; srows: its first scale) times x's inputs there (``_x_tile``), scaled."""
-    s = tl.load(srows[:, None] + gs[None, :], mask=nmask[:, None] & gmask[None, :], other=0,
-                eviction_policy="evict_first")
-    m3 = nmask[:, None, None] & gmask[None, :, None]
+def _tile(rows, srows, rmask, gs, gmask, x0, x1, x2, x3, PAIRS: tl.constexpr, ASM: tl.constexpr):
+    """[.., BLOCK_G] float32: rows [.., 1] (each row's first code byte, or word for PAIRS; srows:
+    its first scale; rmask: which are real) times x's inputs in groups gs (``_x_tile``, shaped
+    to broadcast against the [.., BLOCK_G, 4 or 16] codes), per group and scaled."""
+    m = rmask & gmask
+    s = tl.load(srows + gs, mask=m, other=0, eviction_policy="evict_first")
     if PAIRS:  # 4 words a group
-        q = tl.load(rows[:, None, None] + (gs * 4)[None, :, None] + tl.arange(0, 4)[None, None, :], mask=m3,
-                    other=0, eviction_policy="evict_first")
-        out = tl.sum(_word_sums(q, x0[None], x1[None], x2[None], x3[None], ASM), 2) * _scale(s, 0)
+        q = tl.load(tl.expand_dims(rows, -1) + (gs * 4)[:, None] + tl.arange(0, 4)[None, :],
+                    mask=tl.expand_dims(m, -1), other=0, eviction_policy="evict_first")
+        out = tl.sum(_word_sums(q, x0, x1, x2, x3, ASM), -1) * _scale(s, 0)
     else:  # 16 bytes a group
-        q = tl.load(rows[:, None, None] + (gs * 16)[None, :, None] + tl.arange(0, 16)[None, None, :], mask=m3,
-                    other=0, eviction_policy="evict_first").to(tl.int32)
+        q = tl.load(tl.expand_dims(rows, -1) + (gs * 16)[:, None] + tl.arange(0, 16)[None, :],
+                    mask=tl.expand_dims(m, -1), other=0, eviction_policy="evict_first").to(tl.int32)
         out = _sums_f32(q, x0, x1) * _scale(s, 14)  # the 2 ** 14 the decode leaves out
     return out
-
-
-@triton.jit
-def _rows(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn):
-    n64 = offs_n.to(tl.int64)
-    return w_ptr + expert * stride_we + n64 * stride_wn, s_ptr + expert * stride_se + n64 * stride_sn
 
 
 @triton.jit
@@ -171,7 +167,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    gate_w, gate_s = _rows(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn)
+    gate_w = (w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn)[:, None]
+    gate_s = (s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn)[:, None]
     up_w, up_s = gate_w + N * stride_wn, gate_s + N * stride_sn
     NG = K // _GROUP
     acc_gate = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
@@ -180,8 +177,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
         gs = g0 + tl.arange(0, BLOCK_G)
         gmask = gs < NG
         x0, x1, x2, x3 = _x_tile(x_row, gs, gmask, PAIRS, ASM)  # one x tile for both
-        acc_gate += _tile(gate_w, gate_s, nmask, gs, gmask, x0, x1, x2, x3, PAIRS, ASM)
-        acc_up += _tile(up_w, up_s, nmask, gs, gmask, x0, x1, x2, x3, PAIRS, ASM)
+        acc_gate += _tile(gate_w, gate_s, nmask[:, None], gs, gmask, x0[None], x1[None], x2[None], x3[None], PAIRS,
+                          ASM)
+        acc_up += _tile(up_w, up_s, nmask[:, None], gs, gmask, x0[None], x1[None], x2[None], x3[None], PAIRS, ASM)
     b = bias_ptr + expert * stride_be
     gate = tl.minimum(tl.sum(acc_gate, 1) + tl.load(b + offs_n, mask=nmask, other=0.0), limit)
     up = tl.minimum(tl.maximum(tl.sum(acc_up, 1) + tl.load(b + N + offs_n, mask=nmask, other=0.0), -limit), limit)
@@ -191,27 +189,31 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr, N, K, stride_h, stride_we, stride_wn,
-                 stride_se, stride_sn, stride_be, stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
-    """out[token, n] = sum over the token's k pairs of weight * (W2[e, n] . h[pair] + b2[e, n])."""
+                 stride_se, stride_sn, stride_be, stride_out, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+    """out[token, n] = sum over the token's k pairs of weight * (W2[e, n] . h[pair] + b2[e, n]).
+    A program's tile holds BLOCK_N rows of each of the k experts (padded to K_POW2: repeats of
+    the last, weighted 0), so that one token's few programs keep k times the bytes in flight."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
+    j = tl.arange(0, K_POW2)
+    pairs = token * TOP_K + tl.minimum(j, TOP_K - 1)
+    experts = tl.load(ids_ptr + pairs).to(tl.int64)
+    rows = (w_ptr + experts[:, None] * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn)[:, :, None]
+    srows = (s_ptr + experts[:, None] * stride_se + offs_n.to(tl.int64)[None, :] * stride_sn)[:, :, None]
+    h_rows = (h_ptr + pairs.to(tl.int64) * stride_h)[:, None, None, None]
     NG = K // _GROUP
-    y = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_rows, s_rows = _rows(w_ptr, s_ptr, expert, offs_n, stride_we, stride_wn, stride_se, stride_sn)
-        h_row = h_ptr + pair.to(tl.int64) * stride_h
-        acc = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-        for g0 in range(0, NG, BLOCK_G):
-            gs = g0 + tl.arange(0, BLOCK_G)
-            gmask = gs < NG
-            x0, x1, x2, x3 = _x_tile(h_row, gs, gmask, PAIRS, ASM)
-            acc += _tile(w_rows, s_rows, nmask, gs, gmask, x0, x1, x2, x3, PAIRS, ASM)
-        bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=nmask, other=0.0)
-        y += tl.load(rw_ptr + pair) * (tl.sum(acc, 1) + bias)
+    acc = tl.zeros([K_POW2, BLOCK_N, BLOCK_G], tl.float32)
+    for g0 in range(0, NG, BLOCK_G):
+        gs = g0 + tl.arange(0, BLOCK_G)
+        gmask = gs < NG
+        x0, x1, x2, x3 = _x_tile(h_rows, gs, gmask, PAIRS, ASM)  # [K_POW2, BLOCK_G, ..]: each pair's h
+        acc += _tile(rows, srows, nmask[None, :, None], gs, gmask, x0[:, None], x1[:, None], x2[:, None],
+                     x3[:, None], PAIRS, ASM)
+    bias = tl.load(bias_ptr + experts[:, None] * stride_be + offs_n[None, :], mask=nmask[None, :], other=0.0)
+    weight = tl.load(rw_ptr + pairs, mask=j < TOP_K, other=0.0)
+    y = tl.sum(weight[:, None] * (tl.sum(acc, 2) + bias), 0)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -242,7 +244,8 @@ def mxfp4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, 
         TOP_K=top_k, **_launch(gate_up))
     _down_kernel[(tokens, triton.cdiv(hidden, down["block_n"]))](
         h, dn_w, w2_scale, w2_bias, out, rw, ids, hidden, inter, h.stride(0), dn_w.stride(0), dn_w.stride(1),
-        w2_scale.stride(0), w2_scale.stride(1), w2_bias.stride(0), out.stride(0), TOP_K=top_k, **_launch(down))
+        w2_scale.stride(0), w2_scale.stride(1), w2_bias.stride(0), out.stride(0), TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k), **_launch(down))
     return out
 
 

@@ -15,12 +15,14 @@ NVFP4_GEMV_DOWN = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 
 # gpt-oss's MXFP4 experts for few tokens (kernels/mxfp4_gemv.py), tuned on sm_90 with
 # `python bench/moe_sweep.py --mxfp4 --tokens 1 4 16` at gpt-oss-20b's sizes:
 # (tokens up to, gate/up settings, down settings); more tokens take the grouped GEMMs. A program
-# holds block_n rows (gate/up: of each) x block_g groups of 32 inputs; 'pairs' decodes a word's
-# codes as float16 pairs.
+# holds block_n rows x block_g groups of 32 inputs of the gate and the up projection (gate/up),
+# or of each of a token's k experts (down); 'pairs' decodes a word's codes as float16 pairs.
+# The down settings were swept when a down program looped over the k experts; since its tile
+# holds all k, block_n is the swept one divided by k (the same bytes a thread), until re-swept.
 MXFP4_GEMV = (
-    (1, {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1}, {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1}),
-    (4, {"block_n": 4, "block_g": 8, "num_warps": 1, "pairs": 1}, {"block_n": 16, "block_g": 32, "num_warps": 4, "pairs": 1}),
-    (16, {"block_n": 16, "block_g": 4, "num_warps": 1, "pairs": 1}, {"block_n": 16, "block_g": 32, "num_warps": 4, "pairs": 1}),
+    (1, {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1}, {"block_n": 1, "block_g": 32, "num_warps": 4, "pairs": 1}),
+    (4, {"block_n": 4, "block_g": 8, "num_warps": 1, "pairs": 1}, {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1}),
+    (16, {"block_n": 16, "block_g": 4, "num_warps": 1, "pairs": 1}, {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1}),
 )
 
 # The grouped GEMMs' tiles (block_m, block_n, block_k, num_warps, num_stages) by the pairs each
