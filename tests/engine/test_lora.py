@@ -231,6 +231,9 @@ def _decode_step_graph_and_eager(llm, prompts, loras, tag, not_replayed):
         eng.add_request(f"{tag}{i}", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                         lora_request=lora)
     eng.step()
+    sched = eng.scheduler
+    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
+        eng.step()  # the prompts may take more than one step (the scheduler's join limit)
     prev = eng.in_flight
     batch = eng.scheduler.schedule(prev.rows)
     assert set(batch.num_new_tokens) == {1} and len(batch.seqs) == len(prompts)
