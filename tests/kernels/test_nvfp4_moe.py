@@ -125,3 +125,49 @@ def test_nvfp4_moe_gpu_real_sizes_and_cuda_graph(tokens):
     graph.replay()
     weights, ids = route(x @ router.T, s["top_k"], True)
     _close(out, fm.fused_moe_torch(x.float(), ref13, ref2, weights, ids), 1.6e-2)
+
+
+def _sm90_specs():
+    """Every NVFP4 kernel variant the engine launches, at its launch settings: the experts' grouped
+    GEMMs at each moe_config tile (gated w13 and w2; bf16 activations, fp32 for --dtype float32 at
+    the decode tile), their one-token GEMVs, and the dense W4A16 kernel's two tilings."""
+    from kvship.kernels.nvfp4_moe import GEMV_DOWN, GEMV_GATE_UP
+
+    sizes = ("N", "K", "stride_a", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_out")
+    for cfg in sorted({fm.moe_config(t, 8, 128) for t in (1, 300, 1024, 4096)}, key=lambda c: c.block_m):
+        for gated in (True, False):
+            for dtype in ("bf16", "fp32") if cfg.block_m == 16 else ("bf16",):
+                types = {"a_ptr": f"*{dtype}", "w_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": f"*{dtype}",
+                         "rw_ptr": "*fp32", "sorted_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32",
+                         "num_pairs": "i32", **dict.fromkeys(sizes, "i32")}
+                yield {"kernel": "kvship.kernels.nvfp4_moe:_nvfp4_moe_kernel", "types": types,
+                       "constexprs": {"A_DIV": 8 if gated else 1, "GATED": gated, "GROUP": 16, "BLOCK_M": cfg.block_m,
+                                      "BLOCK_N": max(16, cfg.block_n // 2) if gated else cfg.block_n,
+                                      "BLOCK_K": max(cfg.block_k, 32)},
+                       "divisible": [n for n in types if n not in ("num_pairs", "stride_sn")],
+                       "options": {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}}
+    for gated, cfg in ((True, GEMV_GATE_UP), (False, GEMV_DOWN)):
+        types = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*bf16", "rw_ptr": "*fp32",
+                 "ids_ptr": "*i64", **dict.fromkeys(sizes, "i32")}
+        yield {"kernel": "kvship.kernels.nvfp4_moe:_nvfp4_gemv_kernel", "types": types,
+               "constexprs": {"A_DIV": 8 if gated else 1, "GATED": gated, "GROUP": 16, "BLOCK_N": cfg["block_n"],
+                              "BLOCK_K": cfg["block_k"]},
+               "divisible": [n for n in types if n not in ("ids_ptr", "rw_ptr", "stride_sn")],
+               "options": {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}}
+    dense = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
+             **dict.fromkeys(("M", "N", "K", "stride_x", "stride_y", "stride_w", "stride_s"), "i32")}
+    for block_m, block_n, block_k in ((16, 64, 128), (64, 128, 64)):  # nvfp4_linear_triton's two tilings
+        yield {"kernel": "kvship.kernels.nvfp4_linear:_nvfp4_kernel", "types": dense,
+               "constexprs": {"HAS_BIAS": True, "GROUP": 16, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                              "BLOCK_K": block_k},
+               "divisible": [n for n in dense if n not in ("M", "stride_s")],
+               "options": {"num_warps": 4, "num_stages": 3}}
+
+
+@pytest.mark.timeout(900)
+def test_nvfp4_kernels_compile_for_sm90():
+    """On a machine without a GPU (tests/sm90_compile.py says why): each variant compiles for an
+    H100/H200 within a block's shared memory."""
+    from sm90_compile import compile_in_child
+
+    compile_in_child(list(_sm90_specs()))
