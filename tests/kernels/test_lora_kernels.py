@@ -124,13 +124,16 @@ def test_grouped_kernels_match_reference(dtype, block_m, act, monkeypatch):
     lora_segments.lora_expand_grouped(y, h, b, groups, SLICES)
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol * 10)
     assert torch.equal(y[~has], y0[~has])
-    # a plain projection's one part, over tiles of 64 columns of which the last is partial
-    b1 = torch.randn(3, 100, RANK, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
-    h1 = h[:, :, :RANK].contiguous()
-    y_ref, y = y0[:, :1].repeat(1, 100), y0[:, :1].repeat(1, 100)
-    lora.lora_expand_torch(y_ref, h1.sum(0, keepdim=True), b1, slots, [100])
-    lora_segments.lora_expand_grouped(y, h1, b1, groups, [100])
-    torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol * 10)
+    # wider parts: tiles of one part, of all three, of the last alone (partial); then a plain
+    # projection's one part, its one tile partial
+    g = torch.Generator().manual_seed(5)
+    for parts, h_parts in [([160, 64, 64], h), ([100], h[:, :, :RANK].contiguous())]:
+        b2 = torch.randn(3, sum(parts), RANK, generator=g).to(DEV, dtype)
+        y_ref = torch.randn(len(slot_list), sum(parts), generator=g).to(DEV, dtype)
+        y = y_ref.clone()
+        lora.lora_expand_torch(y_ref, h_parts.sum(0, keepdim=True), b2, slots, parts)
+        lora_segments.lora_expand_grouped(y, h_parts, b2, groups, parts)
+        torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol * 10)
 
 
 @pytest.mark.timeout(300)

@@ -182,7 +182,7 @@ def lora_expand_grouped(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, group
     t, n, rank = y.shape[0], b.shape[1], b.shape[2]
     nb = _grid_blocks(t, b.shape[0], groups)
     starts = [sum(slices[:i]) for i in range(1, len(slices))] + [n] * (3 - len(slices))
-    block_n = 64
+    block_n = 128  # wide: every program also reads its rows' partial sums
     _expand_group_kernel[(nb, triton.cdiv(n, block_n))](
         h, b, groups.blocks, groups.order, y, n, rank, starts[0], starts[1], h.stride(0), h.stride(1), b.stride(0),
         b.stride(1), y.stride(0), SPLIT=h.shape[0], PARTS=len(slices), BLOCK_M=groups.block_m, BLOCK_N=block_n,
