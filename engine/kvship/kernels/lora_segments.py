@@ -179,6 +179,8 @@ def lora_shrink_grouped(x: torch.Tensor, a: torch.Tensor, groups: RowGroups, act
 def lora_expand_grouped(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, groups: RowGroups,
                         slices: list[int]) -> None:
     """kernels/lora.py's lora_expand for the rows ``groups`` holds, every part in one launch."""
+    if len(slices) > 3:
+        raise ValueError(f"a fused projection of {len(slices)} parts; LoRA takes up to 3")
     t, n, rank = y.shape[0], b.shape[1], b.shape[2]
     nb = _grid_blocks(t, b.shape[0], groups)
     starts = [sum(slices[:i]) for i in range(1, len(slices))] + [n] * (3 - len(slices))
