@@ -78,6 +78,7 @@ def test_responses_reasoning_effort_is_written_into_the_system_message(server):
         r = _respond(server, reasoning={} if effort is None else {"effort": effort})
         assert r.status_code == 200, r.text
         tokens[effort] = r.json()["usage"]["input_tokens"]
+        assert r.json()["reasoning"] == {"effort": effort, "summary": None}  # echoed as OpenAI's response does
     assert (tokens["medium"] - tokens["low"], tokens["high"] - tokens["low"]) == (3, 1)
     assert tokens[None] == tokens["medium"]
     # with instructions (a developer message) the effort still goes to the system message

@@ -150,6 +150,7 @@ class ResponseShell:
             "tools": [t.model_dump(by_alias=True, exclude_none=True) for t in b.tools or []],
             "text": {"format": fmt}, "truncation": "disabled", "store": b.store is not False,
             "metadata": b.metadata or {}, "user": b.user, "usage": usage,
+            "reasoning": {"effort": b.reasoning.effort if b.reasoning else None, "summary": None},
         }
 
 
