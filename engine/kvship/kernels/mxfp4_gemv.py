@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kvship.kernels._triton import INTERPRET, tl, triton
+from kvship.kernels._triton import INTERPRET, pdl_launch, pdl_wait, tl, triton
 from kvship.kernels.quant_gemv import _half, _pair, _split4
 from kvship.kernels.tuning.moe import MXFP4_GEMV
 
@@ -139,50 +139,73 @@ def _x_tile(x_rows, gs, gmask, PAIRS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _tile(rows, srows, rmask, gs, gmask, x0, x1, x2, x3, PAIRS: tl.constexpr, ASM: tl.constexpr):
-    """[.., BLOCK_G] float32: rows [.., 1] (each row's first code byte, or word for PAIRS; srows:
-    its first scale; rmask: which are real) times x's inputs in groups gs (``_x_tile``, shaped
-    to broadcast against the [.., BLOCK_G, 4 or 16] codes), per group and scaled."""
-    m = rmask & gmask
+def _load(rows, srows, rmask, g0, NG, BLOCK_G: tl.constexpr, PAIRS: tl.constexpr):
+    """Codes and scales of rows [.., 1] (each row's first code byte, or word for PAIRS; srows:
+    its first scale; rmask: which are real) in groups g0 .. g0 + BLOCK_G: q int32 [.., BLOCK_G,
+    4 words or 16 bytes], s [.., BLOCK_G]. Groups from NG on are masked off (the look-ahead)."""
+    gs = g0 + tl.arange(0, BLOCK_G)
+    m = rmask & (gs < NG)
     s = tl.load(srows + gs, mask=m, other=0, eviction_policy="evict_first")
-    if PAIRS:  # 4 words a group
+    if PAIRS:
         q = tl.load(tl.expand_dims(rows, -1) + (gs * 4)[:, None] + tl.arange(0, 4)[None, :],
                     mask=tl.expand_dims(m, -1), other=0, eviction_policy="evict_first")
-        out = tl.sum(_word_sums(q, x0, x1, x2, x3, ASM), -1) * _scale(s, 0)
-    else:  # 16 bytes a group
+    else:
         q = tl.load(tl.expand_dims(rows, -1) + (gs * 16)[:, None] + tl.arange(0, 16)[None, :],
                     mask=tl.expand_dims(m, -1), other=0, eviction_policy="evict_first").to(tl.int32)
+    return q, s
+
+
+@triton.jit
+def _sums(q, s, x0, x1, x2, x3, PAIRS: tl.constexpr, ASM: tl.constexpr):
+    """[.., BLOCK_G] float32: ``_load``'s tile times x's inputs (``_x_tile``, shaped to broadcast
+    against q), per group and scaled."""
+    if PAIRS:
+        out = tl.sum(_word_sums(q, x0, x1, x2, x3, ASM), -1) * _scale(s, 0)
+    else:
         out = _sums_f32(q, x0, x1) * _scale(s, 14)  # the 2 ** 14 the decode leaves out
     return out
 
 
 @triton.jit
+def _stream(rows, srows, rmask, x_rows, q, s, NG, BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+    """[R, BLOCK_N] float32 sums of rows [R, BLOCK_N, 1] times x (x_rows: one row's first input,
+    or [R, 1, 1, 1] of them), the first tile (q, s) already loaded; each next tile is loaded
+    before this one's arithmetic (a tile ahead in registers)."""
+    acc = tl.zeros(s.shape, tl.float32)
+    for g0 in range(0, NG, BLOCK_G):
+        q_next, s_next = _load(rows, srows, rmask, g0 + BLOCK_G, NG, BLOCK_G, PAIRS)
+        gs = g0 + tl.arange(0, BLOCK_G)
+        x0, x1, x2, x3 = _x_tile(x_rows, gs, gs < NG, PAIRS, ASM)  # [(R,) BLOCK_G, ..], once for every row
+        if len(x0.shape) == 2:
+            acc += _sums(q, s, x0[None, None], x1[None, None], x2[None, None], x3[None, None], PAIRS, ASM)
+        else:
+            acc += _sums(q, s, x0[:, None], x1[:, None], x2[:, None], x3[:, None], PAIRS, ASM)
+        q, s = q_next, s_next
+    return tl.sum(acc, 2)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_x, stride_we, stride_wn, stride_se,
                     stride_sn, stride_be, stride_h, alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+                    BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     """h[pair, n] for n in this program's BLOCK_N of the N intermediate outputs: the clamped SwiGLU
-    of gate row n and up row N + n of the pair's expert, biases added."""
+    of gate row n and up row N + n of the pair's expert, biases added. The tile holds both."""
+    pdl_wait(PDL)  # the routing and x come from the kernels before
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    gate_w = (w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn)[:, None]
-    gate_s = (s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn)[:, None]
-    up_w, up_s = gate_w + N * stride_wn, gate_s + N * stride_sn
+    n = tl.arange(0, 2)[:, None] * N + offs_n[None, :]  # gate rows, up rows
+    rows = (w_ptr + expert * stride_we + n.to(tl.int64) * stride_wn)[:, :, None]
+    srows = (s_ptr + expert * stride_se + n.to(tl.int64) * stride_sn)[:, :, None]
     NG = K // _GROUP
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
-    for g0 in range(0, NG, BLOCK_G):
-        gs = g0 + tl.arange(0, BLOCK_G)
-        gmask = gs < NG
-        x0, x1, x2, x3 = _x_tile(x_row, gs, gmask, PAIRS, ASM)  # one x tile for both
-        acc_gate += _tile(gate_w, gate_s, nmask[:, None], gs, gmask, x0[None], x1[None], x2[None], x3[None], PAIRS,
-                          ASM)
-        acc_up += _tile(up_w, up_s, nmask[:, None], gs, gmask, x0[None], x1[None], x2[None], x3[None], PAIRS, ASM)
-    b = bias_ptr + expert * stride_be
-    gate = tl.minimum(tl.sum(acc_gate, 1) + tl.load(b + offs_n, mask=nmask, other=0.0), limit)
-    up = tl.minimum(tl.maximum(tl.sum(acc_up, 1) + tl.load(b + N + offs_n, mask=nmask, other=0.0), -limit), limit)
+    q, s = _load(rows, srows, nmask[None, :, None], 0, NG, BLOCK_G, PAIRS)
+    y = _stream(rows, srows, nmask[None, :, None], x_ptr + (pair // TOP_K).to(tl.int64) * stride_x, q, s, NG,
+                BLOCK_G, PAIRS, ASM)
+    y += tl.load(bias_ptr + expert * stride_be + n, mask=nmask[None, :], other=0.0)
+    gate, up = tl.split(tl.trans(y))
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
     h = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
     tl.store(h_ptr + pair.to(tl.int64) * stride_h + offs_n, h.to(h_ptr.dtype.element_ty), mask=nmask)
 
@@ -190,10 +213,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr, N, K, stride_h, stride_we, stride_wn,
                  stride_se, stride_sn, stride_be, stride_out, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr,
+                 PDL: tl.constexpr):
     """out[token, n] = sum over the token's k pairs of weight * (W2[e, n] . h[pair] + b2[e, n]).
     A program's tile holds BLOCK_N rows of each of the k experts (padded to K_POW2: repeats of
-    the last, weighted 0), so that one token's few programs keep k times the bytes in flight."""
+    the last, weighted 0), so that one token's few programs keep k times the bytes in flight.
+    Its first tile is loaded before the wait for h: the routing it needs was waited for by the
+    gate/up kernel, which lets this one launch only after that."""
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
@@ -202,18 +228,14 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr, N, K, 
     experts = tl.load(ids_ptr + pairs).to(tl.int64)
     rows = (w_ptr + experts[:, None] * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn)[:, :, None]
     srows = (s_ptr + experts[:, None] * stride_se + offs_n.to(tl.int64)[None, :] * stride_sn)[:, :, None]
-    h_rows = (h_ptr + pairs.to(tl.int64) * stride_h)[:, None, None, None]
     NG = K // _GROUP
-    acc = tl.zeros([K_POW2, BLOCK_N, BLOCK_G], tl.float32)
-    for g0 in range(0, NG, BLOCK_G):
-        gs = g0 + tl.arange(0, BLOCK_G)
-        gmask = gs < NG
-        x0, x1, x2, x3 = _x_tile(h_rows, gs, gmask, PAIRS, ASM)  # [K_POW2, BLOCK_G, ..]: each pair's h
-        acc += _tile(rows, srows, nmask[None, :, None], gs, gmask, x0[:, None], x1[:, None], x2[:, None],
-                     x3[:, None], PAIRS, ASM)
+    q, s = _load(rows, srows, nmask[None, :, None], 0, NG, BLOCK_G, PAIRS)
+    pdl_wait(PDL)  # h comes from the gate/up kernel
+    y = _stream(rows, srows, nmask[None, :, None], (h_ptr + pairs.to(tl.int64) * stride_h)[:, None, None, None],
+                q, s, NG, BLOCK_G, PAIRS, ASM)
     bias = tl.load(bias_ptr + experts[:, None] * stride_be + offs_n[None, :], mask=nmask[None, :], other=0.0)
     weight = tl.load(rw_ptr + pairs, mask=j < TOP_K, other=0.0)
-    y = tl.sum(weight[:, None] * (tl.sum(acc, 2) + bias), 0)
+    y = tl.sum(weight[:, None] * (y + bias), 0)
     tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, y.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -241,11 +263,11 @@ def mxfp4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, 
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up["block_n"]))](
         x, gu_w, w13_scale, w13_bias, h, ids, inter, hidden, x.stride(0), gu_w.stride(0), gu_w.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), w13_bias.stride(0), h.stride(0), float(alpha), float(limit),
-        TOP_K=top_k, **_launch(gate_up))
+        TOP_K=top_k, **_launch(gate_up, x))
     _down_kernel[(tokens, triton.cdiv(hidden, down["block_n"]))](
         h, dn_w, w2_scale, w2_bias, out, rw, ids, hidden, inter, h.stride(0), dn_w.stride(0), dn_w.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), w2_bias.stride(0), out.stride(0), TOP_K=top_k,
-        K_POW2=triton.next_power_of_2(top_k), **_launch(down))
+        K_POW2=triton.next_power_of_2(top_k), **_launch(down, x))
     return out
 
 
@@ -254,6 +276,6 @@ def _words(codes: torch.Tensor, settings: dict) -> torch.Tensor:
     return codes.view(torch.int32) if settings.get("pairs") else codes
 
 
-def _launch(settings: dict) -> dict:
+def _launch(settings: dict, x: torch.Tensor) -> dict:
     return dict(BLOCK_N=settings["block_n"], BLOCK_G=settings["block_g"], PAIRS=bool(settings.get("pairs")),
-                ASM=not INTERPRET, num_warps=settings["num_warps"])
+                ASM=not INTERPRET, num_warps=settings["num_warps"], **pdl_launch(x))
