@@ -164,6 +164,29 @@ def test_checkpoint_matches_transformers_on_dequantized_weights(tmp_path, caplog
         assert torch.equal(ours.argmax(-1), want.argmax(-1)), "greedy tokens differ"
 
 
+@pytest.mark.skipif(DEV == "cuda" or not HAS_TRITON, reason="CPU: the Triton kernels run in the interpreter")
+def test_moe_experts_on_the_triton_path_match_transformers(tmp_path, monkeypatch):
+    """The NVFP4 experts on kernels/nvfp4_moe.py's Triton kernels (the GPU's dispatch, forced here):
+    a batch (the grouped GEMMs) and one prompt in chunks of 5 whose last step is one token (the
+    GEMV) match transformers on the dequantized weights."""
+    from kvship.kernels import nvfp4_moe
+
+    folder = tmp_path / "moe"
+    ref = make_tiny_model(folder, "qwen3-moe", seed=5, spec=MOE_SPEC)
+    _write_nvfp4(folder, "modelopt", ref)
+    tokens, triton_path = [], nvfp4_moe.nvfp4_moe_triton
+    monkeypatch.setattr(nvfp4_moe, "use_triton", lambda t: True)
+    monkeypatch.setattr(nvfp4_moe, "nvfp4_moe_triton", lambda x, *a, **kw: tokens.append(x.shape[0]) or
+                        triton_path(x, *a, **kw))
+    prompts = [torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 11)]
+    got = our_logits(folder, prompts) + our_logits(folder, prompts[1:], chunk=5)
+    assert 1 in tokens and max(tokens) == 17
+    for p, ours in zip(prompts + prompts[1:], got):
+        with torch.no_grad():
+            want = ref(torch.tensor([p])).logits[0]
+        torch.testing.assert_close(ours, want, atol=1e-4, rtol=0)
+
+
 def test_moe_experts_stay_quantized(tmp_path):
     from kvship.llm import LLM
 
