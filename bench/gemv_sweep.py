@@ -4,7 +4,7 @@ timed from a CUDA graph that cycles through enough weight copies to overflow L2 
 step, where each layer's weights come from HBM). Prints a table and the GEMV_SHAPES entries
 (engine/kvship/kernels/tuning/gemv.py) for the shapes where the best setting beats cuBLAS.
 
-    python bench/gemv_sweep.py [--quick] [--more | --deepseek | --absorbed] [--best-json PATH]
+    python bench/gemv_sweep.py [--quick] [--more | --gpt-oss | --deepseek | --absorbed] [--best-json PATH]
 
 --deepseek also times the absorbed attention's per-head products (kernels/gemv.py head_matmul),
 --absorbed only those.
@@ -31,6 +31,10 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
 MORE_SHAPES = [("a3b qkv", 5120, 2048), ("a3b o", 2048, 4096), ("a3b router", 128, 2048), ("gemma2 qkv", 8192, 3584),
                ("gemma2 o", 3584, 4096), ("gemma2 gate_up", 28672, 3584), ("gemma2 down", 3584, 14336),
                ("phi4 qkv", 7680, 5120), ("phi4 o", 5120, 5120), ("phi4 down", 5120, 17920)]
+# --gpt-oss: gpt-oss's q/k/v (with biases) and o projections and routers (20b: 32 experts, 120b: 128); as
+# many bytes a token as its MXFP4 experts
+GPT_OSS_SHAPES = [("gpt-oss qkv", 5120, 2880), ("gpt-oss o", 2880, 4096), ("gpt-oss-20b router", 32, 2880),
+                  ("gpt-oss-120b router", 128, 2880)]
 # --deepseek: DeepSeek-V2-Lite's and Moonlight's q, latent (kv_a) and o projections, their router, the shared
 # experts' gate/up and down, and their first (dense) layer's MLP
 DEEPSEEK_SHAPES = [("ds q", 3072, 2048), ("ds kv_a", 576, 2048), ("ds o", 2048, 2048), ("ds shared gate_up", 5632, 2048),
@@ -66,6 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a small grid of settings")
     ap.add_argument("--more", action="store_true", help="the other bench shapes' projections instead of Llama-3-8B's")
+    ap.add_argument("--gpt-oss", action="store_true", help="gpt-oss's attention projections and routers instead")
     ap.add_argument("--deepseek", action="store_true", help="DeepSeek-V2-Lite's and Moonlight's instead")
     ap.add_argument("--absorbed", action="store_true", help="only DeepSeek's absorbed per-head products")
     ap.add_argument("--best-json", help="write the GEMV_SHAPES entries found here, as [[N, K], setting] pairs "
@@ -79,7 +84,8 @@ def main() -> None:
     rows, best_table = [], {}
     if args.deepseek:
         grid = list(itertools.product([4, 8, 16], [512, 1024, 2048], [2, 4, 8], [1, 3]))
-    shapes = [] if args.absorbed else DEEPSEEK_SHAPES if args.deepseek else MORE_SHAPES if args.more else SHAPES
+    shapes = ([] if args.absorbed else DEEPSEEK_SHAPES if args.deepseek else MORE_SHAPES if args.more
+              else GPT_OSS_SHAPES if args.gpt_oss else SHAPES)
     for name, n, k in shapes:
         copies = max(4, -(-300_000_000 // (n * k * 2)))  # > 2x the 50 MB L2 every replay
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]

@@ -224,8 +224,9 @@ def main() -> None:
                     help="weight formats to compare (graphs only), instead of the bf16 graphs/eager/HF table; "
                          "int4-g32: in-situ int4 in groups of 32 with offsets, the layout GGUF Q4_K blocks load into; "
                          "q4_k_m: a GGUF file of the shape with Q4_K_M's tensor types (bench/gguf_shape.py)")
-    ap.add_argument("--settings", help="one-row and small-batch GEMV settings per weight to try (the JSON of "
-                                       "bench/quant_gemv_sweep.py or bench/gemv_sweep.py --best-json), over the engine's own")
+    ap.add_argument("--settings", nargs="+", help="one-row and small-batch GEMV settings per weight to try (the JSONs "
+                                                  "of bench/quant_gemv_sweep.py, gemv_sweep.py or moe_sweep.py --mxfp4 "
+                                                  "--best-json), over the engine's own")
     ap.add_argument("--context", type=int, nargs="+",
                     help="batch-1 decode after a prompt of each of these lengths (bench/long_context.py), beside "
                          "--dense's shape at the same context")
@@ -233,8 +234,8 @@ def main() -> None:
                     help="with --context: the shape to compare with (none: only --shape)")
     ap.add_argument("--device", default="cuda", help="with --context: cpu runs the same path (tiny shapes)")
     args = ap.parse_args()
-    if args.settings:
-        use_settings(json.loads(Path(args.settings).read_text()))
+    for path in args.settings or []:
+        use_settings(json.loads(Path(path).read_text()))
     if args.context:
         from long_context import compare_contexts  # it builds its engines with start_engine above
 
