@@ -80,6 +80,25 @@ def test_gemv_matches_torch_and_grouped(tokens, pairs):
     assert want.abs().max() > 1.0
 
 
+@pytest.mark.timeout(300)
+def test_packed_pairs_take_outlier_activations():
+    """Inputs of 3000 against codes of +6 (inputs 0..3) and -6 (4..7): each half of the word's
+    float16 sum (4 products, 72000) would overflow, the two infinities cancel to NaN (the
+    clamps would hide one infinity alone); the packed pairs hold x / 16, and the layer stays
+    finite and matches the reference (where the 8 products cancel)."""
+    e, h, i, k = 2, 64, 32, 1
+    ex = make_experts(e, h, i, True, 51)
+    ex.w13[:, :, :2] = 0x77  # two codes a byte: inputs 0..3 of every gate/up row +6, 4..7 -6
+    ex.w13[:, :, 2:4] = 0xFF
+    x = torch.randn(1, h, generator=torch.Generator().manual_seed(52))
+    x[0, :8] = 3000.0
+    weights, ids = route(1, e, k, 53)
+    want = gm.gpt_oss_moe_torch(x, ex, weights, ids)
+    settings = {"block_n": 32, "block_g": 2, "num_warps": 1, "pairs": 1}
+    got = run_gemv(x, ex, weights, ids, settings, settings)
+    assert torch.isfinite(got).all() and ((got - want).norm() / want.norm()).item() < 3e-3
+
+
 def test_dispatch_takes_the_gemv_for_few_tokens(monkeypatch):
     """gpt_oss_moe_triton with no tiles asked for: MXFP4 and few tokens go to the GEMVs, more to
     the grouped GEMMs (the table's bound)."""
