@@ -1,8 +1,9 @@
 """Host (Python) time per engine step, measured on the CPU with a tiny model so that the
 forward pass costs almost nothing: what a GPU would sit idle for if nothing overlapped it.
-Prints a table per batch size; --profile adds the top functions by own time.
+Prints a table per batch size; --profile adds the top functions by own time; --waiting N queues
+N more requests behind a full batch, as an offline run holds them.
 
-    python bench/host_overhead.py [--batch 1 64 256] [--steps 200] [--profile]
+    python bench/host_overhead.py [--batch 1 64 256] [--steps 200] [--waiting 0] [--profile]
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--waiting", type=int, default=0, help="requests queued behind the full batch")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -40,10 +42,10 @@ def main() -> None:
                       max_model_len=args.prompt_len + args.steps + 8, max_num_batched_tokens=8192)
             eng = llm.engine
             params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
-            for i in range(bs):
+            for i in range(bs + args.waiting):
                 eng.add_request(f"r{i}", [2 + (i + j) % 500 for j in range(args.prompt_len)], params)
-            while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) \
-                    or eng.scheduler.waiting:
+            running = eng.scheduler.running
+            while len(running) < bs or any(s.num_computed_tokens < s.num_prompt_tokens for s in running):
                 eng.step()  # prefill
             runner_time = [0.0]
             inner = eng.runner.forward

@@ -10,6 +10,7 @@ bench/throughput.py (--num-prompts, lengths uniform in [100, 1024], all waiting 
 The TTFT floor is one prompt's prefill alone.
 
     python bench/schedule_model.py [--shape llama3-8b] [--bw 3.0e12] [--mm 620e12] [--join 8192 512]
+                                   [--schedule-policy shortest-prefill longest-output]
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, attention_layers, kv_bytes_per_token, param_count, table
+from kvship.config import SCHEDULE_POLICIES
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.scheduler import Scheduler
 from kvship.sampling_params import SamplingParams
@@ -105,10 +107,10 @@ def serving(cost, budget, join, conc, prompt, out, ramp):
     return _pct(list(ttft.values()), 0.5), _pct(list(ttft.values()), 0.99), _pct(list(tpot.values()), 0.5)
 
 
-def offline(cost, budget, join, num_prompts, seed=0):
+def offline(cost, budget, join, num_prompts, policy, seed=0):
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks=num_prompts * 2048 // 16, block_size=16, enable_prefix_caching=False)
-    sched = Scheduler(kv, 256, budget, prefill_join_tokens=join)
+    sched = Scheduler(kv, 256, budget, prefill_join_tokens=join, schedule_policy=policy)
     seqs = [_seq(i, rng.randint(100, 1024), rng.randint(100, 1024)) for i in range(num_prompts)]
     _, _, seconds, produced = simulate(cost, sched, [(0.0, s) for s in seqs])
     return produced / seconds
@@ -132,6 +134,8 @@ def main() -> None:
     ap.add_argument("--ramp", type=float, nargs="+", default=[1.9, 0.5, 0.0],
                     help="seconds the first requests are spread over (serve.py: one request's duration alone)")
     ap.add_argument("--num-prompts", type=int, default=500)
+    ap.add_argument("--schedule-policy", nargs="+", default=list(SCHEDULE_POLICIES), choices=SCHEDULE_POLICIES,
+                    help="offline rows for each (serving rows: shortest-prefill)")
     args = ap.parse_args()
     cost = StepCost(args.shape, args.bw, args.mm)
     alone = Batch()
@@ -142,8 +146,9 @@ def main() -> None:
             p50, p99, tpot = serving(cost, args.budget, join, args.concurrency, args.prompt, args.output, ramp)
             rows.append([join, f"serving c={args.concurrency}, ramp {ramp:g} s", f"{p50 * 1e3:.0f}",
                          f"{p99 * 1e3:.0f}", f"{tpot * 1e3:.1f}", "-"])
-        rows.append([join, f"offline, {args.num_prompts} prompts", "-", "-", "-",
-                     f"{offline(cost, args.budget, join, args.num_prompts):,.0f}"])
+        for policy in args.schedule_policy:
+            rate = offline(cost, args.budget, join, args.num_prompts, policy)
+            rows.append([join, f"offline, {args.num_prompts} prompts, {policy}", "-", "-", "-", f"{rate:,.0f}"])
     print(f"{args.shape}, bandwidth {args.bw / 1e12:.2f} TB/s, matmul {args.mm / 1e12:.0f} TFLOP/s, budget "
           f"{args.budget}; TTFT floor (one {args.prompt}-token prefill alone): {cost(alone) * 1e3:.1f} ms\n")
     print(table(rows, ["prefill_join_tokens", "workload", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "out tok/s"]))

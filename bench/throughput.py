@@ -11,9 +11,9 @@ bf16 matmul rate, so an FP8 W8A8 limit is conservative there).
 
     python bench/throughput.py [--shape llama3-8b] [--num-prompts 1000] [--max-num-seqs N]
                                [--kv-cache-dtype auto fp8 ...] [--quantization none fp8 ...] [--tp 1 2]
-                               [--profile TOP]
+                               [--schedule-policy shortest-prefill longest-output] [--profile TOP]
 
-Several weight formats (none: 16-bit), KV-cache dtypes and TP sizes run in turn, each configuration
+Several weight formats (none: 16-bit), KV-cache dtypes, TP sizes and schedule policies run in turn, each configuration
 in its own engine (shut down before the next starts), and share one table: each row beside its own
 limit, in the same run. Without --max-num-seqs each engine picks its batch cap from its KV cache's
 size (the "seqs" column).
@@ -52,6 +52,7 @@ from common import (
     weight_bytes_per_token,
     write_shape_folder,
 )
+from kvship.config import SCHEDULE_POLICIES
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
 
@@ -114,7 +115,8 @@ def shifted(prompts, i: int, vocab: int):
 
 
 def run_kvship(folder, prompts, outs, max_num_seqs: int | None, kv_cache_dtype: str = "auto",
-               quantization: str | None = None, tp: int = 1, profile: int = 0, *, passes: int = 1, vocab: int):
+               quantization: str | None = None, tp: int = 1, profile: int = 0, *, passes: int = 1, vocab: int,
+               schedule_policy: str = "shortest-prefill"):
     """Per pass over the workload (``passes`` in one engine; prompts ``shifted``): (seconds, output
     tokens, fraction of the wall time inside the events bracketing each forward pass and each
     sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle, the steps by
@@ -124,7 +126,7 @@ def run_kvship(folder, prompts, outs, max_num_seqs: int | None, kv_cache_dtype: 
     bytes a generated token reads and writes (hybrids; 0 for others)."""
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=2 * max(map(len, prompts)) + 16,
               max_num_seqs=max_num_seqs, max_num_batched_tokens=8192, kv_cache_dtype=kv_cache_dtype,
-              quantization=quantization, tensor_parallel_size=tp)
+              quantization=quantization, tensor_parallel_size=tp, schedule_policy=schedule_policy)
     seqs = llm.engine.config.max_num_seqs
     weight_bytes = weight_bytes_per_token(llm.engine.runner.model)
     expert_bytes = expert_bytes_per_token(llm.engine.runner.model)
@@ -198,6 +200,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=1,
                     help="passes over the workload in one engine; the row shows the median pass and lists them all "
                          "(H200 runs of one tree differed by up to 7%%)")
+    ap.add_argument("--schedule-policy", nargs="+", default=["shortest-prefill"], choices=SCHEDULE_POLICIES,
+                    help="the engine's admission order, each run in turn (longest-output: most max_tokens first)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1],
                     help="tensor-parallel sizes, each run in turn (e.g. 1 2: TP=1 and TP=2 in the same run)")
     args = ap.parse_args()
@@ -206,13 +210,14 @@ def main() -> None:
     prompts, outs = workload(args.num_prompts, args.lo, args.hi, vocab)
     t0 = time.monotonic()
     rows, limits, profiles, first = [], {}, [], 0.0
-    for wfmt, kv, tp in itertools.product(args.quantization, args.kv_cache_dtype, args.tp):
+    for wfmt, kv, tp, policy in itertools.product(args.quantization, args.kv_cache_dtype, args.tp, args.schedule_policy):
         config = f"{'bf16' if wfmt == 'none' else wfmt} weights, {kv} KV" + (f", TP={tp}" if args.tp != [1] else "")
+        config += f", {policy}" if len(args.schedule_policy) > 1 else ""
         with tempfile.TemporaryDirectory() as tmp:
             folder = write_shape_folder(args.shape, tmp)
             results, wbytes, ebytes, prof_rows, seqs, sbytes = run_kvship(
                 folder, prompts, outs, args.max_num_seqs, kv, insitu_method(wfmt), tp, args.profile,
-                passes=args.passes, vocab=vocab)
+                passes=args.passes, vocab=vocab, schedule_policy=policy)
         dt, produced, busy, kinds = sorted(results)[len(results) // 2]  # the median pass (by seconds)
         # tp GPUs side by side: each reads its shard (rank 0's bytes), 1/tp of the KV and of the FLOPs
         limits[config] = limit_seconds(args.shape, prompts, outs, seqs, bw * tp, mm * tp, kv,

@@ -94,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_join_tokens=args.prefill_join_tokens,
+        schedule_policy=args.schedule_policy,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_events=_kv_events(args.kv_events_config),

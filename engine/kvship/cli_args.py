@@ -6,6 +6,7 @@ import argparse
 import re
 
 from kvship import envs
+from kvship.config import SCHEDULE_POLICIES
 from kvship.speculative_config import SpeculativeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -73,10 +74,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most sequences in a batch (default: from the KV cache's size, 256 to 1024)")
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help="token budget per step (default: 8192 on a GPU, 64 on a CPU)")
-    g.add_argument("--prefill-join-tokens", type=int, default=512,
+    g.add_argument("--prefill-join-tokens", type=int, default=None,
                    help="once a prompt's prefill ends in a step, later prompts join it only while the step holds at "
                         "most this many tokens: prompts finish one at a time, shortest first, for a lower mean time to "
-                        "first token (--max-num-batched-tokens or more: they share the whole budget)")
+                        "first token (default 512; with --schedule-policy longest-output they share the whole budget)")
+    g.add_argument("--schedule-policy", default="shortest-prefill", choices=SCHEDULE_POLICIES,
+                   help="which waiting requests start first: the fewest prompt tokens left (time to first token) or "
+                        "the most max_tokens (offline batches with varied lengths end sooner)")
     g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block (power of two)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes")

@@ -9,6 +9,7 @@ from kvship.speculative_config import SpeculativeConfig
 TASKS = ("auto", "generate", "embed")
 QUANTIZATIONS = (None, "fp8", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
+SCHEDULE_POLICIES = ("shortest-prefill", "longest-output")
 
 
 @dataclass
@@ -73,9 +74,14 @@ class EngineConfig:
     max_num_seqs: int | None = None
     # Token budget per step (chunked prefill); None: default_token_budget(device).
     max_num_batched_tokens: int | None = None
+    # Which waiting sequences are admitted first: shortest-prefill (fewest prompt tokens left, for
+    # time to first token) or longest-output (most max_tokens: offline batches end sooner).
+    schedule_policy: str = "shortest-prefill"
     # Once a prompt's prefill ends in a step, later prompts join that step only while it holds at
     # most this many tokens (core/scheduler.py); max_num_batched_tokens or more: they share it all.
-    prefill_join_tokens: int = 512
+    # None: PREFILL_JOIN_TOKENS with shortest-prefill; with longest-output (throughput, not time
+    # to first token) they share it all.
+    prefill_join_tokens: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (vLLM's --kv-events-config)
@@ -117,7 +123,11 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
-        if self.prefill_join_tokens < 0:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {self.schedule_policy!r}")
+        if self.prefill_join_tokens is None and self.schedule_policy == "shortest-prefill":
+            self.prefill_join_tokens = PREFILL_JOIN_TOKENS
+        if self.prefill_join_tokens is not None and self.prefill_join_tokens < 0:
             raise ValueError("prefill_join_tokens must be at least 0")
         if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
             raise ValueError("num_state_checkpoints must be at least 0")
@@ -147,6 +157,11 @@ GPU_TOKEN_BUDGET = 8192
 # small model to a few tenths of a second, and a short request beside a long prompt's chunks
 # gets a token at that pace rather than after the whole prefill.
 CPU_TOKEN_BUDGET = 64
+
+
+# Past about this many tokens a step's matmuls are compute-bound on a GPU: more prompts joining
+# a step in which one ends only delay it (and every decode in it).
+PREFILL_JOIN_TOKENS = 512
 
 
 def default_token_budget(device_type: str) -> int:

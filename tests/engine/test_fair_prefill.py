@@ -104,11 +104,27 @@ def test_a_short_prompt_ends_first_and_a_long_one_fills_the_step_to_the_join_siz
     assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("short", 5), ("long", 11)]
 
 
+def test_longest_output_first_admits_by_max_tokens_after_the_prompts_under_way():
+    kv = KVCacheManager(num_blocks=64, block_size=16)
+    sched = Scheduler(kv, max_num_seqs=3, max_num_batched_tokens=BUDGET, schedule_policy="longest-output")
+    begun = Sequence("begun", 0, list(range(1, 101)), SamplingParams(max_tokens=1))
+    sched.add(begun)
+    sched.commit(sched.schedule())  # part-way through its prompt: it goes on first
+    outs = {"short": 5, "long": 300, "none": None, "mid": 40}
+    for name, max_tokens in outs.items():
+        sched.add(Sequence(name, 0, [1, 2, 3], SamplingParams(max_tokens=max_tokens)))
+    batch = sched.schedule()
+    # two free slots: no limit counts as the longest, then the most max_tokens; short and mid wait
+    assert [s.request_id for s in batch.seqs] == ["begun", "none", "long"]
+    assert [s.request_id for s in sched.waiting] == ["short", "mid"]
+
+
 def test_default_budget_by_device():
     assert EngineConfig().max_num_batched_tokens is None
     assert default_token_budget("cpu") == CPU_TOKEN_BUDGET < default_token_budget("cuda")
     # a CPU's budget is below the join size: its steps are shared as before
     assert CPU_TOKEN_BUDGET <= EngineConfig().prefill_join_tokens < default_token_budget("cuda")
+    assert EngineConfig(schedule_policy="longest-output").prefill_join_tokens is None  # throughput: share it all
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,9 @@ the rest. Once a prompt's prefill ends in the step, later prompts join it only w
 holds at most ``prefill_join_tokens``: past the size where a step turns compute-bound, every
 token added delays that prompt's first token and every decode's next, and packing several
 whole prompts into one step gives them all the last one's TTFT (shortest remaining first, one
-prompt finished at a time, minimises the mean). The batch lists its one-token entries first (Batch.decodes_first), for the attention
+prompt finished at a time, minimises the mean). With ``schedule_policy`` "longest-output" waiting
+sequences are admitted by the most tokens they may generate instead (an offline batch ends with
+its last sequence: the long ones started first leave a short tail). The batch lists its one-token entries first (Batch.decodes_first), for the attention
 kernels. A sequence with a LoRA adapter waits while the running ones already use as many
 distinct adapters as the device has slots (``max_loras``). When blocks run out, the newest running sequence not yet in the batch is preempted
 (its blocks freed, recomputed later from its tokens; the prefix cache usually makes that cheap).
@@ -16,6 +18,7 @@ recurrent-state copies of its prefix hits and checkpoints (core/state_checkpoint
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Container
@@ -26,8 +29,10 @@ from kvship.sequence import Batch, SeqStatus, Sequence
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_loras: int | None = None, prefill_join_tokens: int | None = None):
+                 max_loras: int | None = None, prefill_join_tokens: int | None = None,
+                 schedule_policy: str = "shortest-prefill"):
         self.kv = kv
+        self.schedule_policy = schedule_policy
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -99,9 +104,10 @@ class Scheduler:
         # Waiting sequences are admitted only while nothing had to be preempted this step.
         admitting = not preempted
         loras = {seq.lora_id for seq in self.running if seq.lora is not None}
-        waiting = [seq for seq in self.waiting if not seq.gated] if admitting else []
+        room_to_admit = admitting and len(self.running) < self.max_num_seqs
+        waiting = [seq for seq in self.waiting if not seq.gated] if room_to_admit else []
         room, ended = budget, False  # what the next prefill may take; whether a prompt's prefill ends in this step
-        for seq in sorted(prefills + waiting, key=lambda seq: seq.num_tokens - seq.num_computed_tokens):
+        for seq in self._prefill_order(prefills, waiting):
             if room <= 0:
                 break
             if seq.status is SeqStatus.RUNNING:
@@ -126,6 +132,15 @@ class Scheduler:
                 if copy := self.kv.state_checkpoint(seq, n):
                     batch.state_checkpoints.append(copy)
         return batch.decodes_first()
+
+    def _prefill_order(self, prefills: list[Sequence], waiting: list[Sequence]) -> list[Sequence]:
+        def remaining(seq: Sequence) -> int:
+            return seq.num_tokens - seq.num_computed_tokens
+
+        if self.schedule_policy == "longest-output":  # prompts part-way through go on first
+            return sorted(prefills, key=remaining) + sorted(
+                waiting, key=lambda seq: -(seq.params.max_tokens or math.inf))
+        return sorted(prefills + waiting, key=remaining)
 
     def _verified_drafts(self, seq: Sequence, room: int) -> int:
         """How many of a decode's proposed tokens this step verifies: what the budget leaves
