@@ -10,17 +10,26 @@ here, whichever is slower.
 With ``--long N`` (default 2000; 0: off), also the time to the first token of one N-token
 prompt, kvship against transformers, and how much kvship's peak RSS rose during its prefill.
 
-    python bench/cpu_latency.py [--prompt 128] [--output 64] [--batch 1 8] [--long 2000] [--threads N]
+Unless ``--no-serve``: the same through a real `kvship serve` on loopback (bench/cpu_served.py),
+in the table's "served" row: one streamed request's decode tok/s against the offline batch-1
+rate, and, with --long, a short chat's answer time while the long prompt prefills.
+
+    python bench/cpu_latency.py [--prompt 128] [--output 64] [--batch 1 8] [--long 2000] [--threads N] [--no-serve]
 """
 from __future__ import annotations
 
 import argparse
 import os
-import resource
+import sys
+import threading
 import time
+from pathlib import Path
 
+import psutil
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_served import Served, chat_during_prefill, served_decode
 from kvship.llm import LLM
 from kvship.loader import bundled_model_path
 from kvship.sampling_params import SamplingParams
@@ -93,16 +102,16 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: kvship's choice, measured at start)")
     ap.add_argument("--long", type=int, default=2000, help="one long prompt's TTFT and RSS rise (0: off)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-serve", action="store_true", help="skip the rows through a real `kvship serve`")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     path = bundled_model_path()
     # no prefix cache: every run prefills its prompt, as transformers does
-    llm = LLM(path, device="cpu", max_model_len=max(args.prompt + args.output, args.long) + 8, seed=0, enable_prefix_caching=False)
+    max_len = max(args.prompt + args.output, args.long) + 8
+    llm = LLM(path, device="cpu", max_model_len=max_len, seed=0, enable_prefix_caching=False, cpu_threads=args.threads)
     model = llm.engine.runner.model
     cfg = llm.engine.runner.model_config
     params = sum(p.numel() for p in model.parameters())  # the tied table counted once: the head reads it
@@ -123,6 +132,7 @@ def main() -> None:
     print("| batch | kvship tok/s | kvship TTFT ms | transformers tok/s | transformers TTFT ms | limit tok/s | kvship of limit |")
     print("|---|---|---|---|---|---|---|")
     vocab = cfg.vocab_size
+    batch1 = float("nan")
     for b in args.batch:
         ids = prompts(b, args.prompt, vocab)
         first, rate = time_kvship(llm, ids, args.output)
@@ -131,18 +141,60 @@ def main() -> None:
         limit = b / max((weight_bytes + b * kv_bytes) / bw, b * flops_per_token / mm)
         print(f"| {b} | {rate:.1f} | {first * 1e3:.0f} | {hf_rate:.1f} | {hf_first * 1e3:.0f} | {limit:.0f} | "
               f"{rate / limit:.0%} |")
+        batch1 = rate if b == 1 else batch1
     if args.long:
         long_prompt(llm, hf, args.long, vocab)
+    if not args.no_serve:
+        del llm, hf  # the server is another process: this one's memory and threads stay out of its way
+        served_rows(max_len, args, vocab, batch1)
+
+
+def served_rows(max_len: int, args, vocab: int, batch1: float) -> None:
+    """One streamed request through `kvship serve`, its decode rate against the offline batch-1
+    one, and with --long a short chat's answer time while the long prompt prefills."""
+    with Served(max_len, args.threads) as server:
+        first, rate = served_decode(server.base, prompts(1, args.prompt, vocab)[0], args.output)
+        print(f"\n| served (`kvship serve`, one streamed request) | decode tok/s | TTFT ms | offline batch 1 tok/s | "
+              f"served of offline |\n|---|---|---|---|---|\n| batch 1 | {rate:.1f} | {first * 1e3:.0f} | {batch1:.1f} | "
+              f"{rate / batch1:.0%} |")
+        if args.long:
+            chat_s, long_ttft, first_answered = chat_during_prefill(server.base, prompts(1, args.long, vocab, seed=1)[0])
+            print(f"\nshort chat sent during a {args.long}-token prefill: answered in {chat_s:.2f} s "
+                  f"({'before' if first_answered else 'after'} the long prompt's first token, at {long_ttft:.2f} s)")
+        print("\nserver: " + next(line for line in server.log().splitlines() if "CPU:" in line).split(": ", 1)[-1])
+
+
+class RssPeak:
+    """The process's RSS sampled every 10 ms in a thread while the block runs: ``rise`` is its
+    peak over the RSS at the start (ru_maxrss would hide a rise below an earlier peak, the
+    reference model's loading say)."""
+
+    def __enter__(self) -> "RssPeak":
+        self._proc = psutil.Process()
+        self._before = self._peak = self._proc.memory_info().rss
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.01):
+            self._peak = max(self._peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.rise = max(self._peak, self._proc.memory_info().rss) - self._before
 
 
 def long_prompt(llm: LLM, hf, length: int, vocab: int) -> None:
     """TTFT of one ``length``-token prompt (kvship, then transformers) and kvship's peak RSS rise."""
     ids = prompts(1, length, vocab, seed=1)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t = time.perf_counter()
-    llm.generate(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    first = time.perf_counter() - t
-    rise = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB on Linux
+    with RssPeak() as rss:
+        t = time.perf_counter()
+        llm.generate(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        first = time.perf_counter() - t
+    rise = rss.rise / 1e6
     hf_first = float("nan")
     if hf is not None:
         x = torch.tensor(ids)

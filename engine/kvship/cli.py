@@ -108,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         tp_all_reduce=args.tp_all_reduce,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
+        cpu_threads=args.cpu_threads,
         max_waiting_requests=args.max_waiting_requests,
         task=args.task,
         enable_lora=args.enable_lora,

@@ -114,6 +114,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4}; "disable_by_batch_size" (default 32) turns it off for '
                         'larger batches (docs/speculative.md)')
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="torch's intra-op threads on a CPU (default: 1, 2, 4, ... up to the cores, the fastest for "
+                        "a decode step, timed at start)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="paged attention: torch forces the plain-torch reference kernels everywhere; auto "
                         "(default) and triton run the Triton kernels on a GPU (when triton is installed) and the "

@@ -99,6 +99,7 @@ class EngineConfig:
     tp_all_reduce: str = "fused"  # fused | one-shot | nccl (symmetric memory on GPUs; NCCL the fallback)
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"  # auto | torch | triton
+    cpu_threads: int | None = None  # torch's intra-op threads on the CPU; None: the fastest count, measured at start
 
     # LoRA adapters (vLLM's options): device slots, the largest rank they take, host copies kept
     enable_lora: bool = False
@@ -121,6 +122,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("cpu_threads must be at least 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.schedule_policy not in SCHEDULE_POLICIES:

@@ -22,6 +22,7 @@ from kvship.models.registry import model_class
 from kvship.outputs import TokenLogprob
 from kvship.parallel import SINGLE, TPContext
 from kvship.quant import QuantScheme
+from kvship.runner.cpu_setup import set_cpu_threads, weight_format
 from kvship.runner.cuda_graph import DecodeGraphs
 from kvship.runner.dummy_weights import dummy_weights
 from kvship.runner.lora_manager import LoRAManager
@@ -202,6 +203,8 @@ class ModelRunner:
         # before the KV cache: their memory counts
         self.num_state_slots, self.num_state_checkpoints = self._bind_recurrent_state()
         self.num_blocks = self._allocate_kv_cache()
+        if self.device.type == "cpu":
+            self._set_up_cpu()
         if config.max_num_seqs is None:  # resolved here for the scheduler, the server and every rank alike
             config.max_num_seqs = auto_max_num_seqs(self.num_blocks * self.block_size, max_model_len)
             log.info("max_num_seqs %d, from the KV cache's %d tokens (%d a sequence, %d to %d)", config.max_num_seqs,
@@ -408,6 +411,22 @@ class ModelRunner:
         if len(copies):
             src, dst = torch.as_tensor(copies, device=self.device).T
             self.model.copy_state_slots(src, dst)
+
+    @torch.inference_mode()
+    def _set_up_cpu(self) -> None:
+        """The intra-op threads (--cpu-threads, else the fastest count for a one-token step, which
+        writes only the cache's first slot before any request owns it), and the start-up line
+        naming them with the compute dtype and what the weights are stored as."""
+        meta = self._prefill_meta(1, 1)
+        ids = torch.zeros(1, dtype=torch.long)
+
+        def step() -> torch.Tensor:
+            hidden = self.model(ids, meta.positions, meta.attention)
+            return hidden if self.config.task == "embed" else self.model.compute_logits(hidden[meta.attention.logits_indices])
+
+        threads = set_cpu_threads(self.config.cpu_threads, step)
+        log.info("CPU: %s; compute %s; weights %s", threads, str(self.dtype).removeprefix("torch."),
+                 weight_format(self.model))
 
     def _allocate_kv_cache(self) -> int:
         n = self.tp.min_int(self._num_blocks_to_allocate())  # every rank holds the same block count
