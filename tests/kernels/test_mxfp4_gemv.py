@@ -119,7 +119,8 @@ def test_dispatch_takes_the_gemv_for_few_tokens(monkeypatch):
 @pytest.mark.timeout(600)
 def test_kernels_compile_for_sm90():
     """Both kernels with both decodes (the packed pairs' inline PTX is compiled only here and on
-    the GPU: the interpreter runs its pure-Triton twin), at the table's settings and a few more."""
+    the GPU: the interpreter runs its pure-Triton twin), at the table's settings and a few more,
+    and the grouped GEMMs' MXFP4 path."""
     sizes = ints("N", "K", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_be")
     common = {"s_ptr": "*u8", "bias_ptr": "*fp32", "ids_ptr": "*i64", **sizes}
     gate_up = {"x_ptr": "*bf16", "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", **ints("stride_x", "stride_h")}
@@ -136,6 +137,15 @@ def test_kernels_compile_for_sm90():
                               "constexprs": {"TOP_K": 4, "BLOCK_N": cfg["block_n"], "BLOCK_G": cfg["block_g"],
                                              "PAIRS": pairs, "ASM": True, **extra},
                               "options": {"num_warps": cfg["num_warps"]}})
+    # the grouped GEMMs' MXFP4 tiles (kernels/gpt_oss_moe.py) decode with the same bit placing
+    grouped = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32", "out_ptr": "*bf16",
+               "rw_ptr": "*fp32", "sorted_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32", "alpha": "fp32",
+               "limit": "fp32", **ints("num_pairs", "N", "K", "stride_a", "stride_we", "stride_wn", "stride_se",
+                                        "stride_sn", "stride_be", "stride_out")}
+    for gated in (True, False):
+        specs.append({"kernel": "kvship.kernels.gpt_oss_moe:_gpt_oss_gemm_kernel", "types": grouped,
+                      "constexprs": {"A_DIV": 4 if gated else 1, "GATED": gated, "MXFP4": True, "BLOCK_M": 16,
+                                     "BLOCK_N": 64, "BLOCK_K": 128}, "options": {"num_warps": 4, "num_stages": 3}})
     compile_in_child(specs)
 
 

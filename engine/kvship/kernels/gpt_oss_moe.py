@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from kvship.kernels import mxfp4_gemv
 from kvship.kernels._triton import tl, triton, use_triton
-from kvship.kernels.fp4 import e2m1 as _e2m1
 from kvship.kernels.fused_moe import _dot, align_by_expert, expert_block, moe_config
+from kvship.kernels.mxfp4_gemv import _e2m1_times_2_pow_m14, _scale
 from kvship.kernels.tuning.moe import GPT_OSS_GEMV_DOWN as GEMV_DOWN
 from kvship.kernels.tuning.moe import GPT_OSS_GEMV_GATE_UP as GEMV_GATE_UP
 from kvship.quant.tensor import e2m1_values
@@ -96,10 +96,10 @@ def _weight_tile(w_rows, s_rows, nmask, k0, K, dtype, MXFP4: tl.constexpr, BLOCK
         SB: tl.constexpr = BLOCK_K // 32
         g = k0 // 32 + tl.arange(0, SB)
         s = tl.load(s_rows[:, None] + g[None, :], mask=nmask[:, None] & (g < K // 32)[None, :], other=127)
-        factor = tl.exp2(s.to(tl.float32) - 127.0)
+        factor = _scale(s, 14)  # with the 2 ** 14 the bit-placing decode leaves out
         factor = tl.reshape(tl.broadcast_to(factor[:, :, None], (BLOCK_N, SB, 16)), (BLOCK_N, HALF))
-        lo = (_e2m1(q & 15) * factor).to(dtype)
-        hi = (_e2m1(q >> 4) * factor).to(dtype)
+        lo = (_e2m1_times_2_pow_m14(q & 15) * factor).to(dtype)
+        hi = (_e2m1_times_2_pow_m14(q >> 4) * factor).to(dtype)
         return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
