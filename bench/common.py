@@ -412,6 +412,12 @@ def header(title: str) -> str:
     return (f"## {title}\n\n{datetime.date.today()} · {dev} · torch {torch.__version__} · commit {commit or '?'}\n")
 
 
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (the nearest rank at or above it)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
 def table(rows: list[list[str]], head: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

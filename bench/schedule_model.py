@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, attention_layers, kv_bytes_per_token, param_count, table
+from common import SHAPES, attention_layers, kv_bytes_per_token, param_count, pct, table
 from kvship.config import SCHEDULE_POLICIES
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.scheduler import Scheduler
@@ -104,7 +104,7 @@ def serving(cost, budget, join, conc, prompt, out, ramp):
 
     first = [(ramp * i / conc, _seq(i, prompt, out, ramp * i / conc)) for i in range(conc)]
     ttft, tpot, _, _ = simulate(cost, sched, first, next_request)
-    return _pct(list(ttft.values()), 0.5), _pct(list(ttft.values()), 0.99), _pct(list(tpot.values()), 0.5)
+    return pct(list(ttft.values()), 0.5), pct(list(ttft.values()), 0.99), pct(list(tpot.values()), 0.5)
 
 
 def offline(cost, budget, join, num_prompts, policy, seed=0):
@@ -114,11 +114,6 @@ def offline(cost, budget, join, num_prompts, policy, seed=0):
     seqs = [_seq(i, rng.randint(100, 1024), rng.randint(100, 1024)) for i in range(num_prompts)]
     _, _, seconds, produced = simulate(cost, sched, [(0.0, s) for s in seqs])
     return produced / seconds
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, header, kv_bytes_per_token, param_count, table, write_shape_folder
+from common import SHAPES, header, kv_bytes_per_token, param_count, pct, table, write_shape_folder
 
 
 def free_port() -> int:
@@ -132,11 +132,6 @@ def server_means_ms(before: dict, after: dict) -> list[str]:
         n = after[key][1] - before[key][1]
         cells.append(f"{(after[key][0] - before[key][0]) / n * 1e3:.0f}" if n else "-")
     return cells
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def main() -> None:
