@@ -89,3 +89,65 @@ def test_triton_kernels_match_the_references(lens, decode):
     torch.testing.assert_close(delta[sl].cpu(), d1, atol=2e-5, rtol=0)
     others = [i for i in range(8) if i not in slots.tolist()]
     assert torch.equal(conv[others], before_conv[others]) and torch.equal(delta[others], before_delta[others])
+
+
+def _per_position_states(mixed, a, b, weight, a_log, dt, c0, d0, lo, hi):
+    """The references' conv and delta states after each of one sequence's tokens."""
+    conv = gd.conv_states_torch(mixed[lo:hi], c0, K)
+    y, _ = gd.causal_conv1d_torch(mixed[lo:hi], weight, c0[None], [0, hi - lo])
+    n = hi - lo
+    q, k, v = y.split([HK * DK, HK * DK, HV * DV], -1)
+    q = (gd.l2norm(q.reshape(n, HK, DK)) * DK**-0.5).repeat_interleave(HV // HK, 1)
+    k = gd.l2norm(k.reshape(n, HK, DK)).repeat_interleave(HV // HK, 1)
+    o, delta = gd.recurrent_states_torch(q, k, v.reshape(n, HV, DV), -a_log.exp() * F.softplus(a[lo:hi] + dt),
+                                         torch.sigmoid(b[lo:hi]), d0)
+    return conv, delta, o
+
+
+def test_per_position_states_end_where_the_step_ends():
+    """The state after a sequence's last token, kept position by position, is the one the
+    step writes (chunked conv and delta rule), and its outputs are the chunked form's."""
+    past, slots = torch.tensor([1, 0], dtype=torch.int32), torch.tensor([2, 5])
+    (mixed, a, b, weight, a_log, dt, conv, delta, *_, cu), (y, c1, o, d1) = _step([5, 2], past, slots)
+    for i, (lo, hi) in enumerate(((0, 5), (5, 7))):
+        c0 = conv[slots[i]] if past[i] else torch.zeros_like(conv[0])
+        d0 = delta[slots[i]] if past[i] else torch.zeros_like(delta[0])
+        got_c, got_d, got_o = _per_position_states(mixed, a, b, weight, a_log, dt, c0, d0, lo, hi)
+        torch.testing.assert_close(got_c[-1], c1[i], atol=0, rtol=0)
+        torch.testing.assert_close(got_d[-1], d1[i], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got_o, o[lo:hi], atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.timeout(300)
+def test_triton_verify_keeps_the_state_after_each_token():
+    """A verify step beside a prefill chunk and a decode: the sequences with state rows write
+    their state after each token but the last there (the last into their slot), token by token
+    as the reference runs them; no other row changes."""
+    from kvship.kernels.gated_delta_triton import conv1d_triton, delta_rule_triton
+
+    lens, past, slots = [4, 20, 1, 3], torch.tensor([1, 0, 1, 1], dtype=torch.int32), torch.tensor([3, 0, 2, 5])
+    (mixed, a, b, weight, a_log, dt, conv, delta, sl, pa, cu), (y, c1, o, d1) = _step(lens, past, slots)
+    conv = torch.cat([conv, torch.zeros(8, *conv.shape[1:], device=DEV)])
+    delta = torch.cat([delta, torch.zeros(8, *delta.shape[1:], device=DEV)])
+    rows = torch.tensor([8, -1, -1, 12], device=DEV)
+    before_conv, before_delta = conv.clone(), delta.clone()
+    got_y = conv1d_triton(mixed, weight, conv, sl, pa, cu, max(lens), rows)
+    got_o = delta_rule_triton(got_y, a, b, a_log, dt, delta, sl, pa, cu, HK, False, rows)
+    torch.testing.assert_close(got_y.cpu(), y, atol=2e-5, rtol=0)
+    torch.testing.assert_close(conv[sl].cpu(), c1, atol=0, rtol=0)
+    torch.testing.assert_close(delta[sl].cpu(), d1, atol=2e-5, rtol=0)
+    cpu = [t.cpu() for t in (mixed, a, b, weight, a_log, dt)]
+    bounds = cu.tolist()
+    for i, row in ((0, 8), (3, 12)):
+        lo, hi = bounds[i], bounds[i + 1]
+        want_c, want_d, want_o = _per_position_states(*cpu, before_conv[slots[i]].cpu(), before_delta[slots[i]].cpu(),
+                                                      lo, hi)
+        n = hi - lo - 1
+        torch.testing.assert_close(conv[row:row + n].cpu(), want_c[:-1], atol=0, rtol=0)
+        torch.testing.assert_close(delta[row:row + n].cpu(), want_d[:-1], atol=2e-5, rtol=0)
+        torch.testing.assert_close(got_o[lo:hi].cpu(), want_o, atol=2e-5, rtol=0)
+    torch.testing.assert_close(got_o[4:24].cpu(), o[4:24], atol=2e-5, rtol=0)
+    touched = set(slots.tolist()) | {8, 9, 10, 12, 13}
+    others = [i for i in range(16) if i not in touched]
+    assert torch.equal(conv[others], before_conv[others]) and torch.equal(delta[others], before_delta[others])

@@ -275,6 +275,7 @@ class LLMEngine:
         allowed = grammar_bitmask(self.grammars, sampled) if any(s.grammar is not None for s in sampled) else None
         verified = sample_and_verify(self.runner.sampler, logits, sampled, allowed)
         self.speculator.record([(len(seq.draft_token_ids), v) for seq, v in zip(sampled, verified)])
+        self.runner.keep_accepted_states([(seq, v.num_accepted) for seq, v in zip(sampled, verified)])
         for seq in proposed:
             seq.draft_token_ids = []
         now, accepted = time.monotonic(), []

@@ -16,6 +16,7 @@ import torch
 
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.kernels.argmax import argmax
+from kvship.models.hybrid_mtp import HybridMTP
 from kvship.models.mtp import NextTokenLayer
 from kvship.sampling_params import SamplingParams
 from kvship.sequence import Batch, Sequence
@@ -40,16 +41,25 @@ class _Track:
         return self.shadow.num_computed_tokens + self.num_pending
 
 
+def drafting_layer(model) -> NextTokenLayer | HybridMTP | None:
+    """What drafts: a family's first NextTokenLayer, or a hybrid model's MTP block (both have
+    predict, head_input and attention); None for a model without MTP layers."""
+    mtp = getattr(model.model, "mtp", None)
+    if isinstance(mtp, HybridMTP):
+        return mtp
+    return mtp[0] if mtp and isinstance(mtp[0], NextTokenLayer) else None
+
+
 class MTPDrafts:
     def __init__(self, runner, block_size: int):
-        layers = getattr(runner.model.model, "mtp", None)
-        if not layers or not isinstance(layers[0], NextTokenLayer):
+        layer = drafting_layer(runner.model)
+        if layer is None:
             raise ValueError(f"speculative_config method 'mtp': the checkpoint of {runner.model_config.architecture} "
                              "has no multi-token-prediction layers (num_nextn_predict_layers) that kvship runs")
-        self.runner, self.layer = runner, layers[0]  # one layer drafts every position, as vLLM does
+        self.runner, self.layer = runner, layer  # one layer drafts every position, as vLLM does
         self.model = runner.model
         assert runner.keep_hidden, "the runner keeps hidden states when speculative_config's method is mtp"
-        runner._bind_kv_cache(runner.num_blocks, [self.layer.self_attn.attn])
+        runner._bind_kv_cache(runner.num_blocks, [self.layer.attention()])
         self.kv = KVCacheManager(runner.num_blocks, block_size, False, None)
         self.budget = runner.config.max_num_batched_tokens
         self.tracks: dict[Sequence, _Track] = {}
@@ -112,7 +122,7 @@ class MTPDrafts:
         real = {s: s.num_tokens for s in want}  # the positions the target computed
         while batch:
             batch = batch.decodes_first()
-            ids, positions, meta, _ = self.runner.prepare(batch)
+            ids, positions, meta, _ = self.runner.prepare(batch, recurrent=False)
             hidden = torch.cat([inputs[s] for s in batch.seqs])
             out = self.layer.predict(positions, self.model.model.embed_tokens(ids), hidden, meta)
             last = out[meta.logits_indices]
@@ -143,7 +153,7 @@ class MTPDrafts:
             hidden = torch.cat(track.pending)
             batch = Batch()
             batch.add(shadow, n)
-            ids, positions, meta, _ = self.runner.prepare(batch)
+            ids, positions, meta, _ = self.runner.prepare(batch, recurrent=False)
             self.layer.predict(positions, self.model.model.embed_tokens(ids), hidden[:n], meta)
             shadow.num_computed_tokens += n
             track.pending, track.num_pending = [hidden[n:]], len(hidden) - n

@@ -58,15 +58,30 @@ def recurrent_step_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return (s * q[..., None]).sum(-2), s
 
 
-def recurrent_torch(q, k, v, g, beta, state):
+def recurrent_states_torch(q, k, v, g, beta, state):
     """The definition, token by token: q, k [L, H, Dk], v [L, H, Dv], g, beta [L, H], state
-    [H, Dk, Dv] -> (o [L, H, Dv], final state). The chunked form is tested against it."""
-    outs = []
+    [H, Dk, Dv] -> (o [L, H, Dv], the state after each position [L, H, Dk, Dv]). A verify step
+    keeps them all: the one after its last accepted token becomes the sequence's."""
+    outs, states = [], []
     for t in range(q.shape[0]):
         o, state = recurrent_step_torch(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state[None])
         state = state[0]
         outs.append(o)
-    return torch.cat(outs), state
+        states.append(state)
+    return torch.cat(outs), torch.stack(states)
+
+
+def recurrent_torch(q, k, v, g, beta, state):
+    """As ``recurrent_states_torch``, the final state only. The chunked form is tested against it."""
+    o, states = recurrent_states_torch(q, k, v, g, beta, state)
+    return o, states[-1]
+
+
+def conv_states_torch(x: torch.Tensor, state: torch.Tensor, width: int) -> torch.Tensor:
+    """One sequence's conv state after each of its positions: x [L, C], state [C, K-1] (zeros
+    with no past) -> [L, C, K-1], the last K-1 inputs up to each position."""
+    ext = torch.cat([state.to(x.dtype), x.T], dim=1)  # [C, K-1+L]
+    return ext.unfold(1, width - 1, 1)[:, 1:].permute(1, 0, 2)
 
 
 def chunked_torch(q, k, v, g, beta, state, chunk: int = CHUNK):

@@ -25,6 +25,9 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # rows of the flat batch whose next token is sampled
     num_decodes: int = 0  # the first sequences with one new token each (Batch.num_decodes)
     state_slots: torch.Tensor | None = None  # [B] each sequence's recurrent-state slot (hybrid models)
+    # [B] a hybrid verify step's: the state row taking a sequence's state after its first new
+    # token, the next rows after the next ones but its last (-1: not kept); layers/gated_delta.py
+    spec_state_rows: torch.Tensor | None = None
 
     @cached_property
     def query_lens(self) -> torch.Tensor:

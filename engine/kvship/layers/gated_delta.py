@@ -3,7 +3,11 @@ state, the gated delta rule with its state, the gated RMSNorm and the output pro
 
 Each running sequence owns one slot of recurrent state (AttentionMetadata.state_slots, given
 by the KV-cache manager with its blocks): the last K-1 conv inputs and the delta-rule matrices,
-read at the start of its step and written at its end. A sequence with nothing computed before
+read at the start of its step and written at its end. A speculative verify step
+(AttentionMetadata.spec_state_rows) also keeps the state after each of a sequence's new tokens
+but the last, in rows past the slots: the runner copies the one after the last accepted token
+into the slot, which drops the rejected tokens' updates (as vLLM and SGLang keep per-position
+states). Those sequences run the recurrence token by token (a few tokens each). A sequence with nothing computed before
 the step (seq_lens equal to its new tokens: a new or recomputed one) starts from zeros, so a
 preempted sequence rebuilds its state from its tokens. Without slots (the runner's start-up
 prefills) every sequence starts from zeros and nothing is kept.
@@ -115,9 +119,11 @@ class GatedDeltaNet(nn.Module):
             conv = torch.empty(n, *cs, dtype=cdt, device=mixed.device)
             delta = torch.empty(n, *ds, dtype=ddt, device=mixed.device)
             past = torch.zeros_like(past)
-        mixed = gdt.conv1d_triton(mixed, self.conv_weight, conv, slots, past, meta.cu_seqlens_q, meta.max_seqlen_q)
+        rows = meta.spec_state_rows
+        mixed = gdt.conv1d_triton(mixed, self.conv_weight, conv, slots, past, meta.cu_seqlens_q, meta.max_seqlen_q,
+                                  rows)
         return gdt.delta_rule_triton(mixed, a, b, self.A_log, self.dt_bias, delta, slots, past, meta.cu_seqlens_q,
-                                     self.hk, decode)
+                                     self.hk, decode, rows)
 
     def _torch(self, mixed, a, b, meta: AttentionMetadata, q_lens, decode: bool) -> torch.Tensor:
         t = mixed.shape[0]
@@ -126,6 +132,9 @@ class GatedDeltaNet(nn.Module):
             mixed, conv1 = gd.conv1d_step_torch(mixed, self.conv_weight, conv0)
         else:
             bounds = meta.cu_seqlens_q.tolist()
+            verify = self._verify_spans(meta, bounds)
+            for row, i, lo, hi in verify:
+                self.conv_state[row:row + hi - lo - 1] = gd.conv_states_torch(mixed[lo:hi - 1], conv0[i], self.width)
             mixed, conv1 = gd.causal_conv1d_torch(mixed, self.conv_weight, conv0, bounds)
         q, k, v = mixed.split(self.sizes[:3], dim=-1)
         r = self.hv // self.hk
@@ -138,7 +147,20 @@ class GatedDeltaNet(nn.Module):
             o, delta1 = gd.recurrent_step_torch(q, k, v, g, beta, delta0)
         else:
             o, delta1 = gd.delta_rule_torch(q, k, v, g, beta, delta0, bounds)
+            for row, i, lo, hi in verify:  # as the Triton path runs them: token by token
+                o[lo:hi], states = gd.recurrent_states_torch(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi],
+                                                             delta0[i])
+                self.delta_state[row:row + hi - lo - 1] = states[:-1]
+                delta1[i] = states[-1]
         if meta.state_slots is not None:
             self.conv_state[meta.state_slots] = conv1.to(self.conv_state.dtype)
             self.delta_state[meta.state_slots] = delta1
         return o
+
+    @staticmethod
+    def _verify_spans(meta: AttentionMetadata, bounds: list[int]) -> list[tuple[int, int, int, int]]:
+        """(first state row, sequence, its first and end token) of each sequence whose states
+        after its positions are kept (a verify's)."""
+        if meta.spec_state_rows is None:
+            return []
+        return [(row, i, bounds[i], bounds[i + 1]) for i, row in enumerate(meta.spec_state_rows.tolist()) if row >= 0]

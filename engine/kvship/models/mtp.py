@@ -44,6 +44,10 @@ class NextTokenLayer(nn.Module):
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.shared_head.norm(hidden)
 
+    def attention(self):
+        """The attention layer whose paged KV the drafter binds."""
+        return self.self_attn.attn
+
 
 def next_token_layers(layer_cls: type, cfg: ModelConfig, rotary, tp, backend: str) -> nn.ModuleList:
     """cfg.mtp_layers layers of ``layer_cls`` (a decoder layer mixed with NextTokenLayer), numbered

@@ -9,7 +9,7 @@ Qwen3-Next stores its DeltaNet projections grouped per key head (in_proj_qkvz, i
 they are reordered at load into Qwen3.5's layout (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a).
 A ...ForConditionalGeneration checkpoint is read for its language model: the vision tower is
 skipped (a log line). The multi-token-prediction layers the config announces are loaded into
-HybridModel.mtp (models/hybrid_mtp.py), not run by generation."""
+HybridModel.mtp (models/hybrid_mtp.py): they draft for ``{"method": "mtp"}`` speculative decoding."""
 from __future__ import annotations
 
 import logging
@@ -103,7 +103,7 @@ class HybridDecoderLayer(nn.Module):
 
 class HybridModel(LlamaModel):
     """Llama's stack of this family's layers, (1 + w) final norm and partial rotary, with the
-    checkpoint's MTP layers kept beside it (``mtp``, not run)."""
+    checkpoint's MTP layers kept beside it (``mtp``, run only to draft)."""
 
     layer = HybridDecoderLayer
     final_norm = OnePlusRMSNorm
@@ -181,8 +181,8 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
             log.info("skipped the checkpoint's %s weights (%d tensors): not served", part, n)
         self._mtp_loaded = mtp > 0
         if mtp:
-            log.info("loaded the checkpoint's multi-token-prediction layers (%d tensors) into model.mtp: "
-                     "not run by generation until speculative decoding drives them", mtp)
+            log.info("loaded the checkpoint's multi-token-prediction layers (%d tensors) into model.mtp: they "
+                     "draft with --speculative-config '{\"method\": \"mtp\", ...}'", mtp)
 
     def _split(self, name: str, ref) -> Iterator[tuple[str, object]]:
         la = self.cfg.linear_attention

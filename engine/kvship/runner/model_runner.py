@@ -202,6 +202,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # before the KV cache: their memory counts
         self.num_state_slots, self.num_state_checkpoints = self._bind_recurrent_state()
+        self._verify_rows: dict[Sequence, tuple[int, int]] = {}  # the last verify's (first state row, proposals)
         self.num_blocks = self._allocate_kv_cache()
         if self.device.type == "cpu":
             self._set_up_cpu()
@@ -370,8 +371,9 @@ class ModelRunner:
         is over a hundred MiB); (0, 0) for other models. On a GPU they take at most half of
         what the weights leave, scaled down together when that is too little, and fewer slots
         than --max-num-seqs lower it (the scheduler then runs no more). Tensor rows: the
-        sequences' slots, the decode graphs' scratch slot (their padding rows' state), then the
-        checkpoints."""
+        sequences' slots, the decode graphs' scratch slot (their padding rows' state), the
+        checkpoints, then with speculative decoding k rows for each sequence a verify may hold
+        (the states after its proposals, layers/gated_delta.py)."""
         if not hasattr(self.model, "bind_state"):
             return 0, 0
         c = self.config
@@ -380,9 +382,12 @@ class ModelRunner:
         per_slot, slots = self.model.state_bytes_per_slot(self.dtype), c.max_num_seqs
         checkpoints = (max(1, slots // 4) if c.num_state_checkpoints is None else c.num_state_checkpoints) \
             if c.enable_prefix_caching else 0
+        spec = c.speculative_config
+        self.spec_rows_per_seq = spec.num_speculative_tokens if spec is not None else 0
+        spec_rows = min(slots, spec.disable_by_batch_size) * self.spec_rows_per_seq if spec is not None else 0
         if self.device.type == "cuda":
             total = torch.cuda.mem_get_info(self.device)[1] * c.gpu_memory_utilization
-            fit = int((total - torch.cuda.memory_allocated(self.device)) / 2 // per_slot) - 1
+            fit = int((total - torch.cuda.memory_allocated(self.device)) / 2 // per_slot) - 1 - spec_rows
             if slots + checkpoints > fit:
                 checkpoints = checkpoints * max(0, fit) // (slots + checkpoints)
                 slots = max(1, min(slots, fit - checkpoints))
@@ -395,9 +400,11 @@ class ModelRunner:
         if c.enable_prefix_caching and not checkpoints:
             log.warning("prefix caching is off: no memory left for recurrent-state checkpoints")
             c.enable_prefix_caching = False
-        self.model.bind_state(slots + 1 + checkpoints, self.dtype, self.device)
-        log.info("recurrent state: %d slots and %d prefix-cache checkpoints of %.1f MiB (%.2f GiB)", slots, checkpoints,
-                 per_slot / 2**20, (slots + 1 + checkpoints) * per_slot / 2**30)
+        self.first_spec_row = slots + 1 + checkpoints
+        self.model.bind_state(self.first_spec_row + spec_rows, self.dtype, self.device)
+        log.info("recurrent state: %d slots, %d prefix-cache checkpoints and %d rows for verified proposals of "
+                 "%.1f MiB (%.2f GiB)", slots, checkpoints, spec_rows, per_slot / 2**20,
+                 (self.first_spec_row + spec_rows) * per_slot / 2**30)
         return slots, checkpoints
 
     @property
@@ -427,6 +434,18 @@ class ModelRunner:
         threads = set_cpu_threads(self.config.cpu_threads, step)
         log.info("CPU: %s; compute %s; weights %s", threads, str(self.dtype).removeprefix("torch."),
                  weight_format(self.model))
+
+    def keep_accepted_states(self, accepted: list[tuple[Sequence, int]]) -> None:
+        """After a hybrid model's verify: each sequence (seq, number of its proposals accepted)
+        takes the state after its last accepted token, the rejected ones' updates dropped (the
+        step left the state after its last proposal in the slot)."""
+        copies = []
+        for seq, n in accepted:
+            first, proposed = self._verify_rows.get(seq, (0, 0))
+            if n < proposed:
+                copies.append((first + n, seq.state_slot))
+        self._verify_rows = {}
+        self.copy_states(copies)
 
     def _allocate_kv_cache(self) -> int:
         n = self.tp.min_int(self._num_blocks_to_allocate())  # every rank holds the same block count
@@ -495,9 +514,7 @@ class ModelRunner:
         """The first half of launch(): the forward pass only. The caller may do host work that
         the sampling needs (a grammar's bitmask, which needs the previous token) while the
         device computes, then call sample()."""
-        self.copy_states(batch.state_restores)
         logits = self.run(batch, previous)
-        self.copy_states(batch.state_checkpoints)
         sampled, positions = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             end = seq.num_computed_tokens + n
@@ -516,12 +533,14 @@ class ModelRunner:
         step.sample, step.logits = self.sampler.launch(step.logits, rows, allowed), None
         return step
 
-    def prepare(self, batch: Batch, previous: InFlightStep | None = None
+    def prepare(self, batch: Batch, previous: InFlightStep | None = None, recurrent: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, InFlightInputs | None]:
         """The batch as flat device tensors, sent in two copies (one int64, one int32 buffer).
         A decode input the host does not know yet (sampled by ``previous``) is left 0 in the ids
         and named in the InFlightInputs returned beside them (None where there is none): a
-        decode graph writes it in as it copies its inputs, every other path with ``fill``."""
+        decode graph writes it in as it copies its inputs, every other path with ``fill``.
+        ``recurrent`` False: a batch for attention layers only (an MTP layer's, core/mtp.py),
+        whose sequences hold no recurrent-state slot."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -571,23 +590,47 @@ class ModelRunner:
 
         dev = self.device
         pin = dev.type == "cuda"
-        state = [s.state_slot for s in batch.seqs] if self.num_state_slots else []
+        state = [s.state_slot for s in batch.seqs] if self.num_state_slots and recurrent else []
         if state and (None in state or max(state) >= self.num_state_slots):
             raise RuntimeError(f"recurrent-state slots {state} out of the {self.num_state_slots} allocated")
-        longs = _packed([input_ids, positions, slots, logits_indices, fix_at, fix_rows, state], np.int64, pin, dev)
+        spec_rows = self._spec_state_rows(batch) if state else []
+        longs = _packed([input_ids, positions, slots, logits_indices, fix_at, fix_rows, state, spec_rows], np.int64,
+                        pin, dev)
         ints = _packed([seq_lens, cu, tables.reshape(-1)], np.int32, pin, dev)
-        ids, pos_t, slot_t, logit_t, fix_at_t, fix_rows_t, state_t = longs
+        ids, pos_t, slot_t, logit_t, fix_at_t, fix_rows_t, state_t, spec_t = longs
         lens_t, cu_t, tables_t = ints
         in_flight = InFlightInputs(fix_at_t, fix_rows_t, previous.tokens) if fix_at else None
         meta = AttentionMetadata(slot_mapping=slot_t, block_tables=tables_t.view(num_seqs, width), seq_lens=lens_t,
                                  cu_seqlens_q=cu_t, max_seqlen_q=max(batch.num_new_tokens), logits_indices=logit_t,
-                                 num_decodes=batch.num_decodes, state_slots=state_t if state else None)
+                                 num_decodes=batch.num_decodes, state_slots=state_t if state else None,
+                                 spec_state_rows=spec_t if spec_rows else None)
         return ids, pos_t, meta, in_flight
+
+    def _spec_state_rows(self, batch: Batch) -> list[int]:
+        """A verify's state rows (AttentionMetadata.spec_state_rows): k after the checkpoints for
+        each sequence with proposals, -1 for the others; [] when none has proposals. Remembered
+        for keep_accepted_states."""
+        rows, self._verify_rows = [], {}
+        for seq in batch.seqs:
+            if seq.draft_token_ids:
+                first = self.first_spec_row + len(self._verify_rows) * self.spec_rows_per_seq
+                self._verify_rows[seq] = (first, len(seq.draft_token_ids))
+                rows.append(first)
+            else:
+                rows.append(-1)
+        return rows if self._verify_rows else []
 
     @torch.inference_mode()
     def run(self, batch: Batch, previous: InFlightStep | None = None) -> torch.Tensor:
         """Float32 logits [num_sampled, vocab] for the sequences whose prompt is complete (and,
-        for sequences that asked, prompt logprobs appended to seq.prompt_logprobs)."""
+        for sequences that asked, prompt logprobs appended to seq.prompt_logprobs); a hybrid
+        model's state checkpoints restored before the forward and saved after it."""
+        self.copy_states(batch.state_restores)
+        logits = self._run(batch, previous)
+        self.copy_states(batch.state_checkpoints)
+        return logits
+
+    def _run(self, batch: Batch, previous: InFlightStep | None) -> torch.Tensor:
         input_ids, positions, meta, in_flight = self.prepare(batch, previous)
         if self.lora is not None:
             self.lora.prepare(batch)
