@@ -8,16 +8,12 @@ slot free afterwards, abort included; the checkpoints' MTP layer (random weights
 the same tokens."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from conftest import write_word_tokenizer
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
-from test_models_qwen3_next import SPECS, _mtp_tensors, make_hybrid
+from test_models_qwen3_next import SPECS, make_hybrid, with_mtp_layer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # block size 4 and 16 tokens a step chunk the prompts; 24 blocks cannot hold all four (preemption)
@@ -99,12 +95,7 @@ def test_mtp_greedy_identical_to_plain_decoding(hybrids, arch, tmp_path):
     step, from the target's hidden states; the same greedy tokens, every block and slot free."""
     src, ref = hybrids[arch]
     folder = tmp_path / arch
-    folder.mkdir()
-    mtp = _mtp_tensors(ref, fused_experts=arch == "qwen3_5_moe")
-    save_file({**load_file(src / "model.safetensors"), **mtp}, folder / "model.safetensors")
-    cfg = json.loads((src / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
-    write_word_tokenizer(folder, 320)
+    with_mtp_layer(src, ref, folder)
     prompts = repeating_prompts(2)
     want = [o.outputs[0].token_ids for o in LLM(str(src), **OPTS).generate(prompts, GREEDY)]
     spec = LLM(str(folder), **OPTS, speculative_config={"method": "mtp", "num_speculative_tokens": 3})

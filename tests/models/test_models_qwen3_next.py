@@ -241,22 +241,29 @@ def _mtp_tensors(model, fused_experts: bool) -> dict[str, torch.Tensor]:
     return out
 
 
+def with_mtp_layer(src: Path, ref, folder: Path, config_key: str = "mtp_num_hidden_layers") -> dict[str, torch.Tensor]:
+    """``src``'s checkpoint written to ``folder`` with one random MTP layer (``_mtp_tensors``,
+    experts fused for Qwen3.5-MoE), its config naming it under ``config_key``."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir()
+    arch = json.loads((src / "config.json").read_text())["model_type"]
+    mtp = _mtp_tensors(ref, fused_experts=arch in ("qwen3_5_moe", "qwen3_5_moe_text"))
+    save_file({**load_file(src / "model.safetensors"), **mtp}, folder / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, config_key: 1}))
+    write_word_tokenizer(folder, 320)
+    return mtp
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
 def test_mtp_layer_is_loaded(hybrids, tmp_path, arch):
     """A checkpoint whose config announces an MTP layer: its tensors land in model.mtp (norms as
     1 + w, q/k/v and gate/up fused, experts stacked), and the model's logits are unchanged."""
-    from safetensors.torch import load_file, save_file
-
     src, ref = hybrids[arch]
     folder = tmp_path / arch
-    folder.mkdir()
-    mtp = _mtp_tensors(ref, fused_experts=arch == "qwen3_5_moe")
-    save_file({**load_file(src / "model.safetensors"), **mtp}, folder / "model.safetensors")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["mtp_num_hidden_layers" if arch == "qwen3_5_moe" else "num_nextn_predict_layers"] = 1
-    (folder / "config.json").write_text(json.dumps(cfg))
-    write_word_tokenizer(folder, 320)
+    mtp = with_mtp_layer(src, ref, folder, "mtp_num_hidden_layers" if arch == "qwen3_5_moe" else "num_nextn_predict_layers")
     m = loaded_model(folder).model.mtp
     assert m is not None and len(m.layers) == 1 and not m.layers[0].linear
     assert torch.equal(m.fc.weight, mtp["mtp.fc.weight"])

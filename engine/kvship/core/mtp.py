@@ -43,7 +43,7 @@ class _Track:
 
 def drafting_layer(model) -> NextTokenLayer | HybridMTP | None:
     """What drafts: a family's first NextTokenLayer, or a hybrid model's MTP block (both have
-    predict, head_input and attention); None for a model without MTP layers."""
+    predict, head_input and drafting_attention); None for a model without MTP layers."""
     mtp = getattr(model.model, "mtp", None)
     if isinstance(mtp, HybridMTP):
         return mtp
@@ -59,7 +59,7 @@ class MTPDrafts:
         self.runner, self.layer = runner, layer  # one layer drafts every position, as vLLM does
         self.model = runner.model
         assert runner.keep_hidden, "the runner keeps hidden states when speculative_config's method is mtp"
-        runner._bind_kv_cache(runner.num_blocks, [self.layer.attention()])
+        runner._bind_kv_cache(runner.num_blocks, [self.layer.drafting_attention()])
         self.kv = KVCacheManager(runner.num_blocks, block_size, False, None)
         self.budget = runner.config.max_num_batched_tokens
         self.tracks: dict[Sequence, _Track] = {}

@@ -42,7 +42,7 @@ class HybridMTP(nn.Module):
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden  # normed by predict
 
-    def attention(self):
+    def drafting_attention(self):
         """The attention layer whose paged KV the drafter binds."""
         return self.layers[0].self_attn.attn
 

@@ -44,7 +44,7 @@ class NextTokenLayer(nn.Module):
     def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.shared_head.norm(hidden)
 
-    def attention(self):
+    def drafting_attention(self):
         """The attention layer whose paged KV the drafter binds."""
         return self.self_attn.attn
 
