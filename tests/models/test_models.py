@@ -112,7 +112,9 @@ def assert_graph_step_equals_eager(llm, prompts: list[list[int]]) -> None:
     eng, runner = llm.engine, llm.engine.runner
     for i, p in enumerate(prompts):
         eng.add_request(f"g{i}", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    eng.step()  # all prompts prefilled (well within the token budget): the next step is pure decode
+    eng.step()
+    while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+        eng.step()  # past the scheduler's join size the prompts take more steps: then the next is pure decode
     prev = eng.in_flight  # the first tokens, still on the GPU: this step's inputs
     batch = eng.scheduler.schedule(prev.rows)
     assert set(batch.num_new_tokens) == {1} and len(batch) == len(prompts)
