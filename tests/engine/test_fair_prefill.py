@@ -104,6 +104,25 @@ def test_a_short_prompt_ends_first_and_a_long_one_fills_the_step_to_the_join_siz
     assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("short", 5), ("long", 11)]
 
 
+def test_at_the_gpu_defaults_64_decodes_run_beside_one_whole_prompt():
+    """serve.py's c=64 case at the GPU's budget and join size: with 64 decodes running and three
+    1024-token prompts waiting, a step holds the decodes and one whole prompt; the next prompt
+    starts in the next step (sharing the budget, all three would end together in this one)."""
+    config = EngineConfig()
+    kv = KVCacheManager(num_blocks=8192, block_size=16)
+    sched = Scheduler(kv, max_num_seqs=256, max_num_batched_tokens=default_token_budget("cuda"),
+                      prefill_join_tokens=config.prefill_join_tokens)
+    decodes = [_seq(f"d{i}", 8) for i in range(64)]
+    for s in decodes:
+        sched.add(s)
+    sched.commit(sched.schedule())  # their prompts; their first tokens are now in flight
+    for i in range(3):
+        sched.add(_seq(f"p{i}", 1024))
+    batch = sched.schedule(in_flight=set(decodes))
+    assert batch.num_new_tokens == [1] * 64 + [1024]
+    assert batch.seqs[-1].request_id == "p0"
+
+
 def test_longest_output_first_admits_by_max_tokens_after_the_prompts_under_way():
     kv = KVCacheManager(num_blocks=64, block_size=16)
     sched = Scheduler(kv, max_num_seqs=3, max_num_batched_tokens=BUDGET, schedule_policy="longest-output")
