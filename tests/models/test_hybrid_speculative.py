@@ -13,6 +13,7 @@ import torch
 
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
+from kvship.sequence import Batch, Sequence
 from test_models_qwen3_next import SPECS, make_hybrid, with_mtp_layer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -20,6 +21,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 OPTS = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
             max_model_len=128, max_num_seqs=4, num_state_checkpoints=16)
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,7 @@ def test_mtp_greedy_identical_to_plain_decoding(hybrids, arch, tmp_path):
     with_mtp_layer(src, ref, folder)
     prompts = repeating_prompts(2)
     want = [o.outputs[0].token_ids for o in LLM(str(src), **OPTS).generate(prompts, GREEDY)]
-    spec = LLM(str(folder), **OPTS, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    spec = LLM(str(folder), **OPTS, speculative_config=MTP)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY)] == want
     stats = spec.engine.speculator.stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_drafts  # k > 1 drafted
@@ -106,6 +108,79 @@ def test_mtp_greedy_identical_to_plain_decoding(hybrids, arch, tmp_path):
     assert_all_released(spec)
     proposer = spec.engine.speculator.proposer
     assert not proposer.tracks and proposer.kv.num_free_blocks == proposer.kv.num_blocks
+
+
+@pytest.mark.timeout(300)
+def test_mtp_block_matches_its_definition(hybrids, tmp_path):
+    """At position t: fc([norm_e(embed(x[t+1])), norm_h(h[t])]) -> the full-attention decoder
+    layer -> final norm -> LM head, each norm times (1 + w), h the target's output (transformers'
+    last_hidden_state); through the engine, the first draft is the block's guess at the prompt's
+    last position."""
+    import transformers
+
+    src, ref = hybrids["qwen3_5"]
+    mtp = with_mtp_layer(src, ref, tmp_path / "m")
+    llm = LLM(str(tmp_path / "m"), **OPTS, speculative_config=MTP)
+    proposer, runner = llm.engine.speculator.proposer, llm.engine.runner
+    tokens = torch.randint(1, 318, (1, 13), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        tokens[0, 12] = ref(tokens[:, :12]).logits[0, -1].argmax()  # what greedy decoding samples there
+        h = ref.model(tokens).last_hidden_state[0]
+        cfg = ref.config
+        layer = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5DecoderLayer(cfg, 1).eval()
+        layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in mtp.items() if k.startswith("mtp.layers.0.")})
+
+        def rms(x, w):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * (1 + w)
+        e = ref.model.embed_tokens(tokens[:, 1:])
+        x = torch.cat([rms(e, mtp["mtp.pre_fc_norm_embedding.weight"]),
+                       rms(h[None, :-1], mtp["mtp.pre_fc_norm_hidden.weight"])], -1) @ mtp["mtp.fc.weight"].T
+        n = x.shape[1]
+        pos = torch.arange(n)[None]
+        causal = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = layer(x, position_embeddings=ref.model.rotary_emb(x, pos.expand(3, 1, n)), attention_mask=causal,
+                    position_ids=pos)
+        want = ref.lm_head(rms(out[0] if isinstance(out, tuple) else out, mtp["mtp.norm.weight"]))[0]
+
+        shadow = Sequence("ref", 0, tokens[0, 1:].tolist(), SamplingParams(temperature=0))
+        assert proposer.kv.allocate(shadow, len(shadow.token_ids))
+        batch = Batch()
+        batch.add(shadow, len(shadow.token_ids))
+        ids, positions, meta, _ = runner.prepare(batch, recurrent=False)
+        got = proposer.layer.predict(positions, runner.model.model.embed_tokens(ids), h[:-1], meta)
+        got = runner.model.compute_logits(proposer.layer.head_input(got)).float()
+        proposer.kv.free(shadow)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+    proposed, propose = [], proposer.propose
+
+    def recording(seqs, ks):
+        drafts = propose(seqs, ks)
+        proposed.append((list(seqs[0].token_ids), drafts[0]))
+        return drafts
+    proposer.propose = recording
+    llm.generate([tokens[0, :12].tolist()], SamplingParams(temperature=0, max_tokens=8))
+    seen, drafts = proposed[0]
+    assert seen == tokens[0].tolist()
+    assert len(drafts) == 3 and drafts[0] == want[11].argmax().item()
+
+
+@pytest.mark.timeout(300)
+def test_draft_model_for_a_hybrid_target(hybrids, tmp_path):
+    """A small (non-hybrid) draft sharing the tokenizer: the hybrid target's greedy tokens,
+    every block, slot and draft block free afterwards."""
+    from conftest import make_tiny_model
+
+    folder, _ = hybrids["qwen3_5_moe"]
+    make_tiny_model(tmp_path / "draft", "llama-gqa-tied", seed=3)
+    prompts = repeating_prompts(4)
+    want = [o.outputs[0].token_ids for o in LLM(str(folder), **OPTS).generate(prompts, GREEDY)]
+    spec = LLM(str(folder), **OPTS, speculative_config={"model": str(tmp_path / "draft"), "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, GREEDY)] == want
+    assert spec.engine.speculator.stats.num_draft_tokens > 0
+    assert_all_released(spec)
+    draft = spec.engine.speculator.proposer
+    assert draft.kv.num_free_blocks == draft.kv.num_blocks
 
 
 @pytest.mark.timeout(300)
