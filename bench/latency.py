@@ -55,6 +55,7 @@ from common import (
 from kvship.kernels import gpt_oss_moe, mxfp4_gemv
 from kvship.kernels.fused_moe import fused_moe, fused_moe_torch, moe_config
 from kvship.layers.moe import route
+from moe_sweep import random_mxfp4_experts
 
 
 def kvship_latency(folder: str, prompt_len: int, out_len: int, eager: bool, quantization: str | None = None
@@ -163,17 +164,7 @@ def mxfp4_moe_rows(shape: str, bw: float, token_counts=(1, 4, 16, 64)) -> list[l
     c = SHAPES[shape]
     e, k, h, inter = c["num_local_experts"], c["num_experts_per_tok"], c["hidden_size"], c["intermediate_size"]
     g = torch.Generator(device="cuda").manual_seed(0)
-
-    def codes(n, kk):
-        return (torch.randint(0, 256, (e, n, kk // 2), generator=g, device="cuda", dtype=torch.uint8),
-                torch.randint(119, 123, (e, n, kk // 32), generator=g, device="cuda", dtype=torch.uint8))
-
-    def experts():
-        (w13, s13), (w2, s2) = codes(2 * inter, h), codes(h, inter)
-        bias13 = torch.zeros(e, 2 * inter, device="cuda")
-        return gpt_oss_moe.GptOssExperts(w13, bias13, w2, torch.zeros(e, h, device="cuda"), s13, s2)
-
-    layers = [experts() for _ in range(3)]
+    layers = [random_mxfp4_experts(e, h, inter, g) for _ in range(3)]
     router = torch.randn(e, h, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     per_expert = 3 * h * inter // 2 + 3 * h * inter // 32
     rows = []

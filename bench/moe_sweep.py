@@ -101,6 +101,18 @@ def main() -> None:
     print(table(rows, ["tokens", "path", "us per layer", "GB/s", "of copy BW", "rel err vs fp32"]))
 
 
+def random_mxfp4_experts(e: int, h: int, inter: int, g: torch.Generator) -> gm.GptOssExperts:
+    """One layer's experts on the GPU as kernels/gpt_oss_moe.py takes them: MXFP4 codes of any
+    value with scales near 2 ** -6, biases with std 0.1."""
+    def mxfp4(n, kk):
+        return (torch.randint(0, 256, (e, n, kk // 2), generator=g, device="cuda", dtype=torch.uint8),
+                torch.randint(119, 123, (e, n, kk // 32), generator=g, device="cuda", dtype=torch.uint8))
+
+    (w13, s13), (w2, s2) = mxfp4(2 * inter, h), mxfp4(h, inter)
+    b13, b2 = (torch.randn(e, n, generator=g, device="cuda") * 0.1 for n in (2 * inter, h))
+    return gm.GptOssExperts(w13, b13, w2, b2, s13, s2)
+
+
 def mxfp4_candidates(rows_per_n: int, quick: bool) -> list[dict]:
     """GEMV settings where each thread holds 1 to 4 (row, group) slots of 16 code bytes (fewer:
     threads idle; more: registers spill); a program holds rows_per_n rows a block_n row (gate
@@ -131,17 +143,7 @@ def mxfp4_sweep(args) -> None:
     per_expert = 3 * h * inter // 2 + 3 * h * inter // 32  # codes + scales
     copies = max(3, -(-3_000_000_000 // (e * per_expert)))
     g = torch.Generator(device="cuda").manual_seed(0)
-
-    def mxfp4(n, kk):
-        return (torch.randint(0, 256, (e, n, kk // 2), generator=g, device="cuda", dtype=torch.uint8),
-                torch.randint(119, 123, (e, n, kk // 32), generator=g, device="cuda", dtype=torch.uint8))
-
-    def experts():
-        (w13, s13), (w2, s2) = mxfp4(2 * inter, h), mxfp4(h, inter)
-        b13 = torch.randn(e, 2 * inter, generator=g, device="cuda") * 0.1
-        return gm.GptOssExperts(w13, b13, w2, torch.randn(e, h, generator=g, device="cuda") * 0.1, s13, s2)
-
-    layers = [experts() for _ in range(copies)]
+    layers = [random_mxfp4_experts(e, h, inter, g) for _ in range(copies)]
     router = torch.randn(e, h, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
     gate_up_grid, down_grid = mxfp4_candidates(2, args.quick), mxfp4_candidates(k, args.quick)
     rows, winners, winning = [], [], True
