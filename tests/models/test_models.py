@@ -61,6 +61,17 @@ def runner_logits(runner: ModelRunner, kv: KVCacheManager, prompts: list[list[in
     return [torch.cat(r) for r in results]
 
 
+def save_checkpoint(folder, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """A safetensors checkpoint folder: ``tensors`` and ``config`` as config.json (no tokenizer)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 def assert_logits_match(folder, ref, prompts: list[list[int]], device: str = "cpu", chunks=(None,)) -> None:
     """Our logits, the prompts run as one batch (whole, or in chunks of each size in ``chunks``
     over the cached prefix), against transformers' on each prompt alone."""

@@ -19,7 +19,13 @@ from routed_family_cases import (
     prompts,
     sharpen_and_save,
 )
-from test_models import DEVICES, assert_graph_step_equals_eager, assert_logits_match, gpu_greedy_agreement
+from test_models import (
+    DEVICES,
+    assert_graph_step_equals_eager,
+    assert_logits_match,
+    gpu_greedy_agreement,
+    save_checkpoint,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -101,7 +107,7 @@ def test_gpu_chunked_attention_in_the_kernels_and_cuda_graphs(models):
 def test_conditional_generation_checkpoint_reads_its_language_model(models, tmp_path):
     """Llama4ForConditionalGeneration's layout: the text config nested, the language model's
     tensors under language_model., the vision tower's skipped; the same logits."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     folder, ref = models["scout-like"]
     inner = json.loads((folder / "config.json").read_text())
@@ -111,9 +117,7 @@ def test_conditional_generation_checkpoint_reads_its_language_model(models, tmp_
     tensors["vision_model.patch_embedding.linear.weight"] = torch.zeros(4, 4)
     tensors["multi_modal_projector.linear_1.weight"] = torch.zeros(4, 4)
     out = tmp_path / "cond"
-    out.mkdir()
-    save_file(tensors, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(cfg))
+    save_checkpoint(out, tensors, cfg)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((folder / f).read_bytes())
     assert ModelConfig.from_hf(cfg).llama4 is not None

@@ -18,7 +18,7 @@ from kvship.loader import resolve_model
 from kvship.models.config import ModelConfig
 from kvship.runner.model_runner import ModelRunner
 from kvship.sampling_params import SamplingParams
-from test_models import ATOL, runner_logits
+from test_models import ATOL, runner_logits, save_checkpoint
 
 LAYERS = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -143,7 +143,7 @@ def test_preempted_sequences_rebuild_their_state(hybrids):
 def test_conditional_generation_checkpoint_reads_its_language_model(hybrids, tmp_path):
     """A Qwen3_5ForConditionalGeneration folder: the text config nested, the language model's
     tensors under model.language_model., the vision tower's and the MTP layer's skipped."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     folder, ref = hybrids["qwen3_5"]
     inner = json.loads((folder / "config.json").read_text())
@@ -154,9 +154,7 @@ def test_conditional_generation_checkpoint_reads_its_language_model(hybrids, tmp
     tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
     tensors["mtp.fc.weight"] = torch.zeros(4, 4)
     out = tmp_path / "vl"
-    out.mkdir()
-    save_file(tensors, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(cfg))
+    save_checkpoint(out, tensors, cfg)
     write_word_tokenizer(out, 320)
     prompt = list(range(5, 30))
     with torch.no_grad():
