@@ -151,3 +151,33 @@ def test_triton_verify_keeps_the_state_after_each_token():
     touched = set(slots.tolist()) | {8, 9, 10, 12, 13}
     others = [i for i in range(16) if i not in touched]
     assert torch.equal(conv[others], before_conv[others]) and torch.equal(delta[others], before_delta[others])
+
+
+def _sm90_specs():
+    """The conv and delta-rule kernels at a Qwen3.6-27B shape (16 key heads and 48 value heads of
+    128 per rank, conv width 4) as the layer launches them, with and without a verify's
+    per-position state rows (KEEP), chunked and one-token."""
+    conv = {"x": "*bf16", "sx": "i32", "state": "*bf16", "s_slot": "i32", "slots": "*i64", "past": "*i32",
+            "cu": "*i32", "C": "i32"}
+    yield {"kernel": "kvship.kernels.gated_delta_triton:_conv_kernel",
+           "types": {**conv, "w": "*bf16", "out": "*bf16", "so": "i32"}, "constexprs": {"K": 4, "BT": 16, "BC": 128}}
+    for keep in (False, True):
+        yield {"kernel": "kvship.kernels.gated_delta_triton:_conv_state_kernel", "types": {**conv, "spec": "*i64"},
+               "constexprs": {"K": 4, "KP": 4, "BC": 128, "KEEP": keep}}
+        for chunked in (False, True):
+            types = {"x": "*bf16", "sx": "i32", "a_ptr": "*bf16", "b_ptr": "*bf16", "sab": "i32", "a_log_ptr": "*bf16",
+                     "dt_ptr": "*bf16", "state": "*fp32", "s_slot": "i32", "slots": "*i64", "past": "*i32",
+                     "spec": "*i64", "cu": "*i32", "out": "*fp32"}
+            yield {"kernel": "kvship.kernels.gated_delta_triton:_delta_kernel", "types": types,
+                   "constexprs": {"HK": 16, "HV": 48, "DK": 128, "DV": 128, "BK": 128, "BV": 32, "BT": 16,
+                                  "CHUNKED": chunked, "KEEP": keep}}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+@pytest.mark.timeout(900)
+def test_kernels_compile_for_sm90():
+    """On a machine without a GPU (tests/sm90_compile.py says why): every variant compiles for
+    an H100/H200 within a block's shared memory."""
+    from sm90_compile import compile_in_child
+
+    compile_in_child(list(_sm90_specs()))

@@ -125,15 +125,15 @@ def _delta_kernel(x, sx, a_ptr, b_ptr, sab, a_log_ptr, dt_ptr, state, s_slot, sl
     s_mask = mk[:, None] & mv[None, :]
     s = tl.load(s_ptr, mask=s_mask & has_past, other=0.0)
     a_log, dt_bias = tl.load(a_log_ptr + h).to(tl.float32), tl.load(dt_ptr + h).to(tl.float32)
-    row = -1
+    first_kept = -1
     if KEEP:
-        row = tl.load(spec + i).to(tl.int64)
-    if row >= 0:  # a verify's sequence: token by token, the state after each token but the last kept
+        first_kept = tl.load(spec + i).to(tl.int64)
+    if first_kept >= 0:  # a verify's sequence: token by token, the state after each token but the last kept
         kept = state + h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
         for t in range(0, length):
             s = _token_step(x, sx, a_ptr, b_ptr, sab, lo + t, s, kh, h, offs_k, mk, offs_v, mv, a_log, dt_bias, out,
                             HK, HV, DK, DV)
-            tl.store(kept + (row + t) * s_slot, s, mask=s_mask & (t < length - 1))
+            tl.store(kept + (first_kept + t) * s_slot, s, mask=s_mask & (t < length - 1))
     elif CHUNKED:
         r = tl.arange(0, BT)
         lower = r[:, None] > r[None, :]
