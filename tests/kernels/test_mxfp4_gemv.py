@@ -50,6 +50,14 @@ def test_pair_bits_are_the_ocp_definition():
             assert torch.equal(got, table[code]), j
 
 
+def problem(e: int, h: int, i: int, k: int, tokens: int, seed: int):
+    """Random MXFP4 experts, activations (std 2) and a routing, float32 on the test device."""
+    ex = make_experts(e, h, i, True, seed, DEV)
+    x = (torch.randn(tokens, h, generator=torch.Generator().manual_seed(seed + 1)) * 2).to(DEV)
+    weights, ids = route(tokens, e, k, seed + 2)
+    return ex, x, weights.to(DEV), ids.to(DEV)
+
+
 def run_gemv(x, ex, weights, ids, gate_up, down):
     return mxfp4_gemv.mxfp4_moe_gemv(x, ex.w13, ex.w13_scale, ex.w13_bias, ex.w2, ex.w2_scale, ex.w2_bias,
                                      weights, ids, ex.alpha, ex.limit, gate_up, down)
@@ -63,13 +71,11 @@ def test_gemv_matches_torch_and_grouped(tokens, pairs):
     tiles of 64 (a partial last block); two tokens may share an expert. The float32 decode
     matches to float32 rounding, the packed pairs (float16 products and word sums) to float16's."""
     e, h, i, k = 4, 96, 32, 2
-    ex = make_experts(e, h, i, True, 11)
-    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(12)) * 2
-    weights, ids = route(tokens, e, k, 13)
+    ex, x, weights, ids = problem(e, h, i, k, tokens, 11)
     want = gm.gpt_oss_moe_torch(x, ex, weights, ids)
     got = run_gemv(x, ex, weights, ids, {"block_n": 16, "block_g": 2, "num_warps": 1, "pairs": pairs},
                    {"block_n": 64, "block_g": 2, "num_warps": 1, "pairs": pairs})
-    tol = 3e-3 if pairs else 1e-5
+    tol = 3e-3 if pairs else 1e-4 if GPU else 1e-5
     assert ((got - want).norm() / want.norm()).item() < tol
     grouped = gm.gpt_oss_moe_triton(x, ex, weights, ids, MoEConfig(16, 32, 32, 4, 1))
     assert ((got - grouped).norm() / grouped.norm()).item() < tol
@@ -87,12 +93,10 @@ def test_packed_pairs_take_outlier_activations():
     clamps would hide one infinity alone); the packed pairs hold x / 16, and the layer stays
     finite and matches the reference (where the 8 products cancel)."""
     e, h, i, k = 2, 64, 32, 1
-    ex = make_experts(e, h, i, True, 51)
+    ex, x, weights, ids = problem(e, h, i, k, 1, 51)
     ex.w13[:, :, :2] = 0x77  # two codes a byte: inputs 0..3 of every gate/up row +6, 4..7 -6
     ex.w13[:, :, 2:4] = 0xFF
-    x = torch.randn(1, h, generator=torch.Generator().manual_seed(52))
     x[0, :8] = 3000.0
-    weights, ids = route(1, e, k, 53)
     want = gm.gpt_oss_moe_torch(x, ex, weights, ids)
     settings = {"block_n": 32, "block_g": 2, "num_warps": 1, "pairs": 1}
     got = run_gemv(x, ex, weights, ids, settings, settings)
@@ -108,9 +112,7 @@ def test_dispatch_takes_the_gemv_for_few_tokens(monkeypatch):
     real = mxfp4_gemv.mxfp4_moe_gemv
     monkeypatch.setattr(mxfp4_gemv, "mxfp4_moe_gemv", lambda *a: calls.append(a) or real(*a))
     assert mxfp4_gemv.gemv_settings(3) is None
-    ex = make_experts(2, 64, 32, True, 21)
-    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(22))
-    weights, ids = route(2, 2, 1, 23)
+    ex, x, weights, ids = problem(2, 64, 32, 1, 2, 21)
     got = gm.gpt_oss_moe_triton(x, ex, weights, ids)
     assert len(calls) == 1
     torch.testing.assert_close(got, gm.gpt_oss_moe_torch(x, ex, weights, ids), atol=1e-4, rtol=1e-4)
