@@ -383,14 +383,20 @@ class ModelRunner:
         checkpoints = (max(1, slots // 4) if c.num_state_checkpoints is None else c.num_state_checkpoints) \
             if c.enable_prefix_caching else 0
         spec = c.speculative_config
-        self.spec_rows_per_seq = spec.num_speculative_tokens if spec is not None else 0
-        spec_rows = min(slots, spec.disable_by_batch_size) * self.spec_rows_per_seq if spec is not None else 0
+        k = self.spec_rows_per_seq = spec.num_speculative_tokens if spec is not None else 0
+        verified = spec.disable_by_batch_size if spec is not None else 0  # the most sequences a verify holds
+
+        def spec_rows(n: int) -> int:
+            return min(n, verified) * k
         if self.device.type == "cuda":
             total = torch.cuda.mem_get_info(self.device)[1] * c.gpu_memory_utilization
-            fit = int((total - torch.cuda.memory_allocated(self.device)) / 2 // per_slot) - 1 - spec_rows
-            if slots + checkpoints > fit:
-                checkpoints = checkpoints * max(0, fit) // (slots + checkpoints)
-                slots = max(1, min(slots, fit - checkpoints))
+            fit = int((total - torch.cuda.memory_allocated(self.device)) / 2 // per_slot) - 1
+            want = slots + checkpoints + spec_rows(slots)
+            if want > fit:
+                checkpoints = checkpoints * max(0, fit) // want
+                room = fit - checkpoints  # the slots with their verify rows
+                most = room // (1 + k) if room // (1 + k) <= verified else room - verified * k
+                slots = max(1, min(slots, most))
         # every rank numbers the same rows: the scratch slot and the checkpoints follow the slots
         slots, checkpoints = self.tp.min_int(slots), self.tp.min_int(checkpoints)
         if slots < c.max_num_seqs:
@@ -400,11 +406,11 @@ class ModelRunner:
         if c.enable_prefix_caching and not checkpoints:
             log.warning("prefix caching is off: no memory left for recurrent-state checkpoints")
             c.enable_prefix_caching = False
-        self.first_spec_row = slots + 1 + checkpoints
-        self.model.bind_state(self.first_spec_row + spec_rows, self.dtype, self.device)
+        self.first_spec_row, rows = slots + 1 + checkpoints, spec_rows(slots)
+        self.model.bind_state(self.first_spec_row + rows, self.dtype, self.device)
         log.info("recurrent state: %d slots, %d prefix-cache checkpoints and %d rows for verified proposals of "
-                 "%.1f MiB (%.2f GiB)", slots, checkpoints, spec_rows, per_slot / 2**20,
-                 (self.first_spec_row + spec_rows) * per_slot / 2**30)
+                 "%.1f MiB (%.2f GiB)", slots, checkpoints, rows, per_slot / 2**20,
+                 (self.first_spec_row + rows) * per_slot / 2**30)
         return slots, checkpoints
 
     @property
