@@ -27,7 +27,7 @@ def test_an_fp8_cache_in_the_same_bytes_runs_more_sequences_at_once(folder):
     caps, running = {}, {}
     for dtype in ("auto", "fp8"):
         with LLM(folder, device="cpu", dtype="bfloat16", kv_cache_dtype=dtype, max_model_len=128,
-                 kv_cache_memory=10 << 20, max_num_batched_tokens=8192) as llm:
+                 kv_cache_memory=10 << 20, max_num_batched_tokens=8192, prefill_join_tokens=8192) as llm:
             eng = llm.engine
             caps[dtype] = eng.config.max_num_seqs
             assert eng.scheduler.max_num_seqs == caps[dtype]

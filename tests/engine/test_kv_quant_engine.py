@@ -39,10 +39,10 @@ FLIP_GAP = 1.0
 @pytest.fixture(scope="module")
 def engines():
     # Whole prompts in one step, as the expectations below were measured (the CPU's small default
-    # budget cuts them into chunks whose later ones read earlier keys back quantized: the chunked
-    # case has its own test).
-    return {kv: LLM(device="cpu", kv_cache_dtype=kv, num_kv_blocks=NUM_BLOCKS, max_num_batched_tokens=8192)
-            for kv in KV_DTYPES}
+    # budget, or a join size below the prompts, cuts them into chunks whose later ones read earlier
+    # keys back quantized: the chunked case has its own test).
+    return {kv: LLM(device="cpu", kv_cache_dtype=kv, num_kv_blocks=NUM_BLOCKS, max_num_batched_tokens=8192,
+                    prefill_join_tokens=8192) for kv in KV_DTYPES}
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +244,7 @@ def test_prefix_hits_and_preemption_change_nothing(kv, engines, greedy, prompts,
     # every prompt admitted in one step (the CPU's small default budget would admit them a few at a
     # time), so that their decodes outgrow the 12 blocks and force preemption
     tight = LLM(device="cpu", kv_cache_dtype=kv, num_kv_blocks=12, enable_prefix_caching=False,
-                max_num_batched_tokens=8192)
+                max_num_batched_tokens=8192, prefill_join_tokens=8192)
     # 20 alternatives: the first run's token may fall to third or lower at a close call (with 2,
     # one AVX2 run found it in neither and could not tell its gap)
     params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=20)
