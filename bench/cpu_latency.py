@@ -64,20 +64,22 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return torch.randint(100, vocab - 100, (batch, length), generator=g).tolist()
 
 
-def time_kvship(llm: LLM, ids: list[list[int]], output: int) -> tuple[float, float]:
-    """(seconds to the first token, decode tok/s over all rows): one run of max_tokens=1 and one
-    of 1 + output, after a warm-up."""
-    def run(n: int) -> float:
+def time_kvship(llm: LLM, ids: list[list[int]], output: int) -> tuple[float, float, float]:
+    """(seconds to the first token, decode tok/s over all rows, CPU ms a decoded token): one run
+    of max_tokens=1 and one of 1 + output, after a warm-up. CPU time (this process's threads)
+    does not depend on what else the machine runs, wall time does."""
+    def run(n: int) -> tuple[float, float]:
         p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         outs = llm.generate(ids, p)
         assert all(len(o.outputs[0].token_ids) == n for o in outs)
-        return time.perf_counter() - t
+        return time.perf_counter() - t, time.process_time() - cpu
 
     run(2)
-    first = run(1)
-    whole = run(1 + output)
-    return first, len(ids) * output / (whole - first)
+    first, first_cpu = run(1)
+    whole, whole_cpu = run(1 + output)
+    tokens = len(ids) * output
+    return first, tokens / (whole - first), (whole_cpu - first_cpu) / tokens * 1e3
 
 
 def time_hf(model, ids: list[list[int]], output: int) -> tuple[float, float]:
@@ -132,35 +134,40 @@ def main() -> None:
     print("| batch | kvship tok/s | kvship TTFT ms | transformers tok/s | transformers TTFT ms | limit tok/s | kvship of limit |")
     print("|---|---|---|---|---|---|---|")
     vocab = cfg.vocab_size
-    batch1 = float("nan")
+    batch1 = batch1_first = batch1_cpu = float("nan")
     for b in args.batch:
         ids = prompts(b, args.prompt, vocab)
-        first, rate = time_kvship(llm, ids, args.output)
+        first, rate, cpu_ms = time_kvship(llm, ids, args.output)
         hf_first, hf_rate = time_hf(hf, ids, args.output) if hf is not None else (float("nan"), float("nan"))
         # one decode step reads the weights once for all b rows, and each row's KV; FLOPs grow with b
         limit = b / max((weight_bytes + b * kv_bytes) / bw, b * flops_per_token / mm)
         print(f"| {b} | {rate:.1f} | {first * 1e3:.0f} | {hf_rate:.1f} | {hf_first * 1e3:.0f} | {limit:.0f} | "
               f"{rate / limit:.0%} |")
-        batch1 = rate if b == 1 else batch1
+        if b == 1:
+            batch1, batch1_first, batch1_cpu = rate, first, cpu_ms
     if args.long:
         long_prompt(llm, hf, args.long, vocab)
     if not args.no_serve:
         del llm, hf  # the server is another process: this one's memory and threads stay out of its way
-        served_rows(max_len, args, vocab, batch1)
+        served_rows(max_len, args, vocab, (batch1, batch1_first, batch1_cpu))
 
 
-def served_rows(max_len: int, args, vocab: int, batch1: float) -> None:
-    """One streamed request through `kvship serve`, its decode rate against the offline batch-1
-    one, and with --long a short chat's answer time while the long prompt prefills."""
+def served_rows(max_len: int, args, vocab: int, offline: tuple[float, float, float]) -> None:
+    """One streamed request through `kvship serve`, its decode rate and CPU time a token against
+    the offline batch-1 ones, and with --long a short chat's answer time while the long prompt
+    prefills."""
+    batch1, batch1_first, batch1_cpu = offline
     with Served(max_len, args.threads) as server:
-        first, rate = served_decode(server.base, prompts(1, args.prompt, vocab)[0], args.output)
-        print(f"\n| served (`kvship serve`, one streamed request) | decode tok/s | TTFT ms | offline batch 1 tok/s | "
-              f"served of offline |\n|---|---|---|---|---|\n| batch 1 | {rate:.1f} | {first * 1e3:.0f} | {batch1:.1f} | "
-              f"{rate / batch1:.0%} |")
+        first, rate, cpu_ms = served_decode(server, prompts(1, args.prompt, vocab)[0], args.output)
+        print("\n| batch 1, one streamed request | decode tok/s | TTFT ms | CPU ms a token |\n|---|---|---|---|\n"
+              f"| offline engine | {batch1:.1f} | {batch1_first * 1e3:.0f} | {batch1_cpu:.1f} |\n"
+              f"| `kvship serve` | {rate:.1f} ({rate / batch1:.0%}) | {first * 1e3:.0f} | {cpu_ms:.1f} |")
         if args.long:
-            chat_s, long_ttft, first_answered = chat_during_prefill(server.base, prompts(1, args.long, vocab, seed=1)[0])
-            print(f"\nshort chat sent during a {args.long}-token prefill: answered in {chat_s:.2f} s "
-                  f"({'before' if first_answered else 'after'} the long prompt's first token, at {long_ttft:.2f} s)")
+            chat_first, chat_s, long_ttft, first_answered = chat_during_prefill(
+                server.base, prompts(1, args.long, vocab, seed=1)[0])
+            print(f"\nshort chat (8 tokens at most) sent during a {args.long}-token prefill: first token in "
+                  f"{chat_first:.2f} s, answered in {chat_s:.2f} s ({'before' if first_answered else 'after'} the long "
+                  f"prompt's first token, at {long_ttft:.2f} s)")
         print("\nserver: " + next(line for line in server.log().splitlines() if "CPU:" in line).split(": ", 1)[-1])
 
 
@@ -188,22 +195,22 @@ class RssPeak:
 
 
 def long_prompt(llm: LLM, hf, length: int, vocab: int) -> None:
-    """TTFT of one ``length``-token prompt (kvship, then transformers) and kvship's peak RSS rise."""
+    """TTFT of one ``length``-token prompt (kvship, then transformers), wall and CPU seconds (the
+    latter load-independent), and kvship's peak RSS rise."""
     ids = prompts(1, length, vocab, seed=1)
     with RssPeak() as rss:
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         llm.generate(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-        first = time.perf_counter() - t
-    rise = rss.rise / 1e6
-    hf_first = float("nan")
+        first, first_cpu = time.perf_counter() - t, time.process_time() - cpu
+    hf_first = hf_cpu = float("nan")
     if hf is not None:
         x = torch.tensor(ids)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         with torch.inference_mode():
             hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=1, do_sample=False, pad_token_id=0)
-        hf_first = time.perf_counter() - t
-    print(f"\nprompt of {length} tokens: kvship TTFT {first:.2f} s (peak RSS +{rise:.0f} MB), "
-          f"transformers TTFT {hf_first:.2f} s")
+        hf_first, hf_cpu = time.perf_counter() - t, time.process_time() - cpu
+    print(f"\nprompt of {length} tokens: kvship TTFT {first:.2f} s ({first_cpu:.2f} CPU s; peak RSS "
+          f"+{rss.rise / 1e6:.0f} MB), transformers TTFT {hf_first:.2f} s ({hf_cpu:.2f} CPU s)")
 
 
 if __name__ == "__main__":
