@@ -4,8 +4,8 @@ after each of them, and the sequence resumes from the one after its last accepte
 random checkpoints: greedy tokens identical to plain decoding and to transformers with n-gram
 proposals and with proposals accepted part-way (4 prompts batched, chunked prefill,
 preemption, prefix hits), every KV block and state
-slot free afterwards, abort included; the checkpoints' MTP layer (random weights) drafting, with
-the same tokens."""
+slot free afterwards, abort included, over two tensor-parallel ranks too; the checkpoints' MTP
+layer (random weights) drafting, with the same tokens."""
 from __future__ import annotations
 
 import pytest
@@ -199,16 +199,25 @@ def test_abort_with_speculation_frees_every_slot(hybrids):
     assert_all_released(llm)
 
 
-def test_tensor_parallel_speculation_is_refused_for_hybrids(hybrids):
-    from kvship.config import EngineConfig
-    from kvship.core.speculative import build_speculator
-    from kvship.runner.model_runner import load_model
-
+@pytest.mark.timeout(600)
+def test_speculation_with_tensor_parallelism(hybrids):
+    """Two ranks, each holding its heads' share of every state row: the verify's rows go to the
+    other rank with the step, the rollback copies with the next one; n-gram and part-way
+    accepted proposals give one rank's tokens."""
     folder, _ = hybrids["qwen3_5"]
-    config = EngineConfig(model=str(folder), device="cpu", tensor_parallel_size=2, speculative_config=NGRAM)
-    _, model_config = load_model(config)
-    with pytest.raises(ValueError, match="tensor-parallel-size 1"):
-        build_speculator(config.speculative_config, config, model_config, None, None)
+    prompts = repeating_prompts()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # long enough to notice a rank's state
+    want = [o.outputs[0].token_ids for o in LLM(str(folder), **OPTS).generate(prompts, params)]
+    spec = LLM(str(folder), **OPTS, speculative_config=NGRAM, tensor_parallel_size=2)
+    try:
+        ngram, spec.engine.speculator.proposer = spec.engine.speculator.proposer, Oracle(prompts, want)
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+        spec.engine.speculator.proposer = ngram
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want
+        assert all(n > 0 for n in spec.engine.speculator.stats.accepted_per_pos)
+        assert_all_released(spec)
+    finally:
+        spec.engine.shutdown()
 
 
 @pytest.mark.gpu

@@ -154,10 +154,6 @@ def roll_back(kv: KVCacheManager, seq: Sequence, num_accepted: int) -> None:
 def build_speculator(config: SpeculativeConfig, engine_config, model_config, target_tokenizer,
                      runner) -> Speculator:
     """The speculator the config asks for, or a ValueError saying why it cannot be served."""
-    if model_config.linear_attention is not None and engine_config.tensor_parallel_size > 1:
-        # the rollback of the recurrent state (ModelRunner.keep_accepted_states) runs on rank 0 only
-        raise ValueError(f"speculative decoding for {model_config.architecture} (a recurrent state) runs with "
-                         "--tensor-parallel-size 1 only")
     if engine_config.tensor_parallel_size > 1 and config.method != "ngram":
         raise ValueError("draft-model and MTP proposals run with --tensor-parallel-size 1 only")
     if config.method == "ngram":

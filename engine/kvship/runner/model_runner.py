@@ -203,6 +203,7 @@ class ModelRunner:
         # before the KV cache: their memory counts
         self.num_state_slots, self.num_state_checkpoints = self._bind_recurrent_state()
         self._verify_rows: dict[Sequence, tuple[int, int]] = {}  # the last verify's (first state row, proposals)
+        self._rollbacks: list[tuple[int, int]] = []  # state copies the other tensor-parallel ranks make next step
         self.num_blocks = self._allocate_kv_cache()
         if self.device.type == "cpu":
             self._set_up_cpu()
@@ -452,6 +453,8 @@ class ModelRunner:
                 copies.append((first + n, seq.state_slot))
         self._verify_rows = {}
         self.copy_states(copies)
+        if self.tp.runtime is not None:  # the other ranks copy before their next forward (run)
+            self._rollbacks += copies
 
     def _allocate_kv_cache(self) -> int:
         n = self.tp.min_int(self._num_blocks_to_allocate())  # every rank holds the same block count
@@ -647,7 +650,8 @@ class ModelRunner:
             return self._forward_with_prompt_logprobs(input_ids, positions, meta, wanted)
         if self.tp.runtime is not None:  # the other ranks run the same forward on what rank 0 sends
             with self.tp.runtime.guard():
-                self.tp.runtime.send_step(input_ids, positions, meta, (batch.state_restores, batch.state_checkpoints),
+                restores, self._rollbacks = self._rollbacks + batch.state_restores, []
+                self.tp.runtime.send_step(input_ids, positions, meta, (restores, batch.state_checkpoints),
                                           self.lora.take_message() if self.lora is not None else ([], []))
                 return self.forward(input_ids, positions, meta)
         return self.forward(input_ids, positions, meta, in_flight)

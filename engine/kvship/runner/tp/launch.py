@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
 FAILURE_GRACE_S = 10.0  # a failure not reported to the engine's caller by then ends the process
 STEP, STOP = 1, 0
-# cmd, tokens, seqs, block-table width, sampled rows, max_seqlen_q, leading decodes, state slots sent,
+# cmd, tokens, seqs, block-table width, sampled rows, max_seqlen_q, leading decodes, state tensors sent
+# (0; 1: the slots; 2: the slots and a verify's state rows),
 # a hybrid model's state copies before and after the forward (Batch.state_restores, state_checkpoints),
 # and LoRA: per-token adapter slots sent (0 or tokens) and the bytes of the slot loads (JSON)
 _HEADER = 12
@@ -290,7 +291,7 @@ class TPRuntime:
         slots since the last step, (slot, id, name, path) (runner/lora_manager.py)."""
         bt = meta.block_tables
         n_seq, width = bt.shape
-        state = [] if meta.state_slots is None else [meta.state_slots.long()]  # a hybrid model's
+        state = [t.long() for t in (meta.state_slots, meta.spec_state_rows) if t is not None]  # a hybrid model's
         loads = list(json.dumps(lora[1]).encode()) if lora[1] else []
         header = torch.tensor([STEP, input_ids.shape[0], n_seq, width, meta.logits_indices.shape[0],
                                meta.max_seqlen_q, meta.num_decodes, len(state), *map(len, copies), len(lora[0]),
@@ -319,7 +320,8 @@ class TPRuntime:
         dist.broadcast(payload, 0, group=self.ctx.group)
         ids, pos, slots, bt, seq_lens, cu, logits, state, before, after, lora_slots, loads = payload.split(sizes)
         meta = AttentionMetadata(slots, bt.view(n_seq, width).int(), seq_lens.int(), cu.int(), max_q, logits,
-                                 n_decodes, state if has_state else None)
+                                 n_decodes, state[:n_seq] if has_state else None,
+                                 state[n_seq:] if has_state == 2 else None)
         lora = (lora_slots if n_lora else None, json.loads(bytes(loads.tolist())) if n_loads else [])
         return ids, pos, meta, before.view(-1, 2), after.view(-1, 2), lora
 
