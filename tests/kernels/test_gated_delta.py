@@ -156,7 +156,14 @@ def test_triton_verify_keeps_the_state_after_each_token():
 def _sm90_specs():
     """The conv and delta-rule kernels at a Qwen3.6-27B shape (16 key heads and 48 value heads of
     128 per rank, conv width 4) as the layer launches them, with and without a verify's
-    per-position state rows (KEEP), chunked and one-token."""
+    per-position state rows (KEEP), chunked and one-token; each once with its pointers 16-byte
+    aligned (as torch allocates them: Triton specializes on it)."""
+    for spec in _sm90_variants():
+        yield spec
+        yield {**spec, "divisible": [n for n, t in spec["types"].items() if t.startswith("*")]}
+
+
+def _sm90_variants():
     conv = {"x": "*bf16", "sx": "i32", "state": "*bf16", "s_slot": "i32", "slots": "*i64", "past": "*i32",
             "cu": "*i32", "C": "i32"}
     yield {"kernel": "kvship.kernels.gated_delta_triton:_conv_kernel",
