@@ -1,5 +1,5 @@
-"""MTP proposals: the checkpoint's multi-token-prediction layer (models/mtp.py) guesses k tokens,
-greedily, batched over the sequences. At position t it takes the target's hidden state of t and
+"""MTP proposals: the checkpoint's multi-token-prediction layer (models/mtp.py; a hybrid model's
+block, models/hybrid_mtp.py) guesses k tokens, greedily, batched over the sequences. At position t it takes the target's hidden state of t and
 token t + 1 and guesses token t + 2; the guesses after the first take its own output at the
 position before in place of the target's hidden state (as vLLM drafts k > 1 with one layer).
 
