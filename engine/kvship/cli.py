@@ -89,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         seed=args.seed,
         quantization=args.quantization,
+        cpu_weight_format=args.cpu_weight_format,
         generation_defaults=args.generation_config == "auto",
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

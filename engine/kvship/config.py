@@ -8,6 +8,7 @@ from kvship.speculative_config import SpeculativeConfig
 
 TASKS = ("auto", "generate", "embed")
 QUANTIZATIONS = (None, "fp8", "int8", "int4")
+CPU_WEIGHT_FORMATS = ("int8", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
 SCHEDULE_POLICIES = ("shortest-prefill", "longest-output")
 
@@ -64,6 +65,9 @@ class EngineConfig:
     seed: int = 0
     # In-situ weight quantization while loading (a checkpoint's own quantization_config needs no flag).
     quantization: str | None = None  # None | fp8 | int8 | int4
+    # How a CPU holds quantized weights (a GGUF file's blocks, a quantized checkpoint, --quantization):
+    # int8 products (kernels/cpu_int8_linear.py) or float32, dequantized (the reference path).
+    cpu_weight_format: str = "int8"
     # Sampling defaults from the model's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty) for requests that leave them out, as model authors intend.
     generation_defaults: bool = True
@@ -140,6 +144,9 @@ class EngineConfig:
             raise ValueError(f"tp_all_reduce must be nccl, one-shot or fused, got {self.tp_all_reduce!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {self.quantization!r}")
+        if self.cpu_weight_format not in CPU_WEIGHT_FORMATS:
+            raise ValueError(f"cpu_weight_format must be one of {', '.join(CPU_WEIGHT_FORMATS)}, "
+                             f"got {self.cpu_weight_format!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.task not in TASKS:

@@ -1,5 +1,6 @@
 """The engine on real weights (SmolLM2-135M, bundled): greedy output identical to transformers,
-also with prefix-cache hits, small prefill chunks and forced preemption."""
+also with prefix-cache hits, small prefill chunks and forced preemption. The float32 path
+(``cpu_weight_format="float32"``): the int8 one has its own test (test_cpu_int8_weights.py)."""
 import pytest
 import torch
 
@@ -61,7 +62,7 @@ def assert_all_blocks_released(llm):
 
 
 def test_greedy_matches_transformers_and_prefix_cache(prompts, reference):
-    llm = LLM(device="cpu")
+    llm = LLM(device="cpu", cpu_weight_format="float32")
     assert greedy_tokens(llm, prompts) == reference
     assert_all_blocks_released(llm)
     hits_before = llm.engine.kv.prefix_hits
@@ -72,7 +73,7 @@ def test_greedy_matches_transformers_and_prefix_cache(prompts, reference):
 
 
 def test_greedy_matches_with_small_prefill_chunks(prompts, reference):
-    llm = LLM(device="cpu", max_num_batched_tokens=16, enable_prefix_caching=False)
+    llm = LLM(device="cpu", cpu_weight_format="float32", max_num_batched_tokens=16, enable_prefix_caching=False)
     assert greedy_tokens(llm, prompts) == reference
     assert_all_blocks_released(llm)
 
@@ -80,7 +81,7 @@ def test_greedy_matches_with_small_prefill_chunks(prompts, reference):
 def test_greedy_matches_under_preemption(prompts, reference):
     # 12 blocks of 16 tokens cannot hold 8 sequences of up to ~70 tokens at once (and with the
     # prefix cache off, a preempted sequence really is recomputed from its tokens).
-    llm = LLM(device="cpu", num_kv_blocks=12, enable_prefix_caching=False)
+    llm = LLM(device="cpu", cpu_weight_format="float32", num_kv_blocks=12, enable_prefix_caching=False)
     assert greedy_tokens(llm, prompts) == reference
     assert llm.engine.scheduler.num_preemptions > 0
     assert_all_blocks_released(llm)
@@ -100,7 +101,7 @@ def test_greedy_matches_longest_output_first_with_prompts_finishing_one_a_step(p
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(device="cpu")
+    return LLM(device="cpu", cpu_weight_format="float32")
 
 
 def test_seeded_sampling_independent_of_batch(llm, prompts):
@@ -162,7 +163,7 @@ def test_abort_releases_blocks(llm, prompts):
 def test_prompt_longer_than_context_is_refused(prompts):
     from kvship.sampling_params import InvalidParamsError
 
-    small = LLM(device="cpu", max_model_len=32, num_kv_blocks=8)
+    small = LLM(device="cpu", cpu_weight_format="float32", max_model_len=32, num_kv_blocks=8)
     with pytest.raises(InvalidParamsError, match="maximum context length is 32"):
         small.generate([list(range(40))], GREEDY)
     out = small.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=100))[0].outputs[0]
@@ -172,7 +173,7 @@ def test_prompt_longer_than_context_is_refused(prompts):
 def test_prompt_logprobs_equal_reference(llm, prompts, smollm2_hf):
     model, _ = smollm2_hf
     p = prompts[5]  # long enough to span several blocks; computed in small chunks too
-    small_chunks = LLM(device="cpu", max_num_batched_tokens=16)
+    small_chunks = LLM(device="cpu", cpu_weight_format="float32", max_num_batched_tokens=16)
     for engine in (llm, small_chunks):
         out = engine.generate([p], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
         assert len(out.prompt_logprobs) == len(p) - 1

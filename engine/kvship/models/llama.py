@@ -165,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = self.backbone(cfg, max_positions, tp, backend)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, cfg.quantization)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

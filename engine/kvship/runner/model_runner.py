@@ -3,6 +3,7 @@ sampling of the sequences whose prompt is complete. The step's result stays on t
 InFlightStep) while the host goes on; the next step can take its tokens as inputs there."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from dataclasses import dataclass
@@ -121,8 +122,16 @@ def _weight_quantization(config: EngineConfig, model_config: ModelConfig) -> Qua
             raise ValueError(f"the checkpoint is already quantized ({scheme.checkpoint}); drop --quantization")
         scheme = QuantScheme(checkpoint=scheme and scheme.checkpoint, insitu=config.quantization)
     if scheme is not None:
+        scheme = dataclasses.replace(scheme, cpu_format=config.cpu_weight_format)
         log.info("weights: %s", scheme.describe())
+        if resolve_device(config.device).type == "cpu":
+            log.info("CPU weight format: %s", _CPU_FORMATS[scheme.cpu_format])
     return scheme
+
+
+_CPU_FORMATS = {"int8": "int8 (a scale per weight row, int8 activations with a scale per token; "
+                        "--cpu-weight-format float32 for the float reference)",
+                "float32": "float32 (quantized weights dequantized at load)"}
 
 
 @dataclass(eq=False)
