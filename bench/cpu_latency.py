@@ -2,8 +2,9 @@
 runs it, beside HF transformers' generate on the same file's weights and the machine's limit.
 
 Per batch size: decode tok/s (all rows together) and time to the first token, kvship against
-transformers, both in float32 (kvship's CPU dtype) with greedy decoding of a fixed length; the
-limit is the weight bytes a decode step reads (float32, the output projection included) over
+transformers (float32) with greedy decoding of a fixed length, kvship's weights as
+``--cpu-weight-format`` says (int8, its default, or float32); the
+limit is the weight bytes a decode step reads (the output projection included) over
 the copy bandwidth measured here, and the step's FLOPs over the float32 matmul rate measured
 here, whichever is slower.
 
@@ -108,16 +109,23 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=2000, help="one long prompt's TTFT and RSS rise (0: off)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-serve", action="store_true", help="skip the rows through a real `kvship serve`")
+    ap.add_argument("--cpu-weight-format", default="int8", choices=["int8", "float32"],
+                    help="kvship's weights: int8 (kvship's default) or float32 (transformers' format)")
     args = ap.parse_args()
 
     path = bundled_model_path()
     # no prefix cache: every run prefills its prompt, as transformers does
     max_len = max(args.prompt + args.output, args.long) + 8
-    llm = LLM(path, device="cpu", max_model_len=max_len, seed=0, enable_prefix_caching=False, cpu_threads=args.threads)
+    llm = LLM(path, device="cpu", max_model_len=max_len, seed=0, enable_prefix_caching=False, cpu_threads=args.threads,
+              cpu_weight_format=args.cpu_weight_format)
     model = llm.engine.runner.model
     cfg = llm.engine.runner.model_config
-    params = sum(p.numel() for p in model.parameters())  # the tied table counted once: the head reads it
-    weight_bytes = 4 * params
+    float_params = sum(p.numel() for p in model.parameters())  # the tied table counted once: the head reads it
+    int8_params = sum(m.cpu_int8.codes.numel() for m in model.modules() if getattr(m, "cpu_int8", None) is not None)
+    if model.lm_head.cpu_int8 is not None:  # the head reads its int8 copy; lookups read a row of the table
+        float_params -= model.model.embed_tokens.weight.numel()
+    params = float_params + int8_params
+    weight_bytes = 4 * float_params + int8_params
     kv_bytes = 4 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (args.prompt + args.output / 2)
     flops_per_token = 2 * params  # every matrix once a token; the embedding lookup is a row, not a product
     bw, mm = copy_bandwidth(), matmul_rate()
@@ -128,7 +136,8 @@ def main() -> None:
         folder, fname = os.path.split(path)
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32).eval()
 
-    print(f"bundled model {os.path.basename(path)}: {params / 1e6:.1f} M parameters, float32 on the CPU, "
+    print(f"bundled model {os.path.basename(path)}: {params / 1e6:.1f} M parameters, "
+          f"{args.cpu_weight_format} weights on the CPU ({weight_bytes / 1e6:.0f} MB a decode step), "
           f"{torch.get_num_threads()} threads; copy {bw / 1e9:.1f} GB/s, float32 matmul {mm / 1e9:.0f} GFLOP/s; "
           f"prompt {args.prompt}, output {args.output}, greedy\n")
     print("| batch | kvship tok/s | kvship TTFT ms | transformers tok/s | transformers TTFT ms | limit tok/s | kvship of limit |")

@@ -1,4 +1,5 @@
-"""The engine with a quantized KV cache on the bundled SmolLM2-135M (CPU reference path):
+"""The engine with a quantized KV cache on the bundled SmolLM2-135M (CPU reference path, float32
+weights, as the figures below were measured):
 perplexity against the unquantized cache (float32 on CPU), greedy agreement, and prefix-cache
 hits and preemption that leave outputs unchanged.
 
@@ -41,8 +42,8 @@ def engines():
     # Whole prompts in one step, as the expectations below were measured (the CPU's small default
     # budget, or a join size below the prompts, cuts them into chunks whose later ones read earlier
     # keys back quantized: the chunked case has its own test).
-    return {kv: LLM(device="cpu", kv_cache_dtype=kv, num_kv_blocks=NUM_BLOCKS, max_num_batched_tokens=8192,
-                    prefill_join_tokens=8192) for kv in KV_DTYPES}
+    return {kv: LLM(device="cpu", cpu_weight_format="float32", kv_cache_dtype=kv, num_kv_blocks=NUM_BLOCKS,
+                    max_num_batched_tokens=8192, prefill_join_tokens=8192) for kv in KV_DTYPES}
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_fp8_scales_measured_per_layer_at_start_up(engines, text_windows, record
     values' scales spread over layers: one scale for all of them costs perplexity (kv_quant)."""
     fmax = kvq.fp8_max(torch.float8_e4m3fn)
     start = fp8_scales(engines["fp8"])
-    calc = LLM(device="cpu", kv_cache_dtype="fp8", num_kv_blocks=NUM_BLOCKS, calculate_kv_scales=True)
+    calc = LLM(device="cpu", cpu_weight_format="float32", kv_cache_dtype="fp8", num_kv_blocks=NUM_BLOCKS, calculate_kv_scales=True)
     assert fp8_scales(calc) == [(1.0, 1.0)] * len(start)  # not measured before the first prefill
     mean_nll(calc, text_windows["numpy[0]"])
     text = fp8_scales(calc)
@@ -243,8 +244,8 @@ def test_prefix_hits_and_preemption_change_nothing(kv, engines, greedy, prompts,
     assert_all_blocks_released(llm)
     # every prompt admitted in one step (the CPU's small default budget would admit them a few at a
     # time), so that their decodes outgrow the 12 blocks and force preemption
-    tight = LLM(device="cpu", kv_cache_dtype=kv, num_kv_blocks=12, enable_prefix_caching=False,
-                max_num_batched_tokens=8192, prefill_join_tokens=8192)
+    tight = LLM(device="cpu", cpu_weight_format="float32", kv_cache_dtype=kv, num_kv_blocks=12,
+                enable_prefix_caching=False, max_num_batched_tokens=8192, prefill_join_tokens=8192)
     # 20 alternatives: the first run's token may fall to third or lower at a close call (with 2,
     # one AVX2 run found it in neither and could not tell its gap)
     params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=20)

@@ -250,9 +250,9 @@ def test_quantized_output_matrix_comes_as_its_blocks(tmp_path):
     w = dict(resolve_model(str(path)).weights())
     assert isinstance(w["lm_head.weight"].load(), QuantizedTensor)
     want = quants.dequantize(quants.quantize(tensors["output.weight"][0], QT.Q8_0), QT.Q8_0)
-    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16)
+    llm = LLM(str(path), device="cpu", dtype="float32", cpu_weight_format="float32", max_model_len=64, num_kv_blocks=16)
     head = llm.engine.runner.model.lm_head
-    assert head.qweight is None  # the CPU path: dequantized
+    assert head.qweight is None  # the CPU's float32 path: dequantized
     np.testing.assert_array_equal(head.weight.numpy(), want)
     out = llm.generate([[3, 5, 7]], SamplingParams(max_tokens=1, temperature=0, logprobs=3))[0].outputs[0]
     hidden = torch.randn(2, 64)
@@ -263,8 +263,8 @@ def test_quantized_output_matrix_comes_as_its_blocks(tmp_path):
 @pytest.mark.timeout(120)
 def test_tied_quantized_embedding_also_reaches_the_head_as_blocks(tmp_path):
     """No output.weight and a quantized token embedding: the embedding comes dequantized (lookups
-    need it so) and the head gets the same matrix as its blocks too; on the CPU the head keeps
-    sharing the embedding's table, which holds those values."""
+    need it so) and the head gets the same matrix as its blocks too; on the CPU's float32 path the
+    head keeps sharing the embedding's table, which holds those values."""
     from kvship.llm import LLM
 
     rng = np.random.default_rng(6)
@@ -285,7 +285,8 @@ def test_tied_quantized_embedding_also_reaches_the_head_as_blocks(tmp_path):
     head = w["lm_head.weight"].load()
     assert isinstance(head, QuantizedTensor)
     np.testing.assert_array_equal(head.dequantize(torch.float32).numpy(), want)
-    model = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=16).engine.runner.model
+    model = LLM(str(path), device="cpu", dtype="float32", cpu_weight_format="float32", max_model_len=64,
+                num_kv_blocks=16).engine.runner.model
     assert model.lm_head.qweight is None and model.lm_head.weight is model.model.embed_tokens.weight
 
 

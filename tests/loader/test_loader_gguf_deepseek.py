@@ -198,4 +198,4 @@ def test_half_of_a_split_kv_b_missing_is_named(files, tmp_path):
     path = tmp_path / "no-v-b.gguf"
     write_deepseek_gguf(path, files["v2-lite"][1], True, False, drop="blk.0.attn_v_b.weight")
     with pytest.raises(ModelSourceError, match="holds blk.0.attn_k_b.weight without its attn_v_b half"):
-        LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64)
+        LLM(str(path), device="cpu", dtype="float32", cpu_weight_format="float32", num_kv_blocks=16, max_model_len=64)

@@ -98,7 +98,7 @@ def test_mtp_layer_is_kept_from_the_file(glm_file):
     from kvship.llm import LLM
 
     path, _, tensors = glm_file
-    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16, block_size=4, max_model_len=32)
+    llm = LLM(str(path), device="cpu", dtype="float32", cpu_weight_format="float32", num_kv_blocks=16, block_size=4, max_model_len=32)
     mtp = llm.engine.runner.model.model.mtp[0]
     torch.testing.assert_close(mtp.eh_proj.weight, torch.tensor(tensors["blk.2.nextn.eh_proj.weight"]))
     torch.testing.assert_close(mtp.shared_head.norm.weight, torch.tensor(tensors["blk.2.nextn.shared_head_norm.weight"]))

@@ -121,6 +121,6 @@ def test_gguf_matches_transformers_on_the_dequantized_experts(tmp_path, expert_t
             experts.down_proj.copy_(back("down").transpose(1, 2))
     prompts = [[3, 17, 250, 9, 44], [100 + i for i in range(19)]]
     assert_logits_match(path, ref, prompts, chunks=(None, 6))
-    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=32, block_size=4, max_model_len=64)
+    llm = LLM(str(path), device="cpu", dtype="float32", cpu_weight_format="float32", num_kv_blocks=32, block_size=4, max_model_len=64)
     experts = llm.engine.runner.model.model.layers[0].mlp.experts
     assert (experts.w13.dtype == torch.uint8) == mxfp4 and (experts.w13_scale is not None) == mxfp4

@@ -180,7 +180,7 @@ def test_hybrid_gguf_greedy_matches_transformers(files):
 
     path, _, ref = files["qwen3_5_moe"]
     prompts = _prompts(5, (3, 40, 21))
-    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=16,
+    llm = LLM(str(path), device="cpu", dtype="float32", cpu_weight_format="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=16,
               max_model_len=256)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == greedy_reference(ref, prompts, 8)

@@ -208,7 +208,7 @@ def _greedy(path, prompts: list[list[int]]) -> list[list[int]]:
     from kvship.llm import LLM
     from kvship.sampling_params import SamplingParams
 
-    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=128)
+    llm = LLM(str(path), device="cpu", dtype="float32", cpu_weight_format="float32", num_kv_blocks=64, block_size=4, max_model_len=128)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
