@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
-from kvship.sequence import Batch, Sequence
+from mtp_checks import drafting_logits, first_drafts
 
 SPEC = ("DeepseekV3Config", dict(
     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1,
@@ -137,7 +137,6 @@ def test_mtp_layer_matches_its_definition(checkpoint):
 
     folder, hf, mtp = checkpoint
     llm = LLM(str(folder), **OPTS, speculative_config=MTP)
-    proposer = llm.engine.speculator.proposer
     tokens = torch.randint(1, 318, (1, 13), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         tokens[0, 12] = hf(tokens[:, :12]).logits[0, -1].argmax()  # what greedy decoding samples there
@@ -163,28 +162,13 @@ def test_mtp_layer_matches_its_definition(checkpoint):
         out = out[0] if isinstance(out, tuple) else out
         want = hf.lm_head(rms(out, mtp[prefix + "shared_head.norm.weight"]))[0]
 
-        shadow = Sequence("ref", 0, tokens[0, 1:].tolist(), SamplingParams(temperature=0))
-        assert proposer.kv.allocate(shadow, len(shadow.token_ids))
-        batch = Batch()
-        batch.add(shadow, len(shadow.token_ids))
-        ids, positions, meta, _ = llm.engine.runner.prepare(batch)
-        got = proposer.layer.predict(positions, llm.engine.runner.model.model.embed_tokens(ids), h[:-1], meta)
-        got = llm.engine.runner.model.compute_logits(proposer.layer.head_input(got)).float()
-        proposer.kv.free(shadow)
+    got = drafting_logits(llm, tokens[0].tolist(), h[:-1])
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
     # through the engine: the prompt's step hands the layer its hidden states; the first draft
     # is the layer's guess at the prompt's last position
-    proposed, propose = [], proposer.propose
-
-    def recording(seqs, ks):
-        drafts = propose(seqs, ks)
-        proposed.append((list(seqs[0].token_ids), drafts[0]))
-        return drafts
-    proposer.propose = recording
-    llm.generate([tokens[0, :12].tolist()], SamplingParams(temperature=0, max_tokens=8))
-    seen, drafts = proposed[0]
+    seen, drafts = first_drafts(llm, tokens[0, :12].tolist())
     assert seen == tokens[0].tolist()
     assert len(drafts) == 3 and drafts[0] == want[11].argmax().item()
 

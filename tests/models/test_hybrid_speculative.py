@@ -13,7 +13,7 @@ import torch
 
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
-from kvship.sequence import Batch, Sequence
+from mtp_checks import drafting_logits, first_drafts
 from test_models_qwen3_next import SPECS, make_hybrid, with_mtp_layer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -121,7 +121,6 @@ def test_mtp_block_matches_its_definition(hybrids, tmp_path):
     src, ref = hybrids["qwen3_5"]
     mtp = with_mtp_layer(src, ref, tmp_path / "m")
     llm = LLM(str(tmp_path / "m"), **OPTS, speculative_config=MTP)
-    proposer, runner = llm.engine.speculator.proposer, llm.engine.runner
     tokens = torch.randint(1, 318, (1, 13), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         tokens[0, 12] = ref(tokens[:, :12]).logits[0, -1].argmax()  # what greedy decoding samples there
@@ -142,25 +141,9 @@ def test_mtp_block_matches_its_definition(hybrids, tmp_path):
                     position_ids=pos)
         want = ref.lm_head(rms(out[0] if isinstance(out, tuple) else out, mtp["mtp.norm.weight"]))[0]
 
-        shadow = Sequence("ref", 0, tokens[0, 1:].tolist(), SamplingParams(temperature=0))
-        assert proposer.kv.allocate(shadow, len(shadow.token_ids))
-        batch = Batch()
-        batch.add(shadow, len(shadow.token_ids))
-        ids, positions, meta, _ = runner.prepare(batch, recurrent=False)
-        got = proposer.layer.predict(positions, runner.model.model.embed_tokens(ids), h[:-1], meta)
-        got = runner.model.compute_logits(proposer.layer.head_input(got)).float()
-        proposer.kv.free(shadow)
+    got = drafting_logits(llm, tokens[0].tolist(), h[:-1])
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
-
-    proposed, propose = [], proposer.propose
-
-    def recording(seqs, ks):
-        drafts = propose(seqs, ks)
-        proposed.append((list(seqs[0].token_ids), drafts[0]))
-        return drafts
-    proposer.propose = recording
-    llm.generate([tokens[0, :12].tolist()], SamplingParams(temperature=0, max_tokens=8))
-    seen, drafts = proposed[0]
+    seen, drafts = first_drafts(llm, tokens[0, :12].tolist())
     assert seen == tokens[0].tolist()
     assert len(drafts) == 3 and drafts[0] == want[11].argmax().item()
 
