@@ -8,19 +8,19 @@ import pytest
 import torch
 
 from kvship.config import EngineConfig
-from kvship.kernels.cpu_int8_linear import CpuInt8Linear, Int8Rows, int8_linear_reference
+from kvship.kernels.cpu_int8_linear import GEMM_FROM_ROWS, CpuInt8Linear, Int8Rows, int8_linear_reference
 from kvship.llm import LLM
 from kvship.quant import quantize
 from kvship.sampling_params import SamplingParams
 
 TEXT = Path(__file__).with_name("perplexity_text.txt")
-# The kernel's output is bfloat16 (8 significant bits) and it sums in its own order: a product
+# Both paths' outputs are bfloat16 (8 significant bits), summed in their own order: a product
 # within 1% of the reference's norm, where a wrong scale or transposed codes miss by 100%.
 PRODUCT_TOL = 0.01
 PPL_TOL = 0.01  # the issue's bound for the quantized path against float32
 
 
-@pytest.mark.parametrize("rows", [1, 8, 33])
+@pytest.mark.parametrize("rows", [1, 3, GEMM_FROM_ROWS, 33])  # the int8 kernel, then the GEMM copy
 @pytest.mark.parametrize("source", ["float", "int4 groups"])
 def test_int8_product_matches_reference(rows, source):
     g = torch.Generator().manual_seed(rows)
@@ -45,21 +45,23 @@ def mean_nll(llm: LLM, ids: list[int]) -> float:
 
 @pytest.mark.timeout(600)
 def test_bundled_model_int8_perplexity_within_one_percent_of_float32():
+    """The prompt in steps of 512 tokens (the GEMM copy) and of 4 (the int8 kernel, as decodes)."""
     text = TEXT.read_text()
     nll = {}
-    for fmt in ("float32", "int8"):
-        llm = LLM(device="cpu", cpu_weight_format=fmt, num_kv_blocks=32, max_num_batched_tokens=512,
-                  enable_prefix_caching=False)
+    for fmt, step in (("float32", 512), ("int8", 512), ("int8", 4)):
+        llm = LLM(device="cpu", cpu_weight_format=fmt, num_kv_blocks=32, max_num_batched_tokens=step,
+                  prefill_join_tokens=step, enable_prefix_caching=False)
         model = llm.engine.runner.model
         qkv = model.model.layers[0].self_attn.qkv_proj
         assert (qkv.cpu_int8 is not None) == (fmt == "int8")
         assert (model.lm_head.cpu_int8 is not None) == (fmt == "int8")  # the tied head too
         ids = llm.engine.tokenizer.encode(text)
         assert 300 <= len(ids) <= 512
-        nll[fmt] = mean_nll(llm, ids)
+        nll[fmt, step] = mean_nll(llm, ids)
         llm.shutdown()
-    ratio = math.exp(nll["int8"] - nll["float32"])
-    assert abs(ratio - 1) <= PPL_TOL, f"int8 perplexity {ratio:.4f}x float32's"
+    for step in (512, 4):
+        ratio = math.exp(nll["int8", step] - nll["float32", 512])
+        assert abs(ratio - 1) <= PPL_TOL, f"int8 perplexity in steps of {step}: {ratio:.4f}x float32's"
 
 
 def test_unknown_cpu_weight_format_is_refused():
