@@ -27,7 +27,11 @@ import time
 from pathlib import Path
 
 import psutil
-import torch
+
+from kvship import envs
+
+envs.passive_cpu_threads()  # as kvship serve does, before torch starts its threads
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_served import Served, chat_during_prefill, served_decode

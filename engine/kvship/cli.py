@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 import kvship
+from kvship import envs
 from kvship.cli_args import add_engine_args, add_server_args, parse_size
 from kvship.config import EngineConfig, KVEventsConfig
 
@@ -335,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
+        envs.passive_cpu_threads()  # before torch is imported
         return serve(args)
     if args.command == "router":
         from kvship.router.main import run

@@ -43,3 +43,13 @@ def test_explicit_count_is_not_measured():
 def test_weight_format_names_dtypes_by_size():
     model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 600).to(torch.bfloat16))
     assert cpu_setup.weight_format(model) == "float32 4 MB, bfloat16 1 MB"
+
+
+def test_weight_format_counts_kernel_held_tensors():
+    class Held:  # as kernels/cpu_int8_linear.CpuInt8Linear keeps its codes
+        def __init__(self):
+            self.codes = torch.zeros(2000, 1000, dtype=torch.int8)
+
+    model = torch.nn.Linear(1000, 1000)
+    model.kernel = Held()
+    assert cpu_setup.weight_format(model) == "float32 4 MB, int8 2 MB"

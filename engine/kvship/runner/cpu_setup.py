@@ -59,10 +59,18 @@ def set_cpu_threads(threads: int | None, step: Callable[[], object]) -> str:
 
 
 def weight_format(model: torch.nn.Module) -> str:
-    """What the weights are stored as, largest share first: "float32 538 MB" or "int8 134 MB,
-    float32 60 MB" (a quantized model's blocks and scales, its norms and embedding)."""
+    """What the weights are stored as, largest share first: "float32 538 MB" or "int8 107 MB,
+    float32 115 MB" (a quantized model's codes, its norms and embedding). Tensors a kernel object
+    keeps outside the module's parameters (int8 codes and scales) count too."""
+    seen: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            seen[t.data_ptr()] = t
+        for value in vars(module).values():
+            if not isinstance(value, (torch.Tensor, torch.nn.Module)) and hasattr(value, "__dict__"):
+                seen.update((t.data_ptr(), t) for t in vars(value).values() if isinstance(t, torch.Tensor))
     sizes: dict[str, int] = {}
-    for t in [*model.parameters(), *model.buffers()]:
+    for t in seen.values():
         name = str(t.dtype).removeprefix("torch.")
         sizes[name] = sizes.get(name, 0) + t.numel() * t.element_size()
     return ", ".join(f"{name} {n / 1e6:.0f} MB" for name, n in sorted(sizes.items(), key=lambda kv: -kv[1]) if n >= 1e6)
