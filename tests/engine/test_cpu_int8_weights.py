@@ -64,6 +64,14 @@ def test_bundled_model_int8_perplexity_within_one_percent_of_float32():
         assert abs(ratio - 1) <= PPL_TOL, f"int8 perplexity in steps of {step}: {ratio:.4f}x float32's"
 
 
+def test_serve_option_reaches_the_engine_config():
+    from kvship.cli import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(["serve"])).cpu_weight_format == "int8"
+    args = build_parser().parse_args(["serve", "--cpu-weight-format", "float32"])
+    assert config_from_args(args).cpu_weight_format == "float32"
+
+
 def test_unknown_cpu_weight_format_is_refused():
     with pytest.raises(ValueError, match="cpu_weight_format must be one of int8, float32"):
         EngineConfig(cpu_weight_format="int4")

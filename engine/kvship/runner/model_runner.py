@@ -126,6 +126,9 @@ def _weight_quantization(config: EngineConfig, model_config: ModelConfig) -> Qua
         log.info("weights: %s", scheme.describe())
         if resolve_device(config.device).type == "cpu":
             log.info("CPU weight format: %s", _CPU_FORMATS[scheme.cpu_format])
+    elif resolve_device(config.device).type == "cpu":
+        log.info("CPU weight format: the checkpoint's 16-bit weights in float32 (--quantization int8 holds them "
+                 "as int8)")
     return scheme
 
 
