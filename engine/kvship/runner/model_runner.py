@@ -450,7 +450,10 @@ class ModelRunner:
             hidden = self.model(ids, meta.positions, meta.attention)
             return hidden if self.config.task == "embed" else self.model.compute_logits(hidden[meta.attention.logits_indices])
 
-        threads = set_cpu_threads(self.config.cpu_threads, step)
+        if self.tp.size > 1 and self.config.cpu_threads is None:  # the launcher split the cores between the ranks
+            threads = f"threads {torch.get_num_threads()} a tensor-parallel rank"
+        else:
+            threads = set_cpu_threads(self.config.cpu_threads, step)
         log.info("CPU: %s; compute %s; weights %s", threads, str(self.dtype).removeprefix("torch."),
                  weight_format(self.model))
 
