@@ -7,9 +7,8 @@ import json
 from dataclasses import dataclass
 
 METHODS = ("ngram", "draft_model", "mtp")
-# Above this many running sequences a step decodes without speculation: a large batch already
-# keeps the device busy, and verifying k + 1 tokens a sequence then costs about k + 1 steps
-# (where that starts: bench/spec_decode.py --shape, docs/speculative.md).
+# Above this many running sequences a step decodes without speculation: past it a long proposal's
+# verify costs more than the tokens it returns (measured: bench/spec_decode.py --shape, docs/speculative.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 _KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size"}
