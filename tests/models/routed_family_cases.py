@@ -55,8 +55,8 @@ def assert_preemption_changes_nothing(folder, ref) -> None:
     from kvship.llm import LLM
 
     ps = prompts(3)[1:] + [prompts(4)[2][:30]]
-    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=30, block_size=4, max_num_batched_tokens=64,
-              max_model_len=96)
+    llm = LLM(str(folder), device="cpu", dtype="float32", cpu_weight_format="float32", num_kv_blocks=30, block_size=4,
+              max_num_batched_tokens=64, max_model_len=96)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(ps, params)]
     assert llm.engine.scheduler.num_preemptions > 0

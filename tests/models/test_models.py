@@ -88,8 +88,8 @@ def assert_greedy_matches(folder, ref, prompts: list[list[int]], max_tokens: int
     hits the prefix cache and gives the same tokens."""
     from kvship.llm import LLM
 
-    llm = LLM(str(folder), device="cpu", dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=16,
-              max_model_len=256)
+    llm = LLM(str(folder), device="cpu", dtype="float32", cpu_weight_format="float32", num_kv_blocks=128, block_size=4,
+              max_num_batched_tokens=16, max_model_len=256)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     again = llm.generate([prompts[-1]], params)[0]

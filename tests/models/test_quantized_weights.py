@@ -487,7 +487,7 @@ def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path, tied):
     prompts = [[3, 5, 7, 11], [13, 4, 9, 20, 21, 22, 30]]
     out = {}
     for dev in ("cpu", "cuda"):
-        llm = LLM(str(path), device=dev, dtype="float32", max_model_len=128, num_kv_blocks=64)
+        llm = LLM(str(path), device=dev, dtype="float32", cpu_weight_format="float32", max_model_len=128, num_kv_blocks=64)
         if dev == "cuda":
             layer = llm.engine.runner.model.model.layers[0]
             assert layer.self_attn.qkv_proj.qweight.bits == 8 and layer.mlp.gate_up_proj.qweight.bits == 8
