@@ -11,17 +11,19 @@ from kvship.layers import attention as attn
 pytestmark = pytest.mark.timeout(120)
 
 
-def _case(q_lens, ctxs, hq=6, hkv=2, d=16, block=4, seed=0):
+def _case(q_lens, ctxs, hq=6, hkv=2, d=16, block=4, seed=0, scattered=True):
     g = torch.Generator().manual_seed(seed)
     blocks_per = [-(-c // block) for c in ctxs]
-    perm = torch.randperm(sum(blocks_per) + 3, generator=g)  # scattered blocks, not one run
+    total = sum(blocks_per) + 3
+    # scattered blocks (gathered), or each sequence's blocks one run (viewed in place)
+    perm = torch.randperm(total, generator=g) if scattered else torch.arange(3, total + 3)
     tables = torch.zeros(len(ctxs), max(blocks_per), dtype=torch.int32)
     at = 0
     for b, n in enumerate(blocks_per):
         tables[b, :n] = perm[at : at + n]
         at += n
-    k_cache = torch.randn(perm.numel(), block, hkv, d, generator=g)
-    v_cache = torch.randn(perm.numel(), block, hkv, d, generator=g)
+    k_cache = torch.randn(total + 3, block, hkv, d, generator=g)
+    v_cache = torch.randn(total + 3, block, hkv, d, generator=g)
     q = torch.randn(sum(q_lens), hq, d, generator=g)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return q, k_cache, v_cache, tables, torch.tensor(ctxs, dtype=torch.int32), cu
@@ -33,9 +35,10 @@ def _case(q_lens, ctxs, hq=6, hkv=2, d=16, block=4, seed=0):
     ([1, 1, 1, 5], [12, 17, 9, 20]),  # decodes of similar lengths (one padded call), then a prefill
     ([13, 1, 6], [13, 21, 30]),  # a whole prompt, a decode, a chunk after a cached prefix
 ])
-def test_cpu_attention_matches_reference(q_lens, ctxs, window, softcap, monkeypatch):
+@pytest.mark.parametrize("scattered", [True, False])
+def test_cpu_attention_matches_reference(q_lens, ctxs, window, softcap, scattered, monkeypatch):
     monkeypatch.setattr(attn, "CPU_SCORE_ELEMENTS", 200)  # several query chunks per prefill
-    q, kc, vc, tables, lens, cu = _case(q_lens, ctxs)
+    q, kc, vc, tables, lens, cu = _case(q_lens, ctxs, scattered=scattered)
     scale = 0.3
     want = pa.paged_attention_torch(q, kc, vc, tables, lens, cu, scale, window=window, softcap=softcap)
     got = attn.paged_attention_cpu(q, kc, vc, tables, lens, cu, scale, window=window, softcap=softcap)

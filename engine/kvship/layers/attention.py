@@ -54,6 +54,17 @@ def _row_sinks(sinks: torch.Tensor | None, num_kv_heads: int, queries: int) -> t
     return per_head.expand(num_kv_heads, queries, per_head.shape[-1]).reshape(num_kv_heads, -1, 1)
 
 
+def _pages(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """kvq.pages, except that a plain cache's run of consecutive blocks (a sequence allocated in
+    one go usually has one) is a view: gathering a long context copied all of it, every layer,
+    every step."""
+    n = blocks.numel()
+    if kvq.kv_mode(cache) == kvq.KV_PLAIN and n and int(blocks[-1]) - int(blocks[0]) == n - 1 \
+            and bool((blocks.diff() == 1).all()):
+        return cache[int(blocks[0]) : int(blocks[0]) + n]
+    return kvq.pages(cache, scales, blocks, head_dim)
+
+
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
@@ -95,8 +106,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         b0 = first // block_size
         blocks = block_tables[b, b0 : -(-ctx // block_size)].long()
         lo, hi = first - b0 * block_size, ctx - b0 * block_size
-        k = kvq.pages(k_cache, k_scale, blocks, d).flatten(0, 1)[lo:hi].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
-        v = k if same else kvq.pages(v_cache, v_scale, blocks, d).flatten(0, 1)[lo:hi].transpose(0, 1).to(q.dtype)
+        k = _pages(k_cache, k_scale, blocks, d).flatten(0, 1)[lo:hi].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+        v = k if same else _pages(v_cache, v_scale, blocks, d).flatten(0, 1)[lo:hi].transpose(0, 1).to(q.dtype)
         qs = q[s:e].view(q_len, num_kv_heads, group, d).permute(1, 0, 2, 3)  # [Hkv, q_len, group, D]
         if q_len == 1:  # decode: every kept key is visible
             o = pa.attend_torch(qs.reshape(num_kv_heads, group, d), k, v, None, scale, softcap,
