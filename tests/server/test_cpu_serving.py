@@ -3,6 +3,7 @@ answered at once, beside the prefill's chunks, not after them (the step budget i
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -60,5 +61,8 @@ def test_short_chat_answered_during_long_prefill():
         chat_first = chat[0] - sent
         assert chat[-1] < long_times[0], ("the chat waited for the prefill", chat[-1] - sent, long_times[0] - long_sent)
         assert chat_first < CHAT_FIRST_TOKEN_S * LOADED_MACHINE_MARGIN, (chat_first, long_times[0] - long_sent)
+        # the start-up line names the threads chosen, the compute dtype and the weights' formats
+        assert re.search(r"CPU: threads \d+ of \d+ \(a decode step took .*\); compute float32; weights .*int8 \d+ MB",
+                         server.log()), server.log()
     finally:
         server.stop()
