@@ -1,7 +1,7 @@
 """The paged attention kernels with a sliding window and a soft cap (Gemma 2's local layers, head
-256), and with an attention chunk (Llama 4 Scout's rotary layers, head 128), compile for sm_90 (H100/H200) on a machine without a GPU (tests/sm90_compile.py says why),
-as does the GELU-tanh gated activation. The quantized-cache variants are compiled by
-test_kv_quant.py."""
+256), and with an attention chunk (Llama 4 Scout's rotary layers, head 128), compile for sm_90
+(H100/H200) on a machine without a GPU (tests/sm90_compile.py says why), as does the GELU-tanh
+gated activation. The quantized-cache variants are compiled by test_kv_quant.py."""
 from __future__ import annotations
 
 import pytest
