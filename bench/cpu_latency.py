@@ -170,7 +170,7 @@ def served_rows(max_len: int, args, vocab: int, offline: tuple[float, float, flo
     the offline batch-1 ones, and with --long a short chat's answer time while the long prompt
     prefills."""
     batch1, batch1_first, batch1_cpu = offline
-    with Served(max_len, args.threads) as server:
+    with Served(max_len, args.threads, args.cpu_weight_format) as server:
         first, rate, cpu_ms = served_decode(server, prompts(1, args.prompt, vocab)[0], args.output)
         print("\n| batch 1, one streamed request | decode tok/s | TTFT ms | CPU ms a token |\n|---|---|---|---|\n"
               f"| offline engine | {batch1:.1f} | {batch1_first * 1e3:.0f} | {batch1_cpu:.1f} |\n"

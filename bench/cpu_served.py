@@ -23,9 +23,9 @@ from serve import free_port, popen_logged, wait_ready
 class Served:
     """`kvship serve` (the bundled model, CPU, no prefix cache: every request prefills) for a `with` block."""
 
-    def __init__(self, max_model_len: int, threads: int | None):
+    def __init__(self, max_model_len: int, threads: int | None, weight_format: str):
         self.base = f"http://127.0.0.1:{free_port()}"
-        extra = ["--cpu-threads", str(threads)] if threads else []
+        extra = ["--cpu-weight-format", weight_format] + (["--cpu-threads", str(threads)] if threads else [])
         self.proc = popen_logged([sys.executable, "-m", "kvship.cli", "serve", "--device", "cpu", "--host", "127.0.0.1",
                                   "--port", self.base.rsplit(":", 1)[1], "--no-enable-prefix-caching",
                                   "--max-model-len", str(max_model_len), *extra])

@@ -63,11 +63,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="quantize the weights while loading: fp8 (per-channel, W8A8 on GPUs with FP8), int8 "
                         "(per-channel, weight-only) or int4 (group 128, weight-only); a checkpoint that is "
                         "already quantized (FP8, GPTQ, AWQ, compressed-tensors, GGUF) needs no flag")
-    g.add_argument("--cpu-weight-format", default="int8", choices=["int8", "float32"],
+    g.add_argument("--cpu-weight-format", default="float32", choices=["int8", "float32"],
                    help="on a CPU, how quantized weights (a GGUF file such as the bundled model, a quantized "
-                        "checkpoint, --quantization) are multiplied: int8 (default; int8 weights, one scale a "
-                        "row, times int8 activations, one scale a token) or float32 (dequantized at load: "
-                        "slower, the reference)")
+                        "checkpoint, --quantization) are multiplied: float32 (default; dequantized at load, the "
+                        "reference) or int8 (int8 weights with a scale a row, bfloat16 inputs: about 1.8x faster "
+                        "at batch 1, perplexity within 1%)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed draw from it)")
     g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                    help="auto: requests that leave out temperature/top_p/top_k/min_p/repetition_penalty get the "

@@ -66,8 +66,9 @@ class EngineConfig:
     # In-situ weight quantization while loading (a checkpoint's own quantization_config needs no flag).
     quantization: str | None = None  # None | fp8 | int8 | int4
     # How a CPU holds quantized weights (a GGUF file's blocks, a quantized checkpoint, --quantization):
-    # int8 products (kernels/cpu_int8_linear.py) or float32, dequantized (the reference path).
-    cpu_weight_format: str = "int8"
+    # float32, dequantized (the reference path, outputs as tested against transformers), or int8
+    # products (kernels/cpu_int8_linear.py): faster, last bits depend on a step's rows.
+    cpu_weight_format: str = "float32"
     # Sampling defaults from the model's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty) for requests that leave them out, as model authors intend.
     generation_defaults: bool = True

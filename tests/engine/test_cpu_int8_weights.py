@@ -67,7 +67,7 @@ def test_bundled_model_int8_perplexity_within_one_percent_of_float32():
 def test_serve_option_reaches_the_engine_config():
     from kvship.cli import build_parser, config_from_args
 
-    assert config_from_args(build_parser().parse_args(["serve"])).cpu_weight_format == "int8"
+    assert config_from_args(build_parser().parse_args(["serve"])).cpu_weight_format == "float32"
     args = build_parser().parse_args(["serve", "--cpu-weight-format", "float32"])
     assert config_from_args(args).cpu_weight_format == "float32"
 

@@ -42,7 +42,8 @@ def _running(url: str) -> float:
 
 @pytest.mark.timeout(400)
 def test_short_chat_answered_during_long_prefill():
-    server = start_server("--device", "cpu", "--max-model-len", "2200", "--no-enable-prefix-caching")
+    server = start_server("--device", "cpu", "--max-model-len", "2200", "--no-enable-prefix-caching",
+                          "--cpu-weight-format", "int8")
     try:
         long_prompt = [100 + (i * 7919) % 40000 for i in range(2000)]
         long_result: list = []

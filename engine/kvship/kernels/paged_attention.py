@@ -86,20 +86,6 @@ def attend_torch(q, k, v, mask, scale: float, softcap: float | None, sinks: torc
     return torch.softmax(s, dim=-1)[..., :-1] @ v
 
 
-def attend_causal_tail(q, k, v, queries: int, scale: float) -> torch.Tensor:
-    """attend_torch for the last ``queries`` positions of a causal sequence, no window, cap or
-    sinks: q [Hkv, queries * group, D] (query-major rows), k/v [Hkv, L, D] ending at the last
-    query. Every key before the first query is seen by all of them, so only the last
-    ``queries`` columns are masked (scaled_dot_product_attention with a full boolean mask
-    spends as long converting and checking it as on the products)."""
-    group, past = q.shape[1] // queries, k.shape[1] - queries
-    s = torch.matmul(q * scale, k.transpose(-1, -2))
-    pos = torch.arange(queries, device=q.device)
-    hidden = (pos[None, :] > pos[:, None]).repeat_interleave(group, 0)  # [rows, queries]: later keys
-    s[..., past:].masked_fill_(hidden, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v)
-
-
 def _decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: float, group: int,
                             k_scale, v_scale, window: int | None, softcap: float | None,
                             sinks: torch.Tensor | None, chunk: int | None = None) -> torch.Tensor:

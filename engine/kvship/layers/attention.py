@@ -82,7 +82,6 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     same = v_cache is k_cache
-    plain = window is None and chunk is None and softcap is None and sinks is None
     nd = 0  # the leading decodes (one query each)
     while nd < len(lens) and starts[nd + 1] - starts[nd] == 1:
         nd += 1
@@ -118,20 +117,17 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         key_pos = torch.arange(first, ctx, device=q.device)
         for i in range(0, q_len, per_call):
             j = min(q_len, i + per_call)
+            q_pos = torch.arange(ctx - q_len + i, ctx - q_len + j, device=q.device)
             end = ctx - q_len + j - first  # keys past the chunk's last query are never seen
+            mask = key_pos[None, :end] <= q_pos[:, None]
+            if window is not None:
+                mask &= key_pos[None, :end] > q_pos[:, None] - window
+            if chunk is not None:
+                mask &= key_pos[None, :end] >= pa.chunk_start(q_pos[:, None], chunk)
+            mask = mask[:, None, :].expand(j - i, group, end).reshape((j - i) * group, end)
             qc = qs[:, i:j].reshape(num_kv_heads, (j - i) * group, d)
-            if plain:  # only the chunk's own keys need a mask
-                o = pa.attend_causal_tail(qc, k[:, :end], v[:, :end], j - i, scale)
-            else:
-                q_pos = torch.arange(ctx - q_len + i, ctx - q_len + j, device=q.device)
-                mask = key_pos[None, :end] <= q_pos[:, None]
-                if window is not None:
-                    mask &= key_pos[None, :end] > q_pos[:, None] - window
-                if chunk is not None:
-                    mask &= key_pos[None, :end] >= pa.chunk_start(q_pos[:, None], chunk)
-                mask = mask[:, None, :].expand(j - i, group, end).reshape((j - i) * group, end)
-                o = pa.attend_torch(qc, k[:, :end], v[:, :end], mask, scale, softcap,
-                                    _row_sinks(sinks, num_kv_heads, j - i))  # [Hkv, rows, D]
+            o = pa.attend_torch(qc, k[:, :end], v[:, :end], mask, scale, softcap,
+                                _row_sinks(sinks, num_kv_heads, j - i))  # [Hkv, rows, D]
             out[s + i : s + j] = o.view(num_kv_heads, j - i, group, d).permute(1, 0, 2, 3).reshape(j - i, num_q_heads, d)
     return out
 
