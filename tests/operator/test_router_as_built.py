@@ -6,6 +6,7 @@ replica up in a cluster, test_routing_cluster); it is answered once the replica 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +42,14 @@ def _start(args: list[str]) -> tuple[subprocess.Popen, tempfile._TemporaryFileWr
     log = tempfile.NamedTemporaryFile(prefix="kvship-as-built-", suffix=".log")
     proc = subprocess.Popen([sys.executable, "-m", "kvship.cli", *args], stdout=log, stderr=subprocess.STDOUT)
     return proc, log
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -100,8 +109,12 @@ def test_request_held_at_zero_is_seen_pending_then_answered(bundled):
     try:
         wait_for(lambda: pending() == 0, 60, what="the router's /metrics",
                  show=lambda: (router.poll(), open(router_log.name).read()[-2000:]))
+        # Envoy listens only after the picker's /metrics is up (the pod's readiness probe is this port).
+        wait_for(lambda: _listening(router_port), 60, what="envoy listening",
+                 show=lambda: (router.poll(), open(router_log.name).read()[-2000:]))
         client.start()
-        wait_for(lambda: pending() == 1, 90, what="the request held and reported pending")
+        wait_for(lambda: pending() == 1, 90, what="the request held and reported pending",
+                 show=lambda: (answer, router.poll(), open(router_log.name).read()[-2000:]))
         t_held = time.monotonic()
         engine, engine_log = _start(engine_args)  # what the operator does on that signal: a replica
         client.join(200)

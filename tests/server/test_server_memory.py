@@ -3,6 +3,7 @@ RSS where it was (the freed pages go back to the system), and stored /v1/respons
 conversations are bounded by bytes, not only by count. A real `kvship serve` on loopback."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
@@ -12,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from kvship.server.memory import MemoryTrimmer
 from server_utils import assert_error, start_server
 
 STORE_BYTES = 6 * 1024
@@ -65,6 +67,28 @@ def settled_rss(pid: int, timeout: float = 10.0) -> float:
             return now
         last = now
     return last
+
+
+def test_the_last_request_of_a_burst_gets_a_trim():
+    """Trims are throttled to one per interval, and a request that ends inside the interval (or
+    while a trim runs) gets one after it: what the burst's last request freed goes back too."""
+    trimmer, trims, done = MemoryTrimmer(interval_s=0.5), [], []
+    assert trimmer._trim is not None  # glibc here
+    trimmer._trim = lambda pad: trims.append(time.monotonic()) or 1
+
+    async def a_burst() -> None:
+        for _ in range(10):
+            trimmer.request_done()
+            done.append(time.monotonic())
+            await asyncio.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while (not trims or trims[-1] < done[-1] or trimmer._active) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    asyncio.run(a_burst())
+    assert trims and trims[-1] >= done[-1], (trims, done)
+    assert all(b - a >= 0.49 for a, b in zip(trims, trims[1:])), trims
+    assert len(trims) < len(done), trims
 
 
 def test_a_burst_of_large_bodies_leaves_the_rss_where_it_was(server):

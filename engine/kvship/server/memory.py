@@ -8,6 +8,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import threading
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -15,7 +16,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvship.server.body import OFFLOAD_BYTES
 
 logger = logging.getLogger("kvship.server")
-
 
 
 def _malloc_trim():  # -> the C function, or None
@@ -31,25 +31,42 @@ def _malloc_trim():  # -> the C function, or None
 
 class MemoryTrimmer:
     """Runs malloc_trim in a worker thread after large requests, at most once per `interval_s`
-    (a trim walks the whole heap: milliseconds per GB)."""
+    (a trim walks the whole heap: milliseconds per GB). A request that ends while a trim is
+    running or too recent gets a trim after it, so the last of a burst is never left behind."""
 
     def __init__(self, interval_s: float = 1.0):
         self._trim = _malloc_trim()
         self._interval_s = interval_s
-        self._last = 0.0
-        self._running: asyncio.Future | None = None
+        self._last = -interval_s
+        self._lock = threading.Lock()
+        self._wanted = False
+        self._active = False
         self.trims = 0
 
     def request_done(self) -> None:
-        now = time.monotonic()
-        if self._trim is None or now - self._last < self._interval_s or (self._running and not self._running.done()):
+        if self._trim is None:
             return
-        self._last = now
-        self._running = asyncio.get_running_loop().run_in_executor(None, self._run)
+        with self._lock:
+            self._wanted = True
+            if self._active:
+                return
+            self._active = True
+        asyncio.get_running_loop().run_in_executor(None, self._run)
 
     def _run(self) -> None:
-        self._trim(0)
-        self.trims += 1
+        while True:
+            with self._lock:
+                if not self._wanted:
+                    self._active = False
+                    return
+            wait = self._last + self._interval_s - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            with self._lock:
+                self._wanted = False
+            self._trim(0)
+            self._last = time.monotonic()
+            self.trims += 1
 
 
 class TrimAfterLargeRequests:
