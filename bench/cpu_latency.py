@@ -3,7 +3,7 @@ runs it, beside HF transformers' generate on the same file's weights and the mac
 
 Per batch size: decode tok/s (all rows together) and time to the first token, kvship against
 transformers (float32) with greedy decoding of a fixed length, kvship's weights as
-``--cpu-weight-format`` says (int8, its default, or float32); the
+``--cpu-weight-format`` says (auto, the engine's default, int4, int8 or float32); the
 limit is the weight bytes a decode step reads (the output projection included) over
 the copy bandwidth measured here, and the step's FLOPs over the float32 matmul rate measured
 here, whichever is slower.
@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_served import Served, chat_during_prefill, served_decode
+from kvship.config import CPU_WEIGHT_FORMATS
 from kvship.llm import LLM
 from kvship.loader import bundled_model_path
 from kvship.sampling_params import SamplingParams
@@ -113,8 +114,8 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=2000, help="one long prompt's TTFT and RSS rise (0: off)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-serve", action="store_true", help="skip the rows through a real `kvship serve`")
-    ap.add_argument("--cpu-weight-format", default="int8", choices=["int8", "float32"],
-                    help="kvship's weights: int8 (kvship's default) or float32 (transformers' format)")
+    ap.add_argument("--cpu-weight-format", default="auto", choices=list(CPU_WEIGHT_FORMATS),
+                    help="kvship's weights: auto (kvship's default), int4, int8, or float32 (transformers' format)")
     args = ap.parse_args()
 
     path = bundled_model_path()
@@ -125,11 +126,16 @@ def main() -> None:
     model = llm.engine.runner.model
     cfg = llm.engine.runner.model_config
     float_params = sum(p.numel() for p in model.parameters())  # the tied table counted once: the head reads it
-    int8_params = sum(m.cpu_int8.codes.numel() for m in model.modules() if getattr(m, "cpu_int8", None) is not None)
-    if model.lm_head.cpu_int8 is not None:  # the head reads its int8 copy; lookups read a row of the table
+    held = [m.cpu_quant for m in model.modules() if getattr(m, "cpu_quant", None) is not None]
+    if model.lm_head.cpu_quant is not None:  # the head reads its quantized copy; lookups read a row of the table
         float_params -= model.model.embed_tokens.weight.numel()
-    params = float_params + int8_params
-    weight_bytes = 4 * float_params + int8_params
+    params = float_params + sum(h.out_features * h.in_features for h in held)
+
+
+    def weight_bytes(rows: int) -> int:
+        """What a step of ``rows`` reads: the codes and scales, or the GEMM's copy from its rows on."""
+        return 4 * float_params + sum(h.gemm_weight.nbytes if rows >= h.gemm_from_rows else h.codes.nbytes + h.scales.nbytes
+                                      for h in held)
     kv_bytes = 4 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (args.prompt + args.output / 2)
     flops_per_token = 2 * params  # every matrix once a token; the embedding lookup is a row, not a product
     bw, mm = copy_bandwidth(), matmul_rate()
@@ -141,7 +147,7 @@ def main() -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32).eval()
 
     print(f"bundled model {os.path.basename(path)}: {params / 1e6:.1f} M parameters, "
-          f"{args.cpu_weight_format} weights on the CPU ({weight_bytes / 1e6:.0f} MB a decode step), "
+          f"{args.cpu_weight_format} weights on the CPU ({weight_bytes(1) / 1e6:.0f} MB a batch-1 decode step), "
           f"{torch.get_num_threads()} threads; copy {bw / 1e9:.1f} GB/s, float32 matmul {mm / 1e9:.0f} GFLOP/s; "
           f"prompt {args.prompt}, output {args.output}, greedy\n")
     print("| batch | kvship tok/s | kvship TTFT ms | transformers tok/s | transformers TTFT ms | limit tok/s | kvship of limit |")
@@ -153,7 +159,7 @@ def main() -> None:
         first, rate, cpu_ms = time_kvship(llm, ids, args.output)
         hf_first, hf_rate = time_hf(hf, ids, args.output) if hf is not None else (float("nan"), float("nan"))
         # one decode step reads the weights once for all b rows, and each row's KV; FLOPs grow with b
-        limit = b / max((weight_bytes + b * kv_bytes) / bw, b * flops_per_token / mm)
+        limit = b / max((weight_bytes(b) + b * kv_bytes) / bw, b * flops_per_token / mm)
         print(f"| {b} | {rate:.1f} | {first * 1e3:.0f} | {hf_rate:.1f} | {hf_first * 1e3:.0f} | {limit:.0f} | "
               f"{rate / limit:.0%} |")
         if b == 1:

@@ -6,7 +6,7 @@ import argparse
 import re
 
 from kvship import envs
-from kvship.config import SCHEDULE_POLICIES
+from kvship.config import CPU_WEIGHT_FORMATS, SCHEDULE_POLICIES
 from kvship.speculative_config import SpeculativeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -63,11 +63,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="quantize the weights while loading: fp8 (per-channel, W8A8 on GPUs with FP8), int8 "
                         "(per-channel, weight-only) or int4 (group 128, weight-only); a checkpoint that is "
                         "already quantized (FP8, GPTQ, AWQ, compressed-tensors, GGUF) needs no flag")
-    g.add_argument("--cpu-weight-format", default="float32", choices=["int8", "float32"],
+    g.add_argument("--cpu-weight-format", default="auto", choices=list(CPU_WEIGHT_FORMATS),
                    help="on a CPU, how quantized weights (a GGUF file such as the bundled model, a quantized "
-                        "checkpoint, --quantization) are multiplied: float32 (default; dequantized at load, the "
-                        "reference) or int8 (int8 weights with a scale a row, bfloat16 inputs: about 1.8x faster "
-                        "at batch 1, perplexity within 1%)")
+                        "checkpoint, --quantization) are multiplied: auto (default: a checkpoint's 4-bit groups "
+                        "as int4, anything else as int8 rows), int4 or int8 (everything requantized so), or "
+                        "float32 (dequantized at load, the reference); the integer paths take bfloat16 inputs, "
+                        "perplexity within 1%% of float32")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed draw from it)")
     g.add_argument("--generation-config", default="auto", choices=["auto", "none"],
                    help="auto: requests that leave out temperature/top_p/top_k/min_p/repetition_penalty get the "

@@ -8,7 +8,7 @@ from kvship.speculative_config import SpeculativeConfig
 
 TASKS = ("auto", "generate", "embed")
 QUANTIZATIONS = (None, "fp8", "int8", "int4")
-CPU_WEIGHT_FORMATS = ("int8", "float32")
+CPU_WEIGHT_FORMATS = ("auto", "int4", "int8", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4")
 SCHEDULE_POLICIES = ("shortest-prefill", "longest-output")
 
@@ -65,10 +65,11 @@ class EngineConfig:
     seed: int = 0
     # In-situ weight quantization while loading (a checkpoint's own quantization_config needs no flag).
     quantization: str | None = None  # None | fp8 | int8 | int4
-    # How a CPU holds quantized weights (a GGUF file's blocks, a quantized checkpoint, --quantization):
-    # float32, dequantized (the reference path, outputs as tested against transformers), or int8
-    # products (kernels/cpu_int8_linear.py): faster, last bits depend on a step's rows.
-    cpu_weight_format: str = "float32"
+    # How a CPU holds quantized weights (a GGUF file's blocks, a quantized checkpoint, --quantization)
+    # (kernels/cpu_quant_linear.py): auto keeps a checkpoint's 4-bit groups as int4 and the rest as
+    # int8 rows; int4 / int8 requantize everything; float32 dequantizes (the reference path, outputs
+    # as tested against transformers). The integer paths are faster; last bits depend on a step's rows.
+    cpu_weight_format: str = "auto"
     # Sampling defaults from the model's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty) for requests that leave them out, as model authors intend.
     generation_defaults: bool = True

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvship.kernels.cpu_int8_linear import CpuInt8Linear, Int8Rows
+from kvship.kernels.cpu_quant_linear import CpuQuantLinear, cpu_quant_weight
 from kvship.kernels.quant_linear import QWeight, pack, quant_linear
 from kvship.parallel import TPContext
 from kvship.quant import QuantizedTensor
@@ -44,32 +44,32 @@ class ParallelLMHead(VocabParallelEmbedding):
     file) keeps it so on a GPU, multiplied from its codes by kernels/quant_linear.py as the layers'
     matrices are: at batch 1 the output matrix is read whole every token, and Llama-3-8B's in 16
     bits is 1.05 GB against 0.59 GB as Q6_K's 8-bit codes and scales. On a CPU it is multiplied
-    as int8 (kernels/cpu_int8_linear.py), or held dequantized with ``quant.cpu_format`` "float32",
+    as int4 groups or int8 rows (kernels/cpu_quant_linear.py), or held dequantized with ``quant.cpu_format`` "float32",
     as the layers' are. A tied head is the embedding's table, which lookups need dequantized: the
     head keeps its own quantized copy beside it when the file gives one (``load_quantized_copy``:
     SmolLM2, Qwen2.5 and Llama-3.2 GGUF files tie theirs), and reads that."""
 
     qweight: QWeight | None = None
-    cpu_int8: CpuInt8Linear | None = None
+    cpu_quant: CpuQuantLinear | None = None
 
     def __init__(self, vocab_size: int, dim: int, tp: TPContext, quant=None):
         super().__init__(vocab_size, dim, tp)
-        self.cpu_int8_wanted = quant is not None and quant.cpu_format == "int8"
+        self.cpu_format = None if quant is None or quant.cpu_format == "float32" else quant.cpu_format
 
     def load_quantized_copy(self, ref) -> None:
         """A tied head's quantized rows (the embedding's matrix in its blocks): the head reads
         them instead of the embedding's table, which lookups keep using; on a CPU holding float32
         the table serves, as it holds the same values."""
-        if self.weight.device.type != "cpu" or self.cpu_int8_wanted:
+        if self.weight.device.type != "cpu" or self.cpu_format:
             self.weight_loader(self.weight, ref)
 
     def weight_loader(self, param: nn.Parameter, ref, shard_id=None) -> None:
         rows = ref.load((slice(self.start, self.end),))
         if not isinstance(rows, QuantizedTensor):
             param.data[: rows.shape[0]].copy_(rows)
-        elif param.device.type == "cpu" and self.cpu_int8_wanted:
-            self.cpu_int8 = CpuInt8Linear(Int8Rows.of(rows))
-            self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False)  # fbgemm holds it
+        elif param.device.type == "cpu" and self.cpu_format:
+            self.cpu_quant = CpuQuantLinear(cpu_quant_weight(rows, self.cpu_format))
+            self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False)  # cpu_quant holds it
         elif param.device.type == "cpu":
             param.data[: rows.shape[0]].copy_(rows.dequantize(param.dtype))
         else:
@@ -77,8 +77,8 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = nn.Parameter(self.qweight.qweight, requires_grad=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.cpu_int8 is not None:
-            logits = F.pad(self.cpu_int8(hidden), (0, self.shard_size - self.cpu_int8.out_features))
+        if self.cpu_quant is not None:
+            logits = F.pad(self.cpu_quant(hidden), (0, self.shard_size - self.cpu_quant.out_features))
         elif self.qweight is None:
             logits = F.linear(hidden, self.weight)
         else:  # this rank's rows, padded to the shard size every rank gathers

@@ -8,7 +8,7 @@ With a quantization scheme (kvship.quant) the weight is built as its pieces arri
 checkpoint tensors come as QuantizedTensors (sliced for this rank exactly as 16-bit ones are),
 16-bit ones are quantized on the spot for in-situ quantization, and once every piece of the
 matrix is in (q, k and v; gate and up) the layer packs them for kvship.kernels.quant_linear
-(on a CPU: for kvship.kernels.cpu_int8_linear, or dequantizes them with cpu_format "float32").
+(on a CPU: for kvship.kernels.cpu_quant_linear, or dequantizes them with cpu_format "float32").
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvship.kernels.activation import act_and_mul
-from kvship.kernels.cpu_int8_linear import CpuInt8Linear, Int8Rows
+from kvship.kernels.cpu_quant_linear import CpuQuantLinear, cpu_quant_weight
 from kvship.kernels.gemv import act_mul_linear, linear
 from kvship.kernels.quant_linear import QWeight, pack, quant_linear, quant_linear_gated
 from kvship.parallel import TPContext
@@ -40,7 +40,7 @@ class _Linear(nn.Module):
         self.out_features = out_features  # this rank's
         self.quant = quant
         self.qweight: QWeight | None = None
-        self.cpu_int8: CpuInt8Linear | None = None
+        self.cpu_quant: CpuQuantLinear | None = None
         if quant is None:
             self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         else:  # built by _finish() from the pieces the loader collects, on this device and dtype
@@ -57,8 +57,8 @@ class _Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return quant_linear(x, self.qweight, self.bias)
-        if self.cpu_int8 is not None:
-            y = self.cpu_int8(x)
+        if self.cpu_quant is not None:
+            y = self.cpu_quant(x)
             return y if self.bias is None else y + self.bias
         return linear(x, self.weight, self.bias)
 
@@ -87,9 +87,9 @@ class _Linear(nn.Module):
             log.info("a fused layer mixes quantized and 16-bit matrices: holding it dequantized")
             self.weight = nn.Parameter(torch.cat([p.dequantize(self._dtype) if isinstance(p, QuantizedTensor) else
                                                   p.to(self._dtype) for p in pieces]).to(device), requires_grad=False)
-        elif device.type == "cpu" and self.quant.cpu_format == "int8":  # requantized with a scale per row
-            self.cpu_int8 = CpuInt8Linear(Int8Rows.of(concat_rows(pieces)))
-            self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False)  # fbgemm holds it
+        elif device.type == "cpu" and self.quant.cpu_format != "float32":  # int4 groups or int8 rows
+            self.cpu_quant = CpuQuantLinear(cpu_quant_weight(concat_rows(pieces), self.quant.cpu_format))
+            self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False)  # cpu_quant holds it
         elif device.type == "cpu":  # the reference path, as a 16-bit model: the dequantized matrix (float32
             # products, exactly as the format defines them), so every format runs and is checked on a CPU
             self.weight = nn.Parameter(concat_rows(pieces).dequantize(self._dtype), requires_grad=False)
@@ -199,8 +199,8 @@ class RowParallelLinear(_Linear):
         gated = self.gated_input and x.shape[-1] != self.in_features
         if self.qweight is not None:
             y = quant_linear(act_and_mul(x, self.act) if gated else x, self.qweight)
-        elif self.cpu_int8 is not None:
-            y = self.cpu_int8(act_and_mul(x, self.act) if gated else x)
+        elif self.cpu_quant is not None:
+            y = self.cpu_quant(act_and_mul(x, self.act) if gated else x)
         elif gated:
             y = act_mul_linear(x, self.weight, self.act)
         else:

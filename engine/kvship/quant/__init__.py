@@ -15,7 +15,7 @@ class QuantScheme:
     """How a model's linear layers are stored: ``checkpoint``, the format its quantized
     tensors come in (None: 16-bit tensors); ``insitu``, the method that quantizes 16-bit
     tensors while loading (None: they stay 16-bit); ``cpu_format``, how a CPU multiplies
-    them: "int8" (kernels/cpu_int8_linear.py) or "float32" (dequantized at load: the reference,
+    them: "auto", "int4" or "int8" (kernels/cpu_quant_linear.py) or "float32" (dequantized at load: the reference,
     which models built directly get; the engine sets its --cpu-weight-format)."""
 
     checkpoint: str | None = None

@@ -132,8 +132,10 @@ def _weight_quantization(config: EngineConfig, model_config: ModelConfig) -> Qua
     return scheme
 
 
-_CPU_FORMATS = {"int8": "int8 (a scale per weight row, int8 activations with a scale per token; "
-                        "--cpu-weight-format float32 for the float reference)",
+_CPU_FORMATS = {"auto": "auto (a checkpoint's 4-bit groups as int4, other quantized matrices as int8 rows; "
+                        "bfloat16 inputs; --cpu-weight-format float32 for the float reference)",
+                "int4": "int4 (groups of 32 with a scale and an offset, bfloat16 inputs)",
+                "int8": "int8 (a scale per weight row, bfloat16 inputs)",
                 "float32": "float32 (quantized weights dequantized at load)"}
 
 
