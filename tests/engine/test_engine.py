@@ -91,7 +91,8 @@ def test_greedy_matches_longest_output_first_with_prompts_finishing_one_a_step(p
     """Admitted by the most max_tokens (three at a time), a step's prompts joining only up to 8
     tokens past one that ends: each sequence still gives transformers' tokens, cut at its own
     max_tokens."""
-    llm = LLM(device="cpu", max_num_seqs=3, schedule_policy="longest-output", prefill_join_tokens=8)
+    llm = LLM(device="cpu", cpu_weight_format="float32", max_num_seqs=3, schedule_policy="longest-output",
+              prefill_join_tokens=8)
     lengths = [MAX_TOKENS - 3 * (i % 4) for i in range(len(prompts))]
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths]
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

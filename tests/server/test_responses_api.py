@@ -22,7 +22,11 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server("--max-model-len", "1024", "--kv-cache-memory", "512MiB")
+    # The float32 reference weights: on the integer paths a prefix hit's few rows take the
+    # weight-only kernel where the first request's prefill took the GEMM copy, and greedy
+    # continuations may part at a near-tie (docs/quantization.md); the outputs compared here
+    # (stream against non-stream, a schema closed within max_output_tokens) assume they do not.
+    srv = start_server("--max-model-len", "1024", "--kv-cache-memory", "512MiB", "--cpu-weight-format", "float32")
     yield srv
     assert srv.stop() == 0, srv.log()
 

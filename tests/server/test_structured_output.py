@@ -40,7 +40,10 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server("--max-model-len", "1024", "--kv-cache-memory", "512MiB", "--max-num-seqs", "32")
+    # The float32 reference weights: which seeded samples of the 135M model close their JSON
+    # within max_tokens is the model's luck, and the seeds below were picked on these weights.
+    srv = start_server("--max-model-len", "1024", "--kv-cache-memory", "512MiB", "--max-num-seqs", "32",
+                       "--cpu-weight-format", "float32")
     yield srv
     assert srv.stop() == 0, srv.log()
 
