@@ -96,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_join_tokens=args.prefill_join_tokens,
+        prefill_beside_decodes=args.prefill_beside_decodes,
         schedule_policy=args.schedule_policy,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,

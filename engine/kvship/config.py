@@ -88,6 +88,10 @@ class EngineConfig:
     # None: PREFILL_JOIN_TOKENS with shortest-prefill; with longest-output (throughput, not time
     # to first token) they share it all.
     prefill_join_tokens: int | None = None
+    # With decodes in a step, prefills take at most this many of its tokens: every running
+    # request's next token waits for the step, and a CPU's step time grows with each token.
+    # None: default_prefill_beside_decodes(device).
+    prefill_beside_decodes: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_events: KVEventsConfig | None = None  # publish KV-cache events (vLLM's --kv-events-config)
@@ -138,6 +142,8 @@ class EngineConfig:
             self.prefill_join_tokens = PREFILL_JOIN_TOKENS
         if self.prefill_join_tokens is not None and self.prefill_join_tokens < 0:
             raise ValueError("prefill_join_tokens must be at least 0")
+        if self.prefill_beside_decodes is not None and self.prefill_beside_decodes < 1:
+            raise ValueError("prefill_beside_decodes must be at least 1")
         if self.num_state_checkpoints is not None and self.num_state_checkpoints < 0:
             raise ValueError("num_state_checkpoints must be at least 0")
         if self.tensor_parallel_size < 1:
@@ -179,3 +185,14 @@ PREFILL_JOIN_TOKENS = 512
 def default_token_budget(device_type: str) -> int:
     """max_num_batched_tokens when it is not set: by the device the engine runs on."""
     return GPU_TOKEN_BUDGET if device_type == "cuda" else CPU_TOKEN_BUDGET
+
+
+# A CPU step of the bundled model costs a few ms a token: with 16 prompt tokens beside them,
+# decodes keep a pace near their own while a long prompt's prefill goes on. A GPU's step costs
+# about the same up to thousands of tokens: its prefills take the whole budget.
+CPU_PREFILL_BESIDE_DECODES = 16
+
+
+def default_prefill_beside_decodes(device_type: str, token_budget: int) -> int:
+    """prefill_beside_decodes when it is not set: by the device the engine runs on."""
+    return token_budget if device_type == "cuda" else min(token_budget, CPU_PREFILL_BESIDE_DECODES)

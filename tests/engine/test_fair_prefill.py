@@ -40,6 +40,36 @@ def test_short_prompt_shares_the_budget_with_a_long_prefill():
     assert long.num_computed_tokens == 59 + BUDGET - 4 < long.num_prompt_tokens
 
 
+def test_prefills_beside_decodes_take_at_most_their_share():
+    """Beside a decode, a long prompt's chunk is cut to prefill_beside_decodes; alone it takes the
+    whole budget again, and several prompts beside a decode share that share."""
+    kv = KVCacheManager(num_blocks=64, block_size=16)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=BUDGET, prefill_beside_decodes=16)
+    chat, long = _seq("chat", 5), _seq("long", 500)
+    sched.add(chat)
+    sched.add(long)
+    batch = sched.schedule()  # no decode yet: the whole budget
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("chat", 5), ("long", 59)]
+    sched.commit(batch)
+    other = _seq("other", 10)
+    sched.add(other)
+    batch = sched.schedule(in_flight={chat})  # chat's first token is its next input
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == \
+        [("chat", 1), ("other", 10), ("long", 6)]
+    sched.commit(batch)
+    for seq in (chat, other):
+        sched.finish(seq, "stop")
+    batch = sched.schedule()  # the long prompt alone again
+    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("long", BUDGET)]
+
+
+def test_cpu_default_share_beside_decodes():
+    from kvship.config import default_prefill_beside_decodes
+
+    assert default_prefill_beside_decodes("cpu", CPU_TOKEN_BUDGET) == 16
+    assert default_prefill_beside_decodes("cuda", 8192) == 8192
+
+
 def test_two_long_prefills_go_shortest_remaining_first():
     kv = KVCacheManager(num_blocks=64, block_size=16)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=BUDGET)

@@ -60,7 +60,7 @@ class LLMEngine:
                                  StateCheckpoints(checkpoints.start, len(checkpoints)) if checkpoints else None)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_loras if config.enable_lora else None, config.prefill_join_tokens,
-                                   config.schedule_policy)
+                                   config.schedule_policy, config.prefill_beside_decodes)
         self.kv_events = open_publisher(config.kv_events)
         if self.kv_events is not None:
             self.kv.events = []

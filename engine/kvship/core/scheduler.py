@@ -7,7 +7,9 @@ the rest. Once a prompt's prefill ends in the step, later prompts join it only w
 holds at most ``prefill_join_tokens``: past the size where a step turns compute-bound, every
 token added delays that prompt's first token and every decode's next, and packing several
 whole prompts into one step gives them all the last one's TTFT (shortest remaining first, one
-prompt finished at a time, minimises the mean). With ``schedule_policy`` "longest-output" waiting
+prompt finished at a time, minimises the mean). Beside decodes, prefills take at most
+``prefill_beside_decodes`` tokens (a CPU's step time grows with every token, and each decode
+waits for it). With ``schedule_policy`` "longest-output" waiting
 sequences are admitted by the most tokens they may generate instead (an offline batch ends with
 its last sequence: the long ones started first leave a short tail). The batch lists its
 one-token entries first (Batch.decodes_first), for the attention kernels. A sequence with a LoRA adapter waits while the running ones already use as many
@@ -30,7 +32,7 @@ from kvship.sequence import Batch, SeqStatus, Sequence
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int | None = None, prefill_join_tokens: int | None = None,
-                 schedule_policy: str = "shortest-prefill"):
+                 schedule_policy: str = "shortest-prefill", prefill_beside_decodes: int | None = None):
         self.kv = kv
         self.schedule_policy = schedule_policy
         self.max_loras = max_loras
@@ -38,6 +40,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # None: prompts share the whole budget, however many end in the step
         self.prefill_join_tokens = max_num_batched_tokens if prefill_join_tokens is None else prefill_join_tokens
+        # None: prefills take what the decodes leave of the budget
+        self.prefill_beside_decodes = max_num_batched_tokens if prefill_beside_decodes is None else prefill_beside_decodes
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -106,7 +110,9 @@ class Scheduler:
         loras = {seq.lora_id for seq in self.running if seq.lora is not None}
         room_to_admit = admitting and len(self.running) < self.max_num_seqs
         waiting = [seq for seq in self.waiting if not seq.gated] if room_to_admit else []
-        room, ended = budget, False  # what the next prefill may take; whether a prompt's prefill ends in this step
+        # prefill tokens this step may still take: fewer beside decodes, which wait for the step
+        prefill_left = min(budget, self.prefill_beside_decodes) if batch.seqs else budget
+        room, ended = prefill_left, False  # what the next prefill may take; whether a prompt's prefill ends in this step
         for seq in self._prefill_order(prefills, waiting):
             if room <= 0:
                 break
@@ -126,7 +132,9 @@ class Scheduler:
                 ended = ended or seq.num_computed_tokens + n >= seq.num_tokens
                 batch.add(seq, n)
                 budget -= n
+                prefill_left -= n
                 room = min(budget, self.prefill_join_tokens - (self.max_num_batched_tokens - budget)) if ended else budget
+                room = min(room, prefill_left)
                 if seq.lora is not None:
                     loras.add(seq.lora_id)
                 if copy := self.kv.state_checkpoint(seq, n):

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
-from kvship.config import EngineConfig, default_token_budget
+from kvship.config import EngineConfig, default_prefill_beside_decodes, default_token_budget
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import HAS_TRITON
 from kvship.kernels.graph_inputs import InFlightInputs
@@ -173,6 +173,9 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         if config.max_num_batched_tokens is None:  # the step's token budget depends on the device
             config.max_num_batched_tokens = default_token_budget(self.device.type)
+        if config.prefill_beside_decodes is None:
+            config.prefill_beside_decodes = default_prefill_beside_decodes(self.device.type,
+                                                                           config.max_num_batched_tokens)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
