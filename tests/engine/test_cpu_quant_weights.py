@@ -9,8 +9,15 @@ import pytest
 import torch
 
 from kvship.config import EngineConfig
-from kvship.kernels.cpu_quant_linear import (GEMM_FROM_ROWS, CpuQuantLinear, Int4Groups, Int8Rows, bf16_kernels,
-                                             cpu_quant_weight, quant_linear_reference)
+from kvship.kernels.cpu_quant_linear import (
+    GEMM_FROM_ROWS,
+    CpuQuantLinear,
+    Int4Groups,
+    Int8Rows,
+    bf16_kernels,
+    cpu_quant_weight,
+    quant_linear_reference,
+)
 from kvship.llm import LLM
 from kvship.quant import quantize
 from kvship.sampling_params import SamplingParams
