@@ -300,13 +300,14 @@ def state_bytes_per_token(model, dtype: torch.dtype) -> int:
 
 
 def start_engine(source: str, max_model_len: int, eager: bool, quantization: str | None = None,
-                 device: str = "cuda"):
-    """An engine of ``source``: a shape folder (random weights) or a .gguf file (its own weights)."""
+                 device: str = "cuda", **options):
+    """An engine of ``source``: a shape folder (random weights) or a .gguf file (its own weights);
+    ``options``: more EngineConfig fields."""
     from kvship.llm import LLM
 
     load_format = "auto" if source.endswith(".gguf") else "dummy"
     return LLM(source, load_format=load_format, dtype="bfloat16", max_model_len=max_model_len, max_num_seqs=8,
-               enforce_eager=eager, quantization=quantization, device=device)
+               enforce_eager=eager, quantization=quantization, device=device, **options)
 
 
 def bytes_per_token(llm) -> tuple[int, int]:

@@ -85,9 +85,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "most this many tokens: prompts finish one at a time, shortest first, for a lower mean time to "
                         "first token (default 512; with --schedule-policy longest-output they share the whole budget)")
     g.add_argument("--prefill-beside-decodes", type=int, default=None,
-                   help="with decodes in a step, prefills take at most this many of its tokens, so running "
-                        "requests keep their pace during a long prompt (default: the whole budget on a GPU, "
-                        "16 on a CPU)")
+                   help="with decodes in a step, a long prompt (more than four steps' budgets left) takes at "
+                        "most this many of its tokens, so running requests keep their pace during its prefill "
+                        "(default: the whole budget on a GPU, 16 on a CPU)")
     g.add_argument("--schedule-policy", default="shortest-prefill", choices=SCHEDULE_POLICIES,
                    help="which waiting requests start first: the fewest prompt tokens left (time to first token) or "
                         "the most max_tokens (offline batches with varied lengths end sooner)")

@@ -88,8 +88,9 @@ class EngineConfig:
     # None: PREFILL_JOIN_TOKENS with shortest-prefill; with longest-output (throughput, not time
     # to first token) they share it all.
     prefill_join_tokens: int | None = None
-    # With decodes in a step, prefills take at most this many of its tokens: every running
-    # request's next token waits for the step, and a CPU's step time grows with each token.
+    # With decodes in a step, a long prompt's prefill (core/scheduler.py) takes at most this many of
+    # its tokens: every running request's next token waits for the step, and a CPU's step time
+    # grows with each token.
     # None: default_prefill_beside_decodes(device).
     prefill_beside_decodes: int | None = None
     block_size: int = 16

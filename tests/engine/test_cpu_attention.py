@@ -76,7 +76,7 @@ def test_cpu_attention_memory_linear_in_prompt():
         # the sequence's keys and values (and a copy), plus one query chunk's scores
         assert largest <= 3 * kv_bytes + 4 * attn.CPU_SCORE_ELEMENTS, (q_len, largest, kv_bytes)
         assert out.shape == q.shape and bool(torch.isfinite(out).all())
-    # the same bound fails the padded path for the whole prompt: the check can tell them apart
-    q, kc, vc, tables, lens, cu = _case([2048], [2048], hq, hkv, d, block)
-    padded = _largest_intermediate(lambda: pa.paged_attention_torch(q, kc, vc, tables, lens, cu, d**-0.5))
-    assert padded > 3 * 2048 * hkv * d * 4 + 4 * attn.CPU_SCORE_ELEMENTS
+    # the same bound fails attention that holds a whole prompt's scores: the check can tell them apart
+    q, k = torch.randn(hq, 2048, d), torch.randn(hq, 2048, d)
+    whole = _largest_intermediate(lambda: torch.softmax(q @ k.transpose(-1, -2), dim=-1))
+    assert whole > 3 * 2048 * hkv * d * 4 + 4 * attn.CPU_SCORE_ELEMENTS

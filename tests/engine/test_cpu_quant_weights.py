@@ -83,13 +83,20 @@ def symmetric(w: torch.Tensor, group: int):
     return QuantizedTensor(codes, d, None, 4, group)
 
 
-@pytest.mark.parametrize("source", ["q4_1 blocks of 32", "symmetric groups of 128"])
+@pytest.mark.parametrize("source", ["q4_1 blocks of 32", "symmetric groups of 128", "groups of 128, the last of 64"])
 def test_int4_keeps_a_checkpoints_4bit_groups(source):
     """Codes and groups taken as the checkpoint has them: the same values (up to float32
-    rounding), not a requantization."""
+    rounding), not a requantization; a last group shorter than the others (576 inputs in groups
+    of 128, as the bundled model's under --quantization int4) too."""
     w = weight(7)
-    q = q4_1(w) if source.startswith("q4_1") else symmetric(w, 128)
-    assert q.bits == 4 and (q.biases is not None) == source.startswith("q4_1")
+    if source.startswith("q4_1"):
+        q = q4_1(w)
+    elif source.startswith("symmetric"):
+        q = symmetric(w, 128)
+    else:
+        q = quantize(torch.randn(96, 320, generator=torch.Generator().manual_seed(7)) * 0.05, "int4")
+        assert q.group_size == 128 and q.scales.shape[1] == 3
+    assert q.bits == 4 and (q.biases is not None) != source.startswith("symmetric")
     held = Int4Groups.of(q)
     assert torch.equal(held.codes, q.codes)
     torch.testing.assert_close(held.dequantize(), q.dequantize(), rtol=0, atol=1e-6)

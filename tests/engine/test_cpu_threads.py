@@ -46,10 +46,13 @@ def test_weight_format_names_dtypes_by_size():
 
 
 def test_weight_format_counts_kernel_held_tensors():
-    class Held:  # as kernels/cpu_int8_linear.CpuInt8Linear keeps its codes
-        def __init__(self):
-            self.codes = torch.zeros(2000, 1000, dtype=torch.int8)
+    class Held:  # as kernels/cpu_quant_linear.CpuQuantLinear keeps its codes
+        def __init__(self, kind: str, dtype: torch.dtype):
+            self.kind = kind
+            self.codes = torch.zeros(2000, 1000, dtype=dtype)
 
     model = torch.nn.Linear(1000, 1000)
-    model.kernel = Held()
+    model.kernel = Held("int8", torch.int8)
     assert cpu_setup.weight_format(model) == "float32 4 MB, int8 2 MB"
+    model.kernel = Held("int4", torch.uint8)  # two codes a byte, packed
+    assert cpu_setup.weight_format(model) == "float32 4 MB, int4 2 MB"

@@ -40,9 +40,10 @@ def test_short_prompt_shares_the_budget_with_a_long_prefill():
     assert long.num_computed_tokens == 59 + BUDGET - 4 < long.num_prompt_tokens
 
 
-def test_prefills_beside_decodes_take_at_most_their_share():
-    """Beside a decode, a long prompt's chunk is cut to prefill_beside_decodes; alone it takes the
-    whole budget again, and several prompts beside a decode share that share."""
+def test_long_prefills_beside_decodes_take_at_most_their_share():
+    """Beside a decode, a long prompt's chunk (more than four budgets left) is cut to
+    prefill_beside_decodes while a shorter prompt still takes what it needs; alone, the long
+    prompt takes the whole budget again."""
     kv = KVCacheManager(num_blocks=64, block_size=16)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=BUDGET, prefill_beside_decodes=16)
     chat, long = _seq("chat", 5), _seq("long", 500)
@@ -51,11 +52,11 @@ def test_prefills_beside_decodes_take_at_most_their_share():
     batch = sched.schedule()  # no decode yet: the whole budget
     assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("chat", 5), ("long", 59)]
     sched.commit(batch)
-    other = _seq("other", 10)
+    other = _seq("other", 40)
     sched.add(other)
     batch = sched.schedule(in_flight={chat})  # chat's first token is its next input
     assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == \
-        [("chat", 1), ("other", 10), ("long", 6)]
+        [("chat", 1), ("other", 40), ("long", 16)]
     sched.commit(batch)
     for seq in (chat, other):
         sched.finish(seq, "stop")

@@ -23,7 +23,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def _run(folder, tp: int, prompts=PROMPTS, params=GREEDY, **kw):
-    """(greedy token ids per prompt, logits of every step) with tp ranks."""
+    """(greedy token ids per prompt, logits of every step) with tp ranks; quantized weights on the
+    float32 reference path unless ``kw`` says (the integer paths requantize each rank's shard)."""
+    kw.setdefault("cpu_weight_format", "float32")
     llm = LLM(str(folder), device="cpu", tensor_parallel_size=tp, max_model_len=128, num_kv_blocks=64, **kw)
     try:
         steps: list[torch.Tensor] = []

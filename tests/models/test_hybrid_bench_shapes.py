@@ -17,7 +17,8 @@ from latency import bytes_per_token, main, start_engine  # noqa: E402
 
 
 def engine(shape: str, fmt: str | None, root: Path):
-    return start_engine(write_shape_folder(shape, root), 128, eager=True, quantization=fmt, device="cpu")
+    return start_engine(write_shape_folder(shape, root), 128, eager=True, quantization=fmt, device="cpu",
+                        cpu_weight_format="float32")  # quantized weights held dequantized: the reference path
 
 
 @pytest.mark.timeout(120)

@@ -412,7 +412,8 @@ def test_insitu_quantization_of_the_bundled_model(reference_text_ids, record_pro
     greedy = SamplingParams(max_tokens=16, temperature=0)
     rows, texts, ppl = [], {}, {}
     for q in (None, "int8", "int4"):  # (fp8's numbers: the format tests; its kernels: the GPU tests)
-        llm = LLM(quantization=q, enforce_eager=True, max_model_len=512, num_kv_blocks=512)
+        llm = LLM(quantization=q, enforce_eager=True, max_model_len=512, num_kv_blocks=512,
+                  cpu_weight_format="float32")  # each format's exact values
         texts[q] = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy)]
         ppl[q] = _perplexity(llm, reference_text_ids)
         del llm

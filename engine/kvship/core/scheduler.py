@@ -7,9 +7,9 @@ the rest. Once a prompt's prefill ends in the step, later prompts join it only w
 holds at most ``prefill_join_tokens``: past the size where a step turns compute-bound, every
 token added delays that prompt's first token and every decode's next, and packing several
 whole prompts into one step gives them all the last one's TTFT (shortest remaining first, one
-prompt finished at a time, minimises the mean). Beside decodes, prefills take at most
-``prefill_beside_decodes`` tokens (a CPU's step time grows with every token, and each decode
-waits for it). With ``schedule_policy`` "longest-output" waiting
+prompt finished at a time, minimises the mean). Beside decodes, a long prompt (more than LONG_PREFILL_STEPS steps'
+budgets left) takes at most ``prefill_beside_decodes`` tokens (a CPU's step time grows with
+every token, and each decode waits for it). With ``schedule_policy`` "longest-output" waiting
 sequences are admitted by the most tokens they may generate instead (an offline batch ends with
 its last sequence: the long ones started first leave a short tail). The batch lists its
 one-token entries first (Batch.decodes_first), for the attention kernels. A sequence with a LoRA adapter waits while the running ones already use as many
@@ -27,6 +27,10 @@ from collections.abc import Container
 
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.sequence import Batch, SeqStatus, Sequence
+
+# A prompt with more tokens left than this many steps' budgets is long: beside decodes it takes at
+# most prefill_beside_decodes a step. Shorter ones (an offline batch's prompts) keep the budget.
+LONG_PREFILL_STEPS = 4
 
 
 class Scheduler:
@@ -110,14 +114,18 @@ class Scheduler:
         loras = {seq.lora_id for seq in self.running if seq.lora is not None}
         room_to_admit = admitting and len(self.running) < self.max_num_seqs
         waiting = [seq for seq in self.waiting if not seq.gated] if room_to_admit else []
-        # prefill tokens this step may still take: fewer beside decodes, which wait for the step
-        prefill_left = min(budget, self.prefill_beside_decodes) if batch.seqs else budget
-        room, ended = prefill_left, False  # what the next prefill may take; whether a prompt's prefill ends in this step
+        # what long prompts may still take: less beside decodes, which wait for the step
+        long_left = min(budget, self.prefill_beside_decodes) if batch.seqs else budget
+        room, ended = budget, False  # what the next prefill may take; whether a prompt's prefill ends in this step
         for seq in self._prefill_order(prefills, waiting):
             if room <= 0:
                 break
+            long = seq.num_tokens - seq.num_computed_tokens > LONG_PREFILL_STEPS * self.max_num_batched_tokens
+            take = min(room, long_left) if long else room
+            if take <= 0:
+                continue
             if seq.status is SeqStatus.RUNNING:
-                n = self.kv.prefill_chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, room))
+                n = self.kv.prefill_chunk(seq, min(seq.num_tokens - seq.num_computed_tokens, take))
                 fits, preempted = self._fit(seq, n, batch, preempted)
                 admitting = admitting and not preempted
             elif seq in prefills or not admitting or len(self.running) >= self.max_num_seqs:
@@ -125,16 +133,15 @@ class Scheduler:
             elif seq.lora is not None and seq.lora_id not in loras and len(loras) >= (self.max_loras or len(loras) + 1):
                 continue  # every adapter slot is taken by running sequences
             else:
-                n = self._admit(seq, room, batch)
+                n = self._admit(seq, take, batch)
                 fits = n > 0
                 admitting = fits  # one that does not fit keeps the later ones waiting behind it
             if fits:
                 ended = ended or seq.num_computed_tokens + n >= seq.num_tokens
                 batch.add(seq, n)
                 budget -= n
-                prefill_left -= n
+                long_left -= n if long else 0
                 room = min(budget, self.prefill_join_tokens - (self.max_num_batched_tokens - budget)) if ended else budget
-                room = min(room, prefill_left)
                 if seq.lora is not None:
                     loras.add(seq.lora_id)
                 if copy := self.kv.state_checkpoint(seq, n):

@@ -72,12 +72,13 @@ class Int4Groups:
         if n % INT4_ROW_MULTIPLE or k % INT4_GROUP:
             return None
         if isinstance(w, QuantizedTensor) and exact_int4(w):
-            reps = w.group_size // INT4_GROUP if w.group_size < k else k // INT4_GROUP
-            scales = w.scales.float().repeat_interleave(reps, 1)
+            # each group's scale over its blocks of 32 (a last group shorter than the others: cut)
+            reps, blocks = (w.group_size if w.group_size < k else k) // INT4_GROUP, k // INT4_GROUP
+            scales = w.scales.float().repeat_interleave(reps, 1)[:, :blocks]
             centre = code_centre(4, False, w.biases is not None)
             offsets = (8 - centre) * scales
             if w.biases is not None:
-                offsets += w.biases.float().repeat_interleave(reps, 1)
+                offsets += w.biases.float().repeat_interleave(reps, 1)[:, :blocks]
             return cls(w.codes.to(torch.uint8), scales, offsets)
         g = (w.dequantize() if isinstance(w, QuantizedTensor) else w).float().view(n, k // INT4_GROUP, INT4_GROUP)
         lo, hi = g.amin(-1), g.amax(-1)

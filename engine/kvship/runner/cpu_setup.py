@@ -63,14 +63,19 @@ def weight_format(model: torch.nn.Module) -> str:
     float32 115 MB" (a quantized model's codes, its norms and embedding). Tensors a kernel object
     keeps outside the module's parameters (int8 codes and scales) count too."""
     seen: dict[int, torch.Tensor] = {}
+    labels: dict[int, str] = {}  # packed int4 codes are uint8 tensors: named by their kernel's kind
     for module in model.modules():
         for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             seen[t.data_ptr()] = t
         for value in vars(module).values():
             if not isinstance(value, (torch.Tensor, torch.nn.Module)) and hasattr(value, "__dict__"):
-                seen.update((t.data_ptr(), t) for t in vars(value).values() if isinstance(t, torch.Tensor))
+                for name, t in vars(value).items():
+                    if isinstance(t, torch.Tensor):
+                        seen[t.data_ptr()] = t
+                        if name == "codes" and getattr(value, "kind", None) == "int4":
+                            labels[t.data_ptr()] = "int4"
     sizes: dict[str, int] = {}
-    for t in seen.values():
-        name = str(t.dtype).removeprefix("torch.")
+    for ptr, t in seen.items():
+        name = labels.get(ptr) or str(t.dtype).removeprefix("torch.")
         sizes[name] = sizes.get(name, 0) + t.numel() * t.element_size()
     return ", ".join(f"{name} {n / 1e6:.0f} MB" for name, n in sorted(sizes.items(), key=lambda kv: -kv[1]) if n >= 1e6)
