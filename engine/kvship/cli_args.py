@@ -87,7 +87,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-beside-decodes", type=int, default=None,
                    help="with decodes in a step, a long prompt (more than four steps' budgets left) takes at "
                         "most this many of its tokens, so running requests keep their pace during its prefill "
-                        "(default: the whole budget on a GPU, 16 on a CPU)")
+                        "(default: the whole budget on a GPU, 8 on a CPU)")
     g.add_argument("--schedule-policy", default="shortest-prefill", choices=SCHEDULE_POLICIES,
                    help="which waiting requests start first: the fewest prompt tokens left (time to first token) or "
                         "the most max_tokens (offline batches with varied lengths end sooner)")

@@ -188,10 +188,10 @@ def default_token_budget(device_type: str) -> int:
     return GPU_TOKEN_BUDGET if device_type == "cuda" else CPU_TOKEN_BUDGET
 
 
-# A CPU step of the bundled model costs a few ms a token: with 16 prompt tokens beside them,
-# decodes keep a pace near their own while a long prompt's prefill goes on. A GPU's step costs
-# about the same up to thousands of tokens: its prefills take the whole budget.
-CPU_PREFILL_BESIDE_DECODES = 16
+# A CPU step of the bundled model costs a few ms a token: with 8 prompt tokens beside them (a
+# step then stays on the weight-only kernels' rows), decodes keep a pace near their own while a
+# long prompt's prefill goes on. A GPU's step costs about the same up to thousands of tokens.
+CPU_PREFILL_BESIDE_DECODES = 8
 
 
 def default_prefill_beside_decodes(device_type: str, token_budget: int) -> int:

@@ -67,7 +67,7 @@ def test_long_prefills_beside_decodes_take_at_most_their_share():
 def test_cpu_default_share_beside_decodes():
     from kvship.config import default_prefill_beside_decodes
 
-    assert default_prefill_beside_decodes("cpu", CPU_TOKEN_BUDGET) == 16
+    assert default_prefill_beside_decodes("cpu", CPU_TOKEN_BUDGET) == 8
     assert default_prefill_beside_decodes("cuda", 8192) == 8192
 
 
