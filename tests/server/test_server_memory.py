@@ -78,8 +78,8 @@ def test_the_last_request_of_a_burst_gets_a_trim():
 
     async def a_burst() -> None:
         for _ in range(10):
+            done.append(time.monotonic())  # the request has ended
             trimmer.request_done()
-            done.append(time.monotonic())
             await asyncio.sleep(0.02)
         deadline = time.monotonic() + 10
         while (not trims or trims[-1] < done[-1] or trimmer._active) and time.monotonic() < deadline:
