@@ -370,6 +370,16 @@ def expert_block(sorted_ptr, experts_ptr, num_pairs, pid_m, A_DIV: tl.constexpr,
 
 
 @triton.jit
+def expert_rows(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N: tl.constexpr):
+    """This program's BLOCK_N output rows of the expert, for the kernels that read packed codes
+    (gpt-oss's MXFP4, NVFP4): (rows, their mask, their first code bytes, their first scales); an
+    up row is N rows further."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n64 = offs_n.to(tl.int64)
+    return offs_n, offs_n < N, w_ptr + expert * stride_we + n64 * stride_wn, s_ptr + expert * stride_se + n64 * stride_sn
+
+
+@triton.jit
 def _row_scale(s_ptr, rows, nmask, stride_sn, FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_N] factors for the rows' sums: FP8 per-row scales, else 1."""
     if FP8 and GROUP == 0:

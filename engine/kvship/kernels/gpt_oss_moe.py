@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kvship.kernels import mxfp4_gemv
 from kvship.kernels._triton import tl, triton, use_triton
-from kvship.kernels.fused_moe import _dot, align_by_expert, expert_block, moe_config
+from kvship.kernels.fused_moe import _dot, align_by_expert, expert_block, expert_rows, moe_config
 from kvship.kernels.mxfp4_gemv import _e2m1_times_2_pow_m14, _scale
 from kvship.kernels.tuning.moe import GPT_OSS_GEMV_DOWN as GEMV_DOWN
 from kvship.kernels.tuning.moe import GPT_OSS_GEMV_GATE_UP as GEMV_GATE_UP
@@ -108,16 +108,6 @@ def _weight_tile(w_rows, s_rows, nmask, k0, K, dtype, MXFP4: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _row_tile(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N: tl.constexpr):
-    """This program's BLOCK_N output rows of the expert: (rows, their mask, their first weight
-    bytes, their first scales); an up row is N rows further."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n64 = offs_n.to(tl.int64)
-    return (offs_n, offs_n < N, w_ptr + expert * stride_we + n64 * stride_wn,
-            s_ptr + expert * stride_se + n64 * stride_sn)
-
-
-@triton.jit
 def _gpt_oss_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, sorted_ptr, experts_ptr, padded_ptr,
                          num_pairs, N, K, stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_out,
                          alpha, limit, A_DIV: tl.constexpr, GATED: tl.constexpr, MXFP4: tl.constexpr,
@@ -129,7 +119,7 @@ def _gpt_oss_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, sorted_
     if pid_m * BLOCK_M >= tl.load(padded_ptr):  # a block past the routing's real end
         return
     pairs, valid, rows, expert = expert_block(sorted_ptr, experts_ptr, num_pairs, pid_m, A_DIV, BLOCK_M)
-    offs_n, nmask, gate_w, gate_s = _row_tile(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn,
+    offs_n, nmask, gate_w, gate_s = expert_rows(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn,
                                               BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
@@ -171,7 +161,7 @@ def _gpt_oss_gemv_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr
     pair = tl.program_id(1)
     row = (pair // A_DIV).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    offs_n, nmask, gate_w, gate_s = _row_tile(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn,
+    offs_n, nmask, gate_w, gate_s = expert_rows(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn,
                                               BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

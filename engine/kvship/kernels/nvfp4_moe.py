@@ -23,6 +23,7 @@ from kvship.kernels.fused_moe import (
     _dot,
     align_by_expert,
     expert_block,
+    expert_rows,
     fused_moe_torch,
     moe_config,
 )
@@ -43,7 +44,7 @@ def _nvfp4_moe_kernel(a_ptr, w_ptr, s_ptr, out_ptr, rw_ptr, sorted_ptr, experts_
     if pid_m * BLOCK_M >= tl.load(padded_ptr):  # a block past the routing's real end
         return
     pairs, valid, rows, expert = expert_block(sorted_ptr, experts_ptr, num_pairs, pid_m, A_DIV, BLOCK_M)
-    offs_n, nmask, gate_w, gate_s = _expert_rows(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn,
+    offs_n, nmask, gate_w, gate_s = expert_rows(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn,
                                                  BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_a + offs_k[None, :]
@@ -63,15 +64,6 @@ def _nvfp4_moe_kernel(a_ptr, w_ptr, s_ptr, out_ptr, rw_ptr, sorted_ptr, experts_
 
 
 @triton.jit
-def _expert_rows(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn, BLOCK_N: tl.constexpr):
-    """This program's BLOCK_N output rows of the expert: (rows, their mask, their first code
-    bytes, their first scales); an up row is N rows further."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n64 = offs_n.to(tl.int64)
-    return offs_n, offs_n < N, w_ptr + expert * stride_we + n64 * stride_wn, s_ptr + expert * stride_se + n64 * stride_sn
-
-
-@triton.jit
 def _epilogue(acc, acc_up, rw, GATED: tl.constexpr):
     """Rows [M, BLOCK_N] of products: GATED, silu(gate) * up; else times each row's router weight (rw [M])."""
     if GATED:
@@ -88,7 +80,7 @@ def _nvfp4_gemv_kernel(a_ptr, w_ptr, s_ptr, out_ptr, rw_ptr, ids_ptr, N, K, stri
     pair = tl.program_id(1)
     row = (pair // A_DIV).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    offs_n, nmask, gate_w, gate_s = _expert_rows(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn,
+    offs_n, nmask, gate_w, gate_s = expert_rows(w_ptr, s_ptr, expert, N, stride_we, stride_wn, stride_se, stride_sn,
                                                  BLOCK_N)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
