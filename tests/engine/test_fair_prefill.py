@@ -17,6 +17,11 @@ LONG_TEXT = ("The history of clockmaking runs from water clocks and sundials to 
              "balance spring and the quartz crystal; each step made time a little more exact. ") * 20
 
 
+def _planned(batch) -> list[tuple[str, int]]:
+    """(request id, tokens this step) of each sequence in the batch, in its order."""
+    return [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+
+
 def _seq(request_id: str, n: int) -> Sequence:
     return Sequence(request_id, 0, list(range(1, n + 1)), SamplingParams())
 
@@ -28,14 +33,13 @@ def test_short_prompt_shares_the_budget_with_a_long_prefill():
     sched.add(decode)
     sched.add(long)
     batch = sched.schedule()  # the short prompt first, the long one takes the rest
-    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("decode", 5), ("long", 59)]
+    assert _planned(batch) == [("decode", 5), ("long", 59)]
     sched.commit(batch)
     short = _seq("short", 3)
     sched.add(short)
     batch = sched.schedule(in_flight={decode})  # decode's sampled token is still in flight
     # decodes first, then the waiting short prompt whole, then the long prompt's next chunk
-    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == \
-        [("decode", 1), ("short", 3), ("long", BUDGET - 4)]
+    assert _planned(batch) == [("decode", 1), ("short", 3), ("long", BUDGET - 4)]
     sched.commit(batch)
     assert long.num_computed_tokens == 59 + BUDGET - 4 < long.num_prompt_tokens
 
@@ -50,18 +54,17 @@ def test_long_prefills_beside_decodes_take_at_most_their_share():
     sched.add(chat)
     sched.add(long)
     batch = sched.schedule()  # no decode yet: the whole budget
-    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("chat", 5), ("long", 59)]
+    assert _planned(batch) == [("chat", 5), ("long", 59)]
     sched.commit(batch)
     other = _seq("other", 40)
     sched.add(other)
     batch = sched.schedule(in_flight={chat})  # chat's first token is its next input
-    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == \
-        [("chat", 1), ("other", 40), ("long", 16)]
+    assert _planned(batch) == [("chat", 1), ("other", 40), ("long", 16)]
     sched.commit(batch)
     for seq in (chat, other):
         sched.finish(seq, "stop")
     batch = sched.schedule()  # the long prompt alone again
-    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("long", BUDGET)]
+    assert _planned(batch) == [("long", BUDGET)]
 
 
 def test_cpu_default_share_beside_decodes():
@@ -78,7 +81,7 @@ def test_two_long_prefills_go_shortest_remaining_first():
     sched.add(first)
     sched.add(second)
     batch = sched.schedule()
-    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("second", BUDGET)]
+    assert _planned(batch) == [("second", BUDGET)]
     sched.commit(batch)
     while second.num_computed_tokens < second.num_prompt_tokens:  # second keeps the lead to its end
         batch = sched.schedule()
@@ -132,7 +135,7 @@ def test_a_short_prompt_ends_first_and_a_long_one_fills_the_step_to_the_join_siz
     sched.commit(batch)
     sched.add(short)
     batch = sched.schedule()  # the short prompt ends: the long one goes on only up to 16 tokens in all
-    assert [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)] == [("short", 5), ("long", 11)]
+    assert _planned(batch) == [("short", 5), ("long", 11)]
 
 
 def test_at_the_gpu_defaults_64_decodes_run_beside_one_whole_prompt():

@@ -7,16 +7,20 @@ the rest. Once a prompt's prefill ends in the step, later prompts join it only w
 holds at most ``prefill_join_tokens``: past the size where a step turns compute-bound, every
 token added delays that prompt's first token and every decode's next, and packing several
 whole prompts into one step gives them all the last one's TTFT (shortest remaining first, one
-prompt finished at a time, minimises the mean). Beside decodes, a long prompt (more than LONG_PREFILL_STEPS steps'
-budgets left) takes at most ``prefill_beside_decodes`` tokens (a CPU's step time grows with
-every token, and each decode waits for it). With ``schedule_policy`` "longest-output" waiting
-sequences are admitted by the most tokens they may generate instead (an offline batch ends with
-its last sequence: the long ones started first leave a short tail). The batch lists its
-one-token entries first (Batch.decodes_first), for the attention kernels. A sequence with a LoRA adapter waits while the running ones already use as many
-distinct adapters as the device has slots (``max_loras``). When blocks run out, the newest running sequence not yet in the batch is preempted
-(its blocks freed, recomputed later from its tokens; the prefix cache usually makes that cheap).
-A hybrid model's prefill steps end on block boundaries where they can, and the batch lists the
-recurrent-state copies of its prefix hits and checkpoints (core/state_checkpoints.py).
+prompt finished at a time, minimises the mean). Beside decodes, a long prompt (more than
+LONG_PREFILL_STEPS steps' budgets left) takes at most ``prefill_beside_decodes`` tokens (a
+CPU's step time grows with every token, and each decode waits for it). With
+``schedule_policy`` "longest-output" waiting sequences are admitted by the most tokens they may
+generate instead (an offline batch ends with its last sequence: the long ones started first
+leave a short tail).
+
+The batch lists its one-token entries first (Batch.decodes_first), for the attention kernels.
+A sequence with a LoRA adapter waits while the running ones already use as many distinct
+adapters as the device has slots (``max_loras``). When blocks run out, the newest running
+sequence not yet in the batch is preempted (its blocks freed, recomputed later from its tokens;
+the prefix cache usually makes that cheap). A hybrid model's prefill steps end on block
+boundaries where they can, and the batch lists the recurrent-state copies of its prefix hits
+and checkpoints (core/state_checkpoints.py).
 """
 from __future__ import annotations
 

@@ -33,6 +33,11 @@ INT4_GROUP = 32  # the kernel takes groups of 32, 64, 128 or 256; 32 is the GGUF
 INT4_ROW_MULTIPLE = 16  # its packing needs output rows in multiples of 16
 
 
+def _dense(w: torch.Tensor | QuantizedTensor) -> torch.Tensor:
+    """The matrix's values in float32, whatever it is held as (the source of a requantization)."""
+    return (w.dequantize() if isinstance(w, QuantizedTensor) else w).float()
+
+
 @dataclass
 class Int8Rows:
     """W [N, K] as int8 codes [N, K] (symmetric, -127..127) times one float32 scale per row [N]."""
@@ -45,7 +50,7 @@ class Int8Rows:
     def of(cls, w: torch.Tensor | QuantizedTensor) -> "Int8Rows":
         """A float matrix, or a quantized one of any format (a GGUF file's blocks of 32, per-group
         4-bit codes...), requantized with one scale per row."""
-        w = (w.dequantize() if isinstance(w, QuantizedTensor) else w).float()
+        w = _dense(w)
         scales = (w.abs().amax(1) / 127.0).clamp_min(1e-12)
         return cls(torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales)
 
@@ -80,7 +85,7 @@ class Int4Groups:
             if w.biases is not None:
                 offsets += w.biases.float().repeat_interleave(reps, 1)[:, :blocks]
             return cls(w.codes.to(torch.uint8), scales, offsets)
-        g = (w.dequantize() if isinstance(w, QuantizedTensor) else w).float().view(n, k // INT4_GROUP, INT4_GROUP)
+        g = _dense(w).view(n, k // INT4_GROUP, INT4_GROUP)
         lo, hi = g.amin(-1), g.amax(-1)
         scales = ((hi - lo) / 15).clamp_min(1e-12)
         codes = torch.round((g - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)

@@ -121,12 +121,13 @@ def _weight_quantization(config: EngineConfig, model_config: ModelConfig) -> Qua
         if scheme is not None and scheme.checkpoint != "gguf":
             raise ValueError(f"the checkpoint is already quantized ({scheme.checkpoint}); drop --quantization")
         scheme = QuantScheme(checkpoint=scheme and scheme.checkpoint, insitu=config.quantization)
+    on_cpu = resolve_device(config.device).type == "cpu"
     if scheme is not None:
         scheme = dataclasses.replace(scheme, cpu_format=config.cpu_weight_format)
         log.info("weights: %s", scheme.describe())
-        if resolve_device(config.device).type == "cpu":
+        if on_cpu:
             log.info("CPU weight format: %s", _CPU_FORMATS[scheme.cpu_format])
-    elif resolve_device(config.device).type == "cpu":
+    elif on_cpu:
         log.info("CPU weight format: the checkpoint's 16-bit weights in float32 (--quantization int8 holds them "
                  "as int8)")
     return scheme
