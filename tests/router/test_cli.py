@@ -51,7 +51,10 @@ def stop(proc: subprocess.Popen) -> tuple[int, str]:
 def children(pid: int) -> set[int]:
     out: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
-        out |= {int(c) for c in (task / "children").read_text().split()}
+        try:
+            out |= {int(c) for c in (task / "children").read_text().split()}
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            continue
     return out
 
 
