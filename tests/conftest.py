@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import tqdm
 
+from procs import live_children
+
 # tqdm starts a monitor thread with its first progress bar and never stops it: started inside a
 # test (saving or loading a model), it would fail that test's leak check below.
 tqdm.tqdm.monitor_interval = 0
@@ -72,24 +74,6 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{nodeid} {name}: {value}")
 
 
-def _children() -> set[int]:
-    """Live child processes of this one (Linux /proc)."""
-    pids: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
-        try:
-            pids.update(int(p) for p in (task / "children").read_text().split())
-        except OSError:
-            pass
-    return {p for p in pids if Path(f"/proc/{p}").exists() and _state(p) != "Z"}
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
 def _stacks(threads) -> str:
     frames = sys._current_frames()
     return "\n".join(f"--- {t.name} (daemon={t.daemon})\n" + "".join(traceback.format_stack(frames[t.ident]))
@@ -101,12 +85,12 @@ def no_leftover_threads_or_processes():
     """Nothing a test starts may outlive it: after its function-scoped fixtures are torn down
     (module and session fixtures are set up before this snapshot and torn down later), every
     thread and child process it started must have ended."""
-    threads_before, children_before = set(threading.enumerate()), _children()
+    threads_before, children_before = set(threading.enumerate()), live_children(os.getpid())
     yield
     deadline = time.monotonic() + LEAK_GRACE_S
     while True:
         threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
-        children = _children() - children_before
+        children = live_children(os.getpid()) - children_before
         if not threads and not children or time.monotonic() > deadline:
             break
         time.sleep(0.1)

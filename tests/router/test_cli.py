@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -16,6 +15,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from procs import live_children
 from server_utils import assert_error, free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,16 +48,6 @@ def stop(proc: subprocess.Popen) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def children(pid: int) -> set[int]:
-    out: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out |= {int(c) for c in (task / "children").read_text().split()}
-        except FileNotFoundError:  # the thread ended between the listing and the read
-            continue
-    return out
-
-
 def test_endpoint_without_port_is_refused():
     proc = start("--endpoint", "http://127.0.0.1", "--port", str(free_port()))
     out = proc.communicate(timeout=60)[0]
@@ -71,7 +61,7 @@ def test_empty_pool_answers_503_through_envoy_and_stops_cleanly():
     try:
         assert wait_http(f"http://127.0.0.1:{metrics}/health", proc).status_code == 503
         wait_http(f"http://127.0.0.1:{port}/v1/models", proc)
-        assert children(proc.pid), "envoy runs beside the picker"
+        assert live_children(proc.pid), "envoy runs beside the picker"
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=10,
                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         err = assert_error(r, 503, param=None)
@@ -107,7 +97,7 @@ def test_picker_only_runs_no_envoy():
                  "--metrics-port", str(metrics), "--endpoint", "127.0.0.1:1", "--scrape-interval", "30")
     try:
         wait_http(f"http://127.0.0.1:{metrics}/health", proc)
-        assert not children(proc.pid)
+        assert not live_children(proc.pid)
         with grpc.insecure_channel(f"127.0.0.1:{picker}") as channel:
             headers = pb.HttpHeaders(end_of_stream=True, headers=base_pb2.HeaderMap(headers=[
                 base_pb2.HeaderValue(key=":path", raw_value=b"/v1/models")]))
