@@ -139,15 +139,16 @@ def test_kernels_compile_for_sm90():
                               "constexprs": {"TOP_K": 4, "BLOCK_N": cfg["block_n"], "BLOCK_G": cfg["block_g"],
                                              "PAIRS": pairs, "ASM": True, **extra},
                               "options": {"num_warps": cfg["num_warps"]}})
-    # the grouped GEMMs' MXFP4 tiles (kernels/gpt_oss_moe.py) decode with the same bit placing
+    # the grouped GEMMs' MXFP4 tiles (kernels/packed_moe.py) decode with the same bit placing
     grouped = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*fp32", "out_ptr": "*bf16",
                "rw_ptr": "*fp32", "sorted_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32", "alpha": "fp32",
                "limit": "fp32", **ints("num_pairs", "N", "K", "stride_a", "stride_we", "stride_wn", "stride_se",
                                         "stride_sn", "stride_be", "stride_out")}
     for gated in (True, False):
-        specs.append({"kernel": "kvship.kernels.gpt_oss_moe:_gpt_oss_gemm_kernel", "types": grouped,
-                      "constexprs": {"A_DIV": 4 if gated else 1, "GATED": gated, "MXFP4": True, "BLOCK_M": 16,
-                                     "BLOCK_N": 64, "BLOCK_K": 128}, "options": {"num_warps": 4, "num_stages": 3}})
+        specs.append({"kernel": "kvship.kernels.packed_moe:_packed_gemm_kernel", "types": grouped,
+                      "constexprs": {"A_DIV": 4 if gated else 1, "GATED": gated, "FORMAT": "mxfp4",
+                                     "ACT": "clamped_swiglu", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128},
+                      "options": {"num_warps": 4, "num_stages": 3}})
     compile_in_child(specs)
 
 
