@@ -32,7 +32,8 @@ def _malloc_trim():  # -> the C function, or None
 class MemoryTrimmer:
     """Runs malloc_trim in a worker thread after large requests, at most once per `interval_s`
     (a trim walks the whole heap: milliseconds per GB). A request that ends while a trim is
-    running or too recent gets a trim after it, so the last of a burst is never left behind."""
+    pending or running gets a trim after it, so the last of a burst is never left behind; the
+    wait is a timer on the event loop, so no pool thread is held through it."""
 
     def __init__(self, interval_s: float = 1.0):
         self._trim = _malloc_trim()
@@ -40,7 +41,7 @@ class MemoryTrimmer:
         self._last = -interval_s
         self._lock = threading.Lock()
         self._wanted = False
-        self._active = False
+        self._active = False  # a trim is scheduled or running
         self.trims = 0
 
     def request_done(self) -> None:
@@ -51,22 +52,27 @@ class MemoryTrimmer:
             if self._active:
                 return
             self._active = True
-        asyncio.get_running_loop().run_in_executor(None, self._run)
+        self._schedule(asyncio.get_running_loop())
 
-    def _run(self) -> None:
-        while True:
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        wait = max(0.0, self._last + self._interval_s - time.monotonic())
+        loop.call_later(wait, loop.run_in_executor, None, self._run, loop)
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._wanted = False
+        self._trim(0)
+        self._last = time.monotonic()
+        self.trims += 1
+        with self._lock:
+            if not self._wanted:
+                self._active = False
+                return
+        try:  # a request ended during this trim: one more after the interval
+            loop.call_soon_threadsafe(self._schedule, loop)
+        except RuntimeError:  # the loop has closed (shutdown): nothing is left to trim for
             with self._lock:
-                if not self._wanted:
-                    self._active = False
-                    return
-            wait = self._last + self._interval_s - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-            with self._lock:
-                self._wanted = False
-            self._trim(0)
-            self._last = time.monotonic()
-            self.trims += 1
+                self._active = False
 
 
 class TrimAfterLargeRequests:
