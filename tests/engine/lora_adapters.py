@@ -1,42 +1,31 @@
-"""PEFT-format LoRA adapters with random weights for a transformers model, and that model with an
-adapter merged into its weights (W + scale * B @ A): the reference an engine running the adapter
-must match. Shared by the engine and server tests."""
+"""LoRA adapters with random weights for a transformers model, made and saved by the `peft`
+package, and that model with the adapter merged by peft (W + scale * B @ A): the reference an
+engine running the adapter must match. Shared by the engine, server, operator and router tests."""
 from __future__ import annotations
 
 import copy
-import json
-import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from peft import LoraConfig, get_peft_model
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def make_adapter(folder: Path, model, rank: int, alpha: float, seed: int, targets=ALL_TARGETS,
-                 rslora: bool = False, std: float = 0.15, **config):
-    """Write the adapter; return ``model`` with it merged (a copy)."""
+                 rslora: bool = False, std: float = 0.15, merge: bool = True, **config):
+    """Write the adapter with peft's save_pretrained; return ``model`` with it merged (a copy), or
+    None without ``merge``. ``config``: more LoraConfig fields."""
+    lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
+                      init_lora_weights=False, task_type="CAUSAL_LM", **config)
+    peft_model = get_peft_model(copy.deepcopy(model), lora)
     g = torch.Generator().manual_seed(seed)
-    merged = copy.deepcopy(model)
-    scale = alpha / (math.sqrt(rank) if rslora else rank)
-    tensors = {}
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in targets or not hasattr(module, "weight"):
-            continue
-        out_f, in_f = module.weight.shape
-        a = torch.randn(rank, in_f, generator=g) * std
-        b = torch.randn(out_f, rank, generator=g) * std
-        tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
-        with torch.no_grad():
-            merged.get_submodule(name).weight += scale * b @ a
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
-           "use_rslora": rslora, "bias": "none", "task_type": "CAUSAL_LM"} | config
-    (folder / "adapter_config.json").write_text(json.dumps(cfg))
-    return merged.eval()
+    with torch.no_grad():  # peft's own init leaves B at zero or small: large random factors tell adapters apart
+        for name, param in peft_model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=g) * std)
+    peft_model.save_pretrained(str(folder))
+    return peft_model.merge_and_unload().eval() if merge else None
 
 
 def greedy(model, prompt: list[int], max_tokens: int) -> list[int]:

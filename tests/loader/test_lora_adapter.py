@@ -40,6 +40,10 @@ def test_scaling_and_names(tmp_path):
     ({"rank_pattern": {"q_proj": 8}}, (MODULE,), "rank_pattern"),
     ({}, ("base_model.model.lm_head",), "lm_head"),
     ({"r": 32}, (MODULE,), "--max-lora-rank 16"),
+    ({"layer_replication": [[0, 1], [0, 1]]}, (MODULE,), "layer replication"),
+    ({"use_qalora": True}, (MODULE,), "QA-LoRA"),
+    ({"lora_bias": True}, (MODULE,), "lora_bias"),
+    ({"target_parameters": ["mlp.experts.down_proj"]}, (MODULE,), "target_parameters"),
 ])
 def test_unsupported_adapters_are_named(tmp_path, config, keys, words):
     folder = write(tmp_path / "x", rank=config.get("r", 4), keys=keys, **config)
@@ -67,3 +71,18 @@ def test_url_source(tmp_path):
     with pytest.raises(LoRAAdapterError) as e:
         read_adapter(str(tmp_path / "nowhere" / "x"), max_rank=8)
     assert e.value.reason == "not_found"
+
+
+def test_peft_made_adapters_are_read_and_activated_lora_refused(tmp_path):
+    """Adapters as the peft package saves them (its whole adapter_config.json): a plain one is read
+    with peft's scaling; an activated LoRA (applied only after its invocation tokens) is refused."""
+    from conftest import make_tiny_model
+    from lora_adapters import make_adapter
+
+    base = make_tiny_model(tmp_path / "base", "llama-gqa-tied")
+    make_adapter(tmp_path / "plain", base, rank=4, alpha=8, seed=1, rslora=True)
+    a = read_adapter(str(tmp_path / "plain"), max_rank=16)
+    assert a.rank == 4 and a.scale == 4.0 and len(a.weights) == 7 * base.config.num_hidden_layers
+    make_adapter(tmp_path / "alora", base, rank=4, alpha=8, seed=2, merge=False, alora_invocation_tokens=[3, 4])
+    with pytest.raises(LoRAAdapterError, match="activated LoRA"):
+        read_adapter(str(tmp_path / "alora"), max_rank=16)

@@ -1,8 +1,9 @@
 """Reading a PEFT LoRA adapter: ``adapter_config.json`` (r, lora_alpha, target_modules,
 use_rslora) and ``adapter_model.safetensors`` (``...layers.N.self_attn.q_proj.lora_A.weight``
 [r, in] and ``lora_B.weight`` [out, r]). What kvship cannot apply is refused here, by name:
-modules other than the attention and MLP projections, DoRA, biases, extra saved modules, ranks
-above the engine's --max-lora-rank."""
+modules other than the attention and MLP projections, DoRA and the other PEFT options that
+change the product (UNSERVED_FEATURES), biases, extra saved modules, ranks above the engine's
+--max-lora-rank."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,20 @@ from safetensors.torch import load_file
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# PEFT options that change what the adapter computes at inference: ignored, each would give
+# wrong answers, so an adapter that sets one is refused
+UNSERVED_FEATURES = (
+    ("use_dora", "DoRA"),
+    ("fan_in_fan_out", "transposed weights"),
+    ("lora_bias", "a bias on lora_B"),
+    ("alora_invocation_tokens", "activated LoRA"),
+    ("use_qalora", "QA-LoRA"),
+    ("use_bdlora", "block-diagonal LoRA"),
+    ("layer_replication", "layer replication"),
+    ("arrow_config", "Arrow routing"),
+    ("target_parameters", "adapters on parameters"),
+    ("trainable_token_indices", "trainable token embeddings"),
+)
 
 
 class LoRAAdapterError(ValueError):
@@ -119,9 +134,9 @@ def _check_config(cfg: dict, max_rank: int) -> None:
         if unknown:
             raise LoRAAdapterError(f"LoRA target module(s) {', '.join(unknown)} not supported; kvship applies "
                                    f"adapters to {', '.join(TARGET_MODULES)}")
-    for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out")):
+    for key, what in UNSERVED_FEATURES:
         if cfg.get(key):
-            raise LoRAAdapterError(f"LoRA adapter uses {what}, which is not supported")
+            raise LoRAAdapterError(f"LoRA adapter uses {what} ({key} in adapter_config.json), which is not supported")
     if cfg.get("bias", "none") != "none":
         raise LoRAAdapterError(f"LoRA bias={cfg['bias']!r} is not supported (only 'none')")
     if cfg.get("modules_to_save"):
