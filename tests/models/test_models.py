@@ -208,7 +208,7 @@ def test_longrope_table_takes_the_long_factors_past_the_original_context(tiny_mo
     the original context, where transformers agrees for every position.)"""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from kvship.runner.model_runner import load_model  # (the model's config as the engine parses it)
+    from kvship.runner.model_setup import load_model  # (the model's config as the engine parses it)
 
     folder, ref = tiny_models["phi3-longrope"]
     _, cfg = load_model(EngineConfig(model=str(folder), device="cpu"))
@@ -253,7 +253,7 @@ def test_sliding_window_keeps_the_whole_context(tmp_path, tiny_models):
     import json
     import shutil
 
-    from kvship.runner.model_runner import load_model
+    from kvship.runner.model_setup import load_model
 
     folder = tmp_path / "windowed"
     shutil.copytree(tiny_models["phi3"][0], folder)

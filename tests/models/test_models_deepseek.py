@@ -231,7 +231,7 @@ def test_v3_multi_token_prediction_layers_are_skipped(models, tmp_path):
 
 
 def test_int4_kv_cache_is_refused(models):
-    from kvship.runner.model_runner import load_model
+    from kvship.runner.model_setup import load_model
 
     with pytest.raises(ValueError, match="--kv-cache-dtype int4: DeepSeek's latent KV cache"):
         load_model(EngineConfig(model=str(models["v2-lite"][0]), device="cpu", kv_cache_dtype="int4"))

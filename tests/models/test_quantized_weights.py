@@ -506,7 +506,7 @@ def test_gguf_kept_quantized_on_gpu_matches_cpu(tmp_path, tied):
 def test_quantization_flag_refuses_a_quantized_checkpoint(tmp_path):
     """(Mixture-of-experts models take every scheme: tests/models/test_quantized_moe.py.)"""
     from kvship.config import EngineConfig
-    from kvship.runner.model_runner import load_model
+    from kvship.runner.model_setup import load_model
 
     folder = tmp_path / "q"
     ref = make_tiny_model(folder, "llama-gqa-tied")

@@ -12,7 +12,8 @@ import torch
 
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.kernels.argmax import argmax
-from kvship.runner.model_runner import ModelRunner, load_model
+from kvship.runner.model_runner import ModelRunner
+from kvship.runner.model_setup import load_model
 from kvship.sampling_params import SamplingParams
 from kvship.sequence import Batch, Sequence
 from kvship.speculative_config import SpeculativeConfig

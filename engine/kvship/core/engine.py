@@ -28,7 +28,8 @@ from kvship.loader.lora_adapter import LoRAAdapterError
 from kvship.lora_request import LoRARequest
 from kvship.outputs import RequestOutput
 from kvship.parallel import SINGLE
-from kvship.runner.model_runner import InFlightStep, ModelRunner, load_model
+from kvship.runner.model_runner import InFlightStep, ModelRunner
+from kvship.runner.model_setup import load_model
 from kvship.runner.rejection import sample_and_verify
 from kvship.runner.tp.launch import TPRuntime
 from kvship.sampling_params import InvalidParamsError, SamplingParams

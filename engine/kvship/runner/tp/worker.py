@@ -17,7 +17,8 @@ import torch
 
 from kvship import envs
 from kvship.config import EngineConfig
-from kvship.runner.model_runner import ModelRunner, load_model
+from kvship.runner.model_runner import ModelRunner
+from kvship.runner.model_setup import load_model
 from kvship.runner.tp.launch import Placement, TPRuntime, resolve_placement
 
 log = logging.getLogger(__name__)
