@@ -54,7 +54,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, dim: int, tp: TPContext, quant=None):
         super().__init__(vocab_size, dim, tp)
-        self.cpu_format = None if quant is None or quant.cpu_format == "float32" else quant.cpu_format
+        self.cpu_format = None if quant is None else quant.cpu_integer_format
 
     def load_quantized_copy(self, ref) -> None:
         """A tied head's quantized rows (the embedding's matrix in its blocks): the head reads

@@ -87,8 +87,8 @@ class _Linear(nn.Module):
             log.info("a fused layer mixes quantized and 16-bit matrices: holding it dequantized")
             self.weight = nn.Parameter(torch.cat([p.dequantize(self._dtype) if isinstance(p, QuantizedTensor) else
                                                   p.to(self._dtype) for p in pieces]).to(device), requires_grad=False)
-        elif device.type == "cpu" and self.quant.cpu_format != "float32":  # int4 groups or int8 rows
-            self.cpu_quant = CpuQuantLinear(cpu_quant_weight(concat_rows(pieces), self.quant.cpu_format))
+        elif device.type == "cpu" and self.quant.cpu_integer_format:  # int4 groups or int8 rows
+            self.cpu_quant = CpuQuantLinear(cpu_quant_weight(concat_rows(pieces), self.quant.cpu_integer_format))
             self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False)  # cpu_quant holds it
         elif device.type == "cpu":  # the reference path, as a 16-bit model: the dequantized matrix (float32
             # products, exactly as the format defines them), so every format runs and is checked on a CPU

@@ -22,6 +22,11 @@ class QuantScheme:
     insitu: str | None = None
     cpu_format: str = "float32"
 
+    @property
+    def cpu_integer_format(self) -> str | None:
+        """The CPU's integer product ("auto", "int4", "int8"), or None: dequantized (float32)."""
+        return None if self.cpu_format == "float32" else self.cpu_format
+
     def describe(self) -> str:
         if self.insitu is None:
             return self.checkpoint
