@@ -1,5 +1,6 @@
-# Shared by .ci/k8s.sh (API-server binaries) and .ci/k8s-node.sh (node binaries): apt with
-# source entries, and Kubernetes binaries built from Debian's `kubernetes` source package.
+# Shared by .ci/k8s.sh (API-server binaries) and .ci/k8s-node.sh (node binaries): apt
+# (.ci/apt-lib.sh) with source entries, and Kubernetes binaries built from Debian's `kubernetes`
+# source package.
 # The caller sets LOG_TAG, CACHE, KEY, BIN and NEEDED before sourcing this file.
 #
 # No prebuilt Kubernetes server is installable here, so the binaries are built from Debian's
@@ -10,9 +11,6 @@
 K8S_DEB_VERSION="1.20.5+really1.20.2-1.1+deb12u1"
 K8S_GIT_VERSION="v1.20.2"
 
-export DEBIAN_FRONTEND=noninteractive
-APT_OPTS=(-o DPkg::Lock::Timeout=600 -o APT::Sandbox::User=root)
-
 log() { echo "[$LOG_TAG] $*" >&2; }
 
 have() { [[ -x "$BIN/$1" ]]; }
@@ -22,45 +20,27 @@ all_present() {
     for b in "${NEEDED[@]}"; do have "$b" || return 1; done
 }
 
-apt_ready=0
-apt_prepare() {
-    [[ $apt_ready == 1 ]] && return 0
-    # deb-src entries mirroring the machine's own deb entries (deb822 or one-line style)
+# deb-src entries mirroring the machine's own deb entries (deb822 or one-line style), for
+# `apt-get source kubernetes`
+add_deb_src() {
     local src=/etc/apt/sources.list.d/kvship-deb-src.sources
-    if [[ ! -f $src && ! -f /etc/apt/sources.list.d/kvship-deb-src.list ]]; then
-        if [[ -f /etc/apt/sources.list.d/debian.sources ]]; then
-            sed -e 's/^Types: deb$/Types: deb-src/' /etc/apt/sources.list.d/debian.sources > "$src"
-        elif [[ -f /etc/apt/sources.list ]]; then
-            grep -E '^deb ' /etc/apt/sources.list | sed -e 's/^deb /deb-src /' \
-                > /etc/apt/sources.list.d/kvship-deb-src.list
-        fi
-    fi
-    apt-get "${APT_OPTS[@]}" update -qq
-    apt_ready=1
-}
-
-# apt_install PKG[=VERSION]...: installs what is missing; a superseded pin falls back to the
-# archive's current version.
-apt_install() {
-    local missing=() p
-    for p in "$@"; do
-        dpkg-query -W -f='${Status}' "${p%%=*}" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-    done
-    ((${#missing[@]} == 0)) && return 0
-    apt_prepare
-    log "apt-get install ${missing[*]}"
-    if ! apt-get "${APT_OPTS[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; then
-        log "pinned versions not available; installing the archive's current ones"
-        apt-get "${APT_OPTS[@]}" install -y -qq --no-install-recommends "${missing[@]%%=*}" >/dev/null
+    [[ -f $src || -f /etc/apt/sources.list.d/kvship-deb-src.list ]] && return 0
+    if [[ -f /etc/apt/sources.list.d/debian.sources ]]; then
+        sed -e 's/^Types: deb$/Types: deb-src/' /etc/apt/sources.list.d/debian.sources > "$src"
+    elif [[ -f /etc/apt/sources.list ]]; then
+        grep -E '^deb ' /etc/apt/sources.list | sed -e 's/^deb /deb-src /' \
+            > /etc/apt/sources.list.d/kvship-deb-src.list
     fi
 }
+APT_BEFORE_UPDATE=add_deb_src
+source "$(dirname "${BASH_SOURCE[0]}")/apt-lib.sh"
 
 # build_kube CMD...: builds cmd/CMD for each name from the source package into $BIN, in a build
 # folder of this cache key (so the two scripts never touch each other's build).
 build_kube() {
     local t0=$SECONDS work="$CACHE/build-$KEY" what=() c
     apt_install golang-1.19-go rsync dpkg-dev xz-utils make ca-certificates
-    apt_prepare
+    apt_update
     rm -rf "$work" && mkdir -p "$work"
     (
         cd "$work"

@@ -26,7 +26,7 @@ get_etcd() {
     have etcd && return 0
     local tmp
     tmp=$(mktemp -d)
-    apt_prepare
+    apt_update
     (cd "$tmp" && apt-get download -qq "${APT_OPTS[@]}" etcd-server && dpkg-deb -x etcd-server_*.deb x)
     mkdir -p "$BIN"
     install -m 0755 "$tmp/x/usr/bin/etcd" "$BIN/etcd"

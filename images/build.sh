@@ -57,27 +57,13 @@ OUT=$(cd "$OUT" && pwd)
 WORK="${KVSHIP_IMAGES_WORK:-/var/tmp/kvship-images}"
 mkdir -p "$WORK"
 log() { echo "[images/build.sh] $*" >&2; }
+source "$REPO/.ci/apt-lib.sh"
 # one build at a time per work folder (shared store, shared scratch folders)
 exec 7>"$WORK/.lock"
 flock -w 1800 7 || { log "another build holds $WORK/.lock"; exit 1; }
 
 # ---------------------------------------------------------------------------------------
 # tools and their configuration
-
-install_tools() {
-    local missing=() p
-    for p in "${TOOLS[@]}"; do
-        dpkg-query -W -f='${Status}' "${p%%=*}" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-    done
-    ((${#missing[@]} == 0)) && return 0
-    [[ $(id -u) == 0 ]] || { log "installing ${missing[*]} needs root"; exit 1; }
-    log "apt-get install ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    local o=(-o DPkg::Lock::Timeout=600)
-    apt-get "${o[@]}" update -qq
-    apt-get "${o[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
-        || apt-get "${o[@]}" install -y -qq --no-install-recommends "${missing[@]%%=*}" >/dev/null
-}
 
 configure_containers() {
     mkdir -p "$WORK/etc" "$WORK/storage" "$WORK/run" "$WORK/tmp"
@@ -267,7 +253,7 @@ bud() { # TAG CONTAINERFILE CONTEXT [BUILD ARGS...]
 
 # ---------------------------------------------------------------------------------------
 
-install_tools
+apt_install "${TOOLS[@]}"
 configure_containers
 T0=$SECONDS
 
@@ -279,7 +265,7 @@ if wanted pause; then
     if fresh "$tag" "$h"; then
         log "$tag: up to date"
     else
-        command -v gcc >/dev/null || { apt-get -o DPkg::Lock::Timeout=600 install -y -qq gcc libc6-dev >/dev/null; }
+        apt_install gcc libc6-dev
         rm -rf "$WORK/pause" && mkdir -p "$WORK/pause/root"
         gcc -Os -static -s -o "$WORK/pause/root/pause" "$REPO/images/pause/pause.c"
         tar -C "$WORK/pause/root" --owner=0 --group=0 -cf "$WORK/pause/pause.tar" pause
