@@ -205,6 +205,28 @@ def test_random_mxfp4_weights_for_benchmarks(gpt_oss, tmp_path):
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_experts_made_once_until_their_parameters_are_replaced():
+    """The layer hands every forward one GptOssExperts (and one packed form of it): weights
+    loaded afterwards land in it, a cast that replaces the parameters makes a new one."""
+    from kvship.layers.gpt_oss_moe import GptOssMoEExperts
+    from kvship.parallel import SINGLE
+
+    layer = GptOssMoEExperts(4, 32, 32, SINGLE, mxfp4=False)
+    ex = layer.experts()
+    assert layer.experts() is ex and ex.packed is ex.packed
+    for name, ref in layer.dummy_checkpoint("e", torch.Generator().manual_seed(0), torch.float32, "cpu"):
+        layer.weight_loader(getattr(layer, layer.CHECKPOINT[name.rpartition(".")[2]]), ref)
+    assert layer.experts() is ex and torch.equal(ex.w13, layer.w13) and ex.w13.abs().max() > 0
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)  # .to() makes new parameters
+    try:
+        layer.to(torch.float64)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
+    assert layer.experts() is not ex and layer.experts().packed.w13 is layer.w13
+    assert layer.w13.dtype == torch.float64
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mxfp4", [False, True])
 def test_gpu_decode_in_cuda_graphs(gpt_oss, tmp_path, mxfp4):

@@ -13,6 +13,7 @@ reference and the CPU path."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +59,10 @@ class GptOssExperts:
         w = getattr(self, name)[e]
         return w.to(dtype) if scale is None else dequantize_mxfp4(w, scale[e], dtype)
 
+    @cached_property
     def packed(self) -> PackedExperts:
-        """The stacks as kernels/packed_moe.py reads them."""
+        """The stacks as kernels/packed_moe.py reads them, made once: an eager forward would pay
+        for it on the host at every call."""
         return PackedExperts(self.w13, self.w2, "mxfp4" if self.mxfp4 else "16bit", "clamped_swiglu", self.w13_scale,
                              self.w2_scale, self.w13_bias, self.w2_bias, self.alpha, self.limit)
 
@@ -93,7 +96,7 @@ def gpt_oss_moe_torch(x: torch.Tensor, experts: GptOssExperts, weights: torch.Te
 def gpt_oss_moe_gemv(x: torch.Tensor, experts: GptOssExperts, weights: torch.Tensor, ids: torch.Tensor,
                      gate_up: dict | None = None, down: dict | None = None) -> torch.Tensor:
     """gpt_oss_moe_triton's result by the GEMV kernel, a program per (pair, BLOCK_N rows)."""
-    return packed_moe_gemv(x, experts.packed(), weights, ids, gate_up or GEMV_GATE_UP, down or GEMV_DOWN)
+    return packed_moe_gemv(x, experts.packed, weights, ids, gate_up or GEMV_GATE_UP, down or GEMV_DOWN)
 
 
 def gpt_oss_moe_triton(x: torch.Tensor, experts: GptOssExperts, weights: torch.Tensor, ids: torch.Tensor,
@@ -112,7 +115,7 @@ def gpt_oss_moe_triton(x: torch.Tensor, experts: GptOssExperts, weights: torch.T
     if config is None and tokens == 1:
         return gpt_oss_moe_gemv(x, experts, weights, ids)
     cfg = config or moe_config(tokens, top_k, experts.w13.shape[0])
-    return packed_moe_gemm(x, experts.packed(), weights, ids, cfg)
+    return packed_moe_gemm(x, experts.packed, weights, ids, cfg)
 
 
 def gpt_oss_moe(x: torch.Tensor, experts: GptOssExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ class GptOssMoEExperts(nn.Module):
             self.w2_scale = param(e, h, i // MXFP4_BLOCK, dtype=torch.uint8)
         else:
             self.w13_scale = self.w2_scale = None
+        self._experts: GptOssExperts | None = None
 
     # checkpoint suffix (after "mlp.experts.") -> our parameter
     CHECKPOINT = {"gate_up_proj": "w13", "gate_up_proj_blocks": "w13", "gate_up_proj_scales": "w13_scale",
@@ -76,8 +77,16 @@ class GptOssMoEExperts(nn.Module):
         param.data.copy_(t)
 
     def experts(self) -> GptOssExperts:
-        return GptOssExperts(self.w13, self.w13_bias, self.w2, self.w2_bias, self.w13_scale, self.w2_scale,
-                             self.alpha, self.limit)
+        """The stacks as the kernels take them, made once and kept: loading copies into these same
+        parameters; a move or cast (``_apply``) may replace them, and drops the copy."""
+        if self._experts is None:
+            self._experts = GptOssExperts(self.w13, self.w13_bias, self.w2, self.w2_bias, self.w13_scale,
+                                          self.w2_scale, self.alpha, self.limit)
+        return self._experts
+
+    def _apply(self, fn, recurse=True):
+        self._experts = None
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return gpt_oss_moe(x, self.experts(), weights, ids)
