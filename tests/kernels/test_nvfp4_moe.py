@@ -134,15 +134,15 @@ def _sm90_specs():
     from kvship.kernels.nvfp4_moe import GEMV_DOWN, GEMV_GATE_UP
 
     sizes = ("N", "K", "stride_a", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_out")
-    unread = {"bias_ptr": "*u8", "stride_be": "i32", "alpha": "fp32", "limit": "fp32"}  # gpt-oss's epilogue's
-    packed = {"FORMAT": "nvfp4", "ACT": "silu_mul"}
+    # gpt-oss's epilogue's arguments are None: constants the kernels never read
+    packed = {"FORMAT": "nvfp4", "ACT": "silu_mul", **dict.fromkeys(("bias_ptr", "stride_be", "alpha", "limit"))}
     for cfg in sorted({fm.moe_config(t, 8, 128) for t in (1, 300, 1024, 4096)}, key=lambda c: c.block_m):
         for gated in (True, False):
             for dtype in ("bf16", "fp32") if cfg.block_m == 16 else ("bf16",):
                 types = {"a_ptr": f"*{dtype}", "w_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": f"*{dtype}",
                          "rw_ptr": "*fp32", "sorted_ptr": "*i32", "experts_ptr": "*i32", "padded_ptr": "*i32",
                          "num_pairs": "i32", **dict.fromkeys(sizes, "i32")}
-                yield {"kernel": "kvship.kernels.packed_moe:_packed_gemm_kernel", "types": {**types, **unread},
+                yield {"kernel": "kvship.kernels.packed_moe:_packed_gemm_kernel", "types": types,
                        "constexprs": {"A_DIV": 8 if gated else 1, "GATED": gated, **packed, "BLOCK_M": cfg.block_m,
                                       "BLOCK_N": max(16, cfg.block_n // 2) if gated else cfg.block_n,
                                       "BLOCK_K": max(cfg.block_k, 32)},
@@ -151,7 +151,7 @@ def _sm90_specs():
     for gated, cfg in ((True, GEMV_GATE_UP), (False, GEMV_DOWN)):
         types = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*bf16", "rw_ptr": "*fp32",
                  "ids_ptr": "*i64", **dict.fromkeys(sizes, "i32")}
-        yield {"kernel": "kvship.kernels.packed_moe:_packed_gemv_kernel", "types": {**types, **unread},
+        yield {"kernel": "kvship.kernels.packed_moe:_packed_gemv_kernel", "types": types,
                "constexprs": {"A_DIV": 8 if gated else 1, "GATED": gated, **packed, "BLOCK_N": cfg["block_n"],
                               "BLOCK_K": cfg["block_k"]},
                "divisible": [n for n in types if n not in ("ids_ptr", "rw_ptr", "stride_sn")],

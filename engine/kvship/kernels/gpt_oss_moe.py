@@ -64,7 +64,7 @@ class GptOssExperts:
         """The stacks as kernels/packed_moe.py reads them, made once: an eager forward would pay
         for it on the host at every call."""
         return PackedExperts(self.w13, self.w2, "mxfp4" if self.mxfp4 else "16bit", "clamped_swiglu", self.w13_scale,
-                             self.w2_scale, self.w13_bias, self.w2_bias, self.alpha, self.limit)
+                             self.w2_scale, self.w13_bias, self.w2_bias, float(self.alpha), float(self.limit))
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

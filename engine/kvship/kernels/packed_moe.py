@@ -24,7 +24,7 @@ class PackedExperts:
     """One layer's stacks as the kernels read them: w13 [E, 2I, ..] (gate rows, then up rows) and
     w2 [E, H, ..], 16-bit [.., K] or code bytes [.., K / 2] with scales [.., K / group] (``fmt``
     "mxfp4": e8m0 bytes per 32; "nvfp4": float32 per 16). ``act`` "clamped_swiglu" adds the
-    float32 biases [E, N] and clamps at ``limit``; "silu_mul" takes no biases."""
+    float32 biases [E, N] and clamps at ``limit``; "silu_mul" takes no biases, alpha or limit."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -34,14 +34,15 @@ class PackedExperts:
     w2_scale: torch.Tensor | None = None
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
-    alpha: float = 0.0
-    limit: float = 0.0
+    alpha: float | None = None
+    limit: float | None = None
 
-    def operands(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stack ``name``'s (codes, scales, biases); a missing one is the codes, never read."""
+    def operands(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int | None]:
+        """Stack ``name``'s (codes, scales, biases, the biases' expert stride); missing scales are
+        the codes, never read; missing biases None, which the kernels take as a constant."""
         w = getattr(self, name)
         scale, bias = getattr(self, name + "_scale"), getattr(self, name + "_bias")
-        return w, w if scale is None else scale, w if bias is None else bias
+        return w, w if scale is None else scale, bias, None if bias is None else bias.stride(0)
 
 
 @triton.jit
@@ -77,25 +78,28 @@ def _weight_tile(w_rows, s_rows, nmask, k0, K, dtype, FORMAT: tl.constexpr, BLOC
 
 
 @triton.jit
-def _gate(gate, up, b_up, offs_n, nmask, alpha, limit, ACT: tl.constexpr):
-    """The gated activation of gate and up rows [M, BLOCK_N] (gate's biases already added; b_up:
-    the up rows' biases)."""
+def _gate(gate, up, b_e, N, offs_n, nmask, alpha, limit, ACT: tl.constexpr):
+    """The gated activation of gate and up rows [M, BLOCK_N] (gate's biases already added; the up
+    rows' biases at b_e + N, b_e: the expert's)."""
     if ACT == "clamped_swiglu":
         gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up + tl.load(b_up + offs_n, mask=nmask, other=0.0)[None, :], -limit), limit)
+        up = tl.minimum(tl.maximum(up + tl.load(b_e + N + offs_n, mask=nmask, other=0.0)[None, :], -limit), limit)
         return (up + 1.0) * gate * tl.sigmoid(alpha * gate)
     else:
         return silu_mul(gate, up)
 
 
 @triton.jit
-def _epilogue(acc, acc_up, b_e, offs_n, nmask, N, rw, alpha, limit, GATED: tl.constexpr, ACT: tl.constexpr):
-    """Rows [M, BLOCK_N] of the products: biases added for "clamped_swiglu", then the gated
-    activation of gate (acc) and up (acc_up) for GATED, else times each row's router weight (rw [M])."""
+def _epilogue(acc, acc_up, bias_ptr, expert, stride_be, offs_n, nmask, N, rw, alpha, limit, GATED: tl.constexpr,
+              ACT: tl.constexpr):
+    """Rows [M, BLOCK_N] of the products: expert's biases added for "clamped_swiglu", then the gated
+    activation of gate (acc) and up (acc_up) for GATED, else times each row's router weight (rw [M]).
+    "silu_mul" gets None for the biases, their stride, alpha and limit."""
     if ACT == "clamped_swiglu":
-        acc += tl.load(b_e + offs_n, mask=nmask, other=0.0)[None, :]
+        bias_ptr += expert * stride_be
+        acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0)[None, :]
     if GATED:
-        return _gate(acc, acc_up, b_e + N, offs_n, nmask, alpha, limit, ACT)
+        return _gate(acc, acc_up, bias_ptr, N, offs_n, nmask, alpha, limit, ACT)
     else:
         return acc * rw[:, None]
 
@@ -127,7 +131,7 @@ def _packed_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, sorted_p
             acc_up = _dot(a, tl.trans(up), acc_up)
         a_ptrs += BLOCK_K
     rw = tl.load(rw_ptr + pairs, mask=valid, other=0.0)
-    acc = _epilogue(acc, acc_up, bias_ptr + expert * stride_be, offs_n, nmask, N, rw, alpha, limit, GATED, ACT)
+    acc = _epilogue(acc, acc_up, bias_ptr, expert, stride_be, offs_n, nmask, N, rw, alpha, limit, GATED, ACT)
     out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_out + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
@@ -154,7 +158,7 @@ def _packed_gemv_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr,
             acc_up += _weight_tile(gate_w + N * stride_wn, gate_s + N * stride_sn, nmask, k0, K, tl.float32, FORMAT,
                                    BLOCK_N, BLOCK_K) * a
     rw = tl.load(rw_ptr + pair + tl.zeros([1], dtype=tl.int32))
-    y = _epilogue(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], bias_ptr + expert * stride_be, offs_n, nmask,
+    y = _epilogue(tl.sum(acc, 1)[None, :], tl.sum(acc_up, 1)[None, :], bias_ptr, expert, stride_be, offs_n, nmask,
                   N, rw, alpha, limit, GATED, ACT)
     tl.store(out_ptr + pair.to(tl.int64) * stride_out + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
              mask=nmask[None, :])
@@ -163,15 +167,15 @@ def _packed_gemv_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr,
 def _gemm(a: torch.Tensor, ex: PackedExperts, name: str, out: torch.Tensor, router_weights: torch.Tensor,
           aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor], a_div: int, cfg: MoEConfig) -> None:
     """One grouped GEMM of stack ``name`` into out [pairs, N]."""
-    w, s, b = ex.operands(name)
+    w, s, b, stride_be = ex.operands(name)
     sorted_pairs, block_experts, num_padded = aligned
     gated = name == "w13"
     block_n = max(16, cfg.block_n // 2) if gated else cfg.block_n  # as many weight bytes a program as fused_moe's
     grid = (triton.cdiv(out.shape[1], block_n), block_experts.numel())
     _packed_gemm_kernel[grid](
         a, w, s, b, out, router_weights, sorted_pairs, block_experts, num_padded, out.shape[0], out.shape[1],
-        a.shape[1], a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), b.stride(0), out.stride(0),
-        float(ex.alpha), float(ex.limit), A_DIV=a_div, GATED=gated, FORMAT=ex.fmt, ACT=ex.act, BLOCK_M=cfg.block_m,
+        a.shape[1], a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), stride_be, out.stride(0),
+        ex.alpha, ex.limit, A_DIV=a_div, GATED=gated, FORMAT=ex.fmt, ACT=ex.act, BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, BLOCK_K=max(cfg.block_k, MIN_BLOCK_K), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -198,11 +202,11 @@ def packed_moe_gemv(x: torch.Tensor, ex: PackedExperts, weights: torch.Tensor, i
     h = torch.empty(ids.numel(), ex.w13.shape[1] // 2, dtype=x.dtype, device=x.device)
     y = torch.empty(ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
     for a, name, out, a_div, cfg in ((x.contiguous(), "w13", h, top_k, gate_up), (h, "w2", y, 1, down)):
-        w, s, b = ex.operands(name)
+        w, s, b, stride_be = ex.operands(name)
         block_k = cfg["block_k"] if ex.fmt == "16bit" else max(cfg["block_k"], MIN_BLOCK_K)
         _packed_gemv_kernel[(triton.cdiv(out.shape[1], cfg["block_n"]), ids.numel())](
             a, w, s, b, out, rw, ids, out.shape[1], a.shape[1], a.stride(0), w.stride(0), w.stride(1), s.stride(0),
-            s.stride(1), b.stride(0), out.stride(0), float(ex.alpha), float(ex.limit), A_DIV=a_div,
+            s.stride(1), stride_be, out.stride(0), ex.alpha, ex.limit, A_DIV=a_div,
             GATED=name == "w13", FORMAT=ex.fmt, ACT=ex.act, BLOCK_N=cfg["block_n"], BLOCK_K=block_k,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y.view(tokens, top_k, x.shape[1]).sum(dim=1)
