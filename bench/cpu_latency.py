@@ -34,11 +34,13 @@ envs.passive_cpu_threads()  # as kvship serve does, before torch starts its thre
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_served import Served, chat_during_prefill, served_decode
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from cpu_served import Served, served_decode
 from kvship.config import CPU_WEIGHT_FORMATS
 from kvship.llm import LLM
 from kvship.loader import bundled_model_path
 from kvship.sampling_params import SamplingParams
+from server_utils import chat_during_prefill  # tests/: tests/server/test_cpu_serving.py asserts on it too
 
 
 def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:

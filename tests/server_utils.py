@@ -1,12 +1,15 @@
-"""Start the real `kvship serve` as a subprocess on a free loopback port, for the server tests."""
+"""Start the real `kvship serve` as a subprocess on a free loopback port, for the server tests,
+and time its streamed answers (bench/cpu_served.py measures with the same functions)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -74,15 +77,7 @@ class ServerProcess:
         return self.proc.returncode
 
     def metrics(self) -> dict[str, float]:
-        """/metrics as {name: value} (labels dropped; one series per name here)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            name_labels, _, value = line.rpartition(" ")
-            out[name_labels.split("{", 1)[0]] = float(value)
-        return out
+        return metrics(self.url)
 
     def wait_metric(self, name: str, predicate, timeout: float = 15) -> float:
         deadline = time.monotonic() + timeout
@@ -93,6 +88,18 @@ class ServerProcess:
             time.sleep(0.1)
             value = self.metrics()[name]
         return value
+
+
+def metrics(url: str) -> dict[str, float]:
+    """/metrics as {name: value} (labels dropped; one series per name here)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        out[name_labels.split("{", 1)[0]] = float(value)
+    return out
 
 
 def start_server(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
@@ -122,3 +129,37 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = "ANY") -
     if param != "ANY":
         assert err["param"] == param, err
     return err
+
+
+def stream(url: str, path: str, body: dict) -> tuple[float, list[float]]:
+    """(send time, arrival time of each streamed chunk that carries text), greedy."""
+    t0, times = time.perf_counter(), []
+    with httpx.stream("POST", url + path, json={**body, "temperature": 0, "stream": True}, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:])["choices"]
+            if choices and (choices[0].get("text") or choices[0].get("delta", {}).get("content")):
+                times.append(time.perf_counter())
+    return t0, times
+
+
+def stream_completion(url: str, ids: list[int], out: int) -> tuple[float, list[float]]:
+    """(send time, arrival time of each streamed token) of one greedy completion."""
+    return stream(url, "/v1/completions", {"prompt": ids, "max_tokens": out, "ignore_eos": True})
+
+
+def chat_during_prefill(url: str, long_ids: list[int], max_tokens: int = 8) -> tuple[float, float, float, bool]:
+    """(short chat's first token s, its whole answer s, the long prompt's TTFT s, whether the chat
+    was answered first): the chat is sent once the long prompt is running (its prefill under way)."""
+    long_result: list = []
+    t = threading.Thread(target=lambda: long_result.append(stream_completion(url, long_ids, 1)))
+    t.start()
+    while metrics(url)["kvship:num_requests_running"] < 1:
+        time.sleep(0.02)
+    sent, chat = stream(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hello."}],
+                                                      "max_tokens": max_tokens})
+    t.join()
+    long_sent, long_times = long_result[0]
+    return chat[0] - sent, chat[-1] - sent, long_times[0] - long_sent, chat[-1] < long_times[0]
