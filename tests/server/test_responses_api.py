@@ -8,7 +8,7 @@ import httpx
 import pytest
 from pydantic import BaseModel, Field
 
-from server_utils import assert_error, start_server
+from server_utils import FLOAT32_WEIGHTS, assert_error, start_server
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
@@ -22,11 +22,8 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def server():
-    # The float32 reference weights: on the integer paths a prefix hit's few rows take the
-    # weight-only kernel where the first request's prefill took the GEMM copy, and greedy
-    # continuations may part at a near-tie (docs/quantization.md); the outputs compared here
-    # (stream against non-stream, a schema closed within max_output_tokens) assume they do not.
-    srv = start_server("--max-model-len", "1024", "--kv-cache-memory", "512MiB", "--cpu-weight-format", "float32")
+    # stream against non-stream, a schema closed within max_output_tokens
+    srv = start_server("--max-model-len", "1024", "--kv-cache-memory", "512MiB", *FLOAT32_WEIGHTS)
     yield srv
     assert srv.stop() == 0, srv.log()
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_utils import assert_error, start_server
+from server_utils import FLOAT32_WEIGHTS, assert_error, start_server
 
 MAX_MODEL_LEN = 512
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -18,7 +18,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "1GiB", "--shutdown-timeout", "5")
+    # streamed answers are compared with non-streamed ones, and concurrent with sequential
+    srv = start_server("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "1GiB", "--shutdown-timeout", "5",
+                       *FLOAT32_WEIGHTS)
     yield srv
     code = srv.stop()
     assert code == 0, srv.log()

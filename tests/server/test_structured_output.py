@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from kvship.core.grammar import CACHE_BYTES, allowed_ids, check_schema, check_tool_parameters
 from kvship.sampling_params import InvalidParamsError, SamplingParams, StructuredOutput
-from server_utils import assert_error, start_server
+from server_utils import FLOAT32_WEIGHTS, assert_error, start_server
 
 
 class Mood(str, enum.Enum):
@@ -43,7 +43,7 @@ def server():
     # The float32 reference weights: which seeded samples of the 135M model close their JSON
     # within max_tokens is the model's luck, and the seeds below were picked on these weights.
     srv = start_server("--max-model-len", "1024", "--kv-cache-memory", "512MiB", "--max-num-seqs", "32",
-                       "--cpu-weight-format", "float32")
+                       *FLOAT32_WEIGHTS)
     yield srv
     assert srv.stop() == 0, srv.log()
 
