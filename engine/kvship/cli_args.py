@@ -83,7 +83,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-join-tokens", type=int, default=None,
                    help="once a prompt's prefill ends in a step, later prompts join it only while the step holds at "
                         "most this many tokens: prompts finish one at a time, shortest first, for a lower mean time to "
-                        "first token (default 512; with --schedule-policy longest-output they share the whole budget)")
+                        "first token (default: no limit, they share the whole budget)")
     g.add_argument("--prefill-beside-decodes", type=int, default=None,
                    help="with decodes in a step, a long prompt (more than four steps' budgets left) takes at "
                         "most this many of its tokens, so running requests keep their pace during its prefill "

@@ -85,8 +85,7 @@ class EngineConfig:
     schedule_policy: str = "shortest-prefill"
     # Once a prompt's prefill ends in a step, later prompts join that step only while it holds at
     # most this many tokens (core/scheduler.py); max_num_batched_tokens or more: they share it all.
-    # None: PREFILL_JOIN_TOKENS with shortest-prefill; with longest-output (throughput, not time
-    # to first token) they share it all.
+    # None: they share it all. A limit has not been shown to lower time to first token on a GPU.
     prefill_join_tokens: int | None = None
     # With decodes in a step, a long prompt's prefill (core/scheduler.py) takes at most this many of
     # its tokens: every running request's next token waits for the step, and a CPU's step time
@@ -139,8 +138,6 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {self.schedule_policy!r}")
-        if self.prefill_join_tokens is None and self.schedule_policy == "shortest-prefill":
-            self.prefill_join_tokens = PREFILL_JOIN_TOKENS
         if self.prefill_join_tokens is not None and self.prefill_join_tokens < 0:
             raise ValueError("prefill_join_tokens must be at least 0")
         if self.prefill_beside_decodes is not None and self.prefill_beside_decodes < 1:
@@ -176,11 +173,6 @@ GPU_TOKEN_BUDGET = 8192
 # small model to a few tenths of a second, and a short request beside a long prompt's chunks
 # gets a token at that pace rather than after the whole prefill.
 CPU_TOKEN_BUDGET = 64
-
-
-# Past about this many tokens a step's matmuls are compute-bound on a GPU: more prompts joining
-# a step in which one ends only delay it (and every decode in it).
-PREFILL_JOIN_TOKENS = 512
 
 
 def default_token_budget(device_type: str) -> int:

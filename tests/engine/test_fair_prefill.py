@@ -138,11 +138,12 @@ def test_a_short_prompt_ends_first_and_a_long_one_fills_the_step_to_the_join_siz
     assert _planned(batch) == [("short", 5), ("long", 11)]
 
 
-def test_at_the_gpu_defaults_64_decodes_run_beside_one_whole_prompt():
-    """serve.py's c=64 case at the GPU's budget and join size: with 64 decodes running and three
-    1024-token prompts waiting, a step holds the decodes and one whole prompt; the next prompt
-    starts in the next step (sharing the budget, all three would end together in this one)."""
-    config = EngineConfig()
+@pytest.mark.parametrize("join", [None, 512])
+def test_at_the_gpu_budget_64_decodes_run_beside_the_prompts_the_join_limit_lets_in(join):
+    """serve.py's c=64 case at the GPU's budget: with 64 decodes running and three 1024-token
+    prompts waiting, a step holds the decodes and all three prompts by default (they share the
+    budget), and one whole prompt under a join limit (the next starts in the next step)."""
+    config = EngineConfig(prefill_join_tokens=join)
     kv = KVCacheManager(num_blocks=8192, block_size=16)
     sched = Scheduler(kv, max_num_seqs=256, max_num_batched_tokens=default_token_budget("cuda"),
                       prefill_join_tokens=config.prefill_join_tokens)
@@ -153,8 +154,9 @@ def test_at_the_gpu_defaults_64_decodes_run_beside_one_whole_prompt():
     for i in range(3):
         sched.add(_seq(f"p{i}", 1024))
     batch = sched.schedule(in_flight=set(decodes))
-    assert batch.num_new_tokens == [1] * 64 + [1024]
-    assert batch.seqs[-1].request_id == "p0"
+    prompts = 3 if join is None else 1
+    assert batch.num_new_tokens == [1] * 64 + [1024] * prompts
+    assert [s.request_id for s in batch.seqs[64:]] == [f"p{i}" for i in range(prompts)]
 
 
 def test_longest_output_first_admits_by_max_tokens_after_the_prompts_under_way():
@@ -175,9 +177,8 @@ def test_longest_output_first_admits_by_max_tokens_after_the_prompts_under_way()
 def test_default_budget_by_device():
     assert EngineConfig().max_num_batched_tokens is None
     assert default_token_budget("cpu") == CPU_TOKEN_BUDGET < default_token_budget("cuda")
-    # a CPU's budget is below the join size: its steps are shared as before
-    assert CPU_TOKEN_BUDGET <= EngineConfig().prefill_join_tokens < default_token_budget("cuda")
-    assert EngineConfig(schedule_policy="longest-output").prefill_join_tokens is None  # throughput: share it all
+    # prompts share a step's whole budget unless --prefill-join-tokens limits it
+    assert EngineConfig().prefill_join_tokens is None
 
 
 @pytest.fixture(scope="module")
