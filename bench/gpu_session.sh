@@ -33,7 +33,7 @@ bench() {  # name, time limit (s), command...
   echo "== $name exit $?" | tee -a "$OUT/log"
   cat "$OUT/$name.md"
 }
-bench tests 580 python3 -m pytest tests/engine tests/kernels tests/models tests/loader -m gpu -v -o console_output_style=times -p no:cacheprovider --tb=short \
+bench tests 580 python3 -m pytest tests/engine tests/kernels tests/models tests/loader -m gpu -v -p no:cacheprovider --tb=short \
   -rfE --durations=15
 bench latency-bf16 200 python3 bench/latency.py --quantization none --no-hf
 bench latency-fp8 200 python3 bench/latency.py --quantization fp8 --no-hf
