@@ -160,7 +160,10 @@ def chat_during_prefill(url: str, long_ids: list[int], max_tokens: int = 8) -> t
     long_result: list = []
     t = threading.Thread(target=lambda: long_result.append(stream_completion(url, long_ids, 1)))
     t.start()
+    deadline = time.monotonic() + 60
     while metrics(url)["kvship:num_requests_running"] < 1:
+        if time.monotonic() > deadline or not t.is_alive():
+            raise AssertionError("the long prompt never ran on the server")
         time.sleep(0.02)
     sent, chat = stream(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hello."}],
                                                       "max_tokens": max_tokens})

@@ -82,8 +82,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step (default: 8192 on a GPU, 64 on a CPU)")
     g.add_argument("--prefill-join-tokens", type=int, default=None,
                    help="once a prompt's prefill ends in a step, later prompts join it only while the step holds at "
-                        "most this many tokens: prompts finish one at a time, shortest first, for a lower mean time to "
-                        "first token (default: no limit, they share the whole budget)")
+                        "most this many tokens, so that prompts finish one a step, shortest first (default: no limit, "
+                        "they share the whole budget)")
     g.add_argument("--prefill-beside-decodes", type=int, default=None,
                    help="with decodes in a step, a long prompt (more than four steps' budgets left) takes at "
                         "most this many of its tokens, so running requests keep their pace during its prefill "

@@ -3,11 +3,10 @@
 Each step: running decodes first, one token each; then prefills (prompts part-way through a
 chunked prefill, and waiting sequences) take what is left of the budget, the fewest remaining
 tokens first, so that a short request starts at once beside a long prompt, which goes on with
-the rest. Once a prompt's prefill ends in the step, later prompts join it only while the step
-holds at most ``prefill_join_tokens``: past the size where a step turns compute-bound, every
-token added delays that prompt's first token and every decode's next, and packing several
-whole prompts into one step gives them all the last one's TTFT (shortest remaining first, one
-prompt finished at a time, minimises the mean). Beside decodes, a long prompt (more than
+the rest. With ``prefill_join_tokens`` set, once a prompt's prefill ends in the step, later
+prompts join it only while the step holds at most that many tokens, so that prompts finish one
+a step, shortest remaining first (by default they share the whole budget: on a GPU the limit
+has not been shown to lower time to first token). Beside decodes, a long prompt (more than
 LONG_PREFILL_STEPS steps' budgets left) takes at most ``prefill_beside_decodes`` tokens (a
 CPU's step time grows with every token, and each decode waits for it). With
 ``schedule_policy`` "longest-output" waiting sequences are admitted by the most tokens they may
