@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -93,22 +94,34 @@ def run(folder: str, args, adapters: list[LoRARequest] | None) -> dict[str, floa
            f"offline ({args.offline} requests)": tokens_per_second(llm, prompts(args.offline), args.output,
                                                                   spread(args.offline))}
     out["weight bytes"] = weight_bytes_per_token(llm.engine.runner.model)
-    if adapters:
-        out["replays"] = graph_replays(llm, [1, args.batch], len(adapters))
+    out["replays"] = graph_replays(llm, [1, args.batch], len(adapters or [None]))
     llm.shutdown()
     return out
 
 
-def graph_replays(llm, sizes: list[int], num_adapters: int) -> dict[int, tuple[float, float]]:
+def run_child(args, folder: str, adapter_folders: list[str], out: Path) -> dict:
+    """``run`` in a process of its own: each engine starts on a GPU nothing else has touched."""
+    cmd = [sys.executable, __file__, "--engine-json", str(out), "--folder", folder, "--adapter-folders",
+           *adapter_folders, "--shape", args.shape, "--rank", str(args.rank), "--batch", str(args.batch),
+           "--offline", str(args.offline), "--prompt", str(args.prompt), "--output", str(args.output)]
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())
+
+
+def graph_replays(llm, sizes: list[int], num_adapters: int) -> dict[str, tuple[float, float | None]]:
     """Seconds of one replay of the decode graph of each batch size, (without, with) the LoRA
-    kernels, the rows spread over the adapters' slots (the last step's other inputs kept)."""
+    kernels (None for an engine without them), the rows spread over the adapters' slots (the last
+    step's other inputs kept)."""
     runner = llm.engine.runner
     graphs = runner.graphs
     out = {}
     for n in sizes:
         bs = next(s for s in graphs.sizes if s >= n)
-        runner.lora.write_slots([i % num_adapters for i in range(bs)], prefill=False)
-        out[n] = (_time_cuda(graphs.graphs[bs].replay, iters=50), _time_cuda(graphs.lora_graphs[bs].replay, iters=50))
+        lora = None
+        if runner.lora is not None:
+            runner.lora.write_slots([i % num_adapters for i in range(bs)], prefill=False)
+            lora = _time_cuda(graphs.lora_graphs[bs].replay, iters=50)
+        out[str(n)] = (_time_cuda(graphs.graphs[bs].replay, iters=50), lora)
     return out
 
 
@@ -180,7 +193,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--kernels", action="store_true", help="also time each projection's shrink and expand")
+    ap.add_argument("--engine-json", help=argparse.SUPPRESS)  # a child: run one engine, write its figures
+    ap.add_argument("--folder", help=argparse.SUPPRESS)
+    ap.add_argument("--adapter-folders", nargs="*", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.engine_json:
+        adapters = [LoRARequest(f"a{i}", i + 1, f) for i, f in enumerate(args.adapter_folders)]
+        Path(args.engine_json).write_text(json.dumps(run(args.folder, args, adapters or None)))
+        return
     bw, _ = measure_ceilings()
     if args.kernels:
         print(header(f"LoRA kernels: {args.shape}, {args.adapters} adapters of rank {args.rank}, one layer"))
@@ -188,12 +208,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, Path(tmp) / "model")
         adapter_bytes = 0
-        adapters = []
+        folders = []
         for i in range(args.adapters):
             adapter_bytes = write_adapter(Path(tmp) / f"a{i}", args.shape, args.rank, i)
-            adapters.append(LoRARequest(f"a{i}", i + 1, str(Path(tmp) / f"a{i}")))
-        base = run(folder, args, None)
-        with_lora = run(folder, args, adapters)
+            folders.append(str(Path(tmp) / f"a{i}"))
+        base = run_child(args, folder, [], Path(tmp) / "base.json")
+        with_lora = run_child(args, folder, folders, Path(tmp) / "lora.json")
     kv = kv_bytes_per_token(args.shape) * (args.prompt + args.output // 2)
     roof_base = bw / (base["weight bytes"] + kv)
     roof_lora = bw / (base["weight bytes"] + adapter_bytes + kv)
@@ -211,13 +231,13 @@ def main() -> None:
           f"{with_lora['batch 1 decode'] / roof_lora:.0%} of it")
     rows = []
     for n, (plain, lora) in with_lora["replays"].items():
-        step = n / with_lora[f"batch {n} decode"]
-        rows.append([n, f"{n / base[f'batch {n} decode'] * 1e3:.2f}", f"{step * 1e3:.2f}", f"{plain * 1e3:.2f}",
-                     f"{lora * 1e3:.2f}", f"{(step - lora) * 1e3:.2f}"])
-    print("\nWhere a decode step's time goes (ms; a step: 1 / tok/s, prefills included):")
-    print(table(rows, ["batch", "step, base engine", "step, LoRA engine", "graph without LoRA kernels",
-                       "graph with them", "rest (host, prefill)"]))
-
+        step, base_step = (int(n) / engine[f"batch {n} decode"] for engine in (with_lora, base))
+        rows.append([n, f"{base_step * 1e3:.2f}", f"{base['replays'][n][0] * 1e3:.2f}", f"{step * 1e3:.2f}",
+                     f"{plain * 1e3:.2f}", f"{lora * 1e3:.2f}", f"{(step - lora) * 1e3:.2f}"])
+    print("\nWhere a decode step's time goes (ms; a step: 1 / tok/s, prefills included; each engine in a "
+          "process of its own):")
+    print(table(rows, ["batch", "step, base engine", "its graph", "step, LoRA engine", "its graph without LoRA "
+                       "kernels", "with them", "rest (host, prefill)"]))
 
 if __name__ == "__main__":
     main()
