@@ -33,8 +33,8 @@ bench() {  # name, time limit (s), command...
   echo "== $name exit $?" | tee -a "$OUT/log"
   cat "$OUT/$name.md"
 }
-bench tests 580 python3 -m pytest tests/engine tests/kernels tests/models tests/loader -m gpu -v -p no:cacheprovider --tb=short \
-  -rfE --durations=15
+bench tests 580 env PYTHONPATH=$PWD/bench:$PYTHONPATH python3 -m pytest tests/engine tests/kernels tests/models \
+  tests/loader -m gpu -q -p pytest_times -p no:cacheprovider --tb=short -rfE --durations=15
 bench latency-bf16 200 python3 bench/latency.py --quantization none --no-hf
 bench latency-fp8 200 python3 bench/latency.py --quantization fp8 --no-hf
 bench latency-int4 300 python3 bench/latency.py --quantization int4 q4_k_m --no-hf
