@@ -5,7 +5,10 @@ mode by default so that every kernel is attributed (the CUDA-graph replay runs t
 with less launch overhead); --graphs profiles the graph replays instead.
 
     python bench/profile_step.py [--shape llama3-8b] [--batch 1] [--context 512] [--steps 32] [--graphs] [--tp 1]
-                                 [--quantization fp8|int8|int4|int4-g32] [--kv-cache-dtype fp8|int4]
+                                 [--quantization fp8|int8|int4|int4-g32] [--kv-cache-dtype fp8|int4] [--join N]
+
+With --join N each profiled step is a mixed one: a new N-token prompt joins the decodes (as in
+serving, where prompts arrive while others decode), its whole prefill in that step.
 
 With --tp N the profile is rank 0's (its share of the weights plus the all-reduces).
 """
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--quantization", choices=WEIGHT_FORMATS, help="in-situ weight format")
+    ap.add_argument("--join", type=int, default=0, help="a prompt of this many tokens joins each profiled step")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"])
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -42,7 +46,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
         llm = LLM(folder, load_format="dummy", dtype="bfloat16" if cuda else "float32",
-                  max_model_len=args.context + 3 * args.steps + 64, max_num_seqs=max(8, args.batch),
+                  max_model_len=max(args.context, args.join) + 3 * args.steps + 64,
+                  max_num_seqs=max(8, args.batch + (2 * args.steps if args.join else 0)),
                   enforce_eager=not args.graphs, tensor_parallel_size=args.tp,
                   quantization=method, kv_cache_dtype=args.kv_cache_dtype)
         eng = llm.engine
@@ -56,11 +61,17 @@ def main() -> None:
             eng.step()  # prefill, not profiled
         for _ in range(4):
             eng.step()  # settle into pure decode
+        joined = iter(range(1 << 30))
+
+        def step():
+            if args.join:
+                eng.add_request(f"j{next(joined)}", torch.randint(2, vocab, (args.join,), generator=g).tolist(), params)
+            eng.step()
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(args.steps):  # the same steps' wall time, without the profiler, for the gaps
-            eng.step()
+            step()
         if cuda:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e6
@@ -68,17 +79,17 @@ def main() -> None:
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(args.steps):
-                eng.step()
+                step()
             if cuda:
                 torch.cuda.synchronize()
         eng.shutdown()
     rows = kernel_rows(prof, args.steps, args.top, cuda)  # µs per step
     print(header(f"Decode step profile, {args.shape} shape, batch {args.batch}, context {args.context}, "
                  f"{'CUDA graphs' if args.graphs else 'eager'}, TP={args.tp}, weights {args.quantization or 'bf16'}, "
-                 f"{args.kv_cache_dtype} KV"))
+                 f"{args.kv_cache_dtype} KV" + (f", a {args.join}-token prompt joining each step" if args.join else "")))
     print(table(rows, ["kernel", "µs / step", "launches / step", "share"]))
     print(f"\nwall time per step, the same decode without the profiler: {wall:,.1f} µs")
-    if replay is not None:
+    if replay is not None and not args.join:
         print(f"the step's CUDA graph replayed alone (no host work between replays): {replay:,.1f} µs")
 
 
