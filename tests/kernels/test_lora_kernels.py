@@ -137,6 +137,21 @@ def test_grouped_kernels_match_reference(dtype, block_m, act, monkeypatch):
 
 
 @pytest.mark.timeout(300)
+def test_grouped_shrink_splits_a_long_input(monkeypatch):
+    """However many programs a step has, none loops over more than GROUP_MAX_SPLIT_K features: a
+    long input (the down projection's) is split all the same, and the sums still match."""
+    monkeypatch.setattr(lora_segments, "GROUP_MAX_SPLIT_K", 64)
+    monkeypatch.setattr(lora_segments, "MAX_GROUP_SPLIT", 1)
+    slot_list = [i % 3 - 1 for i in range(20)]
+    slots, x, a, b, _ = _operands(slot_list, DTYPES[0], 2)
+    h = lora_segments.lora_shrink_grouped(x, a, _groups(slot_list, 16))
+    assert h.shape[0] == -(-K // 64) > 1
+    has = slots >= 0
+    tol = _tol(DTYPES[0])
+    torch.testing.assert_close(h.sum(0)[has], lora.lora_shrink_torch(x, a, slots)[0, has], rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.timeout(300)
 def test_dispatch_takes_grouped_kernels_from_many_rows(monkeypatch):
     """lora_shrink / lora_expand with the rows grouped: the per-row kernels below
     GROUPED_MIN_ROWS rows, the grouped ones from there; both give the reference's result."""

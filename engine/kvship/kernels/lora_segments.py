@@ -24,8 +24,11 @@ DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 32
 # The grouped shrink's split of the input features, each over at least GROUP_MIN_SPLIT_K: each
 # split's partial sums are read by every program of the expand, so fewer than the per-row kernel's.
+# A program's loop stays within GROUP_MAX_SPLIT_K features all the same: its iterations run one
+# after another, and a long input (an MLP's down projection) would leave a few programs looping.
 MAX_GROUP_SPLIT = 4
 GROUP_MIN_SPLIT_K = 256
+GROUP_MAX_SPLIT_K = 1024
 
 
 @dataclass
@@ -165,7 +168,7 @@ def lora_shrink_grouped(x: torch.Tensor, a: torch.Tensor, groups: RowGroups, act
     r_blocks = triton.cdiv(r, block_r)
     busy = triton.cdiv(t, groups.block_m) * r_blocks  # blocks with rows, at the least
     split = max(1, min(MAX_GROUP_SPLIT, triton.cdiv(k, GROUP_MIN_SPLIT_K),
-                         triton.cdiv(2 * device_sms(x), busy)))
+                         triton.cdiv(2 * device_sms(x), busy)), triton.cdiv(k, GROUP_MAX_SPLIT_K))
     k_per_split = triton.cdiv(triton.cdiv(k, split), 64) * 64
     split = triton.cdiv(k, k_per_split)
     h = torch.empty(split, t, r, dtype=torch.float32, device=x.device)
