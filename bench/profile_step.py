@@ -47,7 +47,7 @@ def main() -> None:
         folder = write_shape_folder(args.shape, tmp)
         llm = LLM(folder, load_format="dummy", dtype="bfloat16" if cuda else "float32",
                   max_model_len=max(args.context, args.join) + 3 * args.steps + 64,
-                  max_num_seqs=max(8, args.batch + (2 * args.steps if args.join else 0)),
+                  max_num_seqs=max(8, args.batch + (2 * args.steps + 4 if args.join else 0)),
                   enforce_eager=not args.graphs, tensor_parallel_size=args.tp,
                   quantization=method, kv_cache_dtype=args.kv_cache_dtype)
         eng = llm.engine
@@ -59,14 +59,15 @@ def main() -> None:
             eng.add_request(f"p{i}", torch.randint(2, vocab, (args.context,), generator=g).tolist(), params)
         while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
             eng.step()  # prefill, not profiled
-        for _ in range(4):
-            eng.step()  # settle into pure decode
         joined = iter(range(1 << 30))
 
         def step():
             if args.join:
                 eng.add_request(f"j{next(joined)}", torch.randint(2, vocab, (args.join,), generator=g).tolist(), params)
             eng.step()
+
+        for _ in range(4):
+            step()  # settle (a first mixed step compiles its kernels)
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -171,6 +171,7 @@ def test_triton_kernels_in_the_engine(tiny_lora, monkeypatch):
         monkeypatch.setattr(lora_kernels, "use_triton", lambda t: True)
         monkeypatch.setattr(lora_manager, "use_triton", lambda t: True)
     monkeypatch.setattr(lora_kernels, "GROUPED_MIN_ROWS", 5)
+    monkeypatch.setattr(lora_kernels, "GROUPED_SHRINK_MIN_ROWS", 5)
     block_sizes = []
     grouped = lora_kernels.lora_shrink_grouped
     monkeypatch.setattr(lora_kernels, "lora_shrink_grouped",

@@ -154,7 +154,8 @@ def test_grouped_shrink_splits_a_long_input(monkeypatch):
 @pytest.mark.timeout(300)
 def test_dispatch_takes_grouped_kernels_from_many_rows(monkeypatch):
     """lora_shrink / lora_expand with the rows grouped: the per-row kernels below
-    GROUPED_MIN_ROWS rows, the grouped ones from there; both give the reference's result."""
+    GROUPED_MIN_ROWS rows, the grouped expand from there and the grouped shrink from
+    GROUPED_SHRINK_MIN_ROWS; each gives the reference's result."""
     if not GPU:
         monkeypatch.setattr(lora, "use_triton", lambda t: True)
     called = []
@@ -162,7 +163,8 @@ def test_dispatch_takes_grouped_kernels_from_many_rows(monkeypatch):
         fn = getattr(lora, name)
         monkeypatch.setattr(lora, name, lambda *args, _fn=fn, _name=name, **kw: called.append(_name) or _fn(*args, **kw))
     dtype = DTYPES[-1]
-    for n in (lora.GROUPED_MIN_ROWS - 1, lora.GROUPED_MIN_ROWS):
+    assert lora.GROUPED_SHRINK_MIN_ROWS > lora.GROUPED_MIN_ROWS
+    for n in (lora.GROUPED_MIN_ROWS - 1, lora.GROUPED_MIN_ROWS, lora.GROUPED_SHRINK_MIN_ROWS):
         slot_list = [i % 4 - 1 for i in range(n)]
         slots, x, a, b, y0 = _operands(slot_list, dtype, 2)
         h = lora.lora_shrink(x, a, slots, _groups(slot_list, 16))
@@ -171,4 +173,5 @@ def test_dispatch_takes_grouped_kernels_from_many_rows(monkeypatch):
         lora.lora_expand_torch(y_ref, lora.lora_shrink_torch(x, a, slots), b, slots, SLICES)
         tol = _tol(dtype)
         torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol * 10)
-    assert called == ["lora_shrink_triton", "lora_expand_triton", "lora_shrink_grouped", "lora_expand_grouped"]
+    assert called == ["lora_shrink_triton", "lora_expand_triton", "lora_shrink_triton", "lora_expand_grouped",
+                      "lora_shrink_grouped", "lora_expand_grouped"]

@@ -14,9 +14,11 @@ one or two loads in flight per program beat a long loop). Both launch with PDL, 
 model's kernels around them do. With ``act`` the shrink takes a gate/up output [T, 2 in] and
 applies act(gate) * up as it reads it (the down projection's input), so the base layer keeps
 its fused GEMV and no activation kernel runs for the adapters. From GROUPED_MIN_ROWS rows (a
-step with prompt chunks, a large decode batch, in a graph or not) the grouped kernels of
-kernels/lora_segments.py run instead: one row a program reads each row's adapter again. The
-torch references group rows by adapter (host-side).
+step with prompt chunks, a large decode batch, in a graph or not) the grouped expand of
+kernels/lora_segments.py runs instead, and the grouped shrink from GROUPED_SHRINK_MIN_ROWS: one
+row a program reads each row's adapter again, but the per-row shrink's wide tiles keep it the
+faster of the two at a decode batch's few rows an adapter. The torch references group rows by
+adapter (host-side).
 """
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ from kvship.kernels._triton import device_sms, next_pow2, pdl_launch, pdl_wait, 
 from kvship.kernels.activation import act_and_mul_torch
 from kvship.kernels.lora_segments import RowGroups, lora_expand_grouped, lora_shrink_grouped, shrink_input
 
-# From this many rows a step takes the grouped kernels (when it has its rows grouped)
+# From this many rows a step takes the grouped expand, and the grouped shrink from the second
+# (when it has its rows grouped); bench/lora.py --kernels times both forms at each.
 GROUPED_MIN_ROWS = 32
+GROUPED_SHRINK_MIN_ROWS = 64
 
 
 def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, act: str | None = None
@@ -161,7 +165,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: R
     taken on act(gate) * up."""
     if not use_triton(x):
         return lora_shrink_torch(x, a, slots, act)
-    if groups is not None and x.shape[0] >= GROUPED_MIN_ROWS:
+    if groups is not None and x.shape[0] >= max(GROUPED_MIN_ROWS, GROUPED_SHRINK_MIN_ROWS):
         return lora_shrink_grouped(x, a, groups, act)
     return lora_shrink_triton(x, a, slots, act)
 
