@@ -3,7 +3,7 @@
 # Each target's table goes to $OUT/NAME.md, stderr to $OUT/log. Targets, the wheels serve needs
 # and how to compare two commits: bench/README.md; the figures: docs/performance.md.
 set -uo pipefail
-targets="tests latency-bf16 latency-fp8 latency-int4 throughput serve sched startup kv moe mla gpt-oss gpt-oss-120b hybrid tp profile kernels spec"
+targets="tests latency-bf16 latency-fp8 latency-int4 throughput serve sched startup kv moe mla gpt-oss gpt-oss-120b hybrid tp profile kernels spec lora"
 if [ $# -eq 0 ]; then
   echo "usage: bash bench/gpu_session.sh NAME...   (NAME: $targets)" >&2
   exit 2
@@ -60,7 +60,11 @@ bench hybrid 240 bash -c "for q in none fp8; do timeout 60 python3 bench/latency
   --output 128; done; timeout 45 python3 bench/latency.py --shape qwen3.6-35b-a3b --quantization fp8 --output 128; \
   timeout 75 python3 bench/latency.py --shape qwen3.6-27b --context 32768 --dense qwen3-32b --quantization fp8 --output 64"
 bench tp 420 "${tp_env[@]}" python3 bench/tp_latency.py --tp 2 --timeout 130
+# decode at batch 1 and 256, then a serving step: 63 decodes with a 1024-token prompt joining
 bench profile 300 bash -c "python3 bench/profile_step.py --graphs --batch 1 && \
-  python3 bench/profile_step.py --graphs --batch 256"
+  python3 bench/profile_step.py --graphs --batch 256 && \
+  python3 bench/profile_step.py --graphs --batch 63 --context 1024 --join 1024 --steps 8"
 bench kernels 300 python3 bench/kernels_gpu.py
 bench spec 400 python3 bench/spec_decode.py --shape llama3-8b --acceptance 0.5 0.7 --batch 1 8 16 32 48 64
+# the base engine, the LoRA one and the base again, each in its own process, after the kernel table
+bench lora 300 python3 bench/lora.py --kernels
