@@ -129,6 +129,11 @@ SHAPES = {
                       head_dim=128, vocab_size=151936, rope_theta=1000000.0, max_position_embeddings=262144,
                       rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0,
                       eos_token_id=1),
+    # a 1-layer Llama whose forward costs almost nothing: the host-side benches on a CPU
+    "tiny": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
+                 max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0,
+                 eos_token_id=1),
     # a tiny hybrid of each kind: the CPU test of the benchmark's path (tests/bench)
     "hybrid-tiny": dict(_QWEN36, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=64,
                         intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

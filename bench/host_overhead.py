@@ -16,14 +16,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import SHAPES, table, write_shape_folder
+from common import table, write_shape_folder
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
-
-SHAPES.setdefault("tiny", dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
-                               intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                               num_key_value_heads=1, vocab_size=512, max_position_embeddings=4096,
-                               rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1))
 
 
 def main() -> None:

@@ -94,7 +94,7 @@ def run(folder: str, args, adapters: list[LoRARequest] | None) -> dict[str, floa
            f"offline ({args.offline} requests)": tokens_per_second(llm, prompts(args.offline), args.output,
                                                                   spread(args.offline))}
     out["weight bytes"] = weight_bytes_per_token(llm.engine.runner.model)
-    out["replays"] = graph_replays(llm, [1, args.batch], len(adapters or [None]))
+    out["replays"] = graph_replays(llm, [1, args.batch], len(adapters or ()))
     llm.shutdown()
     return out
 
@@ -247,6 +247,7 @@ def main() -> None:
           "process of its own):")
     print(table(rows, ["batch", "step, base engine", "its graph", "step, LoRA engine", "its graph without LoRA "
                        "kernels", "with them", "rest (host, prefill)"]))
+
 
 if __name__ == "__main__":
     main()

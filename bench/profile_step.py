@@ -15,6 +15,7 @@ With --tp N the profile is rank 0's (its share of the weights plus the all-reduc
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -59,7 +60,7 @@ def main() -> None:
             eng.add_request(f"p{i}", torch.randint(2, vocab, (args.context,), generator=g).tolist(), params)
         while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
             eng.step()  # prefill, not profiled
-        joined = iter(range(1 << 30))
+        joined = itertools.count()
 
         def step():
             if args.join:

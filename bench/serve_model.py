@@ -25,10 +25,6 @@ from common import SHAPES, pct, table, write_shape_folder
 from schedule_model import HOST_S, StepCost, serving
 from serve import free_port, popen_logged, run_level, server_means_ms, server_sums, wait_ready
 
-SHAPES.setdefault("tiny", dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
-                               intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                               num_key_value_heads=1, vocab_size=512, max_position_embeddings=4096,
-                               rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1))
 TOKEN = 5  # every sampled token (requests ignore eos)
 
 
@@ -46,29 +42,28 @@ class ModelledSample:
 
 
 def model_the_runner(cost: StepCost, launch_s: float) -> None:
-    """ModelRunner.start / sample replaced: no forward, the step queued behind the one before on
-    the modelled device (the real runner's host cost left out of the model's step). A step with
-    prompt tokens first holds the GIL for ``launch_s``, as an eager forward's launches do."""
-    from kvship.runner.model_runner import InFlightStep, ModelRunner
+    """ModelRunner's forward (``run``) and ``sample`` replaced, its ``start`` kept: no forward, the
+    step queued behind the one before on the modelled device (the real runner's host cost left
+    out of the model's step), its "logits" the time the device ends it. A step with prompt tokens
+    first holds the GIL for ``launch_s``, as an eager forward's launches do."""
+    from kvship.runner.model_runner import ModelRunner
 
     device_free = [0.0]
 
-    def start(self, batch, previous=None):
+    def run(self, batch, previous=None):
         if launch_s and batch.num_tokens > len(batch.seqs):
             until = time.perf_counter() + launch_s
             while time.perf_counter() < until:  # busy: the GIL held
                 pass
         device_free[0] = max(time.monotonic(), device_free[0]) + cost(batch) - HOST_S
-        sampled, positions = [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            end = seq.num_computed_tokens + n
-            if end >= seq.num_tokens:
-                sampled.append(seq)
-                positions.append(end)
-        return InFlightStep(batch, sampled, positions, ModelledSample(len(sampled), device_free[0]) if sampled else None)
+        return device_free[0]
 
-    ModelRunner.start = start
-    ModelRunner.sample = lambda self, step, allowed=None: step
+    def sample(self, step, allowed=None):
+        if step.logits is not None:
+            step.sample, step.logits = ModelledSample(len(step.sampled), step.logits), None
+        return step
+
+    ModelRunner.run, ModelRunner.sample = run, sample
 
 
 def serve_child(argv: list[str]) -> None:
@@ -108,9 +103,8 @@ def main() -> None:
                  "--load-format", "dummy", "--max-model-len", str(args.prompt + args.output + 16),
                  "--max-num-batched-tokens", str(args.budget), "--prefill-beside-decodes", str(args.budget),
                  "--max-num-seqs", "256", *args.server_arg]
-        proc = popen_logged([sys.executable, __file__, "--child", args.shape, str(args.bw), str(args.mm), str(args.launch_ms),
-                             folder,
-                             *extra])
+        proc = popen_logged([sys.executable, __file__, "--child", args.shape, str(args.bw), str(args.mm),
+                             str(args.launch_ms), folder, *extra])
         try:
             wait_ready(proc, base)
             asyncio.run(run_level(base, 1, 2, 16, 4, 512, seed=99))  # warm-up
@@ -130,8 +124,7 @@ def main() -> None:
             proc.wait(timeout=60)
     print(f"The server on the {args.shape} cost model (bandwidth {args.bw / 1e12:.2f} TB/s, matmul "
           f"{args.mm / 1e12:.0f} TFLOP/s, budget {args.budget}{f', join {join}' if join else ''}, eager launch "
-          f"{args.launch_ms:g} ms), prompt "
-          f"{args.prompt}, output {args.output}, first requests over {args.ramp} s\n")
+          f"{args.launch_ms:g} ms), prompt {args.prompt}, output {args.output}, first requests over {args.ramp} s\n")
     print(table(rows, ["concurrency", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "server TTFT ms", "queue ms",
                        "prefill ms", "model alone: TTFT p50", "p99", "TPOT p50"]))
 

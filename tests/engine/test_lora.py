@@ -245,12 +245,13 @@ def _decode_step_graph_and_eager(llm, prompts, loras, tag, not_replayed):
         with_graph = runner.run(batch, prev).clone()
     finally:
         setattr(graphs, not_replayed, kept)
-    runner.graphs, grouped_from = None, lora_kernels.GROUPED_MIN_ROWS
-    lora_kernels.GROUPED_MIN_ROWS = 1 << 30
+    runner.graphs, grouped_from = None, (lora_kernels.GROUPED_MIN_ROWS, lora_kernels.GROUPED_SHRINK_MIN_ROWS)
+    lora_kernels.GROUPED_MIN_ROWS = lora_kernels.GROUPED_SHRINK_MIN_ROWS = 1 << 30
     try:
         eager = runner.run(batch, prev)
     finally:
-        runner.graphs, lora_kernels.GROUPED_MIN_ROWS = graphs, grouped_from
+        runner.graphs = graphs
+        lora_kernels.GROUPED_MIN_ROWS, lora_kernels.GROUPED_SHRINK_MIN_ROWS = grouped_from
     for i in range(len(prompts)):  # leave the engine empty for the next case
         eng.abort(f"{tag}{i}")
     while eng.has_work():

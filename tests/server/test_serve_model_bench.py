@@ -4,6 +4,7 @@ or stopped waiting for the modelled device, would stream far faster than the mod
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +16,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(180)
 def test_server_keeps_the_cost_models_pace():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "engine"), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_model.py"), "--concurrency", "4",
-                          "--prompt", "64", "--output", "16", "--ramp", "0.2"],
-                         capture_output=True, text=True, timeout=150, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    row = next(line for line in out.stdout.splitlines() if line.startswith("| 4 |"))
+    path = [str(ROOT / "engine"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    # its own process group: on a timeout the bench's server goes with it
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "serve_model.py"), "--concurrency", "4",
+                             "--prompt", "64", "--output", "16", "--ramp", "0.2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
+    try:
+        stdout, stderr = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-2000:]
+    row = next(line for line in stdout.splitlines() if line.startswith("| 4 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     tpot, model_tpot = float(cells[3]), float(cells[9])
     # each decode step of the modelled 8B shape reads its weights: ~5 ms at 3 TB/s

@@ -165,7 +165,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: R
     taken on act(gate) * up."""
     if not use_triton(x):
         return lora_shrink_torch(x, a, slots, act)
-    if groups is not None and x.shape[0] >= max(GROUPED_MIN_ROWS, GROUPED_SHRINK_MIN_ROWS):
+    if groups is not None and x.shape[0] >= GROUPED_SHRINK_MIN_ROWS:
         return lora_shrink_grouped(x, a, groups, act)
     return lora_shrink_triton(x, a, slots, act)
 
