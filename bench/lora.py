@@ -68,8 +68,10 @@ def write_adapter(folder: Path, shape: str, rank: int, seed: int) -> int:
 
 
 def tokens_per_second(llm, prompts, out_len: int, loras) -> float:
+    # warm-up on the case itself: every adapter it uses read and copied into its slot (once per
+    # adapter, not per step) and the prefill's kernels run at its size
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), lora_request=loras)
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    llm.generate(prompts[:2], params, lora_request=loras[:2] if isinstance(loras, list) else loras)  # warm-up
     t0 = time.monotonic()
     outs = llm.generate(prompts, params, lora_request=loras)
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.monotonic() - t0)
