@@ -140,10 +140,9 @@ def _graph_time(fn, reps: int = 20) -> float:
 
 def kernel_table(args, bw: float) -> str:
     """Shrink and expand of each projection of one layer, at batch 1 (per row), ``--batch`` and four
-    times it (per row and grouped: the engine's choice by GROUPED_MIN_ROWS and
-    GROUPED_SHRINK_MIN_ROWS), rows spread over
-    the adapters, against the base projection and the bytes limit (A or B of the adapters the
-    rows use, x / y / partial sums) at copy bandwidth. Per step: times the layers."""
+    times it (per row and grouped: the engine chooses by GROUPED_MIN_ROWS and grouped_shrink_from),
+    rows spread over the adapters, against the base projection and the bytes limit (A or B of the
+    adapters the rows use, x / y / partial sums) at copy bandwidth. Per step: times the layers."""
     c = SHAPES[args.shape]
     h, inter = c["hidden_size"], c["intermediate_size"]
     d = c.get("head_dim", h // c["num_attention_heads"])

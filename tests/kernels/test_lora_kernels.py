@@ -175,3 +175,18 @@ def test_dispatch_takes_grouped_kernels_from_many_rows(monkeypatch):
         torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol * 10)
     assert called == ["lora_shrink_triton", "lora_expand_triton", "lora_shrink_triton", "lora_expand_grouped",
                       "lora_shrink_grouped", "lora_expand_grouped"]
+    # an input longer than the grouped shrink's splits cover: per row up to LONG_INPUT_ROWS_FACTOR
+    # times further (this test's rows kept few: the thresholds scaled down, its input made long)
+    monkeypatch.setattr(lora, "GROUPED_SHRINK_MIN_ROWS", 8)
+    monkeypatch.setattr(lora, "GROUP_MAX_SPLIT_K", K // (2 * lora.MAX_GROUP_SPLIT))
+    long_from = lora.grouped_shrink_from(K)
+    assert long_from == 8 * lora.LONG_INPUT_ROWS_FACTOR and lora.grouped_shrink_from(16) == 8
+    called.clear()
+    for n in (long_from - 1, long_from):
+        slot_list = [i % 4 - 1 for i in range(n)]
+        slots, x, a, b, _ = _operands(slot_list, dtype, 3)
+        h = lora.lora_shrink(x, a, slots, _groups(slot_list, 16))
+        has = slots >= 0
+        torch.testing.assert_close(h.sum(0)[has], lora.lora_shrink_torch(x, a, slots)[0, has], rtol=_tol(dtype),
+                                   atol=_tol(dtype) * 10)
+    assert called == ["lora_shrink_triton", "lora_shrink_grouped"]

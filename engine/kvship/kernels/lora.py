@@ -15,8 +15,8 @@ model's kernels around them do. With ``act`` the shrink takes a gate/up output [
 applies act(gate) * up as it reads it (the down projection's input), so the base layer keeps
 its fused GEMV and no activation kernel runs for the adapters. From GROUPED_MIN_ROWS rows (a
 step with prompt chunks, a large decode batch, in a graph or not) the grouped expand of
-kernels/lora_segments.py runs instead, and the grouped shrink from GROUPED_SHRINK_MIN_ROWS: one
-row a program reads each row's adapter again, but the per-row shrink's wide tiles keep it the
+kernels/lora_segments.py runs instead, and the grouped shrink from ``grouped_shrink_from`` rows:
+one row a program reads each row's adapter again, but the per-row shrink's wide tiles keep it the
 faster of the two at a decode batch's few rows an adapter. The torch references group rows by
 adapter (host-side).
 """
@@ -26,12 +26,29 @@ import torch
 
 from kvship.kernels._triton import device_sms, next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.activation import act_and_mul_torch
-from kvship.kernels.lora_segments import RowGroups, lora_expand_grouped, lora_shrink_grouped, shrink_input
+from kvship.kernels.lora_segments import (
+    GROUP_MAX_SPLIT_K,
+    MAX_GROUP_SPLIT,
+    RowGroups,
+    lora_expand_grouped,
+    lora_shrink_grouped,
+    shrink_input,
+)
 
 # From this many rows a step takes the grouped expand, and the grouped shrink from the second
 # (when it has its rows grouped); bench/lora.py --kernels times both forms at each.
 GROUPED_MIN_ROWS = 32
 GROUPED_SHRINK_MIN_ROWS = 64
+# An input longer than the grouped shrink's splits cover at GROUP_MAX_SPLIT_K (an MLP's down
+# projection) gives its programs long loops and the expand more partial sums to read: the
+# per-row shrink stays the faster to this many times GROUPED_SHRINK_MIN_ROWS.
+LONG_INPUT_ROWS_FACTOR = 4
+
+
+def grouped_shrink_from(k: int) -> int:
+    """Rows from which the grouped shrink takes an input of ``k`` features."""
+    long_input = k > MAX_GROUP_SPLIT * GROUP_MAX_SPLIT_K
+    return GROUPED_SHRINK_MIN_ROWS * (LONG_INPUT_ROWS_FACTOR if long_input else 1)
 
 
 def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, act: str | None = None
@@ -165,7 +182,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, groups: R
     taken on act(gate) * up."""
     if not use_triton(x):
         return lora_shrink_torch(x, a, slots, act)
-    if groups is not None and x.shape[0] >= GROUPED_SHRINK_MIN_ROWS:
+    if groups is not None and x.shape[0] >= grouped_shrink_from(x.shape[1] // 2 if act else x.shape[1]):
         return lora_shrink_grouped(x, a, groups, act)
     return lora_shrink_triton(x, a, slots, act)
 
