@@ -63,7 +63,7 @@ bench tp 420 "${tp_env[@]}" python3 bench/tp_latency.py --tp 2 --timeout 130
 # decode at batch 1 and 256, then a serving step: 63 decodes with a 1024-token prompt joining
 bench profile 300 bash -c "python3 bench/profile_step.py --graphs --batch 1 && \
   python3 bench/profile_step.py --graphs --batch 256 && \
-  python3 bench/profile_step.py --graphs --batch 63 --context 1024 --join 1024 --steps 8"
+  python3 bench/profile_step.py --graphs --batch 63 --context 1024 --join 1024 --steps 8 --host"
 bench kernels 300 python3 bench/kernels_gpu.py
 bench spec 400 python3 bench/spec_decode.py --shape llama3-8b --acceptance 0.5 0.7 --batch 1 8 16 32 48 64
 # the base engine, the LoRA one and the base again, each in its own process, after the kernel table

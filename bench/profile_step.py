@@ -10,12 +10,17 @@ with less launch overhead); --graphs profiles the graph replays instead.
 With --join N each profiled step is a mixed one: a new N-token prompt joins the decodes (as in
 serving, where prompts arrive while others decode), its whole prefill in that step.
 
-With --tp N the profile is rank 0's (its share of the weights plus the all-reduces).
+With --tp N the profile is rank 0's (its share of the weights plus the all-reduces). With --host
+the timed steps' wall time each, and where the host spent it (cProfile, the functions taking the
+most time themselves: a kernel compiled mid-run or a wait on the device shows there).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import itertools
+import pstats
 import sys
 import tempfile
 import time
@@ -40,6 +45,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--quantization", choices=WEIGHT_FORMATS, help="in-situ weight format")
     ap.add_argument("--join", type=int, default=0, help="a prompt of this many tokens joins each profiled step")
+    ap.add_argument("--host", action="store_true", help="also each timed step's wall time and the host's profile")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int4"])
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -71,9 +77,16 @@ def main() -> None:
             step()  # settle (a first mixed step compiles its kernels)
         if cuda:
             torch.cuda.synchronize()
+        host = cProfile.Profile() if args.host else None
+        step_ms = []
         t0 = time.perf_counter()
         for _ in range(args.steps):  # the same steps' wall time, without the profiler, for the gaps
-            step()
+            t = time.perf_counter()
+            if host is not None:
+                host.runcall(step)
+            else:
+                step()
+            step_ms.append((time.perf_counter() - t) * 1e3)
         if cuda:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e6
@@ -91,6 +104,11 @@ def main() -> None:
                  f"{args.kv_cache_dtype} KV" + (f", a {args.join}-token prompt joining each step" if args.join else "")))
     print(table(rows, ["kernel", "µs / step", "launches / step", "share"]))
     print(f"\nwall time per step, the same decode without the profiler: {wall:,.1f} µs")
+    if host is not None:
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(15)
+        print(f"\neach of those steps' wall time (ms): {', '.join(f'{t:.1f}' for t in step_ms)}\n\n```\n"
+              f"{text.getvalue().strip()}\n```")
     if replay is not None and not args.join:
         print(f"the step's CUDA graph replayed alone (no host work between replays): {replay:,.1f} µs")
 
