@@ -87,16 +87,24 @@ class LoRALinear(nn.Module):
                 y = y + self.base.bias
         return y
 
-    def set_slot(self, slot: int, slice_id, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
-        """Write one slice of an adapter into ``slot`` (A [r, in], B [out, r] already scaled;
-        None: the adapter leaves this slice alone)."""
-        i = self.slice_ids.index(slice_id)
-        ranks = slice(i * self.max_rank, (i + 1) * self.max_rank)
-        cols = slice(self.col_starts[i], self.col_starts[i] + self.slice_sizes[i])
-        self.lora_a[slot, ranks].zero_()
-        self.lora_b[slot, cols].zero_()
-        if a is not None:
-            r = a.shape[0]
-            self.lora_a[slot, ranks][:r].copy_(a)
-            self.lora_b[slot, cols, :r].copy_(b)
+    def slot_image(self, parts: dict, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One adapter's (A, B) for this layer as a slot holds them, on the host: ``parts`` maps a
+        slice's id to its (A [r, in], B [out, r] already scaled); a slice left out stays zero.
+        ``pin``: in page-locked memory, for copies that do not wait on the host."""
+        a_img = torch.zeros(self.lora_a.shape[1:], dtype=self.lora_a.dtype)
+        b_img = torch.zeros(self.lora_b.shape[1:], dtype=self.lora_b.dtype)
+        for slice_id, (a, b) in parts.items():
+            i = self.slice_ids.index(slice_id)
+            r, start = a.shape[0], i * self.max_rank
+            a_img[start:start + r].copy_(a)
+            b_img[self.col_starts[i]:self.col_starts[i] + self.slice_sizes[i], :r].copy_(b)
+        return (a_img.pin_memory(), b_img.pin_memory()) if pin else (a_img, b_img)
 
+    def write_slot(self, slot: int, image: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Copy an adapter's ``slot_image`` into ``slot`` (None: the adapter leaves this layer alone)."""
+        if image is None:
+            self.lora_a[slot].zero_()
+            self.lora_b[slot].zero_()
+        else:
+            self.lora_a[slot].copy_(image[0], non_blocking=True)
+            self.lora_b[slot].copy_(image[1], non_blocking=True)

@@ -77,25 +77,46 @@ class LoRAManager:
         if not self.layers:
             raise ValueError(f"--enable-lora: {type(model).__name__} has no projections LoRA adapters can target")
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> device slot, least recent first
-        self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # adapter id -> weights, least recent first
+        # adapter id -> each layer's slot image (None: a layer it leaves alone), least recent first
+        self.cpu: OrderedDict[int, dict[str, tuple[torch.Tensor, torch.Tensor] | None]] = OrderedDict()
         self.loads = 0  # copies into device slots (tests: an adapter is loaded once)
         # what the other tensor-parallel ranks must do too: slots loaded since the last step
         # (slot, id, name, path) and the step's per-token slots ([] when no token has an adapter)
         self.sent: list[tuple[int, int, str, str]] = []
         self.step_slots: list[int] = []
 
-    def check(self, request: LoRARequest) -> LoRAAdapter:
-        """The adapter's weights (read once, then from the host cache); LoRAAdapterError naming
-        what does not fit this model."""
-        adapter = self.cpu.get(request.lora_int_id)
-        if adapter is None:
+    def check(self, request: LoRARequest) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The adapter's slot images, layer by layer (read and laid out once, then from the host
+        cache); LoRAAdapterError naming what does not fit this model."""
+        images = self.cpu.get(request.lora_int_id)
+        if images is None:
             adapter = read_adapter(request.lora_path, self.max_rank)
             self._validate(adapter)
-            self.cpu[request.lora_int_id] = adapter
+            images = self.cpu[request.lora_int_id] = self._images(adapter)
             while len(self.cpu) > self.max_cpu_loras:
                 self.cpu.popitem(last=False)
         self.cpu.move_to_end(request.lora_int_id)
-        return adapter
+        return images
+
+    def _images(self, adapter: LoRAAdapter) -> dict[str, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Each layer's share of the adapter as its slot holds it: this rank's cut of each matrix,
+        as the projection's weight is cut, B scaled, in the slots' dtype. Laid out as the adapter is
+        read, a step that first uses it only copies one A and one B a layer."""
+        by_layer: dict[str, dict] = {}
+        for module, (a, b) in adapter.weights.items():
+            name, sid = self._target(module)
+            by_layer.setdefault(name, {})[sid] = (a, b)
+        images = {}
+        for name, layer in self.layers.items():
+            mats, shard = by_layer.get(name), self.shards[name]
+            if mats is None:
+                images[name] = None
+                continue
+            parts = {sid: (mats[sid][0][:, shard.in_start:shard.in_start + shard.in_features],
+                           mats[sid][1][start:start + size] * adapter.scale)
+                     for sid, size, start, _ in shard.parts if sid in mats}
+            images[name] = layer.slot_image(parts, pin=self.device.type == "cuda")
+        return images
 
     def _target(self, module: str) -> tuple[str, object]:
         """(our projection's name, the part's shard id) for an adapter's module."""
@@ -134,19 +155,9 @@ class LoRAManager:
 
     def load(self, slot: int, request: LoRARequest) -> None:
         """Copy an adapter into a device slot (on a tensor-parallel worker: as rank 0 says)."""
-        adapter = self.check(request)
-        by_layer: dict[str, dict] = {}
-        for module, (a, b) in adapter.weights.items():
-            name, sid = self._target(module)
-            by_layer.setdefault(name, {})[sid] = (a, b)
+        images = self.check(request)
         for name, layer in self.layers.items():
-            mats, shard = by_layer.get(name, {}), self.shards[name]
-            for sid, size, start, _ in shard.parts:
-                a, b = mats.get(sid, (None, None))
-                if a is not None:  # this rank's share, as the projection's weight is cut
-                    a = a[:, shard.in_start:shard.in_start + shard.in_features]
-                    b = b[start:start + size] * adapter.scale
-                layer.set_slot(slot, sid, a, b)
+            layer.write_slot(slot, images[name])
         self.slot_of[request.lora_int_id] = slot
         self.loads += 1
         log.info("LoRA adapter %s (id %d) loaded into slot %d", request.lora_name, request.lora_int_id, slot)
