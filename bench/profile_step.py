@@ -79,6 +79,7 @@ def main() -> None:
             torch.cuda.synchronize()
         host = cProfile.Profile() if args.host else None
         step_ms = []
+        allocs = allocator_counts(cuda)
         t0 = time.perf_counter()
         for _ in range(args.steps):  # the same steps' wall time, without the profiler, for the gaps
             t = time.perf_counter()
@@ -90,6 +91,7 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e6
+        allocs = {k: v - allocs[k] for k, v in allocator_counts(cuda).items()}
         replay = replay_time(eng, args.batch, args.steps) if args.graphs and cuda else None
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=activities) as prof:
@@ -107,10 +109,19 @@ def main() -> None:
     if host is not None:
         text = io.StringIO()
         pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(15)
-        print(f"\neach of those steps' wall time (ms): {', '.join(f'{t:.1f}' for t in step_ms)}\n\n```\n"
+        print(f"\neach of those steps' wall time (ms): {', '.join(f'{t:.1f}' for t in step_ms)}; the caching "
+              f"allocator meanwhile: {allocs['num_device_alloc']} device allocations, {allocs['num_device_free']} "
+              f"frees, {allocs['num_alloc_retries']} retries (its cache freed to make room)\n\n```\n"
               f"{text.getvalue().strip()}\n```")
     if replay is not None and not args.join:
         print(f"the step's CUDA graph replayed alone (no host work between replays): {replay:,.1f} µs")
+
+
+def allocator_counts(cuda: bool) -> dict[str, int]:
+    """torch's caching allocator's counts of device allocations, frees and retries so far."""
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    stats = torch.cuda.memory_stats() if cuda else {}
+    return {k: stats.get(k, 0) for k in keys}
 
 
 def replay_time(eng, batch: int, n: int) -> float | None:
