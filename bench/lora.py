@@ -120,8 +120,10 @@ def run(folder: str, args, adapters: list[LoRARequest] | None, fresh: LoRAReques
 def run_child(args, folder: str, adapter_folders: list[str], out: Path, fresh: str | None = None) -> dict:
     """``run`` in a process of its own: each engine starts on a GPU nothing else has touched."""
     cmd = [sys.executable, __file__, "--engine-json", str(out), "--folder", folder, "--adapter-folders",
-           *adapter_folders, *(["--fresh-adapter", fresh] if fresh else []), "--shape", args.shape, "--rank", str(args.rank), "--batch", str(args.batch),
+           *adapter_folders, "--shape", args.shape, "--rank", str(args.rank), "--batch", str(args.batch),
            "--offline", str(args.offline), "--prompt", str(args.prompt), "--output", str(args.output)]
+    if fresh:
+        cmd += ["--fresh-adapter", fresh]
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
 

@@ -87,18 +87,19 @@ class LoRALinear(nn.Module):
                 y = y + self.base.bias
         return y
 
-    def slot_image(self, parts: dict, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def slot_image(self, parts: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """One adapter's (A, B) for this layer as a slot holds them, on the host: ``parts`` maps a
         slice's id to its (A [r, in], B [out, r] already scaled); a slice left out stays zero.
-        ``pin``: in page-locked memory, for copies that do not wait on the host."""
-        a_img = torch.zeros(self.lora_a.shape[1:], dtype=self.lora_a.dtype)
-        b_img = torch.zeros(self.lora_b.shape[1:], dtype=self.lora_b.dtype)
+        Page-locked for slots on a GPU, so that their copies do not wait on the host."""
+        pin = self.lora_a.is_cuda
+        a_img = torch.zeros(self.lora_a.shape[1:], dtype=self.lora_a.dtype, pin_memory=pin)
+        b_img = torch.zeros(self.lora_b.shape[1:], dtype=self.lora_b.dtype, pin_memory=pin)
         for slice_id, (a, b) in parts.items():
             i = self.slice_ids.index(slice_id)
             r, start = a.shape[0], i * self.max_rank
             a_img[start:start + r].copy_(a)
             b_img[self.col_starts[i]:self.col_starts[i] + self.slice_sizes[i], :r].copy_(b)
-        return (a_img.pin_memory(), b_img.pin_memory()) if pin else (a_img, b_img)
+        return a_img, b_img
 
     def write_slot(self, slot: int, image: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Copy an adapter's ``slot_image`` into ``slot`` (None: the adapter leaves this layer alone)."""

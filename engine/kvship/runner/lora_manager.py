@@ -115,7 +115,7 @@ class LoRAManager:
             parts = {sid: (mats[sid][0][:, shard.in_start:shard.in_start + shard.in_features],
                            mats[sid][1][start:start + size] * adapter.scale)
                      for sid, size, start, _ in shard.parts if sid in mats}
-            images[name] = layer.slot_image(parts, pin=self.device.type == "cuda")
+            images[name] = layer.slot_image(parts)
         return images
 
     def _target(self, module: str) -> tuple[str, object]:
