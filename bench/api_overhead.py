@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from common import table, write_shape_folder
 from kvship.llm import LLM
+from kvship.ports import free_port
 from kvship.sampling_params import SamplingParams
 
 MESSAGES = [{"role": "user", "content": " ".join(f"w{i}" for i in range(2, 34))}]  # 32 words: 32 tokens
@@ -58,12 +58,6 @@ def engine_rate(folder: str, n: int, concurrency: int) -> float:
 
     run(max(8, concurrency), "warm")  # first steps allocate and warm caches, as the server's warm-up does
     return run(n, "r")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def api_rate(url: str, n: int, concurrency: int) -> float:

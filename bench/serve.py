@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,12 +23,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, header, kv_bytes_per_token, param_count, pct, table, write_shape_folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvship.ports import free_port
 
 
 def start_server(model: str, port: int, extra: list[str]) -> subprocess.Popen:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,31 +14,13 @@ from pathlib import Path
 
 import httpx
 
+from kvship.ports import free_port
+
 # For servers whose tests compare greedy outputs across requests: on the integer weight paths a
 # prefix hit's or a batch's rows may take another kernel than the reference's, and greedy
 # continuations part at a near-tie (docs/quantization.md); the float32 weights keep them exact.
 FLOAT32_WEIGHTS = ("--cpu-weight-format", "float32")
 LOAD_TIMEOUT_S = float(os.environ.get("KVSHIP_TEST_LOAD_TIMEOUT", "240"))
-
-
-def free_port() -> int:
-    """A loopback port free now, below the kernel's ephemeral range. A port bound to 0 comes from
-    that range, from which every outgoing connection also takes its source port, so such a port
-    could be taken (by any client's connection) before the process it is meant for binds it."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    pick = random.SystemRandom()  # whatever a test seeded, each worker draws its own ports
-    for _ in range(100):
-        port = pick.randrange(max(1024, low - 16384), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 class ServerProcess:

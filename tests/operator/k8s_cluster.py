@@ -13,7 +13,6 @@ import atexit
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvship.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_HINT = "run `bash .ci/k8s.sh install` (as root) to build/cache them"
@@ -44,12 +45,6 @@ def binaries_present() -> bool:
 def helm_path() -> Path | None:
     p = bindir() / "helm"
     return p if p.is_file() else (Path(shutil.which("helm")) if shutil.which("helm") else None)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _openssl(*args: str, cwd: Path) -> None:

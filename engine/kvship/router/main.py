@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
 
+from kvship.ports import free_port
 from kvship.router.discovery import parse_target
 from kvship.router.discovery_k8s import parse_k8s_target
 from kvship.router.pool import POLICIES, Endpoint, Pool, endpoint_from_url
@@ -94,12 +94,6 @@ def kv_event_sources(endpoints: list[Endpoint], addresses: list[str], port: int 
     return lambda pool: fixed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace) -> int:
     import grpc
 
@@ -174,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.picker_only:
             picker_host = "127.0.0.1" if args.picker_host in ("0.0.0.0", "") else args.picker_host
             config = bootstrap(args.host, args.port, picker_host, picker_port,
-                               args.envoy_admin_port or _free_port(), endpoint_header=args.endpoint_header,
+                               args.envoy_admin_port or free_port(), endpoint_header=args.endpoint_header,
                                picker_timeout_s=10.0 + args.hold_timeout,
                                static_endpoints=[e.address for e in endpoints]
                                if args.envoy_cluster == "endpoints" else None)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from kvship import envs
 from kvship.layers.attention import AttentionMetadata
 from kvship.parallel import TPContext
+from kvship.ports import free_port
 from kvship.runner.tp.one_shot import try_fused_norm, try_one_shot
 
 log = logging.getLogger(__name__)
@@ -118,12 +119,6 @@ def resolve_placement(tp_size: int, env: dict | None = None, hostname: str | Non
     return Placement(tp_size, nnodes, node_rank, nproc, addr, port or 29500, node_rank * nproc, 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def uses_cuda(config) -> bool:
     return config.device != "cpu" and (config.device.startswith("cuda") or torch.cuda.is_available())
 
@@ -155,7 +150,7 @@ class TPRuntime:
     def start(cls, config, placement: Placement | None = None) -> "TPRuntime":
         placement = placement or resolve_placement(config.tensor_parallel_size)
         if placement.master_port is None:
-            placement = dataclasses.replace(placement, master_port=_free_port())
+            placement = dataclasses.replace(placement, master_port=free_port())
         rt = cls(config, placement)
         try:
             rt._start()
