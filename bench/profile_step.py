@@ -53,14 +53,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder(args.shape, tmp)
         llm = LLM(folder, load_format="dummy", dtype="bfloat16" if cuda else "float32",
-                  max_model_len=max(args.context, args.join) + 3 * args.steps + 64,
-                  max_num_seqs=max(8, args.batch + (2 * args.steps + 4 if args.join else 0)),
+                  max_model_len=max(args.context, args.join) + 4 * args.steps + 64,
+                  max_num_seqs=max(8, args.batch + ((3 if args.host else 2) * args.steps + 4 if args.join else 0)),
                   enforce_eager=not args.graphs, tensor_parallel_size=args.tp,
                   quantization=method, kv_cache_dtype=args.kv_cache_dtype)
         eng = llm.engine
         vocab = eng.model_config.vocab_size
         g = torch.Generator().manual_seed(0)
-        params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 16, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=4 * args.steps + 16, ignore_eos=True)
         llm.generate([torch.randint(2, vocab, (32,), generator=g).tolist()], SamplingParams(max_tokens=4))  # warm-up
         for i in range(args.batch):
             eng.add_request(f"p{i}", torch.randint(2, vocab, (args.context,), generator=g).tolist(), params)
@@ -77,21 +77,26 @@ def main() -> None:
             step()  # settle (a first mixed step compiles its kernels)
         if cuda:
             torch.cuda.synchronize()
-        host = cProfile.Profile() if args.host else None
+        compiles: list[tuple[str, float]] = []
+        if args.host:
+            record_compiles(compiles)
         step_ms = []
         allocs = allocator_counts(cuda)
         t0 = time.perf_counter()
         for _ in range(args.steps):  # the same steps' wall time, without the profiler, for the gaps
             t = time.perf_counter()
-            if host is not None:
-                host.runcall(step)
-            else:
-                step()
+            step()
             step_ms.append((time.perf_counter() - t) * 1e3)
         if cuda:
             torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e6
         allocs = {k: v - allocs[k] for k, v in allocator_counts(cuda).items()}
+        host = cProfile.Profile() if args.host else None
+        if host is not None:  # as many steps again, the host under cProfile (which slows it)
+            for _ in range(args.steps):
+                host.runcall(step)
+            if cuda:
+                torch.cuda.synchronize()
         replay = replay_time(eng, args.batch, args.steps) if args.graphs and cuda else None
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=activities) as prof:
@@ -108,13 +113,36 @@ def main() -> None:
     print(f"\nwall time per step, the same decode without the profiler: {wall:,.1f} µs")
     if host is not None:
         text = io.StringIO()
-        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(15)
+        stats = pstats.Stats(host, stream=text)
+        stats.sort_stats("tottime").print_stats(15)
+        stats.sort_stats("cumulative").print_stats(25)
         print(f"\neach of those steps' wall time (ms): {', '.join(f'{t:.1f}' for t in step_ms)}; the caching "
               f"allocator meanwhile: {allocs['num_device_alloc']} device allocations, {allocs['num_device_free']} "
-              f"frees, {allocs['num_alloc_retries']} retries (its cache freed to make room)\n\n```\n"
-              f"{text.getvalue().strip()}\n```")
+              f"frees, {allocs['num_alloc_retries']} retries (its cache freed to make room)")
+        print(f"\nTriton kernels compiled (or read from the disk cache) from the first timed step on: {len(compiles)}"
+              + "".join(f"\n- {sec * 1e3:,.0f} ms: `{name[:400]}`" for name, sec in compiles))
+        print(f"\nthe host over {args.steps} more steps, under cProfile:\n\n```\n{text.getvalue().strip()}\n```")
     if replay is not None and not args.join:
         print(f"the step's CUDA graph replayed alone (no host work between replays): {replay:,.1f} µs")
+
+
+def record_compiles(log: list) -> None:
+    """From now on, each Triton kernel compiled for arguments it has not seen (a specialization:
+    an integer's divisibility, a pointer's alignment, a constexpr) into ``log`` as (its name and
+    argument types, seconds); one read from Triton's disk cache takes milliseconds."""
+    from triton import knobs
+
+    started = {}
+
+    def before(*, key, repr, **_):
+        started[str(key)] = (repr, time.perf_counter())
+        return False  # compile it
+
+    def after(*, key, **_):
+        name, t = started.pop(str(key), ("?", time.perf_counter()))
+        log.append((name, time.perf_counter() - t))
+
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
 
 
 def allocator_counts(cuda: bool) -> dict[str, int]:
