@@ -103,7 +103,7 @@ def test_lora_layers_add_only_the_adapters_rows():
     batch = LoRABatch(8, 2, torch.device("cpu"))
     layer = LoRALinear(base, 16, [("q", 8), ("k", 4), ("v", 4)], 2, 4, batch, torch.float32, torch.device("cpu"))
     a, b = torch.randn(2, 16), torch.randn(4, 2)
-    layer.write_slot(1, layer.slot_image({"k": (a, b)}))
+    layer.write_slot(1, layer.slot_image({"k": (a, b)}, *map(torch.zeros, layer.image_shapes())))
     x = torch.randn(3, 16)
     batch.token_slots[:3] = torch.tensor([1, -1, 0])
     batch.active = True

@@ -87,13 +87,15 @@ class LoRALinear(nn.Module):
                 y = y + self.base.bias
         return y
 
-    def slot_image(self, parts: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """One adapter's (A, B) for this layer as a slot holds them, on the host: ``parts`` maps a
-        slice's id to its (A [r, in], B [out, r] already scaled); a slice left out stays zero.
-        Page-locked for slots on a GPU, so that their copies do not wait on the host."""
-        pin = self.lora_a.is_cuda
-        a_img = torch.zeros(self.lora_a.shape[1:], dtype=self.lora_a.dtype, pin_memory=pin)
-        b_img = torch.zeros(self.lora_b.shape[1:], dtype=self.lora_b.dtype, pin_memory=pin)
+    def image_shapes(self) -> tuple[torch.Size, torch.Size]:
+        """The shapes of one slot's A and B, which an adapter's ``slot_image`` for this layer fills."""
+        return self.lora_a.shape[1:], self.lora_b.shape[1:]
+
+    def slot_image(self, parts: dict, a_img: torch.Tensor, b_img: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One adapter's (A, B) for this layer as a slot holds them, written into zeroed host
+        tensors of ``image_shapes`` (page-locked for slots on a GPU, so that their copies do not
+        wait on the host): ``parts`` maps a slice's id to its (A [r, in], B [out, r] already
+        scaled); a slice left out stays zero."""
         for slice_id, (a, b) in parts.items():
             i = self.slice_ids.index(slice_id)
             r, start = a.shape[0], i * self.max_rank

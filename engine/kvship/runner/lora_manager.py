@@ -62,7 +62,7 @@ class LoRAManager:
                  max_cpu_loras: int, max_tokens: int, dtype: torch.dtype, device: torch.device):
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.batch = LoRABatch(max_tokens, max_loras, device)
-        self.device = device
+        self.device, self.dtype = device, dtype
         self.packed = getattr(model, "packed", {})  # checkpoint module name -> (ours, shard id)
         self.layers: dict[str, LoRALinear] = {}
         self.shards: dict[str, Shard] = {}
@@ -106,16 +106,18 @@ class LoRAManager:
         for module, (a, b) in adapter.weights.items():
             name, sid = self._target(module)
             by_layer.setdefault(name, {})[sid] = (a, b)
-        images = {}
-        for name, layer in self.layers.items():
-            mats, shard = by_layer.get(name), self.shards[name]
-            if mats is None:
-                images[name] = None
-                continue
+        touched = [(name, layer) for name, layer in self.layers.items() if name in by_layer]
+        shapes = [shape for _, layer in touched for shape in layer.image_shapes()]
+        # one page-locked buffer an adapter: pinning each layer's images apart costs more than the copies
+        flat = torch.zeros(sum(s.numel() for s in shapes), dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        views = iter(v.view(s) for v, s in zip(flat.split([s.numel() for s in shapes]), shapes))
+        images: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = dict.fromkeys(self.layers)
+        for name, layer in touched:
+            mats, shard = by_layer[name], self.shards[name]
             parts = {sid: (mats[sid][0][:, shard.in_start:shard.in_start + shard.in_features],
                            mats[sid][1][start:start + size] * adapter.scale)
                      for sid, size, start, _ in shard.parts if sid in mats}
-            images[name] = layer.slot_image(parts)
+            images[name] = layer.slot_image(parts, next(views), next(views))
         return images
 
     def _target(self, module: str) -> tuple[str, object]:
