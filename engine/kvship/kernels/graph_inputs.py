@@ -71,7 +71,9 @@ def stage_inputs_torch(dst: StaticInputs, src: StepInputs, bs: int) -> None:
         dst.state_slots[n:bs].fill_(dst.state_scratch)
 
 
-@triton.jit
+# Each step's sizes vary: specialized on their values (1, multiples of 16), a fresh server would
+# compile a variant mid-serving at each new combination.
+@triton.jit(do_not_specialize=["n", "width", "num_fix", "stride_bt"])
 def _stage_kernel(ids_ptr, pos_ptr, slot_ptr, lens_ptr, bt_ptr, at_ptr, rows_ptr, tok_ptr,
                   s_ids_ptr, s_pos_ptr, s_slot_ptr, s_lens_ptr, s_bt_ptr, state_ptr, s_state_ptr,
                   n, width, num_fix, stride_bt, stride_sbt, scratch,
