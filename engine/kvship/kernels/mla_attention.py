@@ -200,7 +200,7 @@ def _mla_range(acc, l_i, m_i, q_lat, q_pe, q_pos, c_ptr, bt_row, lo, hi, qk_scal
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=pa.STEP_POINTERS)
 def _mla_decode_kernel(
     q_ptr, c_ptr, scale_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,
@@ -243,7 +243,7 @@ def _mla_decode_kernel(
         store_split_lse(mid_lse_ptr + b.to(tl.int64) * stride_mlb + heads * stride_mlh + split, m_i, l_i, hmask)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=pa.STEP_POINTERS)
 def _mla_prefill_kernel(
     q_ptr, c_ptr, scale_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, qk_scale,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_bt, stride_ot, stride_oh,

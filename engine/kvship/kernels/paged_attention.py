@@ -181,6 +181,12 @@ LOG2E = 1.4426950408889634
 
 _PACKED = {False: 0, True: 1, "values": 2, "split": 3}
 
+# A mixed step's prefill part reads the step's tables, lengths and query offsets from the
+# sequence after its decodes, 16-byte aligned or not as the decode count falls: specialized on
+# that, a server compiled new variants mid-serving (about a second each, every request waiting).
+# The table's width (stride_bt) varies per batch too.
+STEP_POINTERS = ["bt_ptr", "seqlens_ptr", "cuq_ptr"]
+
 
 def packed_read(cfg: dict, kv_mode: int, q_dtype: torch.dtype, head_dim: int) -> int:
     """The PACKED constexpr a decode config launches, the one place that says where packed reads
@@ -217,7 +223,7 @@ def head_block(head_dim: int, kv_mode: int) -> int:
     return block_d
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=STEP_POINTERS)
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, sinks_ptr,
     qk_scale,
@@ -349,7 +355,7 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + q_row * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the table's width varies per batch
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=STEP_POINTERS)
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, bt_ptr, seqlens_ptr, cuq_ptr, out_ptr, sinks_ptr,
     qk_scale,
