@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, WEIGHT_FORMATS, header, insitu_method, kernel_rows, table, write_shape_folder
+from kvship.kernels._triton import watch_compiles
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
 
@@ -79,7 +80,7 @@ def main() -> None:
             torch.cuda.synchronize()
         compiles: list[tuple[str, float]] = []
         if args.host:
-            record_compiles(compiles)
+            watch_compiles(lambda name, seconds: compiles.append((name, seconds)))
         step_ms = []
         allocs = allocator_counts(cuda)
         t0 = time.perf_counter()
@@ -120,29 +121,10 @@ def main() -> None:
               f"allocator meanwhile: {allocs['num_device_alloc']} device allocations, {allocs['num_device_free']} "
               f"frees, {allocs['num_alloc_retries']} retries (its cache freed to make room)")
         print(f"\nTriton kernels compiled (or read from the disk cache) from the first timed step on: {len(compiles)}"
-              + "".join(f"\n- {sec * 1e3:,.0f} ms: `{name[:400]}`" for name, sec in compiles))
+              + "".join(f"\n- {sec * 1e3:,.0f} ms: `{name}`" for name, sec in compiles))
         print(f"\nthe host over {args.steps} more steps, under cProfile:\n\n```\n{text.getvalue().strip()}\n```")
     if replay is not None and not args.join:
         print(f"the step's CUDA graph replayed alone (no host work between replays): {replay:,.1f} µs")
-
-
-def record_compiles(log: list) -> None:
-    """From now on, each Triton kernel compiled for arguments it has not seen (a specialization:
-    an integer's divisibility, a pointer's alignment, a constexpr) into ``log`` as (its name and
-    argument types, seconds); one read from Triton's disk cache takes milliseconds."""
-    from triton import knobs
-
-    started = {}
-
-    def before(*, key, repr, **_):
-        started[str(key)] = (repr, time.perf_counter())
-        return False  # compile it
-
-    def after(*, key, **_):
-        name, t = started.pop(str(key), ("?", time.perf_counter()))
-        log.append((name, time.perf_counter() - t))
-
-    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
 
 
 def allocator_counts(cuda: bool) -> dict[str, int]:

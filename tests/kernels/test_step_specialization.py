@@ -69,3 +69,28 @@ def test_graph_staging_kernel_ignores_the_steps_sizes():
     first = specialization(kernel, dict.fromkeys(sizes, 1))
     for value in (16, 37, 256):
         assert specialization(kernel, dict.fromkeys(sizes, value)) == first
+
+
+def test_compiles_after_start_up_reach_every_watcher_with_the_kernel_and_its_time():
+    """What a GPU server logs (runner/model_runner.py) and profile_step.py --host lists: Triton
+    calls its cache hook before a compile and the post-compile hook after, by keyword."""
+    from triton import knobs
+    from triton.runtime.jit import JitFunctionInfo
+
+    from kvship.kernels import _triton
+
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook, list(_triton._compile_watchers)
+    first, second = [], []
+    try:
+        _triton._compile_watchers.clear()
+        _triton.watch_compiles(lambda name, seconds: first.append((name, seconds)))
+        _triton.watch_compiles(lambda name, seconds: second.append((name, seconds)))
+        hook = dict(key=("spec",), repr="r", fn=JitFunctionInfo(paged_attention, "_prefill_kernel", None),
+                    compile={}, is_manual_warmup=False, already_compiled=False)
+        assert not knobs.runtime.jit_cache_hook(**hook)  # falsy: Triton goes on to compile
+        knobs.runtime.jit_post_compile_hook(**hook)
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved[:2]
+        _triton._compile_watchers[:] = saved[2]
+    assert [n for n, _ in first] == [n for n, _ in second] == ["_prefill_kernel"]
+    assert 0 <= first[0][1] < 5

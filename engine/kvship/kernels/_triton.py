@@ -116,3 +116,34 @@ def pdl_wait(PDL: tl.constexpr):
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+_compile_watchers: list = []
+
+
+def watch_compiles(on_compile) -> None:
+    """From now on, ``on_compile(kernel name, seconds)`` after each Triton compile in this process:
+    a kernel launched with arguments it has not seen (an integer's value 1 or divisibility by 16,
+    a pointer's alignment, a constexpr). Read from Triton's disk cache, one takes milliseconds;
+    compiled, about a second, while every request of the step waits."""
+    if not HAS_TRITON or on_compile in _compile_watchers:  # a second engine in the process: once
+        return
+    _compile_watchers.append(on_compile)
+    if len(_compile_watchers) > 1:
+        return
+    import time
+
+    from triton import knobs
+
+    started: dict[str, float] = {}
+
+    def before(*, key, **_) -> bool:
+        started[str(key)] = time.perf_counter()
+        return False  # compile it
+
+    def after(*, key, fn, **_) -> None:
+        seconds = time.perf_counter() - started.pop(str(key), time.perf_counter())
+        for watcher in _compile_watchers:
+            watcher(fn.name, seconds)
+
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after

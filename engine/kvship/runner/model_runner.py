@@ -13,7 +13,7 @@ from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
 from kvship.config import EngineConfig, default_prefill_beside_decodes, default_token_budget
 from kvship.kernels import kv_quant as kvq
-from kvship.kernels._triton import HAS_TRITON
+from kvship.kernels._triton import HAS_TRITON, watch_compiles
 from kvship.kernels.graph_inputs import InFlightInputs
 from kvship.layers.attention import AttentionMetadata
 from kvship.loader import Pooling
@@ -161,6 +161,8 @@ class ModelRunner:
             self.graphs.capture()
         self.verify_graphs = self._capture_verify_graphs()
         self.measuring_kv_scales = self._set_up_kv_scales()  # after the runs above: real prefills only
+        if self.device.type == "cuda":  # what start-up did not compile, a step waits for
+            watch_compiles(_log_compile)
 
     def _capture_verify_graphs(self) -> VerifyGraphs | None:
         """Beside the decode graphs, in their memory pool, graphs for speculative verify steps;
@@ -679,6 +681,12 @@ def _drop_weight_loaders(model: torch.nn.Module) -> None:
     for p in model.parameters():
         if "weight_loader" in vars(p):
             del p.weight_loader
+
+
+def _log_compile(name: str, seconds: float) -> None:
+    log.log(logging.WARNING if seconds >= 0.1 else logging.INFO,
+            "Triton kernel %s compiled after start-up in %.0f ms (a variant start-up did not run; the step waited)",
+            name, seconds * 1e3)
 
 
 def _packed(parts: list, dtype, pin: bool, device: torch.device) -> list[torch.Tensor]:
