@@ -685,8 +685,8 @@ def _drop_weight_loaders(model: torch.nn.Module) -> None:
 
 def _log_compile(name: str, seconds: float) -> None:
     log.log(logging.WARNING if seconds >= 0.1 else logging.INFO,
-            "Triton kernel %s compiled after start-up in %.0f ms (a variant start-up did not run; the step waited)",
-            name, seconds * 1e3)
+            "Triton kernel %s compiled in %.0f ms, for arguments this process had not launched it with (a running "
+            "engine's step waited; another engine starting in the process compiles its own too)", name, seconds * 1e3)
 
 
 def _packed(parts: list, dtype, pin: bool, device: torch.device) -> list[torch.Tensor]:
