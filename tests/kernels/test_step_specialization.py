@@ -94,3 +94,55 @@ def test_compiles_after_start_up_reach_every_watcher_with_the_kernel_and_its_tim
         _triton._compile_watchers[:] = saved[2]
     assert [n for n, _ in first] == [n for n, _ in second] == ["_prefill_kernel"]
     assert 0 <= first[0][1] < 5
+
+
+class Recorded:
+    """A kernel launched by the host code under test: its arguments recorded, nothing run."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+    def keys(self) -> set:
+        """The distinct (specialization, constexprs) the recorded launches would compile."""
+        kernel = self.kernel
+        if not isinstance(kernel, triton_jit.JITFunction):
+            kernel = triton_jit.JITFunction(kernel.fn, **{k: kernel.kwargs.get(k) for k in SPECIALIZE_OPTIONS})
+        binder = triton_jit.create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+        return {repr(binder(*args, **kwargs)[1]) for args, kwargs in self.launches}
+
+
+def test_lora_kernels_compile_once_for_any_row_count(monkeypatch):
+    """The shrink's split count follows a step's row count (chunks of any length): the expands
+    took it as a constexpr, so a LoRA server compiled them again for each new count it met."""
+    from kvship.kernels import lora, lora_segments
+
+    for module in (lora, lora_segments):
+        monkeypatch.setattr(module, "device_sms", lambda x: 132)
+    kernels = {}
+    for module, name in ((lora, "_shrink_kernel"), (lora, "_expand_kernel"), (lora_segments, "_shrink_group_kernel"),
+                         (lora_segments, "_expand_group_kernel")):
+        kernels[name] = Recorded(getattr(module, name))
+        monkeypatch.setattr(module, name, kernels[name])
+    rank, slices = 16, [4096, 1024, 1024]  # an 8B's q/k/v
+    for k in (4096, 14336):  # the attention's input and the down projection's
+        a = torch.zeros(8, len(slices) * rank, k, dtype=torch.bfloat16)
+        b = torch.zeros(8, sum(slices), rank, dtype=torch.bfloat16)
+        for name in kernels:
+            kernels[name].launches.clear()
+        splits = set()
+        for t in (1, 5, 12, 17, 23, 31, 40, 64, 100, 300):
+            x, y = torch.zeros(t, k, dtype=torch.bfloat16), torch.zeros(t, sum(slices), dtype=torch.bfloat16)
+            slot_list = [i % 9 - 1 for i in range(t)]
+            slots = torch.tensor(slot_list, dtype=torch.int32)
+            order, blocks = lora_segments.group_rows(slot_list, 16, 64)
+            groups = lora_segments.RowGroups(torch.from_numpy(order), torch.from_numpy(blocks), 16)
+            for h in (lora.lora_shrink_triton(x, a, slots), lora_segments.lora_shrink_grouped(x, a, groups)):
+                splits.add(h.shape[0])
+                lora.lora_expand_triton(y, h, b, slots, slices)
+                lora_segments.lora_expand_grouped(y, h, b, groups, slices)
+        assert len(splits) > 3  # the counts the expands meet do vary
+        for name, kernel in kernels.items():
+            assert len(kernel.keys()) == 1, (k, name)
