@@ -30,7 +30,6 @@ from kvship.kernels.lora_segments import (
     GROUP_MAX_SPLIT_K,
     MAX_GROUP_SPLIT,
     RowGroups,
-    expand_splits,
     lora_expand_grouped,
     lora_shrink_grouped,
     shrink_input,
@@ -76,7 +75,7 @@ def lora_expand_torch(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots: 
                 col0 += n
 
 
-@triton.jit(do_not_specialize=["K_PER_SPLIT", "stride_hs"])
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, K, R, K_PER_SPLIT, stride_x, stride_as, stride_ar, stride_hs,
                    stride_h, GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    PDL: tl.constexpr):
@@ -102,9 +101,9 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, K, R, K_PER_SPLIT, stride_x, 
         tl.store(h_ptr + split * stride_hs + t.to(tl.int64) * stride_h + offs_r, tl.sum(acc, 1), mask=rmask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_hs"])
-def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, RANK, C1, C2, num_splits, stride_hs, stride_h, stride_bs,
-                   stride_bn, stride_y, SPLITS: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+@triton.jit
+def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, RANK, C1, C2, stride_hs, stride_h, stride_bs, stride_bn,
+                   stride_y, SPLIT: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0)
@@ -120,13 +119,12 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, RANK, C1, C2, num_splits, 
         h0 = tl.zeros([BLOCK_R], tl.float32)
         h1 = tl.zeros([BLOCK_R], tl.float32)
         h2 = tl.zeros([BLOCK_R], tl.float32)
-        for s in tl.static_range(SPLITS):
-            smask = rmask & (s < num_splits)
-            h0 += tl.load(h_row + s * stride_hs, mask=smask, other=0.0)
+        for s in tl.static_range(SPLIT):
+            h0 += tl.load(h_row + s * stride_hs, mask=rmask, other=0.0)
             if PARTS > 1:
-                h1 += tl.load(h_row + s * stride_hs + RANK, mask=smask, other=0.0)
+                h1 += tl.load(h_row + s * stride_hs + RANK, mask=rmask, other=0.0)
             if PARTS > 2:
-                h2 += tl.load(h_row + s * stride_hs + 2 * RANK, mask=smask, other=0.0)
+                h2 += tl.load(h_row + s * stride_hs + 2 * RANK, mask=rmask, other=0.0)
         part = ((offs_n >= C1).to(tl.int32) + (offs_n >= C2).to(tl.int32))[:, None]  # q/k/v or gate/up
         h = tl.where(part == 0, h0[None, :], tl.where(part == 1, h1[None, :], h2[None, :]))
         b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
@@ -170,9 +168,9 @@ def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots:
     starts = [sum(slices[:i]) for i in range(1, len(slices))] + [n] * (3 - len(slices))
     block_r = next_pow2(rank)
     block_n = max(16, min(128, 4096 // block_r))
-    _expand_kernel[(t, triton.cdiv(n, block_n))](h, b, slots, y, n, rank, starts[0], starts[1], h.shape[0],
-                                                 h.stride(0), h.stride(1), b.stride(0), b.stride(1), y.stride(0),
-                                                 SPLITS=expand_splits(h.shape[0]), PARTS=len(slices), BLOCK_N=block_n,
+    _expand_kernel[(t, triton.cdiv(n, block_n))](h, b, slots, y, n, rank, starts[0], starts[1], h.stride(0),
+                                                 h.stride(1), b.stride(0), b.stride(1), y.stride(0),
+                                                 SPLIT=h.shape[0], PARTS=len(slices), BLOCK_N=block_n,
                                                  BLOCK_R=block_r, **pdl_launch(y))
 
 

@@ -29,15 +29,6 @@ PREFILL_BLOCK_M = 32
 MAX_GROUP_SPLIT = 4
 GROUP_MIN_SPLIT_K = 256
 GROUP_MAX_SPLIT_K = 1024
-# The expands add up to this many of the shrink's partial sums, unrolled and masked past the
-# step's count: one compiled variant for any row count, where a count taken as a constexpr
-# would compile mid-serving the first time a chunk of a new length changes it.
-EXPAND_SPLITS = 16
-
-
-def expand_splits(splits: int) -> int:
-    """The expands' unrolled partial sums (a constexpr) for ``splits`` of them."""
-    return max(EXPAND_SPLITS, triton.next_power_of_2(splits))
 
 
 @dataclass
@@ -98,7 +89,7 @@ def _block_rows(blocks_ptr, order_ptr, BLOCK_M: tl.constexpr):
     return rows, mmask, slot, length
 
 
-@triton.jit(do_not_specialize=["K_PER_SPLIT", "stride_hs"])
+@triton.jit
 def _shrink_group_kernel(x_ptr, a_ptr, blocks_ptr, order_ptr, h_ptr, K, R, K_PER_SPLIT, stride_x, stride_as,
                          stride_ar, stride_hs, stride_h, GATED: tl.constexpr, GELU: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -124,9 +115,9 @@ def _shrink_group_kernel(x_ptr, a_ptr, blocks_ptr, order_ptr, h_ptr, K, R, K_PER
                  mask=mmask[:, None] & rmask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_hs"])
-def _expand_group_kernel(h_ptr, b_ptr, blocks_ptr, order_ptr, y_ptr, N, RANK, C1, C2, num_splits, stride_hs, stride_h,
-                         stride_bs, stride_bn, stride_y, SPLITS: tl.constexpr, PARTS: tl.constexpr,
+@triton.jit
+def _expand_group_kernel(h_ptr, b_ptr, blocks_ptr, order_ptr, y_ptr, N, RANK, C1, C2, stride_hs, stride_h,
+                         stride_bs, stride_bn, stride_y, SPLIT: tl.constexpr, PARTS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     rows, mmask, slot, length = _block_rows(blocks_ptr, order_ptr, BLOCK_M)
@@ -148,9 +139,9 @@ def _expand_group_kernel(h_ptr, b_ptr, blocks_ptr, order_ptr, y_ptr, N, RANK, C1
         for p in tl.static_range(PARTS):
             if (p >= first) & (p <= last):
                 hp = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-                for s in tl.static_range(SPLITS):  # the shrink's partial sums added up
+                for s in tl.static_range(SPLIT):  # the shrink's partial sums added up
                     hp += tl.load(h_ptr + s * stride_hs + rows[:, None] * stride_h + p * RANK + offs_r[None, :],
-                                  mask=hmask & (s < num_splits), other=0.0)
+                                  mask=hmask, other=0.0)
                 wp = tl.where((part == p)[None, :], w, tl.zeros_like(w))
                 delta += tl.dot(hp.to(w.dtype), wp)
         out = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
@@ -198,6 +189,6 @@ def lora_expand_grouped(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, group
     starts = [sum(slices[:i]) for i in range(1, len(slices))] + [n] * (3 - len(slices))
     block_n = 128  # wide: every program also reads its rows' partial sums
     _expand_group_kernel[(nb, triton.cdiv(n, block_n))](
-        h, b, groups.blocks, groups.order, y, n, rank, starts[0], starts[1], h.shape[0], h.stride(0), h.stride(1),
-        b.stride(0), b.stride(1), y.stride(0), SPLITS=expand_splits(h.shape[0]), PARTS=len(slices), BLOCK_M=groups.block_m, BLOCK_N=block_n,
+        h, b, groups.blocks, groups.order, y, n, rank, starts[0], starts[1], h.stride(0), h.stride(1), b.stride(0),
+        b.stride(1), y.stride(0), SPLIT=h.shape[0], PARTS=len(slices), BLOCK_M=groups.block_m, BLOCK_N=block_n,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), **pdl_launch(y))
