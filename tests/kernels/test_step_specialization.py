@@ -17,12 +17,18 @@ from kvship.kernels import graph_inputs, mla_attention, paged_attention
 SPECIALIZE_OPTIONS = ("do_not_specialize", "do_not_specialize_on_alignment")
 
 
+def jit_function(kernel) -> triton_jit.JITFunction:
+    if isinstance(kernel, triton_jit.JITFunction):
+        return kernel
+    # interpreted (the CPU tests): the same function, compiled
+    return triton_jit.JITFunction(kernel.fn, **{k: kernel.kwargs.get(k) for k in SPECIALIZE_OPTIONS})
+
+
 def specialization(kernel, varied: dict) -> list:
     """The specialization Triton keys ``kernel``'s cache by, for arguments that are all the same
     but ``varied`` (name -> value): pointers an int32 tensor, integers 1000, constexprs their
     default or 1."""
-    if not isinstance(kernel, triton_jit.JITFunction):  # interpreted (the CPU tests): the same function, compiled
-        kernel = triton_jit.JITFunction(kernel.fn, **{k: kernel.kwargs.get(k) for k in SPECIALIZE_OPTIONS})
+    kernel = jit_function(kernel)
     buffer = torch.zeros(64, dtype=torch.int32)
     args = {}
     for p in kernel.params:
@@ -71,26 +77,49 @@ def test_graph_staging_kernel_ignores_the_steps_sizes():
         assert specialization(kernel, dict.fromkeys(sizes, value)) == first
 
 
-def test_compiles_after_start_up_reach_every_watcher_with_the_kernel_and_its_time():
+def compile_info(kernel, varied: dict) -> dict:
+    """What Triton's hooks get as ``compile`` for that launch: each argument's type, its
+    specialization attribute, the constexprs' values."""
+    spec = specialization(kernel, varied)
+    names = [p.name for p in jit_function(kernel).params]
+    return {"signature": {n: ty for n, (ty, _) in zip(names, spec)},
+            "configs": [{(i,): BaseBackend.parse_attr(attr) for i, (_, attr) in enumerate(spec)
+                         if isinstance(attr, str) and attr}],
+            "constants": {(i,): v for i, (ty, v) in enumerate(spec) if ty == "constexpr"}}
+
+
+def test_compiles_reach_every_watcher_with_the_kernel_its_time_and_what_was_new():
     """What a GPU server logs (runner/model_runner.py) and profile_step.py --host lists: Triton
-    calls its cache hook before a compile and the post-compile hook after, by keyword."""
+    calls its cache hook before a compile and the post-compile hook after, by keyword; the
+    arguments that made a variant new are named against the closest one compiled before."""
     from triton import knobs
     from triton.runtime.jit import JitFunctionInfo
 
     from kvship.kernels import _triton
 
-    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook, list(_triton._compile_watchers)
+    kernel = paged_attention._prefill_kernel
+    saved = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook, list(_triton._compile_watchers),
+             dict(_triton._variants))
     first, second = [], []
     try:
+        knobs.runtime.jit_cache_hook = knobs.runtime.jit_post_compile_hook = None
         _triton._compile_watchers.clear()
-        _triton.watch_compiles(lambda name, seconds: first.append((name, seconds)))
-        _triton.watch_compiles(lambda name, seconds: second.append((name, seconds)))
-        hook = dict(key=("spec",), repr="r", fn=JitFunctionInfo(paged_attention, "_prefill_kernel", None),
-                    compile={}, is_manual_warmup=False, already_compiled=False)
-        assert not knobs.runtime.jit_cache_hook(**hook)  # falsy: Triton goes on to compile
-        knobs.runtime.jit_post_compile_hook(**hook)
+        _triton._variants.clear()
+        _triton.watch_compiles(lambda *a: first.append(a))
+        _triton.watch_compiles(lambda *a: second.append(a))
+        for q_offset in (0, 0, 1):  # a variant, the same again (another engine), the query unaligned
+            info = compile_info(kernel, offsets(["q_ptr"], q_offset))
+            hook = dict(key=(q_offset,), repr="r", fn=JitFunctionInfo(paged_attention, "_prefill_kernel", None),
+                        compile={"key": (q_offset,), **info}, is_manual_warmup=False, already_compiled=False)
+            assert not knobs.runtime.jit_cache_hook(**hook)  # falsy: Triton goes on to compile
+            knobs.runtime.jit_post_compile_hook(**hook)
+        knobs.runtime.jit_post_compile_hook(**{**hook, "compile": {"odd": 1}})  # a Triton that says less
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved[:2]
         _triton._compile_watchers[:] = saved[2]
-    assert [n for n, _ in first] == [n for n, _ in second] == ["_prefill_kernel"]
-    assert 0 <= first[0][1] < 5
+        _triton._variants.clear()
+        _triton._variants.update(saved[3])
+    assert first == second and [name for name, _, _ in first] == ["_prefill_kernel"] * 4
+    assert all(0 <= seconds < 5 for _, seconds, _ in first)
+    assert [new for _, _, new in first[:2]] == ["", ""]
+    assert first[2][2] == "q_ptr *i32 divisibility 16 -> *i32"

@@ -119,31 +119,71 @@ def next_pow2(n: int) -> int:
 
 
 _compile_watchers: list = []
+_variants: dict[str, list[dict[str, str]]] = {}  # kernel name -> the variants compiled in this process
 
 
-def watch_compiles(on_compile) -> None:
-    """From now on, ``on_compile(kernel name, seconds)`` after each Triton compile in this process:
-    a kernel launched with arguments it has not seen (an integer's value 1 or divisibility by 16,
-    a pointer's alignment, a constexpr). Read from Triton's disk cache, one takes milliseconds;
-    compiled, about a second, while every request of the step waits."""
-    if not HAS_TRITON or on_compile in _compile_watchers:  # a second engine in the process: once
-        return
-    _compile_watchers.append(on_compile)
-    if len(_compile_watchers) > 1:
+def _variant(compile: dict) -> dict[str, str]:
+    """Each argument's share of a compile's key: its type, what Triton specialized it on (an
+    integer's 1 or divisibility by 16, a pointer's alignment), a constexpr's value."""
+    attrs, constants = (compile.get("configs") or [{}])[0], compile.get("constants", {})
+
+    def described(i: int, ty: str) -> str:
+        attr = "".join(f" {a.removeprefix('tt.')} {v}" for a, v in attrs.get((i,), []))
+        return ty + attr + (f" = {constants[(i,)]}" if (i,) in constants else "")
+
+    return {name: described(i, ty) for i, (name, ty) in enumerate(compile.get("signature", {}).items())}
+
+
+def _what_is_new(name: str, variant: dict[str, str]) -> str:
+    """The arguments that made ``variant`` new: where it differs from the closest variant of the
+    kernel compiled before it in this process ("" for the first)."""
+    earlier = _variants.setdefault(name, [])
+    if variant in earlier:
+        return ""
+    closest = min(earlier, key=lambda v: sum(v.get(k) != t for k, t in variant.items()), default=None)
+    earlier.append(variant)
+    if closest is None:
+        return ""
+    return ", ".join(f"{k} {closest.get(k)} -> {t}" for k, t in variant.items() if closest.get(k) != t)
+
+
+def track_compiles() -> None:
+    """From now on, remember each kernel variant Triton compiles (or reads from its disk cache),
+    so that a later compile can say which arguments were new (``watch_compiles``)."""
+    if not HAS_TRITON:
         return
     import time
 
     from triton import knobs
 
+    if getattr(knobs.runtime.jit_post_compile_hook, "__module__", None) == __name__:
+        return
     started: dict[str, float] = {}
 
     def before(*, key, **_) -> bool:
         started[str(key)] = time.perf_counter()
         return False  # compile it
 
-    def after(*, key, fn, **_) -> None:
-        seconds = time.perf_counter() - started.pop(str(key), time.perf_counter())
+    def after(*, key, fn, compile=None, **_) -> None:
+        now = time.perf_counter()
+        seconds = now - started.pop(str(key), now)
+        try:
+            new = _what_is_new(fn.name, _variant(compile or {}))
+        except Exception:  # a Triton whose hook arguments differ: the compile itself goes on
+            new = ""
         for watcher in _compile_watchers:
-            watcher(fn.name, seconds)
+            watcher(fn.name, seconds, new)
 
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
+
+
+def watch_compiles(on_compile) -> None:
+    """From now on, ``on_compile(kernel name, seconds, what was new)`` after each Triton compile in
+    this process: a kernel launched with arguments it has not seen (an integer's value 1 or
+    divisibility by 16, a pointer's alignment, a constexpr), the arguments named as "name old ->
+    new" against the closest variant compiled since ``track_compiles``. Read from Triton's disk
+    cache, one takes milliseconds; compiled, about a second, while every request of the step waits."""
+    if not HAS_TRITON or on_compile in _compile_watchers:  # a second engine in the process: once
+        return
+    _compile_watchers.append(on_compile)
+    track_compiles()

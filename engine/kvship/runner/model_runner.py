@@ -13,7 +13,7 @@ from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
 from kvship.config import EngineConfig, default_prefill_beside_decodes, default_token_budget
 from kvship.kernels import kv_quant as kvq
-from kvship.kernels._triton import HAS_TRITON, watch_compiles
+from kvship.kernels._triton import HAS_TRITON, track_compiles, watch_compiles
 from kvship.kernels.graph_inputs import InFlightInputs
 from kvship.layers.attention import AttentionMetadata
 from kvship.loader import Pooling
@@ -85,6 +85,8 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":  # the variants start-up compiles, for the log of later ones
+            track_compiles()
         if config.max_num_batched_tokens is None:  # the step's token budget depends on the device
             config.max_num_batched_tokens = default_token_budget(self.device.type)
         if config.prefill_beside_decodes is None:
@@ -683,10 +685,11 @@ def _drop_weight_loaders(model: torch.nn.Module) -> None:
             del p.weight_loader
 
 
-def _log_compile(name: str, seconds: float) -> None:
+def _log_compile(name: str, seconds: float, new: str) -> None:
     log.log(logging.WARNING if seconds >= 0.1 else logging.INFO,
-            "Triton kernel %s compiled in %.0f ms, for arguments this process had not launched it with (a running "
-            "engine's step waited; another engine starting in the process compiles its own too)", name, seconds * 1e3)
+            "Triton kernel %s compiled in %.0f ms, for arguments this process had not launched it with (%s; a "
+            "running engine's step waited, or another engine starting in the process compiled its own)", name,
+            seconds * 1e3, new or "the kernel's first in this process")
 
 
 def _packed(parts: list, dtype, pin: bool, device: torch.device) -> list[torch.Tensor]:
