@@ -45,6 +45,7 @@ def _step(n: int, width: int, fix: list[tuple[int, int]], g: torch.Generator) ->
     (5, 8, 7, [(0, 2), (3, 0), (4, 4)]),  # padding rows, rows out of order in the previous step
     (16, 16, 300, [(i, 15 - i) for i in range(16)]),  # a table wider than one BLOCK_W chunk
     (3, 16, 2, []),
+    (0, 8, 1, []),  # no rows: what the graphs stage at start-up (stage_padding), all padding
 ])
 def test_stage_matches_reference(n, bs, width, fix):
     g = torch.Generator().manual_seed(n * 1000 + bs + width)
@@ -108,3 +109,13 @@ def test_stage_kernel_compiles_for_sm90():
     compile_in_child([{"kernel": "kvship.kernels.graph_inputs:_stage_kernel", "types": types,
                        "constexprs": {"BLOCK_FIX": 512, "BLOCK_W": 256, "HAS_STATE": has_state},
                        "options": {"num_warps": 1}} for has_state in (False, True)])
+
+
+def test_stage_padding_marks_rows_as_padding_and_leaves_the_rest():
+    g = torch.Generator().manual_seed(7)
+    dst = _static(16, 4, g)
+    before = [t.clone() for t in (dst.input_ids, dst.slot_mapping, dst.seq_lens, dst.block_tables)]
+    gi.stage_padding(dst, 8)
+    assert torch.equal(dst.slot_mapping[:8].cpu(), torch.full((8,), -1)) and torch.equal(dst.slot_mapping[8:], before[1][8:])
+    assert torch.equal(dst.seq_lens[:8].cpu(), torch.ones(8, dtype=torch.int32)) and torch.equal(dst.seq_lens[8:], before[2][8:])
+    assert torch.equal(dst.input_ids, before[0]) and torch.equal(dst.block_tables, before[3])

@@ -128,3 +128,12 @@ def stage_inputs(dst: StaticInputs, src: StepInputs, bs: int) -> None:
         stage_inputs_triton(dst, src, bs)
     else:
         stage_inputs_torch(dst, src, bs)
+
+
+def stage_padding(dst: StaticInputs, bs: int) -> None:
+    """Rows [0, bs) of ``dst`` as padding: a step of no rows, staged at start-up so that the
+    kernel is compiled there and not in a request's first decode step."""
+    table = dst.block_tables[:0, :1]
+    empty = StepInputs(dst.input_ids[:0], dst.positions[:0], dst.slot_mapping[:0], dst.seq_lens[:0], table,
+                       state_slots=None if dst.state_slots is None else dst.state_slots[:0])
+    stage_inputs(dst, empty, bs)

@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from kvship.kernels.graph_inputs import InFlightInputs, StaticInputs, StepInputs, stage_inputs
+from kvship.kernels.graph_inputs import InFlightInputs, StaticInputs, StepInputs, stage_inputs, stage_padding
 from kvship.layers.attention import AttentionMetadata
 from kvship.layers.lora import LoRABatch
 
@@ -121,6 +121,7 @@ class DecodeGraphs(CapturedSteps):
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
+        stage_padding(self.inputs, self.max_bs)  # what every step launches first, compiled now
         if self.lora is None:
             return super().capture(pool)
         for with_lora in (False, True):
