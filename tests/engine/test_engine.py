@@ -282,3 +282,19 @@ def test_batch_decodes_first_is_stable():
     assert mixed.num_decodes == 0 and ordered.num_tokens == mixed.num_tokens
     for already in (Batch(seqs[:3], [1, 1, 1]), Batch(seqs[:3], [1, 4, 2]), Batch(seqs[:2], [3, 2]), Batch()):
         assert already.decodes_first() is already
+
+
+def test_start_up_prefills_of_each_query_tile_leave_the_engine_as_it_was(prompts, reference):
+    """On a GPU, start-up prefills a prompt of each of PREFILL_TILE_LENGTHS into the cache's first
+    blocks, so that each query tile the prefill kernel takes compiles before any request (a short
+    chunk compiled one mid-serving, about a second). Run here on the CPU engine: no block is
+    taken from the block manager, and greedy output afterwards still matches transformers."""
+    from kvship.kernels import paged_attention as pa
+
+    for cfg in pa.PREFILL_CONFIG.values():  # every tile a step can take is one start-up compiles
+        tiles = {pa.prefill_block_m(cfg, n) for n in pa.PREFILL_TILE_LENGTHS}
+        assert {pa.prefill_block_m(cfg, q) for q in range(1, 4097)} <= tiles
+    llm = LLM(device="cpu", cpu_weight_format="float32")  # as start-up runs them: no block cached yet
+    llm.engine.runner._compile_prefill_tiles()
+    assert_all_blocks_released(llm)
+    assert greedy_tokens(llm, prompts) == reference

@@ -450,6 +450,17 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_context: int, sms: int,
     return max(1, min(splits, config["max_splits"]))
 
 
+def prefill_block_m(cfg: dict, max_seqlen_q: int) -> int:
+    """The prefill kernel's query tile (a constexpr): the configuration's, or the power of two
+    (16 at least) that holds a shorter step's longest query."""
+    return min(cfg["block_m"], max(16, next_pow2(max_seqlen_q)))
+
+
+# One prompt of each length compiles every query tile prefill_block_m gives (runner start-up),
+# so that a short chunk or a verify step does not compile one while requests wait.
+PREFILL_TILE_LENGTHS = (16, 32, 64, 128)
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -546,7 +557,7 @@ def paged_attention_triton(
         return out
 
     cfg = PREFILL_CONFIG.get(head_dim, PREFILL_CONFIG[128])
-    block_m = min(cfg["block_m"], max(16, next_pow2(max_seqlen_q)))
+    block_m = prefill_block_m(cfg, max_seqlen_q)
     grid = (num_q_heads, triton.cdiv(max_seqlen_q, block_m), batch)
     _prefill_kernel[grid](
         q, k_cache, v_cache, *scales, block_tables, seq_lens, cu_seqlens_q, out, sinks_arg,

@@ -15,6 +15,7 @@ from kvship.config import EngineConfig, default_prefill_beside_decodes, default_
 from kvship.kernels import kv_quant as kvq
 from kvship.kernels._triton import HAS_TRITON, track_compiles, watch_compiles
 from kvship.kernels.graph_inputs import InFlightInputs
+from kvship.kernels.paged_attention import PREFILL_TILE_LENGTHS
 from kvship.layers.attention import AttentionMetadata
 from kvship.loader import Pooling
 from kvship.models.config import ModelConfig
@@ -145,6 +146,8 @@ class ModelRunner:
             log.info("max_num_seqs %d, from the KV cache's %d tokens (%d a sequence, %d to %d)", config.max_num_seqs,
                      self.num_blocks * self.block_size, min(max_model_len, AUTO_SEQ_TOKENS), AUTO_MIN_SEQS,
                      AUTO_MAX_SEQS)
+        if self.device.type == "cuda":
+            self._compile_prefill_tiles()
         self.graphs: DecodeGraphs | None = None
         # an MTP proposer (core/mtp.py) reads every forward's hidden states: take_hidden()
         spec = config.speculative_config
@@ -292,6 +295,19 @@ class ModelRunner:
                                  torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device=dev),
                                  seq_len, torch.arange(num_seqs, device=dev) * seq_len + seq_len - 1)
         return PrefillMeta(torch.arange(seq_len, device=dev).repeat(num_seqs), meta)
+
+    @torch.inference_mode()
+    def _compile_prefill_tiles(self) -> None:
+        """A prompt of each of PREFILL_TILE_LENGTHS (up to the model's length) into the cache's
+        first blocks: attention's query tiles for short steps compile now, not in a serving step.
+        Start-up only: the blocks are nobody's yet (a cached prefix's would be overwritten)."""
+        for seq_len in PREFILL_TILE_LENGTHS:
+            if seq_len > min(self.max_model_len, self.num_blocks * self.block_size):
+                break
+            meta = self._prefill_meta(1, seq_len)
+            self.model(torch.zeros(seq_len, dtype=torch.long, device=self.device), meta.positions, meta.attention)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _bind_kv_cache(self, num_blocks: int, layers: list | None = None) -> None:
         """``layers``: attention layers outside the model's stack (an MTP layer's, core/mtp.py)."""
