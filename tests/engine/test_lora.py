@@ -292,3 +292,26 @@ def test_gemma_layers_that_reduce_their_own_output(tmp_path):
     outs = llm.generate([PROMPTS[1]] * 2, params, lora_request=[None, LoRARequest("a", 1, str(tmp_path / "a"))])
     assert outs[0].outputs[0].token_ids == greedy(base, PROMPTS[1], MAX_TOKENS)
     assert outs[1].outputs[0].token_ids == greedy(merged, PROMPTS[1], MAX_TOKENS) != outs[0].outputs[0].token_ids
+
+
+@pytest.mark.timeout(300)
+def test_start_up_prefills_run_the_adapters_kernels_and_change_nothing(tiny_lora, monkeypatch):
+    """Start-up's prefill of each query-tile length (on a GPU: what compiles before any request)
+    runs a second time through the LoRA kernels, on slot 0 while it is still zeros; afterwards
+    no row has an adapter, every slot is still zeros, and adapters' requests match PEFT."""
+    from kvship.layers import lora as lora_layers
+
+    root, base, adapters = tiny_lora
+    llm = _llm(root, max_loras=2)
+    runner = llm.engine.runner
+    rows = []
+    shrink = lora_layers.lora_shrink
+    monkeypatch.setattr(lora_layers, "lora_shrink",
+                        lambda x, a, slots, *args: rows.append(slots.tolist()) or shrink(x, a, slots, *args))
+    runner._compile_prefill_tiles()
+    assert rows and {s for r in rows for s in r} == {0} and {len(r) for r in rows} == {16, 32, 64, 128}
+    assert not runner.lora.batch.active
+    assert all(not layer.lora_a.any() and not layer.lora_b.any() for layer in runner.lora.layers.values())
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], params, lora_request=adapters["r4"][1])[0]
+    assert out.outputs[0].token_ids == greedy(adapters["r4"][0], PROMPTS[0], MAX_TOKENS)

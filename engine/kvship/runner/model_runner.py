@@ -299,13 +299,19 @@ class ModelRunner:
     @torch.inference_mode()
     def _compile_prefill_tiles(self) -> None:
         """A prompt of each of PREFILL_TILE_LENGTHS (up to the model's length) into the cache's
-        first blocks: attention's query tiles for short steps compile now, not in a serving step.
-        Start-up only: the blocks are nobody's yet (a cached prefix's would be overwritten)."""
+        first blocks: attention's query tiles for short steps compile now, not in a serving step;
+        with LoRA, again through the adapters' prefill kernels (slot 0, still zeros: it adds
+        nothing). Start-up only: the blocks are nobody's yet (a cached prefix's would be overwritten)."""
         for seq_len in PREFILL_TILE_LENGTHS:
             if seq_len > min(self.max_model_len, self.num_blocks * self.block_size):
                 break
             meta = self._prefill_meta(1, seq_len)
-            self.model(torch.zeros(seq_len, dtype=torch.long, device=self.device), meta.positions, meta.attention)
+            for slot in (-1,) if self.lora is None else (-1, 0):
+                if self.lora is not None:
+                    self.lora.write_slots([slot] * seq_len, prefill=True)
+                self.model(torch.zeros(seq_len, dtype=torch.long, device=self.device), meta.positions, meta.attention)
+        if self.lora is not None:
+            self.lora.write_slots([], prefill=False)  # each step sets its own
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
