@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ def start_server(model: str, port: int, extra: list[str]) -> subprocess.Popen:
 
 def popen_logged(cmd: list[str]) -> subprocess.Popen:
     """stderr to a file, not a pipe: a pipe nobody reads would block the server once full."""
-    log = tempfile.TemporaryFile("w+")
+    log = tempfile.NamedTemporaryFile("w+")  # named: read from its own offset (server_compiles)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     proc.log = log
     return proc
@@ -43,6 +44,19 @@ def popen_logged(cmd: list[str]) -> subprocess.Popen:
 def server_log_tail(proc: subprocess.Popen) -> str:
     proc.log.seek(0)
     return proc.log.read()[-2000:]
+
+
+COMPILE_LOG = re.compile(r"Triton kernel (\S+) compiled in ([\d,]+) ms")
+
+
+def server_compiles(proc: subprocess.Popen, start: int) -> tuple[list[tuple[str, int]], int]:
+    """The Triton compiles the server logged from byte ``start`` of its log on (each a step that
+    waited): [(kernel, ms)], and where the log ends now."""
+    with open(proc.log.name) as f:
+        f.seek(start)
+        text = f.read()
+        end = f.tell()
+    return [(name, int(ms.replace(",", ""))) for name, ms in COMPILE_LOG.findall(text)], end
 
 
 def wait_ready(proc: subprocess.Popen, base: str, timeout: float = 600) -> float:
@@ -170,6 +184,7 @@ def main() -> None:
             asyncio.run(run_level(base, 1, 2, args.prompt, 8, vocab, seed=99))  # warm-up
             rows = []
             ramp = 0.0  # one request's duration alone, measured at the first level
+            _, log_at = server_compiles(proc, 0)
             for conc in args.concurrency:
                 n = args.requests_per_level or max(16, 2 * conc)
                 before = server_sums(base)
@@ -178,9 +193,11 @@ def main() -> None:
                 ramp = ramp or sorted(r[0] + r[1] * (args.output - 1) for r in res)[len(res) // 2]
                 ttft = [r[0] for r in res]
                 tpot = [r[1] for r in res]
+                compiles, log_at = server_compiles(proc, log_at)
                 rows.append([conc, n, f"{pct(ttft, .5) * 1e3:.0f}", f"{pct(ttft, .99) * 1e3:.0f}",
                              f"{pct(tpot, .5) * 1e3:.1f}", f"{pct(tpot, .99) * 1e3:.1f}",
-                             f"{sum(r[2] for r in res) / wall:,.0f}", *server_means_ms(before, server_sums(base))])
+                             f"{sum(r[2] for r in res) / wall:,.0f}", *server_means_ms(before, server_sums(base)),
+                             ", ".join(f"{name} {ms:,} ms" for name, ms in compiles) or "none"])
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -197,9 +214,10 @@ def main() -> None:
         print(f"TPOT floor at batch 1 (bytes per token / copy bandwidth {bw / 1e12:.2f} TB/s): {floor * 1e3:.2f} ms")
     print()
     print("server-side means (its /metrics histograms): TTFT from arrival in the engine, queue = arrival to "
-          "first scheduled, prefill = first scheduled to first token\n")
+          "first scheduled, prefill = first scheduled to first token; compiles: the Triton kernels the server "
+          "logged compiling during the level (a step waited for each)\n")
     print(table(rows, ["concurrency", "requests", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
-                       "output tok/s", "server TTFT ms", "queue ms", "prefill ms"]))
+                       "output tok/s", "server TTFT ms", "queue ms", "prefill ms", "compiles"]))
 
 
 if __name__ == "__main__":

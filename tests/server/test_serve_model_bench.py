@@ -35,3 +35,23 @@ def test_server_keeps_the_cost_models_pace():
     # each decode step of the modelled 8B shape reads its weights: ~5 ms at 3 TB/s
     assert model_tpot > 4.0
     assert tpot >= 0.8 * model_tpot, (tpot, model_tpot)
+
+
+@pytest.mark.timeout(120)
+def test_serve_bench_reads_the_compiles_a_server_logs_per_level():
+    """bench/serve.py's compiles column: the lines the runner logs for a compile after start-up
+    (runner/model_runner.py's own message, WARNING from 100 ms), read from where the level
+    before stopped reading."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import serve
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    child = ("import logging; logging.basicConfig(); from kvship.runner.model_runner import _log_compile; "
+             "_log_compile('_prefill_kernel', 1.5, 'q_ptr *i32 divisibility 16 -> *i32'); "
+             "_log_compile('_rms_norm_kernel', 0.01, '')")
+    proc = serve.popen_logged([sys.executable, "-c", child])
+    assert proc.wait(timeout=60) == 0, serve.server_log_tail(proc)
+    compiles, end = serve.server_compiles(proc, 0)
+    assert compiles == [("_prefill_kernel", 1500)] and end > 0
+    assert serve.server_compiles(proc, end) == ([], end)
