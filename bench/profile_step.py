@@ -121,7 +121,8 @@ def main() -> None:
               f"allocator meanwhile: {allocs['num_device_alloc']} device allocations, {allocs['num_device_free']} "
               f"frees, {allocs['num_alloc_retries']} retries (its cache freed to make room)")
         print(f"\nTriton kernels compiled (or read from the disk cache) from the first timed step on: {len(compiles)}"
-              + "".join(f"\n- {sec * 1e3:,.0f} ms: `{name}` ({new or 'its first variant'})" for name, sec, new in compiles))
+              + "".join(f"\n- {sec * 1e3:,.0f} ms: `{name}` ({new or 'its first variant here, or one for another device'})"
+                        for name, sec, new in compiles))
         print(f"\nthe host over {args.steps} more steps, under cProfile:\n\n```\n{text.getvalue().strip()}\n```")
     if replay is not None and not args.join:
         print(f"the step's CUDA graph replayed alone (no host work between replays): {replay:,.1f} µs")

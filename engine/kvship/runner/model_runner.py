@@ -711,7 +711,7 @@ def _log_compile(name: str, seconds: float, new: str) -> None:
     log.log(logging.WARNING if seconds >= 0.1 else logging.INFO,
             "Triton kernel %s compiled in %.0f ms, for arguments this process had not launched it with (%s; a "
             "running engine's step waited, or another engine starting in the process compiled its own)", name,
-            seconds * 1e3, new or "the kernel's first in this process")
+            seconds * 1e3, new or "its first variant here, or one compiled again for another device")
 
 
 def _packed(parts: list, dtype, pin: bool, device: torch.device) -> list[torch.Tensor]:
