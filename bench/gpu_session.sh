@@ -42,10 +42,10 @@ bench latency-int4 300 python3 bench/latency.py --quantization int4 q4_k_m --no-
 bench throughput 580 python3 bench/throughput.py --hf-prompts 0 --num-prompts 500 --kv-cache-dtype auto fp8 \
   --quantization none fp8
 bench serve 300 python3 bench/serve.py --concurrency 1 8 32 64
-# scheduling A/B: serving with prompts sharing whole steps (the default) then finishing one a
-# step (a join limit); offline with each admission order
+# scheduling A/B: serving with prompts finishing one a step (serve's default join limit) then
+# sharing whole steps; offline with each admission order
 bench sched 590 bash -c "python3 bench/serve.py --concurrency 1 8 32 64 && \
-  python3 bench/serve.py --concurrency 1 8 32 64 --server-arg=--prefill-join-tokens=512 && \
+  python3 bench/serve.py --concurrency 1 8 32 64 --server-arg=--prefill-join-tokens=8192 && \
   python3 bench/throughput.py --hf-prompts 0 --num-prompts 500 --schedule-policy shortest-prefill longest-output"
 bench startup 300 python3 bench/startup.py --quantization none fp8
 bench kv 300 python3 bench/kv_decode.py

@@ -209,6 +209,8 @@ def main() -> None:
     print(f"server ready after {ready_s:.1f} s (process start to /health 200); arrivals: "
           + ("each level's first requests all at once" if args.burst else
              f"each level's first requests spread over one request's duration at concurrency 1 ({ramp:.2f} s)"))
+    if args.server_arg:
+        print("server arguments: " + " ".join(args.server_arg))
     if bw and not args.model:
         floor = (param_count(args.shape) * 2 + (args.prompt + args.output / 2) * kv_bytes_per_token(args.shape)) / bw
         print(f"TPOT floor at batch 1 (bytes per token / copy bandwidth {bw / 1e12:.2f} TB/s): {floor * 1e3:.2f} ms")

@@ -7,7 +7,7 @@ runs for real: HTTP, streaming, the engine thread and its scheduler; where the t
 that is what differs.
 
     python bench/serve_model.py [--shape llama3-8b] [--concurrency 64] [--ramp 1.46] [--launch-ms 0]
-                                [--server-arg=--prefill-join-tokens=512]
+                                [--server-arg=--prefill-join-tokens=8192]
 
 --ramp: one request's duration at concurrency 1, as serve.py measures it (1.46 s on an H100).
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import SHAPES, pct, table, write_shape_folder
+from kvship.config import SERVE_PREFILL_JOIN_TOKENS
 from schedule_model import HOST_S, StepCost, serving
 from serve import free_port, popen_logged, run_level, server_means_ms, server_sums, wait_ready
 
@@ -91,7 +92,8 @@ def main() -> None:
                     help="host time an eager step (one with prompt tokens) holds the GIL launching its kernels")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `kvship serve` argument (repeatable)")
     args = ap.parse_args()
-    join = next((int(a.split("=", 1)[1]) for a in args.server_arg if a.startswith("--prefill-join-tokens=")), None)
+    join = next((int(a.split("=", 1)[1]) for a in args.server_arg if a.startswith("--prefill-join-tokens=")),
+                SERVE_PREFILL_JOIN_TOKENS)
     cost = StepCost(args.shape, args.bw, args.mm)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -114,7 +116,7 @@ def main() -> None:
                 res, wall = asyncio.run(run_level(base, conc, n, args.prompt, args.output, 512, seed=conc,
                                                   ramp_s=args.ramp))
                 ttft, tpot = [r[0] for r in res], [r[1] for r in res]
-                m50, m99, mtpot = serving(cost, args.budget, join or args.budget, conc, args.prompt, args.output,
+                m50, m99, mtpot = serving(cost, args.budget, join, conc, args.prompt, args.output,
                                           args.ramp)
                 rows.append([conc, f"{pct(ttft, .5) * 1e3:.0f}", f"{pct(ttft, .99) * 1e3:.0f}",
                              f"{pct(tpot, .5) * 1e3:.1f}", *server_means_ms(before, server_sums(base)),
@@ -123,7 +125,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
     print(f"The server on the {args.shape} cost model (bandwidth {args.bw / 1e12:.2f} TB/s, matmul "
-          f"{args.mm / 1e12:.0f} TFLOP/s, budget {args.budget}{f', join {join}' if join else ''}, eager launch "
+          f"{args.mm / 1e12:.0f} TFLOP/s, budget {args.budget}, join {join}, eager launch "
           f"{args.launch_ms:g} ms), prompt {args.prompt}, output {args.output}, first requests over {args.ramp} s\n")
     print(table(rows, ["concurrency", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "server TTFT ms", "queue ms",
                        "prefill ms", "model alone: TTFT p50", "p99", "TPOT p50"]))

@@ -6,7 +6,7 @@ import argparse
 import re
 
 from kvship import envs
-from kvship.config import CPU_WEIGHT_FORMATS, SCHEDULE_POLICIES
+from kvship.config import CPU_WEIGHT_FORMATS, SCHEDULE_POLICIES, SERVE_PREFILL_JOIN_TOKENS
 from kvship.speculative_config import SpeculativeConfig
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -80,10 +80,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most sequences in a batch (default: from the KV cache's size, 256 to 1024)")
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help="token budget per step (default: 8192 on a GPU, 64 on a CPU)")
-    g.add_argument("--prefill-join-tokens", type=int, default=None,
+    g.add_argument("--prefill-join-tokens", type=int, default=SERVE_PREFILL_JOIN_TOKENS,
                    help="once a prompt's prefill ends in a step, later prompts join it only while the step holds at "
-                        "most this many tokens, so that prompts finish one a step, shortest first (default: no limit, "
-                        "they share the whole budget)")
+                        "most this many tokens, so that prompts finish one a step, shortest first (default: "
+                        f"{SERVE_PREFILL_JOIN_TOKENS}; the token budget or more: they share the whole step)")
     g.add_argument("--prefill-beside-decodes", type=int, default=None,
                    help="with decodes in a step, a long prompt (more than four steps' budgets left) takes at "
                         "most this many of its tokens, so running requests keep their pace during its prefill "

@@ -85,7 +85,8 @@ class EngineConfig:
     schedule_policy: str = "shortest-prefill"
     # Once a prompt's prefill ends in a step, later prompts join that step only while it holds at
     # most this many tokens (core/scheduler.py); max_num_batched_tokens or more: they share it all.
-    # None: they share it all. A limit has not been shown to lower time to first token on a GPU.
+    # None: they share it all (offline, for throughput); `kvship serve` defaults to
+    # SERVE_PREFILL_JOIN_TOKENS, for time to first token.
     prefill_join_tokens: int | None = None
     # With decodes in a step, a long prompt's prefill (core/scheduler.py) takes at most this many of
     # its tokens: every running request's next token waits for the step, and a CPU's step time
@@ -173,6 +174,9 @@ GPU_TOKEN_BUDGET = 8192
 # small model to a few tenths of a second, and a short request beside a long prompt's chunks
 # gets a token at that pace rather than after the whole prefill.
 CPU_TOKEN_BUDGET = 64
+# `kvship serve`'s prefill_join_tokens: under a burst, prompts finish one a step rather than all
+# at the end of one long step (median time to first token down, the burst's last ones later).
+SERVE_PREFILL_JOIN_TOKENS = 512
 
 
 def default_token_budget(device_type: str) -> int:

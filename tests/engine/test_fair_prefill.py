@@ -4,7 +4,14 @@ prompt's prefill does, and neither's greedy output changes for it. Prompts finis
 shortest remaining first, once a step is past the join size (prefill_join_tokens)."""
 import pytest
 
-from kvship.config import CPU_TOKEN_BUDGET, EngineConfig, default_token_budget
+from kvship.cli import build_parser, config_from_args
+from kvship.config import (
+    CPU_TOKEN_BUDGET,
+    GPU_TOKEN_BUDGET,
+    SERVE_PREFILL_JOIN_TOKENS,
+    EngineConfig,
+    default_token_budget,
+)
 from kvship.core.kv_cache_manager import KVCacheManager
 from kvship.core.scheduler import Scheduler
 from kvship.llm import LLM
@@ -177,8 +184,12 @@ def test_longest_output_first_admits_by_max_tokens_after_the_prompts_under_way()
 def test_default_budget_by_device():
     assert EngineConfig().max_num_batched_tokens is None
     assert default_token_budget("cpu") == CPU_TOKEN_BUDGET < default_token_budget("cuda")
-    # prompts share a step's whole budget unless --prefill-join-tokens limits it
+    # offline, prompts share a step's whole budget; `kvship serve` limits what joins a step
     assert EngineConfig().prefill_join_tokens is None
+    serve = build_parser().parse_args(["serve", "m"])
+    assert config_from_args(serve).prefill_join_tokens == SERVE_PREFILL_JOIN_TOKENS < GPU_TOKEN_BUDGET
+    everything = build_parser().parse_args(["serve", "m", f"--prefill-join-tokens={GPU_TOKEN_BUDGET}"])
+    assert config_from_args(everything).prefill_join_tokens == GPU_TOKEN_BUDGET
 
 
 @pytest.fixture(scope="module")

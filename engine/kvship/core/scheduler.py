@@ -5,8 +5,8 @@ chunked prefill, and waiting sequences) take what is left of the budget, the few
 tokens first, so that a short request starts at once beside a long prompt, which goes on with
 the rest. With ``prefill_join_tokens`` set, once a prompt's prefill ends in the step, later
 prompts join it only while the step holds at most that many tokens, so that prompts finish one
-a step, shortest remaining first (by default they share the whole budget: on a GPU the limit
-has not been shown to lower time to first token). Beside decodes, a long prompt (more than
+a step, shortest remaining first (without it they share the whole budget, offline's default;
+`kvship serve` sets a limit, for time to first token under a burst). Beside decodes, a long prompt (more than
 LONG_PREFILL_STEPS steps' budgets left) takes at most ``prefill_beside_decodes`` tokens (a
 CPU's step time grows with every token, and each decode waits for it). With
 ``schedule_policy`` "longest-output" waiting sequences are admitted by the most tokens they may
