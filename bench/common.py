@@ -208,6 +208,16 @@ def param_count(shape: str) -> int:
     return layers * per_layer + embed + h
 
 
+def matmul_param_counts(shape: str) -> tuple[int, int]:
+    """(a decoded token's, a prompt token's) parameters in matrix products: param_count less the
+    input embedding (a lookup); a prompt token skips the LM head too (only a prompt's last one
+    makes logits)."""
+    c = SHAPES[shape]
+    table = c["vocab_size"] * c["hidden_size"]
+    body = param_count(shape) - table * (1 if c["tie_word_embeddings"] else 2)
+    return body + table, body
+
+
 def _routed_shared_param_count(c: dict) -> int:
     """GLM-4 MoE (dense first layers, then k routed + shared experts) and Llama 4 (routed layers
     every interleave_moe_layer_step, top-1 + a shared expert, dense ones of intermediate_size_mlp)."""

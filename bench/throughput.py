@@ -3,11 +3,13 @@ tokens, ignore_eos. Output tok/s next to the workload's own limit and HF transfo
 
 The limit: decode steps each read all weights once (at most max_num_seqs sequences per step;
 with routed experts, those the step's tokens pick under uniform routing: ``experts_read``)
-plus every generated token's KV context, divided by the measured copy bandwidth; plus the
-prefill FLOPs (2 x params x prompt tokens) divided by the measured matmul rate. The KV bytes
-are the configuration's own: --kv-cache-dtype fp8 halves them, so its limit is higher; so are the
-weight bytes with --quantization (the bytes the loaded layers hold; the prefill term keeps the
-bf16 matmul rate, so an FP8 W8A8 limit is conservative there).
+over the measured copy bandwidth, or the decoded tokens' FLOPs (2 x params each) over the
+measured matmul rate, whichever is slower (a step of a few hundred rows is compute-bound on a
+GPU); plus every generated token's KV context over the copy bandwidth; plus the prefill FLOPs
+(2 x params x prompt tokens) over the matmul rate. A FLOP count leaves out the input embedding
+(a lookup), and a prompt token's the LM head. The KV bytes are the configuration's own: --kv-cache-dtype fp8 halves them, so its limit is higher; so are the
+weight bytes with --quantization (the bytes the loaded layers hold; the FLOP terms keep the
+bf16 matmul rate, so an FP8 W8A8 limit is lenient there).
 
     python bench/throughput.py [--shape llama3-8b] [--num-prompts 1000] [--max-num-seqs N]
                                [--kv-cache-dtype auto fp8 ...] [--quantization none fp8 ...] [--tp 1 2]
@@ -45,6 +47,7 @@ from common import (
     insitu_method,
     kernel_rows,
     kv_bytes_per_token,
+    matmul_param_counts,
     measure_ceilings,
     param_count,
     state_bytes_per_token,
@@ -52,7 +55,7 @@ from common import (
     weight_bytes_per_token,
     write_shape_folder,
 )
-from kvship.config import SCHEDULE_POLICIES
+from kvship.config import OFFLINE_SCHEDULE_POLICY, SCHEDULE_POLICIES
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
 
@@ -72,13 +75,16 @@ def limit_seconds(shape: str, prompts, outs, max_num_seqs: int, bw: float, mm: f
     max_num_seqs tokens reads experts_read times as many. state_bytes: a hybrid's recurrent
     state, read and written once for every generated token."""
     params = param_count(shape)
+    decode_params, prompt_params = matmul_param_counts(shape)
     weight_bytes = weight_bytes or params * 2
     weight_bytes += expert_bytes * (experts_read(shape, max_num_seqs) - 1)
     steps = -(-sum(outs) // max_num_seqs)
     kv_reads = sum(len(p) * o + o * (o + 1) // 2 for p, o in zip(prompts, outs)) * kv_bytes_per_token(
         shape, kv_cache_dtype=kv_cache_dtype)
-    prefill_flops = 2 * params * sum(len(p) for p in prompts)
-    return (steps * weight_bytes + kv_reads + sum(outs) * state_bytes) / bw + prefill_flops / mm
+    prefill_flops = 2 * prompt_params * sum(len(p) for p in prompts)
+    # the decode steps' weights: read once a step, or multiplied by every decoded token
+    decode_weights = max(steps * weight_bytes / bw, 2 * decode_params * sum(outs) / mm)
+    return decode_weights + (kv_reads + sum(outs) * state_bytes) / bw + prefill_flops / mm
 
 
 def time_gpu_work(obj, method: str, spans: list) -> None:
@@ -116,7 +122,7 @@ def shifted(prompts, i: int, vocab: int):
 
 def run_kvship(folder, prompts, outs, max_num_seqs: int | None, kv_cache_dtype: str = "auto",
                quantization: str | None = None, tp: int = 1, profile: int = 0, *, passes: int = 1, vocab: int,
-               schedule_policy: str = "shortest-prefill"):
+               schedule_policy: str = OFFLINE_SCHEDULE_POLICY):
     """Per pass over the workload (``passes`` in one engine; prompts ``shifted``): (seconds, output
     tokens, fraction of the wall time inside the events bracketing each forward pass and each
     sampling: an upper bound on GPU busy time, so 1 - it is a lower bound on idle, the steps by
@@ -200,8 +206,9 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=1,
                     help="passes over the workload in one engine; the row shows the median pass and lists them all "
                          "(H200 runs of one tree differed by up to 7%%)")
-    ap.add_argument("--schedule-policy", nargs="+", default=["shortest-prefill"], choices=SCHEDULE_POLICIES,
-                    help="the engine's admission order, each run in turn (longest-output: most max_tokens first)")
+    ap.add_argument("--schedule-policy", nargs="+", default=[OFFLINE_SCHEDULE_POLICY], choices=SCHEDULE_POLICIES,
+                    help="the engine's admission order, each run in turn (longest-output, LLM's default: most "
+                         "max_tokens first)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1],
                     help="tensor-parallel sizes, each run in turn (e.g. 1 2: TP=1 and TP=2 in the same run)")
     args = ap.parse_args()
@@ -238,7 +245,7 @@ def main() -> None:
         rows.append([f"HF transformers generate, batch {args.hf_batch} ({args.hf_prompts} prompts)", f"{hf:,.0f}",
                      *"-" * 8])
     for config, limit in limits.items():
-        rows.append([f"workload limit, {config} (bytes / BW + prefill FLOPs / matmul)", f"{sum(outs) / limit:,.0f}",
+        rows.append([f"workload limit, {config} (bytes / BW, FLOPs / matmul)", f"{sum(outs) / limit:,.0f}",
                      "-", f"{limit:.1f}", "100%", "0%", *"-" * 4])
     print(header(f"Offline throughput, {args.shape} shape, {args.num_prompts} prompts, "
                  f"in/out uniform [{args.lo}, {args.hi}], max_num_seqs {args.max_num_seqs or 'per engine'}"))

@@ -81,7 +81,8 @@ class EngineConfig:
     # Token budget per step (chunked prefill); None: default_token_budget(device).
     max_num_batched_tokens: int | None = None
     # Which waiting sequences are admitted first: shortest-prefill (fewest prompt tokens left, for
-    # time to first token) or longest-output (most max_tokens: offline batches end sooner).
+    # time to first token) or longest-output (most max_tokens: offline batches end sooner; `LLM`'s
+    # default, OFFLINE_SCHEDULE_POLICY).
     schedule_policy: str = "shortest-prefill"
     # Once a prompt's prefill ends in a step, later prompts join that step only while it holds at
     # most this many tokens (core/scheduler.py); max_num_batched_tokens or more: they share it all.
@@ -177,6 +178,9 @@ CPU_TOKEN_BUDGET = 64
 # `kvship serve`'s prefill_join_tokens: under a burst, prompts finish one a step rather than all
 # at the end of one long step (median time to first token down, the burst's last ones later).
 SERVE_PREFILL_JOIN_TOKENS = 512
+# `LLM`'s schedule_policy: an offline batch ends with its last sequence, and starting the longest
+# outputs first leaves short ones for the end (`kvship serve` keeps shortest-prefill, for TTFT).
+OFFLINE_SCHEDULE_POLICY = "longest-output"
 
 
 def default_token_budget(device_type: str) -> int:

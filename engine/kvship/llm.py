@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
-from kvship.config import EngineConfig
+from kvship.config import OFFLINE_SCHEDULE_POLICY, EngineConfig
 from kvship.core.engine import LLMEngine
 from kvship.lora_request import LoRARequest
 from kvship.outputs import RequestOutput
@@ -17,7 +17,7 @@ class LLM:
     which also leaves the model to whoever still holds it."""
 
     def __init__(self, model: str | None = None, **config):
-        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self.engine = LLMEngine(EngineConfig(model=model, **{"schedule_policy": OFFLINE_SCHEDULE_POLICY, **config}))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
