@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvship.config import SCHEDULE_POLICIES
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
 from mtp_checks import drafting_logits, first_drafts
@@ -94,15 +95,18 @@ def test_a_layer_that_guesses_right_is_accepted(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_mtp_with_preemption_and_seeded_sampling(checkpoint):
+@pytest.mark.parametrize("policy", SCHEDULE_POLICIES)
+def test_mtp_with_preemption_and_seeded_sampling(checkpoint, policy):
     """15 blocks of 4 tokens cannot hold the four sequences (preempted, recomputed: the layer
-    starts over); seeded sampling gives the same tokens as without speculation."""
+    starts over); seeded sampling gives the same tokens as without speculation. In either
+    admission order: in the longest outputs' one, a sequence whose drafts must first catch up
+    finds the step's budget taken by the one before it (it drafts nothing, and must not spin)."""
     folder = str(checkpoint[0])
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 318, (n,), generator=g).tolist() * r for n, r in ((6, 4), (3, 7), (11, 2), (5, 1))]
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.9, seed=4, max_tokens=30, ignore_eos=True)] * 2
-    opts = OPTS | dict(num_kv_blocks=15)
+    opts = OPTS | dict(num_kv_blocks=15, schedule_policy=policy)
     want = [o.outputs[0].token_ids for o in LLM(folder, **opts).generate(prompts, params)]
     spec = LLM(folder, **opts, speculative_config=MTP)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want

@@ -42,11 +42,12 @@ MIXED = [
 
 
 def engine_options(num_kv_blocks=14, **extra):
-    # 14 blocks of 16 tokens cannot hold all ten sequences at once (preemption); a budget of 24
-    # tokens a step chunks the longer prompts. float32 weights: the int8 format's product takes
-    # another kernel from a few rows on, so a verify step's logprobs would not be a decode's.
+    # 14 blocks of 16 tokens cannot hold all ten sequences at once (preemption, in the shortest
+    # prompts' order); a budget of 24 tokens a step chunks the longer prompts. float32 weights: the
+    # int8 format's product takes another kernel from a few rows on, so a verify step's logprobs
+    # would not be a decode's.
     return dict(device="cpu", cpu_weight_format="float32", num_kv_blocks=num_kv_blocks, max_num_batched_tokens=24,
-                **extra)
+                schedule_policy="shortest-prefill", **extra)
 
 
 def outputs(llm, prompts, params):

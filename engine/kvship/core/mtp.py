@@ -144,8 +144,11 @@ class MTPDrafts:
 
     def _catch_up(self, track: _Track, budget: int) -> bool:
         """Run the layer over all but the last ``budget`` pending positions (a long prompt's), in
-        forwards of at most ``budget`` tokens, for their KV; False if the cache is full."""
+        forwards of at most ``budget`` tokens, for their KV; False if the cache is full, or if
+        the sequences before it in the step took the whole budget (no forward could progress)."""
         shadow = track.shadow
+        if budget < 1:
+            return False
         while track.num_pending > budget:
             n = min(budget, track.num_pending - budget)
             if not self.kv.allocate(shadow, n):
