@@ -7,9 +7,10 @@ over the measured copy bandwidth, or the decoded tokens' FLOPs (2 x params each)
 measured matmul rate, whichever is slower (a step of a few hundred rows is compute-bound on a
 GPU); plus every generated token's KV context over the copy bandwidth; plus the prefill FLOPs
 (2 x params x prompt tokens) over the matmul rate. A FLOP count leaves out the input embedding
-(a lookup), and a prompt token's the LM head. The KV bytes are the configuration's own: --kv-cache-dtype fp8 halves them, so its limit is higher; so are the
-weight bytes with --quantization (the bytes the loaded layers hold; the FLOP terms keep the
-bf16 matmul rate, so an FP8 W8A8 limit is lenient there).
+(a lookup), and a prompt token's the LM head. The KV bytes are the configuration's own:
+--kv-cache-dtype fp8 halves them, so its limit is higher; so are the weight bytes with
+--quantization (the bytes the loaded layers hold; the FLOP terms keep the bf16 matmul rate, so
+an FP8 W8A8 limit is lenient there).
 
     python bench/throughput.py [--shape llama3-8b] [--num-prompts 1000] [--max-num-seqs N]
                                [--kv-cache-dtype auto fp8 ...] [--quantization none fp8 ...] [--tp 1 2]
