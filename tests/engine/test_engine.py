@@ -4,6 +4,7 @@ also with prefix-cache hits, small prefill chunks and forced preemption. The flo
 import pytest
 import torch
 
+from kvship.config import OFFLINE_SCHEDULE_POLICY
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
 from kvship.sequence import Batch, Sequence
@@ -63,6 +64,7 @@ def assert_all_blocks_released(llm):
 
 def test_greedy_matches_transformers_and_prefix_cache(prompts, reference):
     llm = LLM(device="cpu", cpu_weight_format="float32")
+    assert llm.engine.config.schedule_policy == OFFLINE_SCHEDULE_POLICY  # offline: the longest outputs first
     assert greedy_tokens(llm, prompts) == reference
     assert_all_blocks_released(llm)
     hits_before = llm.engine.kv.prefix_hits

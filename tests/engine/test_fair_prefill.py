@@ -8,6 +8,7 @@ from kvship.cli import build_parser, config_from_args
 from kvship.config import (
     CPU_TOKEN_BUDGET,
     GPU_TOKEN_BUDGET,
+    OFFLINE_SCHEDULE_POLICY,
     SERVE_PREFILL_JOIN_TOKENS,
     EngineConfig,
     default_token_budget,
@@ -188,13 +189,17 @@ def test_default_budget_by_device():
     assert EngineConfig().prefill_join_tokens is None
     serve = build_parser().parse_args(["serve", "m"])
     assert config_from_args(serve).prefill_join_tokens == SERVE_PREFILL_JOIN_TOKENS < GPU_TOKEN_BUDGET
+    # and admits by the shortest prefill (time to first token); `LLM` by the longest output
+    assert config_from_args(serve).schedule_policy == "shortest-prefill" != OFFLINE_SCHEDULE_POLICY
     everything = build_parser().parse_args(["serve", "m", f"--prefill-join-tokens={GPU_TOKEN_BUDGET}"])
     assert config_from_args(everything).prefill_join_tokens == GPU_TOKEN_BUDGET
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(device="cpu", max_num_batched_tokens=BUDGET, enable_prefix_caching=False)
+    # the serving order (`kvship serve`'s default): the offline one runs the prompt under way first
+    return LLM(device="cpu", max_num_batched_tokens=BUDGET, enable_prefix_caching=False,
+               schedule_policy="shortest-prefill")
 
 
 def test_short_request_finishes_while_a_long_prompt_is_in_prefill(llm):
