@@ -255,6 +255,10 @@ class KVCacheManager:
         `revived`, find_cached_prefix's answer). All or nothing: returns False and changes
         nothing if blocks run short, except that blocks out of the window are given back first
         (never read again, they count as free for this very allocation)."""
+        if self.window is None and not revived and seq.state_slot is not None and (
+                seq.num_computed_tokens + num_new_tokens
+                <= (seq.num_released_blocks + len(seq.block_table)) * self.block_size):
+            return True  # the blocks it holds have room (most decode steps): nothing to do
         first = self.first_needed_block(seq.num_computed_tokens)
         self._release_before(seq, first)
         skip = len(revived[:first])  # a new sequence's cached blocks before its window stay in the cache
