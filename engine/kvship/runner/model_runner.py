@@ -699,21 +699,30 @@ def _log_compile(name: str, seconds: float, new: str) -> None:
 
 
 def _block_tables(seqs: list[Sequence]) -> np.ndarray:
-    """[len(seqs), most blocks] int32: each sequence's block numbers by position, 0-padded."""
-    width = max(s.num_released_blocks + len(s.block_table) for s in seqs)
-    tables = np.zeros((len(seqs), width), dtype=np.int32)
-    for i, s in enumerate(seqs):
-        # Blocks a window model's sequence gave back (core/kv_cache_manager.py) are still
-        # loaded, then masked: the torch path gathers the whole table, the Triton kernels the
-        # tile holding the window's first position. Their entries name the sequence's first
-        # held block rather than the given-back one, which may hold another request's values
-        # by now: a masked key still weighs 0 times its value, and a value that is not finite
-        # (an fp16 overflow elsewhere) would turn that into NaN.
-        r = s.num_released_blocks
-        if r:
-            tables[i, :r] = s.block_table[0]
-        tables[i, r:r + len(s.block_table)] = s.block_table
+    """[len(seqs), most blocks] int32: each sequence's block numbers by position, 0-padded. A
+    sequence's row is made again only when its block table changed (a block every block_size
+    decode steps): converting every table's Python ints each step cost more than the rest."""
+    rows = []
+    for s in seqs:
+        kept = s.block_row
+        if kept is None or kept[0] is not s.block_table or kept[1] != s.num_released_blocks:
+            kept = s.block_row = (s.block_table, s.num_released_blocks, _block_row(s))
+        rows.append(kept[2])
+    tables = np.zeros((len(seqs), max(map(len, rows))), dtype=np.int32)
+    for i, row in enumerate(rows):
+        tables[i, :len(row)] = row
     return tables
+
+
+def _block_row(seq: Sequence) -> np.ndarray:
+    # Blocks a window model's sequence gave back (core/kv_cache_manager.py) are still loaded,
+    # then masked: the torch path gathers the whole table, the Triton kernels the tile holding
+    # the window's first position. Their entries name the sequence's first held block rather
+    # than the given-back one, which may hold another request's values by now: a masked key
+    # still weighs 0 times its value, and a value that is not finite (an fp16 overflow
+    # elsewhere) would turn that into NaN.
+    r = seq.num_released_blocks
+    return np.array(seq.block_table[:1] * r + seq.block_table, dtype=np.int32)
 
 
 def _packed(parts: list, dtype, pin: bool, device: torch.device) -> list[torch.Tensor]:
