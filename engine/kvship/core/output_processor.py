@@ -44,10 +44,13 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.requests: dict[str, _Request] = {}
+        self.single_texts: dict[bool, dict[int, str]] = {}  # by skip_special_tokens
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seqs: list[Sequence],
             arrival_time: float) -> None:
-        choices = [_Choice(seq, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+        skip = params.skip_special_tokens
+        single_texts = self.single_texts.setdefault(skip, {})
+        choices = [_Choice(seq, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip, single_texts),
                            StopStringMatcher(params.stop),
                            CompletionOutput(index=seq.index, logprobs=[] if params.logprobs is not None else None))
                    for seq in seqs]
