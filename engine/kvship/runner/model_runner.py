@@ -4,6 +4,7 @@ InFlightStep) while the host goes on; the next step can take its tokens as input
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -536,8 +537,8 @@ class ModelRunner:
         starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, num_seqs)
         seq_lens = starts + lens
         cu = np.zeros(num_seqs + 1, np.int64)
-        np.cumsum(lens, out=cu[1:])
-        row = np.repeat(np.arange(num_seqs), lens)  # each token's sequence
+        lens.cumsum(out=cu[1:])  # array methods: numpy's function forms cost a wrapper call more
+        row = np.arange(num_seqs).repeat(lens)  # each token's sequence
         positions = np.arange(cu[-1]) - cu[row] + starts[row]
         slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
 
@@ -731,8 +732,9 @@ def _packed(parts: list, dtype, pin: bool, device: torch.device) -> list[torch.T
     new kernel variants (a second or more each) as batch sizes vary."""
     per16 = 16 // np.dtype(dtype).itemsize
     sizes = [len(p) for p in parts]
-    starts = np.cumsum([0] + [-(-n // per16) * per16 for n in sizes])
-    flat = np.zeros(int(starts[-1]), dtype=dtype)
+    # Python ints: slicing a tensor with numpy scalars costs several times more
+    starts = list(itertools.accumulate((-(-n // per16) * per16 for n in sizes), initial=0))
+    flat = np.zeros(starts[-1], dtype=dtype)
     for start, p, n in zip(starts, parts, sizes):
         flat[start:start + n] = p
     t = torch.from_numpy(flat)
