@@ -69,6 +69,7 @@ def main() -> None:
                 print(f"\n### batch {bs}: top functions by own time\n```")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(14)
                 print("```")
+            llm.shutdown()  # before the next engine starts: each batch size runs alone, as in its own process
         print(table(rows, ["batch", "decode steps", "ms / step", "of which forward", "host ms / step"]))
 
 

@@ -47,7 +47,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     first_scheduled_time: float | None = None
     # the KV cache manager's
-    block_table: list[int] = field(default_factory=list)  # the blocks it holds, in order of position
+    # the blocks it holds, in order of position; a new list at every change, never one changed in
+    # place: the model runner keeps an array of each list it has seen (block_row)
+    block_table: list[int] = field(default_factory=list)
     num_released_blocks: int = 0  # blocks given back before block_table[0] (out of a window model's window)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks, grown as they fill
     num_cached_upto: int = 0  # blocks of block_table already offered to the prefix cache
@@ -57,6 +59,7 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     # the model runner's
     prompt_logprobs: list = field(default_factory=list)
+    block_row: tuple | None = None  # (block_table, num_released_blocks, their int32 row for the kernels)
     # finish()'s
     finish_reason: str | None = None
     stop_reason: str | int | None = None

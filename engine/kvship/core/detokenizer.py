@@ -28,9 +28,14 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Decoder, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 single_texts: dict[int, str] | None = None):
+        """``single_texts``: a token's text alone, by id, which the caller may share between the
+        detokenizers of one tokenizer and skip_special_tokens value: a window usually starts with
+        one token, the last one pushed, so this saves one of the two decodes of most tokens."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._single_texts = {} if single_texts is None else single_texts
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         # Context that ends in the middle of a character would glue its bytes onto the first
         # output character; context that decodes to nothing is useless. Start clean then.
@@ -54,6 +59,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if len(ids) == 1:
+            text = self._single_texts.get(ids[0])
+            if text is None:
+                text = self._single_texts[ids[0]] = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+            return text
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_ids: list[int]) -> str:

@@ -255,6 +255,10 @@ class KVCacheManager:
         `revived`, find_cached_prefix's answer). All or nothing: returns False and changes
         nothing if blocks run short, except that blocks out of the window are given back first
         (never read again, they count as free for this very allocation)."""
+        if self.window is None and not revived and seq.state_slot is not None and (
+                seq.num_computed_tokens + num_new_tokens
+                <= (seq.num_released_blocks + len(seq.block_table)) * self.block_size):
+            return True  # the blocks it holds have room (most decode steps): nothing to do
         first = self.first_needed_block(seq.num_computed_tokens)
         self._release_before(seq, first)
         skip = len(revived[:first])  # a new sequence's cached blocks before its window stay in the cache
@@ -265,9 +269,9 @@ class KVCacheManager:
         if need > self.num_free_blocks - sum(1 for b in revived if self.blocks[b].ref_count == 0):
             return False
         seq.num_released_blocks += skip
+        taken = list(revived)
         for block_id in revived:
             self._take(block_id)
-            seq.block_table.append(block_id)
         for _ in range(need):
             block_id = self.free_queue.pop()
             block = self.blocks[block_id]
@@ -277,7 +281,9 @@ class KVCacheManager:
                     self._record_removed(block.hash)
                 block.hash = None
             block.ref_count = 1
-            seq.block_table.append(block_id)
+            taken.append(block_id)
+        if taken:
+            seq.block_table = seq.block_table + taken
         self._take_state_slot(seq)
         return True
 
@@ -297,7 +303,7 @@ class KVCacheManager:
         self.cache_full_blocks(seq)
         for block_id in seq.block_table[:n]:
             self._give_back(block_id)
-        del seq.block_table[:n]
+        seq.block_table = seq.block_table[n:]
         seq.num_released_blocks += n
 
     def _take(self, block_id: int) -> None:
@@ -326,9 +332,10 @@ class KVCacheManager:
         the verify rejected. None was offered to the prefix cache (cache_full_blocks stops at
         tokens whose values the host knows, and a proposal is not one of them)."""
         keep = max(0, self.blocks_needed(seq.num_computed_tokens) - seq.num_released_blocks)
-        for block_id in reversed(seq.block_table[keep:]):
-            self._give_back(block_id)
-        del seq.block_table[keep:]
+        if keep < len(seq.block_table):
+            for block_id in reversed(seq.block_table[keep:]):
+                self._give_back(block_id)
+            seq.block_table = seq.block_table[:keep]
 
     def _give_back(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -39,19 +39,18 @@ class _Request:
     choices: list[_Choice]
     arrival_time: float
 
-    @property
-    def finished(self) -> bool:  # every choice's output is final (its last token read and processed)
-        return all(c.out.finish_reason is not None for c in self.choices)
-
 
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.requests: dict[str, _Request] = {}
+        self.single_texts: dict[bool, dict[int, str]] = {}  # by skip_special_tokens
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seqs: list[Sequence],
             arrival_time: float) -> None:
-        choices = [_Choice(seq, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+        skip = params.skip_special_tokens
+        single_texts = self.single_texts.setdefault(skip, {})
+        choices = [_Choice(seq, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip, single_texts),
                            StopStringMatcher(params.stop),
                            CompletionOutput(index=seq.index, logprobs=[] if params.logprobs is not None else None))
                    for seq in seqs]
@@ -62,30 +61,34 @@ class OutputProcessor:
         each with that string (the caller ends them)."""
         touched: dict[str, _Request] = {}
         stopped: list[tuple[Sequence, str]] = []
+        requests = self.requests
         for a in accepted:
-            req = self.requests.get(a.seq.request_id)
-            choice = req.choices[a.seq.index] if req is not None else None
-            if choice is None or choice.seq is not a.seq:  # aborted meanwhile (its id maybe reused)
+            seq = a.seq
+            req = requests.get(seq.request_id)
+            if req is None:
+                continue
+            choice = req.choices[seq.index]
+            if choice.seq is not seq:  # aborted meanwhile (its id maybe reused)
                 continue
             matched = self._process_token(choice, a)
             if matched is not None:
-                stopped.append((a.seq, matched))
+                stopped.append((seq, matched))
             touched[req.request_id] = req
         return [self.emit(req) for req in touched.values()], stopped
 
     def _process_token(self, c: _Choice, a: Accepted) -> str | None:
         """The stop string that ended the sequence on this token, if one did."""
-        seq, out, params = c.seq, c.out, c.seq.params
+        seq, out, token = c.seq, c.out, a.token
         if out.finish_reason is not None:  # already final (a stop string matched earlier)
             return None
-        out.token_ids.append(a.token)
-        out.token_ids_delta.append(a.token)
+        out.token_ids.append(token)
+        out.token_ids_delta.append(token)
         if a.logprob is not None and out.logprobs is not None:
             out.logprobs.append(a.logprob)
             out.logprobs_delta = (out.logprobs_delta or []) + [a.logprob]
-        new_text = c.detok.push([a.token])
+        new_text = c.detok.push([token])
         matched = None
-        if a.n_out > params.min_tokens:  # stop strings count only past min_tokens
+        if c.stop.stop and a.n_out > seq.params.min_tokens:  # stop strings count only past min_tokens
             new_text, matched = c.stop.feed(new_text)
         if matched is None and a.last:  # release text held back for stop matching
             tail, matched = c.stop.feed(c.detok.flush())
@@ -123,23 +126,22 @@ class OutputProcessor:
         return self.emit(req)
 
     def emit(self, req: _Request) -> RequestOutput:
+        # Both outputs are built with positional arguments, in their fields' order: keyword
+        # arguments cost these constructors about twice as much, and they run per request per step.
         outs = []
+        finished = True  # every choice's output is final (its last token read and processed)
         for c in req.choices:
             o = c.out
+            finished = finished and o.finish_reason is not None
             # While running, the cumulative list is shared (copying it every step costs O(length)).
-            outs.append(CompletionOutput(
-                index=o.index, text=o.text, token_ids=list(o.token_ids) if o.finish_reason is not None else o.token_ids,
-                text_delta=o.text_delta,
-                token_ids_delta=o.token_ids_delta, logprobs=o.logprobs, logprobs_delta=o.logprobs_delta,
-                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+            token_ids = list(o.token_ids) if o.finish_reason is not None else o.token_ids
+            outs.append(CompletionOutput(o.index, o.text, token_ids, o.text_delta, o.token_ids_delta, o.logprobs,
+                                         o.logprobs_delta, o.finish_reason, o.stop_reason))
             o.text_delta, o.token_ids_delta, o.logprobs_delta = "", [], ([] if o.logprobs is not None else None)
         lead = req.choices[0].seq
-        finished = req.finished
         if finished:
             self.requests.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, outputs=outs, finished=finished,
-            num_cached_tokens=lead.num_cached_tokens, arrival_time=req.arrival_time,
-            prompt_logprobs=lead.prompt_logprobs if req.params.prompt_logprobs is not None else None,
-            first_scheduled_time=lead.first_scheduled_time, first_token_time=lead.first_token_time,
-            finished_time=time.monotonic() if finished else None)
+        prompt_logprobs = lead.prompt_logprobs if req.params.prompt_logprobs is not None else None
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished, lead.num_cached_tokens,
+                             prompt_logprobs, req.arrival_time, lead.first_scheduled_time, lead.first_token_time,
+                             time.monotonic() if finished else None)

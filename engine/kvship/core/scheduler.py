@@ -104,7 +104,8 @@ class Scheduler:
             if n > 1:
                 prefills.append(seq)
             elif budget:
-                n += self._verified_drafts(seq, budget - n)
+                if seq.draft_token_ids:
+                    n += self._verified_drafts(seq, budget - n)
                 fits, preempted = self._fit(seq, n, batch, preempted)
                 if fits:
                     batch.add(seq, n)

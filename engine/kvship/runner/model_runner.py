@@ -4,6 +4,7 @@ InFlightStep) while the host goes on; the next step can take its tokens as input
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -510,52 +511,36 @@ class ModelRunner:
         decode graph writes it in as it copies its inputs, every other path with ``fill``.
         ``recurrent`` False: a batch for attention layers only (an MTP layer's, core/mtp.py),
         whose sequences hold no recurrent-state slot."""
+        seqs, num_new = batch.seqs, batch.num_new_tokens
+        num_seqs, bs = len(seqs), self.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
         logits_indices: list[int] = []
         fix_at: list[int] = []
         fix_rows: list[int] = []
-        bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            new = seq.token_ids[start:end]
+        offset = 0  # where the sequence's tokens start in the batch
+        for seq, n in zip(seqs, num_new):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + n]
+            offset += n
             drafted = len(seq.draft_token_ids)  # proposed tokens to verify (core/speculative.py)
             if drafted:
-                new += seq.draft_token_ids
-            elif end > seq.num_tokens:  # only a decode's single input can be in flight
-                fix_at.append(cu[-1] + n - 1)
+                input_ids += seq.draft_token_ids
+            elif start + n > len(seq.token_ids):  # only a decode's single input can be in flight
+                fix_at.append(offset - 1)
                 fix_rows.append(previous.rows[seq])
-                new.append(0)
-            input_ids += new
-            table, skip = seq.block_table, seq.num_released_blocks  # block_table[0] holds block number `skip`
-            if n == 1:
-                positions.append(start)
-                slots.append(table[start // bs - skip] * bs + start % bs)
-            else:
-                pos = np.arange(start, end)
-                positions += pos.tolist()
-                slots += (np.asarray(table)[pos // bs - skip] * bs + pos % bs).tolist()
-            cu.append(cu[-1] + n)
-            seq_lens.append(end)
-            if end >= seq.num_tokens:  # every token is computed: sample the next one (each proposal's too)
-                logits_indices += range(cu[-1] - 1 - drafted, cu[-1])
-        num_seqs = len(batch.seqs)
-        width = max(s.num_released_blocks + len(s.block_table) for s in batch.seqs)
-        tables = np.zeros((num_seqs, width), dtype=np.int32)
-        for i, s in enumerate(batch.seqs):
-            # Blocks a window model's sequence gave back (core/kv_cache_manager.py) are still
-            # loaded, then masked: the torch path gathers the whole table, the Triton kernels the
-            # tile holding the window's first position. Their entries name the sequence's first
-            # held block rather than the given-back one, which may hold another request's values
-            # by now: a masked key still weighs 0 times its value, and a value that is not finite
-            # (an fp16 overflow elsewhere) would turn that into NaN.
-            r = s.num_released_blocks
-            if r:
-                tables[i, :r] = s.block_table[0]
-            tables[i, r:r + len(s.block_table)] = s.block_table
+                input_ids.append(0)
+            if start + n >= len(seq.token_ids):  # every token is computed: sample the next one (each proposal's too)
+                logits_indices += range(offset - 1 - drafted, offset)
+        # Positions and slots, a token each, from the rows' starts and block tables, in numpy.
+        tables = _block_tables(seqs)
+        lens = np.asarray(num_new)
+        starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int64, num_seqs)
+        seq_lens = starts + lens
+        cu = np.zeros(num_seqs + 1, np.int64)
+        lens.cumsum(out=cu[1:])  # array methods: numpy's function forms cost a wrapper call more
+        row = np.arange(num_seqs).repeat(lens)  # each token's sequence
+        positions = np.arange(cu[-1]) - cu[row] + starts[row]
+        slots = tables[row, positions // bs].astype(np.int64) * bs + positions % bs
 
         dev = self.device
         pin = dev.type == "cuda"
@@ -569,7 +554,7 @@ class ModelRunner:
         ids, pos_t, slot_t, logit_t, fix_at_t, fix_rows_t, state_t, spec_t = longs
         lens_t, cu_t, tables_t = ints
         in_flight = InFlightInputs(fix_at_t, fix_rows_t, previous.tokens) if fix_at else None
-        meta = AttentionMetadata(slot_mapping=slot_t, block_tables=tables_t.view(num_seqs, width), seq_lens=lens_t,
+        meta = AttentionMetadata(slot_mapping=slot_t, block_tables=tables_t.view(tables.shape), seq_lens=lens_t,
                                  cu_seqlens_q=cu_t, max_seqlen_q=max(batch.num_new_tokens), logits_indices=logit_t,
                                  num_decodes=batch.num_decodes, state_slots=state_t if state else None,
                                  spec_state_rows=spec_t if spec_rows else None)
@@ -714,14 +699,42 @@ def _log_compile(name: str, seconds: float, new: str) -> None:
             seconds * 1e3, new or "its first variant here, or one compiled again for another device")
 
 
+def _block_tables(seqs: list[Sequence]) -> np.ndarray:
+    """[len(seqs), most blocks] int32: each sequence's block numbers by position, 0-padded. A
+    sequence's row is made again only when its block table changed (a block every block_size
+    decode steps): converting every table's Python ints each step cost more than the rest."""
+    rows = []
+    for s in seqs:
+        kept = s.block_row
+        if kept is None or kept[0] is not s.block_table or kept[1] != s.num_released_blocks:
+            kept = s.block_row = (s.block_table, s.num_released_blocks, _block_row(s))
+        rows.append(kept[2])
+    tables = np.zeros((len(seqs), max(map(len, rows))), dtype=np.int32)
+    for i, row in enumerate(rows):
+        tables[i, :len(row)] = row
+    return tables
+
+
+def _block_row(seq: Sequence) -> np.ndarray:
+    # Blocks a window model's sequence gave back (core/kv_cache_manager.py) are still loaded,
+    # then masked: the torch path gathers the whole table, the Triton kernels the tile holding
+    # the window's first position. Their entries name the sequence's first held block rather
+    # than the given-back one, which may hold another request's values by now: a masked key
+    # still weighs 0 times its value, and a value that is not finite (an fp16 overflow
+    # elsewhere) would turn that into NaN.
+    r = seq.num_released_blocks
+    return np.array(seq.block_table[:1] * r + seq.block_table, dtype=np.int32)
+
+
 def _packed(parts: list, dtype, pin: bool, device: torch.device) -> list[torch.Tensor]:
     """The parts as views of one device tensor, sent in one copy. Each part starts on a 16-byte
     boundary: Triton specializes kernels on pointer alignment, so unaligned views would compile
     new kernel variants (a second or more each) as batch sizes vary."""
     per16 = 16 // np.dtype(dtype).itemsize
     sizes = [len(p) for p in parts]
-    starts = np.cumsum([0] + [-(-n // per16) * per16 for n in sizes])
-    flat = np.zeros(int(starts[-1]), dtype=dtype)
+    # Python ints: slicing a tensor with numpy scalars costs several times more
+    starts = list(itertools.accumulate((-(-n // per16) * per16 for n in sizes), initial=0))
+    flat = np.zeros(starts[-1], dtype=dtype)
     for start, p, n in zip(starts, parts, sizes):
         flat[start:start + n] = p
     t = torch.from_numpy(flat)
