@@ -126,22 +126,24 @@ class OutputProcessor:
         return self.emit(req)
 
     def emit(self, req: _Request) -> RequestOutput:
-        # Both outputs are built with positional arguments, in their fields' order: keyword
-        # arguments cost these constructors about twice as much, and they run per request per step.
         outs = []
         finished = True  # every choice's output is final (its last token read and processed)
         for c in req.choices:
             o = c.out
             finished = finished and o.finish_reason is not None
             # While running, the cumulative list is shared (copying it every step costs O(length)).
-            token_ids = list(o.token_ids) if o.finish_reason is not None else o.token_ids
-            outs.append(CompletionOutput(o.index, o.text, token_ids, o.text_delta, o.token_ids_delta, o.logprobs,
-                                         o.logprobs_delta, o.finish_reason, o.stop_reason))
+            outs.append(CompletionOutput(
+                index=o.index, text=o.text, token_ids=list(o.token_ids) if o.finish_reason is not None else o.token_ids,
+                text_delta=o.text_delta,
+                token_ids_delta=o.token_ids_delta, logprobs=o.logprobs, logprobs_delta=o.logprobs_delta,
+                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
             o.text_delta, o.token_ids_delta, o.logprobs_delta = "", [], ([] if o.logprobs is not None else None)
         lead = req.choices[0].seq
         if finished:
             self.requests.pop(req.request_id, None)
-        prompt_logprobs = lead.prompt_logprobs if req.params.prompt_logprobs is not None else None
-        return RequestOutput(req.request_id, req.prompt_token_ids, outs, finished, lead.num_cached_tokens,
-                             prompt_logprobs, req.arrival_time, lead.first_scheduled_time, lead.first_token_time,
-                             time.monotonic() if finished else None)
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, outputs=outs, finished=finished,
+            num_cached_tokens=lead.num_cached_tokens, arrival_time=req.arrival_time,
+            prompt_logprobs=lead.prompt_logprobs if req.params.prompt_logprobs is not None else None,
+            first_scheduled_time=lead.first_scheduled_time, first_token_time=lead.first_token_time,
+            finished_time=time.monotonic() if finished else None)
