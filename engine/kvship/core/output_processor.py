@@ -88,7 +88,7 @@ class OutputProcessor:
             out.logprobs_delta = (out.logprobs_delta or []) + [a.logprob]
         new_text = c.detok.push([token])
         matched = None
-        if c.stop.stop and a.n_out > seq.params.min_tokens:  # stop strings count only past min_tokens
+        if a.n_out > seq.params.min_tokens:  # stop strings count only past min_tokens
             new_text, matched = c.stop.feed(new_text)
         if matched is None and a.last:  # release text held back for stop matching
             tail, matched = c.stop.feed(c.detok.flush())

@@ -525,11 +525,11 @@ class ModelRunner:
             drafted = len(seq.draft_token_ids)  # proposed tokens to verify (core/speculative.py)
             if drafted:
                 input_ids += seq.draft_token_ids
-            elif start + n > len(seq.token_ids):  # only a decode's single input can be in flight
+            elif start + n > seq.num_tokens:  # only a decode's single input can be in flight
                 fix_at.append(offset - 1)
                 fix_rows.append(previous.rows[seq])
                 input_ids.append(0)
-            if start + n >= len(seq.token_ids):  # every token is computed: sample the next one (each proposal's too)
+            if start + n >= seq.num_tokens:  # every token is computed: sample the next one (each proposal's too)
                 logits_indices += range(offset - 1 - drafted, offset)
         # Positions and slots, a token each, from the rows' starts and block tables, in numpy.
         tables = _block_tables(seqs)
