@@ -35,7 +35,7 @@ from common import (
 )
 from kvship.kernels import lora as lora_kernels
 from kvship.kernels.gemv import act_mul_linear, linear
-from kvship.kernels.lora import lora_apply, lora_apply_gate_up, lora_expand, lora_shrink
+from kvship.kernels.lora import lora_apply, lora_expand, lora_shrink
 from kvship.kernels.lora_segments import DECODE_BLOCK_M, RowGroups, group_rows, num_blocks
 from kvship.llm import LLM
 from kvship.lora_request import LoRARequest
@@ -180,7 +180,6 @@ def kernel_table(args, bw: float) -> str:
         capacity = num_blocks(batch, args.adapters, DECODE_BLOCK_M)
         order, blocks = group_rows(slots.tolist(), DECODE_BLOCK_M, capacity)
         groups = RowGroups(torch.from_numpy(order).to(dev), torch.from_numpy(blocks).to(dev), DECODE_BLOCK_M)
-        both = {}
         for name, (k, parts) in modules.items():
             n = sum(parts)
             act = "silu" if name == "down" else None  # its input the gate/up output, activated as read
@@ -197,7 +196,6 @@ def kernel_table(args, bw: float) -> str:
             shrink_bytes = used * a[0].numel() * 2 + x.numel() * 2 + h_part.numel() * 4
             expand_bytes = used * b[0].numel() * 2 + 2 * y.numel() * 2 + h_part.numel() * 4
             limit = (shrink_bytes + expand_bytes) / bw
-            both[name] = (x, a, b, y, slots, parts, groups, t_both)
             for i, t in enumerate((t_base, t_shrink, t_expand, t_both, limit)):
                 total[i] += t
             rows.append([f"{batch} ({form})", name, f"{t_base * 1e6:.1f}", f"{t_shrink * 1e6:.1f}",
@@ -205,17 +203,6 @@ def kernel_table(args, bw: float) -> str:
         layers = c["num_hidden_layers"]
         rows.append([f"{batch} ({form})", f"per step ({layers} layers), ms",
                      *(f"{t * layers * 1e3:.2f}" for t in total), ""])
-        if form == "one kernel":  # the gate/up kernel taking the down projection's shrink
-            x, a, b, y, slots, parts, groups, _ = both["gate_up"]
-            _, down_a, down_b, down_y, _, down_parts, _, _ = both["down"]
-
-            def pair():
-                h_down = lora_apply_gate_up(y, x, a, b, slots, parts, groups, down_a, "silu")
-                lora_expand(down_y, h_down, down_b, slots, down_parts)
-            t_pair = _graph_time(pair)
-            rows.append([f"{batch} ({form})", "gate_up + down, paired", "", "", "", f"{t_pair * 1e6:.1f}", "", ""])
-            rows.append([f"{batch} ({form})", f"per step, paired ({layers} layers), ms", "", "", "",
-                         f"{(both['qkv'][-1] + both['o'][-1] + t_pair) * layers * 1e3:.2f}", "", ""])
     lora_kernels.FUSED_MAX_ROWS, lora_kernels.GROUPED_MIN_ROWS, lora_kernels.GROUPED_SHRINK_MIN_ROWS = chosen
     return table(rows, ["batch", "projection", "base µs", "shrink µs", "expand µs", "both µs", "LoRA bytes limit µs",
                         "shrink splits"])

@@ -108,38 +108,6 @@ def test_fused_kernel_matches_reference(rows, slices, monkeypatch):
     torch.testing.assert_close(y[0, c0:].float(), want, rtol=tol, atol=tol * 10)
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("rows", [[2, -1, 0], [1]])
-@pytest.mark.timeout(300)
-def test_gate_up_kernel_takes_the_down_shrink(rows, act, monkeypatch):
-    """The gate/up pair's one kernel: its output as the shrink and expand give it, and the down
-    projection's shrink on act(gate) * up of that output, in partial sums over column tiles
-    (narrower than the 40 features: three, the last masked)."""
-    monkeypatch.setattr(lora_fused, "TILE_ELEMENTS", 8 * 64)
-    monkeypatch.setattr(lora_fused, "device_sms", lambda x: 8)
-    dtype = DTYPES[-1]
-    inter, g = 40, torch.Generator().manual_seed(7)
-    slots = torch.tensor(rows, dtype=torch.int32, device=DEV)
-    x = torch.randn(len(rows), K, generator=g).to(DEV, dtype)
-    a = torch.randn(3, 2 * RANK, K, generator=g).to(DEV, dtype)
-    b = torch.randn(3, 2 * inter, RANK, generator=g).to(DEV, dtype)
-    down_a = torch.randn(3, RANK, inter, generator=g).to(DEV, dtype)
-    y0 = torch.randn(len(rows), 2 * inter, generator=g).to(DEV, dtype)
-    y_ref, y = y0.clone(), y0.clone()
-    lora.lora_expand_torch(y_ref, lora.lora_shrink_torch(x, a, slots), b, slots, [inter, inter])
-    h = lora_fused.lora_fused_gate_up(y, x, a, b, slots, down_a, act)
-    tol = _tol(dtype)
-    torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol * 10)
-    has = slots >= 0
-    assert torch.equal(y[~has], y0[~has])
-    assert h.shape[0] == (3 if len(rows) == 1 else 1)
-    h_ref = lora.lora_shrink_torch(y, down_a, slots, act)  # on the kernel's own output
-    torch.testing.assert_close(h.sum(0)[has], h_ref[0, has], rtol=tol, atol=tol * 10)
-    # by hand, the first row
-    want = act_and_mul_torch(y[:1], act).float() @ down_a[rows[0]].float().T
-    torch.testing.assert_close(h.sum(0)[0], want[0], rtol=tol, atol=tol * 10)
-
-
 def test_group_rows_blocks_any_grouping_fits():
     slot_list = [1] * 40 + [-1] * 5 + [0] * 7 + [1] + [-1, 2, 2]
     cap = lora_segments.num_blocks(len(slot_list), 3, 32)

@@ -28,7 +28,7 @@ import torch
 
 from kvship.kernels._triton import device_sms, next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.activation import act_and_mul_torch
-from kvship.kernels.lora_fused import lora_fused_gate_up, lora_fused_triton
+from kvship.kernels.lora_fused import lora_fused_triton
 from kvship.kernels.lora_segments import (
     GROUP_MAX_SPLIT_K,
     MAX_GROUP_SPLIT,
@@ -219,15 +219,3 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         return
     h = lora_shrink(x, a, slots, groups, act)
     lora_expand(y, h, b, slots, slices, groups)
-
-
-def lora_apply_gate_up(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-                       slices: list[int], groups: RowGroups | None, down_a: torch.Tensor, act: str
-                       ) -> torch.Tensor | None:
-    """``lora_apply`` for a gate/up pair followed by a down projection of A ``down_a`` that takes
-    act(gate) * up: at up to FUSED_MAX_ROWS rows one kernel, which returns that projection's
-    shrink (its ``lora_expand`` adds it up); else None, the down projection shrinks itself."""
-    if use_triton(y) and x.shape[0] <= FUSED_MAX_ROWS:
-        return lora_fused_gate_up(y, x, a, b, slots, down_a, act)
-    lora_apply(y, x, a, b, slots, slices, groups)
-    return None

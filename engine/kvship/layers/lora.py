@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvship.kernels.lora import lora_apply, lora_apply_gate_up, lora_expand
+from kvship.kernels.lora import lora_apply
 from kvship.kernels.lora_segments import DECODE_BLOCK_M, RowGroups, num_blocks
 
 
@@ -69,10 +69,6 @@ class LoRALinear(nn.Module):
         self.reduce = getattr(base, "reduce", False)
         if self.reduce:
             base.reduce = False
-        # A gate/up layer's down projection (``feeds``, set by LoRAManager.pair), whose shrink its
-        # kernel may take; then the down projection finds those partial sums in its ``handed``.
-        self.feeds: LoRALinear | None = None
-        self.handed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
         if self.batch.active:
@@ -80,14 +76,8 @@ class LoRALinear(nn.Module):
             # down projection's input still gated: its GEMV and the shrink apply it as they read it
             y = self.base(x)
             act = self.act if self.gated_input and x.shape[-1] != self.in_features else None
-            slots, groups = self.batch.slots(x.shape[0]), self.batch.groups
-            if self.feeds is not None:  # set each forward: the down projection runs right after
-                self.feeds.handed = lora_apply_gate_up(y, x, self.lora_a, self.lora_b, slots, self.slice_sizes, groups,
-                                                       self.feeds.lora_a, self.feeds.act)
-            elif self.handed is not None and act is not None:
-                lora_expand(y, self.handed, self.lora_b, slots, self.slice_sizes)
-            else:
-                lora_apply(y, x, self.lora_a, self.lora_b, slots, self.slice_sizes, groups, act)
+            lora_apply(y, x, self.lora_a, self.lora_b, self.batch.slots(x.shape[0]), self.slice_sizes,
+                       self.batch.groups, act)
         else:
             y = self.base(x, *args)
         if self.reduce:
@@ -95,13 +85,6 @@ class LoRALinear(nn.Module):
             if self.base.bias is not None:
                 y = y + self.base.bias
         return y
-
-    def pair(self, down: LoRALinear) -> None:
-        """This gate/up layer's kernel takes ``down``'s shrink when it can: ``down`` reads this
-        layer's output and applies its activation (``gated_input``)."""
-        if not (down.gated_input and self.slice_sizes == [down.in_features] * 2):
-            raise ValueError("a gate/up layer pairs only with the down projection that takes its output")
-        self.feeds = down
 
     def image_shapes(self) -> tuple[torch.Size, torch.Size]:
         """The shapes of one slot's A and B, which an adapter's ``slot_image`` for this layer fills."""

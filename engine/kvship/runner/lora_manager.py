@@ -76,11 +76,6 @@ class LoRAManager:
                 self.layers[name], self.shards[name] = layer, shard
         if not self.layers:
             raise ValueError(f"--enable-lora: {type(model).__name__} has no projections LoRA adapters can target")
-        for name, layer in self.layers.items():  # a gate/up kernel may take its down projection's shrink
-            down = self.layers.get(name.removesuffix("gate_up_proj") + "down_proj")
-            if (name.endswith("mlp.gate_up_proj") and down is not None and down.gated_input
-                    and layer.slice_sizes == [down.in_features] * 2):
-                layer.pair(down)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> device slot, least recent first
         # adapter id -> each layer's slot image (None: a layer it leaves alone), least recent first
         self.cpu: OrderedDict[int, dict[str, tuple[torch.Tensor, torch.Tensor] | None]] = OrderedDict()
