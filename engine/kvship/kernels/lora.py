@@ -19,8 +19,8 @@ kernels/lora_segments.py runs instead, and the grouped shrink from ``grouped_shr
 one row a program reads each row's adapter again, but the per-row shrink's wide tiles keep it the
 faster of the two at a decode batch's few rows an adapter. The torch references group rows by
 adapter (host-side). ``lora_apply`` runs a layer's pair: at up to FUSED_MAX_ROWS rows as one
-kernel (kernels/lora_fused.py). The per-row and fused kernels load what the host wrote before the
-step (the slots, the adapters' weights) ahead of their PDL wait.
+kernel (kernels/lora_fused.py). Every kernel loads what the host wrote before the step (the
+slots, the adapters' weights) ahead of its PDL wait.
 """
 from __future__ import annotations
 
