@@ -35,7 +35,7 @@ from common import (
 )
 from kvship.kernels import lora as lora_kernels
 from kvship.kernels.gemv import act_mul_linear, linear
-from kvship.kernels.lora import lora_apply, lora_expand, lora_shrink
+from kvship.kernels.lora import lora_expand, lora_shrink
 from kvship.kernels.lora_segments import DECODE_BLOCK_M, RowGroups, group_rows, num_blocks
 from kvship.llm import LLM
 from kvship.lora_request import LoRARequest
@@ -157,24 +157,21 @@ def _graph_time(fn, reps: int = 20) -> float:
 
 
 def kernel_table(args, bw: float) -> str:
-    """Shrink and expand of each projection of one layer, at batch 1 and 4 (one kernel, and per
-    row), ``--batch`` and four times it (per row and grouped: the engine chooses by FUSED_MAX_ROWS,
-    GROUPED_MIN_ROWS and grouped_shrink_from), rows spread over the adapters, against the base
-    projection and the bytes limit (A or B of the adapters the rows use, x / y / partial sums) at
-    copy bandwidth. "Both" is the pair as a layer runs it (``lora_apply``). Per step: times the layers."""
+    """Shrink and expand of each projection of one layer, at batch 1 (per row), ``--batch`` and four
+    times it (per row and grouped: the engine chooses by GROUPED_MIN_ROWS and grouped_shrink_from),
+    rows spread over the adapters, against the base projection and the bytes limit (A or B of the
+    adapters the rows use, x / y / partial sums) at copy bandwidth. Per step: times the layers."""
     c = SHAPES[args.shape]
     h, inter = c["hidden_size"], c["intermediate_size"]
     d = c.get("head_dim", h // c["num_attention_heads"])
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     modules = {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [inter, inter]), "down": (inter, [h])}
     dev, bf16, r = "cuda", torch.bfloat16, args.rank
-    chosen = (lora_kernels.FUSED_MAX_ROWS, lora_kernels.GROUPED_MIN_ROWS, lora_kernels.GROUPED_SHRINK_MIN_ROWS)
-    rows = []
-    for batch, form in [(1, "one kernel"), (1, "per row"), (4, "one kernel"), (4, "per row"), (args.batch, "per row"),
-                        (args.batch, "grouped"), (4 * args.batch, "per row"), (4 * args.batch, "grouped")]:
-        lora_kernels.FUSED_MAX_ROWS = 1 << 30 if form == "one kernel" else 0
+    rows, grouped_from = [], (lora_kernels.GROUPED_MIN_ROWS, lora_kernels.GROUPED_SHRINK_MIN_ROWS)
+    for batch, form in [(1, "per row"), (args.batch, "per row"), (args.batch, "grouped"), (4 * args.batch, "per row"),
+                        (4 * args.batch, "grouped")]:
         lora_kernels.GROUPED_MIN_ROWS = lora_kernels.GROUPED_SHRINK_MIN_ROWS = 1 if form == "grouped" else 1 << 30
-        total = [0.0] * 5
+        total = [0.0] * 4
         slots = (torch.arange(batch, device=dev) % args.adapters).to(torch.int32)
         used = min(batch, args.adapters)
         capacity = num_blocks(batch, args.adapters, DECODE_BLOCK_M)
@@ -192,19 +189,18 @@ def kernel_table(args, bw: float) -> str:
             t_base = _graph_time(lambda: act_mul_linear(x, w, act) if act else linear(x, w))
             t_shrink = _graph_time(lambda: lora_shrink(x, a, slots, groups, act))
             t_expand = _graph_time(lambda: lora_expand(y, h_part, b, slots, parts, groups))
-            t_both = _graph_time(lambda: lora_apply(y, x, a, b, slots, parts, groups, act))
             shrink_bytes = used * a[0].numel() * 2 + x.numel() * 2 + h_part.numel() * 4
             expand_bytes = used * b[0].numel() * 2 + 2 * y.numel() * 2 + h_part.numel() * 4
             limit = (shrink_bytes + expand_bytes) / bw
-            for i, t in enumerate((t_base, t_shrink, t_expand, t_both, limit)):
+            for i, t in enumerate((t_base, t_shrink, t_expand, limit)):
                 total[i] += t
             rows.append([f"{batch} ({form})", name, f"{t_base * 1e6:.1f}", f"{t_shrink * 1e6:.1f}",
-                         f"{t_expand * 1e6:.1f}", f"{t_both * 1e6:.1f}", f"{limit * 1e6:.2f}", f"{h_part.shape[0]}"])
+                         f"{t_expand * 1e6:.1f}", f"{limit * 1e6:.2f}", f"{h_part.shape[0]}"])
         layers = c["num_hidden_layers"]
         rows.append([f"{batch} ({form})", f"per step ({layers} layers), ms",
                      *(f"{t * layers * 1e3:.2f}" for t in total), ""])
-    lora_kernels.FUSED_MAX_ROWS, lora_kernels.GROUPED_MIN_ROWS, lora_kernels.GROUPED_SHRINK_MIN_ROWS = chosen
-    return table(rows, ["batch", "projection", "base µs", "shrink µs", "expand µs", "both µs", "LoRA bytes limit µs",
+    lora_kernels.GROUPED_MIN_ROWS, lora_kernels.GROUPED_SHRINK_MIN_ROWS = grouped_from
+    return table(rows, ["batch", "projection", "base µs", "shrink µs", "expand µs", "LoRA bytes limit µs",
                         "shrink splits"])
 
 

@@ -159,13 +159,11 @@ def test_adapters_on_quantized_base_weights(tiny_lora, method):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("fused_rows", [0, 5])
-def test_triton_kernels_in_the_engine(tiny_lora, fused_rows, monkeypatch):
+def test_triton_kernels_in_the_engine(tiny_lora, monkeypatch):
     """The engine's LoRA path through the Triton kernels (the interpreter on a CPU): rows
     grouped by adapter on the host, by 32 for prompt chunks and by 16 for decode steps (of 5
-    rows: grouped from 5 here), the down projection's input activated by the shrink; or, with
-    ``fused_rows`` 5, the decode steps' projections but the down one in the one-kernel form.
-    Greedy tokens equal the merged models'."""
+    rows: grouped from 5 here), the down projection's input activated by the shrink. Greedy
+    tokens equal the merged models'."""
     from kvship.kernels import lora as lora_kernels
     from kvship.runner import lora_manager
 
@@ -174,14 +172,10 @@ def test_triton_kernels_in_the_engine(tiny_lora, fused_rows, monkeypatch):
         monkeypatch.setattr(lora_manager, "use_triton", lambda t: True)
     monkeypatch.setattr(lora_kernels, "GROUPED_MIN_ROWS", 5)
     monkeypatch.setattr(lora_kernels, "GROUPED_SHRINK_MIN_ROWS", 5)
-    monkeypatch.setattr(lora_kernels, "FUSED_MAX_ROWS", fused_rows)
-    block_sizes, fused = [], []
+    block_sizes = []
     grouped = lora_kernels.lora_shrink_grouped
     monkeypatch.setattr(lora_kernels, "lora_shrink_grouped",
                         lambda x, a, groups, act=None: block_sizes.append(groups.block_m) or grouped(x, a, groups, act))
-    one_kernel = lora_kernels.lora_fused_triton
-    monkeypatch.setattr(lora_kernels, "lora_fused_triton",
-                        lambda y, x, *args: fused.append(x.shape[0]) or one_kernel(y, x, *args))
     root, base, adapters = tiny_lora
     llm = _llm(root, max_loras=3, max_num_batched_tokens=32)
     jobs = [(PROMPTS[1], None), (PROMPTS[1], "r4"), (PROMPTS[2], "r8-attn"), (PROMPTS[0], "r16-rs"),
@@ -190,9 +184,7 @@ def test_triton_kernels_in_the_engine(tiny_lora, fused_rows, monkeypatch):
     outs = llm.generate([p for p, _ in jobs], params, lora_request=[adapters[n][1] if n else None for _, n in jobs])
     for (prompt, name), out in zip(jobs, outs):
         assert out.outputs[0].token_ids == greedy(adapters[name][0] if name else base, prompt, 4), (name, prompt)
-    # the down projection's shrink of a decode step stays grouped
     assert set(block_sizes) == {16, 32}
-    assert (5 in fused and max(fused) == 5) if fused_rows else not fused
 
 
 @pytest.mark.gpu
@@ -313,9 +305,9 @@ def test_start_up_prefills_run_the_adapters_kernels_and_change_nothing(tiny_lora
     llm = _llm(root, max_loras=2)
     runner = llm.engine.runner
     rows = []
-    apply = lora_layers.lora_apply
-    monkeypatch.setattr(lora_layers, "lora_apply",
-                        lambda y, x, a, b, slots, *args: rows.append(slots.tolist()) or apply(y, x, a, b, slots, *args))
+    shrink = lora_layers.lora_shrink
+    monkeypatch.setattr(lora_layers, "lora_shrink",
+                        lambda x, a, slots, *args: rows.append(slots.tolist()) or shrink(x, a, slots, *args))
     runner._compile_prefill_tiles()
     assert rows and {s for r in rows for s in r} == {0} and {len(r) for r in rows} == {16, 32, 64, 128}
     assert not runner.lora.batch.active

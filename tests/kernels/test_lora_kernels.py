@@ -6,7 +6,7 @@ and a fused projection's three parts."""
 import pytest
 import torch
 
-from kvship.kernels import lora, lora_fused, lora_segments
+from kvship.kernels import lora, lora_segments
 from kvship.kernels._triton import HAS_TRITON
 from kvship.kernels.activation import act_and_mul_torch
 
@@ -77,35 +77,6 @@ def test_shrink_splits_and_gated_input(k, min_split_k, block_k, act, monkeypatch
     torch.testing.assert_close(h_ref[0, :1], want, rtol=tol, atol=tol * 10)
     h = lora.lora_shrink_triton(x, a, slots, act)
     torch.testing.assert_close(h.sum(0)[has], h_ref[0, has], rtol=tol, atol=tol * 10)
-
-
-@pytest.mark.parametrize("slices", [SLICES, [40, 24], [56]])
-@pytest.mark.parametrize("rows", [[2, -1, 0], [1]])
-@pytest.mark.timeout(300)
-def test_fused_kernel_matches_reference(rows, slices, monkeypatch):
-    """The one-kernel shrink and expand of a few rows: each tile of each part (q/k/v, gate/up or
-    one) from its own ranks, tiles narrower than a part and A's tiles narrower than the input
-    (masked at its end), rows without an adapter untouched."""
-    monkeypatch.setattr(lora_fused, "TILE_ELEMENTS", 8 * 64)  # 64-wide tiles of A: 200 inputs in four
-    monkeypatch.setattr(lora_fused, "device_sms", lambda x: 8)  # 16-column tiles of the output
-    dtype = DTYPES[-1]
-    g = torch.Generator().manual_seed(5)
-    slots = torch.tensor(rows, dtype=torch.int32, device=DEV)
-    x = torch.randn(len(rows), K, generator=g).to(DEV, dtype)
-    a = torch.randn(3, len(slices) * RANK, K, generator=g).to(DEV, dtype)
-    b = torch.randn(3, sum(slices), RANK, generator=g).to(DEV, dtype)
-    y0 = torch.randn(len(rows), sum(slices), generator=g).to(DEV, dtype)
-    y_ref, y = y0.clone(), y0.clone()
-    lora.lora_expand_torch(y_ref, lora.lora_shrink_torch(x, a, slots), b, slots, slices)
-    lora_fused.lora_fused_triton(y, x, a, b, slots, slices)
-    tol = _tol(dtype)
-    torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol * 10)
-    has = slots >= 0
-    assert torch.equal(y[~has], y0[~has]) and not torch.equal(y[has], y0[has])
-    # by hand: the first row, its last part's columns from that part's ranks
-    s, p, c0 = rows[0], len(slices) - 1, sum(slices[:-1])
-    want = y0[0, c0:].float() + (x[0].float() @ a[s, p * RANK:(p + 1) * RANK].float().T) @ b[s, c0:].float().T
-    torch.testing.assert_close(y[0, c0:].float(), want, rtol=tol, atol=tol * 10)
 
 
 def test_group_rows_blocks_any_grouping_fits():

@@ -18,9 +18,7 @@ step with prompt chunks, a large decode batch, in a graph or not) the grouped ex
 kernels/lora_segments.py runs instead, and the grouped shrink from ``grouped_shrink_from`` rows:
 one row a program reads each row's adapter again, but the per-row shrink's wide tiles keep it the
 faster of the two at a decode batch's few rows an adapter. The torch references group rows by
-adapter (host-side). ``lora_apply`` runs a layer's pair: at up to FUSED_MAX_ROWS rows as one
-kernel (kernels/lora_fused.py). Every kernel loads what the host wrote before the step (the
-slots, the adapters' weights) ahead of its PDL wait.
+adapter (host-side).
 """
 from __future__ import annotations
 
@@ -28,7 +26,6 @@ import torch
 
 from kvship.kernels._triton import device_sms, next_pow2, pdl_launch, pdl_wait, tl, triton, use_triton
 from kvship.kernels.activation import act_and_mul_torch
-from kvship.kernels.lora_fused import lora_fused_triton
 from kvship.kernels.lora_segments import (
     GROUP_MAX_SPLIT_K,
     MAX_GROUP_SPLIT,
@@ -38,9 +35,6 @@ from kvship.kernels.lora_segments import (
     shrink_input,
 )
 
-# Up to this many rows (a small decode batch) a projection's shrink and expand run as one kernel
-# (kernels/lora_fused.py), but for a gated input: the down projection's A is the widest to re-read.
-FUSED_MAX_ROWS = 4
 # From this many rows a step takes the grouped expand, and the grouped shrink from the second
 # (when it has its rows grouped); bench/lora.py --kernels times both forms at each.
 GROUPED_MIN_ROWS = 32
@@ -85,29 +79,25 @@ def lora_expand_torch(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots: 
 def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, K, R, K_PER_SPLIT, stride_x, stride_as, stride_ar, stride_hs,
                    stride_h, GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    PDL: tl.constexpr):
-    t = tl.program_id(0)
-    split = tl.program_id(2)
-    # the slot and A's first tile, which the host wrote before the step began, ahead of the wait
-    slot = tl.load(slots_ptr + t)
-    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = offs_r < R
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
-    k_start = split * K_PER_SPLIT
-    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    a = tl.load(rows + (k_start + offs_k)[None, :], mask=(slot >= 0) & rmask[:, None] & (k_start + offs_k < k_end)[None, :],
-                other=0.0)
     pdl_wait(PDL)  # every program, even one without an adapter: the kernel ends after the one before
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
     if slot >= 0:
+        split = tl.program_id(2)
+        offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = offs_r < R
+        offs_k = tl.arange(0, BLOCK_K)
+        rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
         x_row = x_ptr + t.to(tl.int64) * stride_x
         acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        k_start = split * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
         for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + offs_k
-            x = shrink_input(x_row + kk, K, kk < k_end, GATED, GELU)
-            a_next = tl.load(rows + (kk + BLOCK_K)[None, :], mask=rmask[:, None] & (kk + BLOCK_K < k_end)[None, :],
-                             other=0.0)
+            kmask = kk < k_end
+            x = shrink_input(x_row + kk, K, kmask, GATED, GELU)
+            a = tl.load(rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
-            a = a_next
         tl.store(h_ptr + split * stride_hs + t.to(tl.int64) * stride_h + offs_r, tl.sum(acc, 1), mask=rmask)
 
 
@@ -115,18 +105,15 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, K, R, K_PER_SPLIT, stride_x, 
 def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, RANK, C1, C2, stride_hs, stride_h, stride_bs, stride_bn,
                    stride_y, SPLIT: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < N
-    offs_r = tl.arange(0, BLOCK_R)
-    rmask = offs_r < RANK
-    mask = nmask[:, None] & rmask[None, :]
-    # B's tile ahead of the wait (the host wrote it before the step began)
-    b = tl.load(b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
-                mask=(slot >= 0) & mask, other=0.0)
-    pdl_wait(PDL)
     if slot >= 0:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        offs_r = tl.arange(0, BLOCK_R)
+        rmask = offs_r < RANK
+        mask = nmask[:, None] & rmask[None, :]
         # each part's ranks of this row, the shrink's partial sums added up
         h_row = h_ptr + t.to(tl.int64) * stride_h + offs_r
         h0 = tl.zeros([BLOCK_R], tl.float32)
@@ -140,6 +127,8 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, RANK, C1, C2, stride_hs, s
                 h2 += tl.load(h_row + s * stride_hs + 2 * RANK, mask=rmask, other=0.0)
         part = ((offs_n >= C1).to(tl.int32) + (offs_n >= C2).to(tl.int32))[:, None]  # q/k/v or gate/up
         h = tl.where(part == 0, h0[None, :], tl.where(part == 1, h1[None, :], h2[None, :]))
+        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
+                    mask=mask, other=0.0)
         delta = tl.sum(b.to(tl.float32) * h, 1)
         out = y_ptr + t.to(tl.int64) * stride_y + offs_n
         y = tl.load(out, mask=nmask, other=0.0)
@@ -208,14 +197,3 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots: torch.
         lora_expand_grouped(y, h, b, groups, slices)
     else:
         lora_expand_triton(y, h, b, slots, slices)
-
-
-def lora_apply(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-               slices: list[int], groups: RowGroups | None = None, act: str | None = None) -> None:
-    """y [T, out] += B[slot] @ A[slot] @ x, each part of a fused projection on its ranks, in place,
-    for rows with a slot: one fused kernel at a few rows, else ``lora_shrink`` then ``lora_expand``."""
-    if use_triton(y) and act is None and x.shape[0] <= FUSED_MAX_ROWS:
-        lora_fused_triton(y, x, a, b, slots, slices)
-        return
-    h = lora_shrink(x, a, slots, groups, act)
-    lora_expand(y, h, b, slots, slices, groups)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvship.kernels.lora import lora_apply
+from kvship.kernels.lora import lora_expand, lora_shrink
 from kvship.kernels.lora_segments import DECODE_BLOCK_M, RowGroups, num_blocks
 
 
@@ -76,8 +76,9 @@ class LoRALinear(nn.Module):
             # down projection's input still gated: its GEMV and the shrink apply it as they read it
             y = self.base(x)
             act = self.act if self.gated_input and x.shape[-1] != self.in_features else None
-            lora_apply(y, x, self.lora_a, self.lora_b, self.batch.slots(x.shape[0]), self.slice_sizes,
-                       self.batch.groups, act)
+            slots, groups = self.batch.slots(x.shape[0]), self.batch.groups
+            h = lora_shrink(x, self.lora_a, slots, groups, act)
+            lora_expand(y, h, self.lora_b, slots, self.slice_sizes, groups)
         else:
             y = self.base(x, *args)
         if self.reduce:
