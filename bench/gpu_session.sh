@@ -39,7 +39,7 @@ bench latency-bf16 200 python3 bench/latency.py --quantization none --no-hf
 bench latency-fp8 200 python3 bench/latency.py --quantization fp8 --no-hf
 bench latency-int4 300 python3 bench/latency.py --quantization int4 q4_k_m --no-hf
 # every configuration in one process: each engine gives its memory back to the next
-bench throughput 580 python3 bench/throughput.py --hf-prompts 0 --num-prompts 500 --kv-cache-dtype auto fp8 \
+bench throughput 580 python3 bench/throughput.py --hf-prompts 0 --num-prompts 1000 --kv-cache-dtype auto fp8 \
   --quantization none fp8
 bench serve 300 python3 bench/serve.py --concurrency 1 8 32 64
 # scheduling A/B: serving with prompts finishing one a step (serve's default join limit) then
