@@ -6,15 +6,18 @@ kept (a step is scheduled while the one before runs; its tokens are read when it
 
 Serving follows bench/serve.py (closed loop of --concurrency streams, --prompt / --output tokens,
 a level's first requests spread over --ramp seconds, 0: all at once); offline follows
-bench/throughput.py (--num-prompts, lengths uniform in [100, 1024], all waiting at the start).
+bench/throughput.py (--num-prompts, lengths uniform in [100, 1024], all waiting at the start),
+at each --max-num-seqs, in a cache of --cache-tokens (preempted sequences recompute their tokens).
 The TTFT floor is one prompt's prefill alone.
 
     python bench/schedule_model.py [--shape llama3-8b] [--bw 3.0e12] [--mm 620e12] [--join 8192 512]
                                    [--schedule-policy shortest-prefill longest-output]
+                                   [--num-prompts 1000 --max-num-seqs 256 448 --cache-tokens 418000]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import sys
 from pathlib import Path
@@ -107,13 +110,15 @@ def serving(cost, budget, join, conc, prompt, out, ramp):
     return pct(list(ttft.values()), 0.5), pct(list(ttft.values()), 0.99), pct(list(tpot.values()), 0.5)
 
 
-def offline(cost, budget, join, num_prompts, policy, seed=0):
+def offline(cost, budget, join, num_prompts, policy, max_num_seqs=256, cache_tokens=None, seed=0):
+    """Output tok/s and preemptions; ``cache_tokens`` None: a cache that never runs out."""
     rng = random.Random(seed)
-    kv = KVCacheManager(num_blocks=num_prompts * 2048 // 16, block_size=16, enable_prefix_caching=False)
-    sched = Scheduler(kv, 256, budget, prefill_join_tokens=join, schedule_policy=policy)
+    kv = KVCacheManager(num_blocks=(cache_tokens or num_prompts * 2048) // 16, block_size=16,
+                        enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs, budget, prefill_join_tokens=join, schedule_policy=policy)
     seqs = [_seq(i, rng.randint(100, 1024), rng.randint(100, 1024)) for i in range(num_prompts)]
     _, _, seconds, produced = simulate(cost, sched, [(0.0, s) for s in seqs])
-    return produced / seconds
+    return produced / seconds, sched.num_preemptions
 
 
 def main() -> None:
@@ -129,6 +134,9 @@ def main() -> None:
     ap.add_argument("--ramp", type=float, nargs="+", default=[1.9, 0.5, 0.0],
                     help="seconds the first requests are spread over (serve.py: one request's duration alone)")
     ap.add_argument("--num-prompts", type=int, default=500)
+    ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[256], help="offline batch caps to compare")
+    ap.add_argument("--cache-tokens", type=int, default=None,
+                    help="the KV cache's tokens offline (default: enough that nothing is preempted)")
     ap.add_argument("--schedule-policy", nargs="+", default=list(SCHEDULE_POLICIES), choices=SCHEDULE_POLICIES,
                     help="offline rows for each (serving rows: shortest-prefill)")
     args = ap.parse_args()
@@ -140,13 +148,15 @@ def main() -> None:
         for ramp in args.ramp:
             p50, p99, tpot = serving(cost, args.budget, join, args.concurrency, args.prompt, args.output, ramp)
             rows.append([join, f"serving c={args.concurrency}, ramp {ramp:g} s", f"{p50 * 1e3:.0f}",
-                         f"{p99 * 1e3:.0f}", f"{tpot * 1e3:.1f}", "-"])
-        for policy in args.schedule_policy:
-            rate = offline(cost, args.budget, join, args.num_prompts, policy)
-            rows.append([join, f"offline, {args.num_prompts} prompts, {policy}", "-", "-", "-", f"{rate:,.0f}"])
+                         f"{p99 * 1e3:.0f}", f"{tpot * 1e3:.1f}", "-", "-"])
+        for policy, cap in itertools.product(args.schedule_policy, args.max_num_seqs):
+            rate, preempted = offline(cost, args.budget, join, args.num_prompts, policy, cap, args.cache_tokens)
+            rows.append([join, f"offline, {args.num_prompts} prompts, {policy}, cap {cap}", "-", "-", "-",
+                         f"{rate:,.0f}", preempted])
     print(f"{args.shape}, bandwidth {args.bw / 1e12:.2f} TB/s, matmul {args.mm / 1e12:.0f} TFLOP/s, budget "
           f"{args.budget}; TTFT floor (one {args.prompt}-token prefill alone): {cost(alone) * 1e3:.1f} ms\n")
-    print(table(rows, ["prefill_join_tokens", "workload", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "out tok/s"]))
+    print(table(rows, ["prefill_join_tokens", "workload", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "out tok/s",
+                       "preemptions"]))
 
 
 if __name__ == "__main__":
