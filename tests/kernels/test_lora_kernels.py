@@ -9,6 +9,7 @@ import torch
 from kvship.kernels import lora, lora_segments
 from kvship.kernels._triton import HAS_TRITON
 from kvship.kernels.activation import act_and_mul_torch
+from sm90_compile import compile_in_child, ints
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 
@@ -54,6 +55,12 @@ def test_per_row_kernels_match_reference(dtype, rows, monkeypatch):
     # by hand: row 0 (slot 0), its k part (columns 24..40) from the k ranks (8..16)
     want = y0[0, 24:40].float() + h_ref[0, 0, RANK:2 * RANK] @ b[0, 24:40].float().T
     torch.testing.assert_close(y[0, 24:40].float(), want, rtol=tol, atol=tol * 10)
+    # partial sums of three splits
+    h3 = torch.randn(3, *h.shape[1:], generator=torch.Generator().manual_seed(5)).to(DEV)
+    y_ref, y = y0.clone(), y0.clone()
+    lora.lora_expand_torch(y_ref, h3, b, slots, SLICES)
+    lora.lora_expand_triton(y, h3, b, slots, SLICES)
+    torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol * 10)
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
@@ -190,3 +197,21 @@ def test_dispatch_takes_grouped_kernels_from_many_rows(monkeypatch):
         torch.testing.assert_close(h.sum(0)[has], lora.lora_shrink_torch(x, a, slots)[0, has], rtol=_tol(dtype),
                                    atol=_tol(dtype) * 10)
     assert called == ["lora_shrink_triton", "lora_shrink_grouped"]
+
+
+@pytest.mark.timeout(600)
+def test_per_row_kernels_compile_for_sm90():
+    """The per-row shrink and expand as the decode graphs launch them (the interpreter accepts
+    programs the GPU compiler rejects): one to three parts, split counts that are and are not a
+    power of two, the gated shrink."""
+    shrink = {"x_ptr": "*bf16", "a_ptr": "*bf16", "slots_ptr": "*i32", "h_ptr": "*fp32",
+              **ints("K", "R", "K_PER_SPLIT", "stride_x", "stride_as", "stride_ar", "stride_hs", "stride_h")}
+    expand = {"h_ptr": "*fp32", "b_ptr": "*bf16", "slots_ptr": "*i32", "y_ptr": "*bf16",
+              **ints("N", "RANK", "C1", "C2", "stride_hs", "stride_h", "stride_bs", "stride_bn", "stride_y")}
+    specs = [{"kernel": "kvship.kernels.lora:_shrink_kernel", "types": shrink,
+              "constexprs": {"GATED": gated, "GELU": False, "BLOCK_R": 16, "BLOCK_K": 512, "PDL": True},
+              "options": {"num_warps": 4}} for gated in (False, True)]
+    specs += [{"kernel": "kvship.kernels.lora:_expand_kernel", "types": expand,
+               "constexprs": {"SPLIT": split, "PARTS": parts, "BLOCK_N": 128, "BLOCK_R": 16, "PDL": True}}
+              for split in (1, 3, 8, 16) for parts in (1, 2, 3)]
+    compile_in_child(specs)
