@@ -2,7 +2,7 @@
 CPU): per row (the decode graphs' form, the shrink split over the input features, splits whose
 width is no multiple of the tile, the gated activation applied as the shrink reads a gate/up
 output) and per segment (prompt chunks), on rows mixing adapter slots, rows without one (-1),
-and a fused projection's three parts."""
+and a fused projection's three parts; the per-row kernels also compiled for sm_90."""
 import pytest
 import torch
 
