@@ -102,16 +102,17 @@ def test_noaux_route_kernel(n_group, topk_group, num_experts, top_k, renormalize
 def _problem(tokens, top_k, num_experts, hidden, inter, seed, dead, dtype=torch.float32, device=DEV):
     """x, router, w13, w2 with expert `dead` never chosen: x's first feature is 1 and only the
     dead expert's router row weighs it, with a large negative weight. Its weights are NaN, so a
-    kernel that reads an expert no token chose fails the comparison."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=g)
+    kernel that reads an expert no token chose fails the comparison. Drawn on ``device``: a real
+    size's 600M weights took seconds of each GPU test on the host."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g, device=device)
     x[:, 0] = 1.0
-    router = torch.randn(num_experts, hidden, generator=g)
+    router = torch.randn(num_experts, hidden, generator=g, device=device)
     router[:, 0] = 0.0
     router[dead, 0] = -1e3
     # weights scaled so that h and the output stay O(1): bf16 rounding is then relative
-    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5
-    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g, device=device) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g, device=device) / inter**0.5
     w13[dead], w2[dead] = float("nan"), float("nan")
     return [t.to(device, dtype) for t in (x, router, w13, w2)]
 
