@@ -102,8 +102,8 @@ def test_noaux_route_kernel(n_group, topk_group, num_experts, top_k, renormalize
 def _problem(tokens, top_k, num_experts, hidden, inter, seed, dead, dtype=torch.float32, device=DEV):
     """x, router, w13, w2 with expert `dead` never chosen: x's first feature is 1 and only the
     dead expert's router row weighs it, with a large negative weight. Its weights are NaN, so a
-    kernel that reads an expert no token chose fails the comparison. Drawn on ``device``: a real
-    size's 600M weights took seconds of each GPU test on the host."""
+    kernel that reads an expert no token chose fails the comparison. Drawn on ``device``: drawn on
+    the host, a real size's weights took most of each GPU test's time."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g, device=device)
     x[:, 0] = 1.0
