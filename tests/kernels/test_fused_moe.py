@@ -114,7 +114,7 @@ def _problem(tokens, top_k, num_experts, hidden, inter, seed, dead, dtype=torch.
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g, device=device) / hidden**0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=g, device=device) / inter**0.5
     w13[dead], w2[dead] = float("nan"), float("nan")
-    return [t.to(device, dtype) for t in (x, router, w13, w2)]
+    return [t.to(dtype) for t in (x, router, w13, w2)]
 
 
 def _close(out, ref, rel_tol):

@@ -132,9 +132,9 @@ class OutputProcessor:
             o = c.out
             finished = finished and o.finish_reason is not None
             # While running, the cumulative list is shared (copying it every step costs O(length)).
+            token_ids = list(o.token_ids) if o.finish_reason is not None else o.token_ids
             outs.append(CompletionOutput(
-                index=o.index, text=o.text, token_ids=list(o.token_ids) if o.finish_reason is not None else o.token_ids,
-                text_delta=o.text_delta,
+                index=o.index, text=o.text, token_ids=token_ids, text_delta=o.text_delta,
                 token_ids_delta=o.token_ids_delta, logprobs=o.logprobs, logprobs_delta=o.logprobs_delta,
                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
             o.text_delta, o.token_ids_delta, o.logprobs_delta = "", [], ([] if o.logprobs is not None else None)
