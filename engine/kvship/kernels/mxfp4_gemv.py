@@ -142,6 +142,35 @@ def _x_tile(x_rows, gs, gmask, PAIRS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _x_pairs_kernel(x_ptr, xp_ptr, NG, stride_x, stride_xp, BLOCK_G: tl.constexpr, ASM: tl.constexpr,
+                    PDL: tl.constexpr):
+    """One token's x as ``_x_tile``'s pairs, words in the codes' order: xp[t, g, j, w] holds
+    inputs j and j + 4 of word w of group g. The gate/up kernel then loads them in its code
+    tile's own layout, no exchange between threads (BLOCK_G: NG rounded up to a power of 2)."""
+    pdl_wait(PDL)  # x comes from the kernel before
+    t = tl.program_id(0).to(tl.int64)
+    gs = tl.arange(0, BLOCK_G)[:, None, None]
+    j = tl.arange(0, 4)[None, :, None]
+    w = tl.arange(0, 4)[None, None, :]
+    m = gs < NG
+    xi = x_ptr + t * stride_x + gs * _GROUP + w * 8 + j
+    p = _pair(tl.load(xi, mask=m, other=0.0).to(tl.float32) * X_PAIR_SCALE,
+              tl.load(xi + 4, mask=m, other=0.0).to(tl.float32) * X_PAIR_SCALE, ASM)
+    tl.store(xp_ptr + t * stride_xp + gs * 16 + j * 4 + w, p, mask=m)
+
+
+@triton.jit
+def _x_words(xp_row, gs, NG, shape: tl.constexpr):
+    """``_x_pairs_kernel``'s words of groups gs (those from NG on masked off), 4 int32 of the code
+    tile's shape [.., BLOCK_G, 4 words] (pair j of each word): each thread loads those its own
+    codes take (from L1)."""
+    off = (gs * 16)[:, None] + tl.arange(0, 4)[None, :] + tl.zeros(shape, tl.int32)
+    m = off < NG * 16
+    return (tl.load(xp_row + off, mask=m, other=0), tl.load(xp_row + off + 4, mask=m, other=0),
+            tl.load(xp_row + off + 8, mask=m, other=0), tl.load(xp_row + off + 12, mask=m, other=0))
+
+
+@triton.jit
 def _load(rows, srows, rmask, g0, NG, BLOCK_G: tl.constexpr, PAIRS: tl.constexpr):
     """Codes and scales of rows [.., 1] (each row's first code byte, or word for PAIRS; srows:
     its first scale; rmask: which are real) in groups g0 .. g0 + BLOCK_G: q int32 [.., BLOCK_G,
@@ -170,16 +199,23 @@ def _sums(q, s, x0, x1, x2, x3, PAIRS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _stream(rows, srows, rmask, x_rows, q, s, NG, BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr):
+def _stream(rows, srows, rmask, x_rows, q, s, NG, BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr,
+            X_WORDS: tl.constexpr = False):
     """[R, BLOCK_N] float32 sums of rows [R, BLOCK_N, 1] times x (x_rows: one row's first input,
-    or [R, 1, 1, 1] of them), the first tile (q, s) already loaded; each next tile is loaded
-    before this one's arithmetic (a tile ahead in registers)."""
+    or [R, 1, 1, 1] of them; for X_WORDS, one row of ``_x_pairs_kernel``'s words), the first
+    tile (q, s) already loaded; each next tile is loaded before this one's arithmetic (a tile
+    ahead in registers)."""
     acc = tl.zeros(s.shape, tl.float32)
     for g0 in range(0, NG, BLOCK_G):
         q_next, s_next = _load(rows, srows, rmask, g0 + BLOCK_G, NG, BLOCK_G, PAIRS)
         gs = g0 + tl.arange(0, BLOCK_G)
-        x0, x1, x2, x3 = _x_tile(x_rows, gs, gs < NG, PAIRS, ASM)  # [(R,) BLOCK_G, ..], once for every row
-        if len(x0.shape) == 2:
+        if X_WORDS:
+            x0, x1, x2, x3 = _x_words(x_rows, gs, NG, q.shape)
+        else:
+            x0, x1, x2, x3 = _x_tile(x_rows, gs, gs < NG, PAIRS, ASM)  # [(R,) BLOCK_G, ..], once for every row
+        if X_WORDS:
+            acc += _sums(q, s, x0, x1, x2, x3, PAIRS, ASM)
+        elif len(x0.shape) == 2:
             acc += _sums(q, s, x0[None, None], x1[None, None], x2[None, None], x3[None, None], PAIRS, ASM)
         else:
             acc += _sums(q, s, x0[:, None], x1[:, None], x2[:, None], x3[:, None], PAIRS, ASM)
@@ -204,7 +240,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
     NG = K // _GROUP
     q, s = _load(rows, srows, nmask[None, :, None], 0, NG, BLOCK_G, PAIRS)
     y = _stream(rows, srows, nmask[None, :, None], x_ptr + (pair // TOP_K).to(tl.int64) * stride_x, q, s, NG,
-                BLOCK_G, PAIRS, ASM)
+                BLOCK_G, PAIRS, ASM, PAIRS)
     y += tl.load(bias_ptr + expert * stride_be + n, mask=nmask[None, :], other=0.0)
     gate, up = tl.split(tl.trans(y))
     gate = tl.minimum(gate, limit)
@@ -263,6 +299,12 @@ def mxfp4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, 
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     gu_w, dn_w = (_words(w13, gate_up), _words(w2, down))
+    if gate_up.get("pairs"):  # x as the packed pairs' words, made once for all the programs
+        ng = hidden // GROUP
+        xp = torch.empty(tokens, ng * 16, dtype=torch.int32, device=x.device)
+        _x_pairs_kernel[(tokens,)](x, xp, ng, x.stride(0), xp.stride(0), BLOCK_G=triton.next_power_of_2(ng),
+                                   ASM=not INTERPRET, **pdl_launch(x))
+        x = xp
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up["block_n"]))](
         x, gu_w, w13_scale, w13_bias, h, ids, inter, hidden, x.stride(0), gu_w.stride(0), gu_w.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), w13_bias.stride(0), h.stride(0), float(alpha), float(limit),
