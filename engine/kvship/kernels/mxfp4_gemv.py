@@ -226,9 +226,12 @@ def _stream(rows, srows, rmask, x_rows, q, s, NG, BLOCK_G: tl.constexpr, PAIRS: 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_x, stride_we, stride_wn, stride_se,
                     stride_sn, stride_be, stride_h, alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                    H_WORDS: tl.constexpr = False, H_DTYPE: tl.constexpr = tl.bfloat16):
     """h[pair, n] for n in this program's BLOCK_N of the N intermediate outputs: the clamped SwiGLU
-    of gate row n and up row N + n of the pair's expert, biases added. The tile holds both."""
+    of gate row n and up row N + n of the pair's expert, biases added. The tile holds both.
+    H_WORDS: h written as ``_x_pairs_kernel`` writes x (h_ptr: those words as float16 halves),
+    rounded to H_DTYPE first as a 16-bit h would be, for the down kernel's packed pairs."""
     pdl_wait(PDL)  # the routing and x come from the kernels before
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -246,7 +249,12 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-    tl.store(h_ptr + pair.to(tl.int64) * stride_h + offs_n, h.to(h_ptr.dtype.element_ty), mask=nmask)
+    if H_WORDS:  # input n is half n // 4 % 2 of pair n % 4 of word n // 8 % 4 of group n // 32
+        half = ((offs_n // _GROUP * 4 + offs_n % 4) * 4 + offs_n // 8 % 4) * 2 + offs_n // 4 % 2
+        tl.store(h_ptr + pair.to(tl.int64) * stride_h + half,
+                 (h.to(H_DTYPE).to(tl.float32) * X_PAIR_SCALE).to(tl.float16), mask=nmask)
+    else:
+        tl.store(h_ptr + pair.to(tl.int64) * stride_h + offs_n, h.to(h_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
@@ -271,7 +279,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr, N, K, 
     q, s = _load(rows, srows, nmask[None, :, None], 0, NG, BLOCK_G, PAIRS)
     pdl_wait(PDL)  # h comes from the gate/up kernel
     y = _stream(rows, srows, nmask[None, :, None], (h_ptr + pairs.to(tl.int64) * stride_h)[:, None, None, None],
-                q, s, NG, BLOCK_G, PAIRS, ASM)
+                q, s, NG, BLOCK_G, PAIRS, ASM, PAIRS)
     bias = tl.load(bias_ptr + experts[:, None] * stride_be + offs_n[None, :], mask=nmask[None, :], other=0.0)
     weight = tl.load(rw_ptr + pairs, mask=j < TOP_K, other=0.0)
     y = tl.sum(weight[:, None] * (y + bias), 0)
@@ -296,7 +304,6 @@ def mxfp4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, 
         raise ValueError(f"MXFP4 rows of {hidden} and {inter} inputs: not whole groups of {GROUP}")
     x = x.contiguous()
     ids, rw = ids.flatten().contiguous(), weights.flatten().float().contiguous()
-    h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     gu_w, dn_w = (_words(w13, gate_up), _words(w2, down))
     if gate_up.get("pairs"):  # x as the packed pairs' words, made once for all the programs
@@ -305,15 +312,24 @@ def mxfp4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, 
         _x_pairs_kernel[(tokens,)](x, xp, ng, x.stride(0), xp.stride(0), BLOCK_G=triton.next_power_of_2(ng),
                                    ASM=not INTERPRET, **pdl_launch(x))
         x = xp
+    if down.get("pairs"):  # h as the packed pairs' words, written so by the gate/up kernel
+        h = torch.empty(tokens * top_k, inter // GROUP * 16, dtype=torch.int32, device=x.device)
+        h_out, h_dtype = h.view(torch.float16), _TL_DTYPES[out.dtype]
+    else:
+        h = h_out = torch.empty(tokens * top_k, inter, dtype=out.dtype, device=x.device)
+        h_dtype = None
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up["block_n"]))](
-        x, gu_w, w13_scale, w13_bias, h, ids, inter, hidden, x.stride(0), gu_w.stride(0), gu_w.stride(1),
-        w13_scale.stride(0), w13_scale.stride(1), w13_bias.stride(0), h.stride(0), float(alpha), float(limit),
-        TOP_K=top_k, **_launch(gate_up, x))
+        x, gu_w, w13_scale, w13_bias, h_out, ids, inter, hidden, x.stride(0), gu_w.stride(0), gu_w.stride(1),
+        w13_scale.stride(0), w13_scale.stride(1), w13_bias.stride(0), h_out.stride(0), float(alpha), float(limit),
+        TOP_K=top_k, H_WORDS=h_dtype is not None, H_DTYPE=h_dtype or tl.bfloat16, **_launch(gate_up, x))
     _down_kernel[(tokens, triton.cdiv(hidden, down["block_n"]))](
         h, dn_w, w2_scale, w2_bias, out, rw, ids, hidden, inter, h.stride(0), dn_w.stride(0), dn_w.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), w2_bias.stride(0), out.stride(0), TOP_K=top_k,
         K_POW2=triton.next_power_of_2(top_k), **_launch(down, x))
     return out
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def _words(codes: torch.Tensor, settings: dict) -> torch.Tensor:
