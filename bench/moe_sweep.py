@@ -9,6 +9,7 @@ same run. Routing is computed outside the timed region (same for both paths).
 The one-token settings (kernels/tuning/moe.py: GEMV_GATE_UP, GEMV_DOWN) come from the best line here.
 
     python bench/moe_sweep.py --mxfp4 [--shape gpt-oss-20b] [--tokens 1 2 4 8 16] [--quick] [--best-json F]
+                                  [--table-only]
 
 gpt-oss's MXFP4 experts (kernels/mxfp4_gemv.py) the same way: per token count the grouped GEMMs,
 the GEMVs' current table, then each GEMV's settings swept (gate/up with down at the table's, down
@@ -42,6 +43,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--mxfp4", action="store_true", help="gpt-oss's MXFP4 experts (default shape gpt-oss-20b)")
     ap.add_argument("--best-json", help="with --mxfp4: write the winning MXFP4_GEMV table here")
+    ap.add_argument("--table-only", action="store_true",
+                    help="with --mxfp4: the grouped GEMMs and the current table only, no sweep (an A/B of two trees)")
     args = ap.parse_args()
     if args.mxfp4:
         return mxfp4_sweep(args)
@@ -171,6 +174,8 @@ def mxfp4_sweep(args) -> None:
         gu0, dn0 = mxfp4_gemv.gemv_settings(t) or mxfp4_gemv.MXFP4_GEMV[-1][1:]
         row(f"gemv, table: gate/up {gu0}, down {dn0}", time_per_call(lambda i: gemv(i, gu0, dn0), copies),
             gemv(0, gu0, dn0))
+        if args.table_only:
+            continue
         best_gu = min(gate_up_grid, key=lambda gu: timed_or_failed(lambda i: gemv(i, gu, dn0), copies))
         best_dn = min(down_grid, key=lambda dn: timed_or_failed(lambda i: gemv(i, best_gu, dn), copies))
         best = time_per_call(lambda i: gemv(i, best_gu, best_dn), copies)
