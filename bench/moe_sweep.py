@@ -119,13 +119,15 @@ def random_mxfp4_experts(e: int, h: int, inter: int, g: torch.Generator) -> gm.G
 def mxfp4_candidates(rows_per_n: int, quick: bool) -> list[dict]:
     """GEMV settings where each thread holds 1 to 4 (row, group) slots of 16 code bytes (fewer:
     threads idle; more: registers spill); a program holds rows_per_n rows a block_n row (gate
-    and up: 2; down: the k experts). The packed-pair decode in full, the float32 one sampled.
+    and up: 2; down: the k experts). The packed-pair decode in full (with x as made each tile,
+    and as words made once: ``x_words``), the float32 one sampled.
     Tiles of 64 and 128 groups take gpt-oss's 90 in one or two iterations: x's tile, put into
     the codes' layout through shared memory each iteration, then once or twice a program."""
     grid = [dict(block_n=bn, block_g=bg, num_warps=nw)
             for bn, bg, nw in itertools.product([1, 2, 4, 8, 16], [4, 8, 16, 32, 64, 128], [1, 2, 4])
             if 32 * nw <= rows_per_n * bn * bg <= 4 * 32 * nw]
-    out = [dict(cfg, pairs=1) for cfg in grid] + [dict(cfg, pairs=0) for cfg in grid[::4]]
+    out = ([dict(cfg, pairs=1) for cfg in grid] + [dict(cfg, pairs=1, x_words=1) for cfg in grid]
+           + [dict(cfg, pairs=0) for cfg in grid[::4]])
     return out[::3] if quick else out
 
 

@@ -63,20 +63,26 @@ def run_gemv(x, ex, weights, ids, gate_up, down):
                                      weights, ids, ex.alpha, ex.limit, gate_up, down)
 
 
+def settings(block_n: int, pairs) -> dict:
+    return {"block_n": block_n, "block_g": 2, "num_warps": 1, "pairs": int(bool(pairs)),
+            "x_words": int(pairs == "x_words")}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("pairs", [(0, 0), (1, 1), (0, 1), (1, 0)])
+@pytest.mark.parametrize("pairs", [(0, 0), (1, 1), (0, 1), (1, 0), (1, "x_words"), ("x_words", 1),
+                                   ("x_words", "x_words"), (0, "x_words")])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_gemv_matches_torch_and_grouped(tokens, pairs):
     """3 groups of 32 a hidden row in tiles of 2 groups (a partial last tile), 96 down rows in
     tiles of 64 (a partial last block), 2 groups of h; two tokens may share an expert. The float32
     decode matches to float32 rounding, the packed pairs (float16 products and word sums) to
-    float16's; each kernel takes either (pairs: gate/up's, down's), so that h is written as
-    words by a gate/up kernel of either decode."""
+    float16's; each kernel takes either (pairs: gate/up's, down's; "x_words": the pairs with
+    the input as words made once), so that h is written as words by a gate/up kernel of either
+    decode."""
     e, h, i, k = 4, 96, 64, 2
     ex, x, weights, ids = problem(e, h, i, k, tokens, 11)
     want = gm.gpt_oss_moe_torch(x, ex, weights, ids)
-    got = run_gemv(x, ex, weights, ids, {"block_n": 16, "block_g": 2, "num_warps": 1, "pairs": pairs[0]},
-                   {"block_n": 64, "block_g": 2, "num_warps": 1, "pairs": pairs[1]})
+    got = run_gemv(x, ex, weights, ids, settings(16, pairs[0]), settings(64, pairs[1]))
     tol = 3e-3 if any(pairs) else 1e-4 if GPU else 1e-5
     assert ((got - want).norm() / want.norm()).item() < tol
     grouped = gm.gpt_oss_moe_triton(x, ex, weights, ids, MoEConfig(16, 32, 32, 4, 1))

@@ -227,10 +227,11 @@ def _stream(rows, srows, rmask, x_rows, q, s, NG, BLOCK_G: tl.constexpr, PAIRS: 
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_x, stride_we, stride_wn, stride_se,
                     stride_sn, stride_be, stride_h, alpha, limit, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                    H_WORDS: tl.constexpr = False, H_DTYPE: tl.constexpr = tl.bfloat16):
+                    X_WORDS: tl.constexpr = False, H_WORDS: tl.constexpr = False,
+                    H_DTYPE: tl.constexpr = tl.bfloat16):
     """h[pair, n] for n in this program's BLOCK_N of the N intermediate outputs: the clamped SwiGLU
     of gate row n and up row N + n of the pair's expert, biases added. The tile holds both.
-    H_WORDS: h written as ``_x_pairs_kernel`` writes x (h_ptr: those words as float16 halves),
+    X_WORDS: x given as ``_x_pairs_kernel``'s words. H_WORDS: h written as ``_x_pairs_kernel`` writes x (h_ptr: those words as float16 halves),
     rounded to H_DTYPE first as a 16-bit h would be, for the down kernel's packed pairs."""
     pdl_wait(PDL)  # the routing and x come from the kernels before
     pair = tl.program_id(0)
@@ -243,7 +244,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
     NG = K // _GROUP
     q, s = _load(rows, srows, nmask[None, :, None], 0, NG, BLOCK_G, PAIRS)
     y = _stream(rows, srows, nmask[None, :, None], x_ptr + (pair // TOP_K).to(tl.int64) * stride_x, q, s, NG,
-                BLOCK_G, PAIRS, ASM, PAIRS)
+                BLOCK_G, PAIRS, ASM, X_WORDS)
     y += tl.load(bias_ptr + expert * stride_be + n, mask=nmask[None, :], other=0.0)
     gate, up = tl.split(tl.trans(y))
     gate = tl.minimum(gate, limit)
@@ -261,7 +262,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
 def _down_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr, N, K, stride_h, stride_we, stride_wn,
                  stride_se, stride_sn, stride_be, stride_out, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PAIRS: tl.constexpr, ASM: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, X_WORDS: tl.constexpr = False):
     """out[token, n] = sum over the token's k pairs of weight * (W2[e, n] . h[pair] + b2[e, n]).
     A program's tile holds BLOCK_N rows of each of the k experts (padded to K_POW2: repeats of
     the last, weighted 0), so that one token's few programs keep k times the bytes in flight.
@@ -279,7 +280,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, ids_ptr, N, K, 
     q, s = _load(rows, srows, nmask[None, :, None], 0, NG, BLOCK_G, PAIRS)
     pdl_wait(PDL)  # h comes from the gate/up kernel
     y = _stream(rows, srows, nmask[None, :, None], (h_ptr + pairs.to(tl.int64) * stride_h)[:, None, None, None],
-                q, s, NG, BLOCK_G, PAIRS, ASM, PAIRS)
+                q, s, NG, BLOCK_G, PAIRS, ASM, X_WORDS)
     bias = tl.load(bias_ptr + experts[:, None] * stride_be + offs_n[None, :], mask=nmask[None, :], other=0.0)
     weight = tl.load(rw_ptr + pairs, mask=j < TOP_K, other=0.0)
     y = tl.sum(weight[:, None] * (y + bias), 0)
@@ -296,8 +297,11 @@ def mxfp4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, 
                    ids: torch.Tensor, alpha: float, limit: float, gate_up: dict, down: dict) -> torch.Tensor:
     """x [T, H]; MXFP4 stacks w13 [E, 2I, H / 2] (gate rows, then up) and w2 [E, H, I / 2] with
     scales [.., K / 32] and float32 biases; the router's (weights, ids) [T, k] -> [T, H].
-    ``gate_up`` / ``down``: {"block_n", "block_g", "num_warps", "pairs"} (kernels/tuning/moe.py;
-    pairs: 1 for the packed-pair decode, else the float32 one)."""
+    ``gate_up`` / ``down``: {"block_n", "block_g", "num_warps", "pairs", "x_words"}
+    (kernels/tuning/moe.py; pairs: 1 for the packed-pair decode, else the float32 one; x_words: 1
+    for its input as pair words made once, by a small kernel for x, by the gate/up kernel for
+    h, and loaded in the code tile's layout: no exchange between threads each tile, one launch
+    more for x)."""
     tokens, top_k = ids.shape
     inter, hidden = w13.shape[1] // 2, x.shape[1]
     if hidden % GROUP or inter % GROUP:
@@ -306,13 +310,13 @@ def mxfp4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, 
     ids, rw = ids.flatten().contiguous(), weights.flatten().float().contiguous()
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     gu_w, dn_w = (_words(w13, gate_up), _words(w2, down))
-    if gate_up.get("pairs"):  # x as the packed pairs' words, made once for all the programs
+    if _x_words_on(gate_up):  # x as the packed pairs' words, made once for all the programs
         ng = hidden // GROUP
         xp = torch.empty(tokens, ng * 16, dtype=torch.int32, device=x.device)
         _x_pairs_kernel[(tokens,)](x, xp, ng, x.stride(0), xp.stride(0), BLOCK_G=triton.next_power_of_2(ng),
                                    ASM=not INTERPRET, **pdl_launch(x))
         x = xp
-    if down.get("pairs"):  # h as the packed pairs' words, written so by the gate/up kernel
+    if _x_words_on(down):  # h as the packed pairs' words, written so by the gate/up kernel
         h = torch.empty(tokens * top_k, inter // GROUP * 16, dtype=torch.int32, device=x.device)
         h_out, h_dtype = h.view(torch.float16), _TL_DTYPES[out.dtype]
     else:
@@ -332,6 +336,11 @@ def mxfp4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+def _x_words_on(settings: dict) -> bool:
+    """Whether a kernel takes its input as the packed pairs' words (a setting of the pair decode)."""
+    return bool(settings.get("pairs") and settings.get("x_words"))
+
+
 def _words(codes: torch.Tensor, settings: dict) -> torch.Tensor:
     """The codes as the kernel reads them: bytes, or int32 words for the packed pairs."""
     return codes.view(torch.int32) if settings.get("pairs") else codes
@@ -339,4 +348,5 @@ def _words(codes: torch.Tensor, settings: dict) -> torch.Tensor:
 
 def _launch(settings: dict, x: torch.Tensor) -> dict:
     return dict(BLOCK_N=settings["block_n"], BLOCK_G=settings["block_g"], PAIRS=bool(settings.get("pairs")),
+                X_WORDS=_x_words_on(settings),
                 ASM=not INTERPRET, num_warps=settings["num_warps"], **pdl_launch(x))

@@ -19,10 +19,12 @@ NVFP4_GEMV_DOWN = {"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 
 # or of each of a token's k experts (down); 'pairs' decodes a word's codes as float16 pairs.
 # The down settings were swept when a down program looped over the k experts; since its tile
 # holds all k, block_n is the swept one divided by k (the same bytes a thread; one token: kept,
-# 4 slots a thread), until re-swept.
+# 4 slots a thread), until re-swept. 'x_words' (inputs as pair words, made once) was timed against
+# the same settings without it: a loss at 1 token (one launch more), a win at 4 (docs/performance.md).
 MXFP4_GEMV = (
     (1, {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1}, {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1}),
-    (4, {"block_n": 4, "block_g": 8, "num_warps": 1, "pairs": 1}, {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1}),
+    (4, {"block_n": 4, "block_g": 8, "num_warps": 1, "pairs": 1, "x_words": 1},
+     {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1, "x_words": 1}),
     (16, {"block_n": 16, "block_g": 4, "num_warps": 1, "pairs": 1}, {"block_n": 4, "block_g": 32, "num_warps": 4, "pairs": 1}),
 )
 
