@@ -352,3 +352,22 @@ def test_start_up_prefills_run_the_adapters_kernels_and_change_nothing(tiny_lora
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     out = llm.generate([PROMPTS[0]], params, lora_request=adapters["r4"][1])[0]
     assert out.outputs[0].token_ids == greedy(adapters["r4"][0], PROMPTS[0], MAX_TOKENS)
+
+
+def test_graph_capture_warm_ups_see_no_rows_of_start_up_prefills():
+    """Each decode graph's capture runs the LoRA kernels once eagerly on the shared buffers. On a
+    GPU, start-up's prefills leave there a grouping of up to 128 rows on slot 0, which a 32-row
+    warm-up would follow past its own rows (an illegal address at 8B): capture_state clears it."""
+    from kvship.kernels.lora_segments import DECODE_BLOCK_M, PREFILL_BLOCK_M, group_rows
+    from kvship.layers.lora import LoRABatch
+
+    batch = LoRABatch(256, 2, torch.device("cpu"))
+    order, blocks = group_rows([0] * 128, PREFILL_BLOCK_M, batch.groups.blocks.shape[0])
+    batch.groups.blocks.copy_(torch.from_numpy(blocks))
+    batch.groups.order[:128].copy_(torch.from_numpy(order))
+    batch.slots(128).fill_(0)
+    assert batch.groups.blocks[:, 1].sum() == 128  # the prefill's rows, as start-up leaves them
+    batch.capture_state(True)
+    assert batch.active and batch.groups.block_m == DECODE_BLOCK_M
+    assert not batch.groups.blocks[:, 1].any()  # no block holds a row
+    assert (batch.slots(256) == -1).all()

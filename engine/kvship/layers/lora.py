@@ -34,9 +34,13 @@ class LoRABatch:
 
     def capture_state(self, active: bool) -> None:
         """As a decode graph is captured: with or without the kernels; rows grouped as decode
-        steps group them (the graph keeps the block size)."""
+        steps group them (the graph keeps the block size). No row has an adapter meanwhile: each
+        capture's eager warm-up runs the kernels on these buffers, where start-up's prefills
+        left a grouping of more rows than a small graph's batch holds."""
         self.active = active
         self.groups.block_m = DECODE_BLOCK_M
+        self.token_slots.fill_(-1)
+        self.groups.blocks.zero_()
 
     def slots(self, num_tokens: int) -> torch.Tensor:
         if num_tokens > self.token_slots.shape[0]:
