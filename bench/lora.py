@@ -93,8 +93,9 @@ def run(folder: str, args, adapters: list[LoRARequest] | None, fresh: LoRAReques
     """tok/s of each case; with ``adapters`` each request takes one (batch 1: the first), and
     ``fresh``'s first use is timed at the end."""
     lora = dict(enable_lora=True, max_loras=len(adapters), max_lora_rank=args.rank) if adapters else {}
+    cap = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_model_len=args.prompt + args.output + 16,
-              **lora)
+              **lora, **cap)
     vocab = llm.engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -124,6 +125,8 @@ def run_child(args, folder: str, adapter_folders: list[str], out: Path, fresh: s
            "--offline", str(args.offline), "--prompt", str(args.prompt), "--output", str(args.output)]
     if fresh:
         cmd += ["--fresh-adapter", fresh]
+    if args.max_num_seqs:
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
 
@@ -222,6 +225,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--kernels", action="store_true", help="also time each projection's shrink and expand")
+    ap.add_argument("--max-num-seqs", type=int, help="each engine's batch cap (default: its own; fewer graphs "
+                    "to capture, a shorter run)")
     ap.add_argument("--engine-json", help=argparse.SUPPRESS)  # a child: run one engine, write its figures
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--adapter-folders", nargs="*", default=[], help=argparse.SUPPRESS)
