@@ -209,16 +209,15 @@ def _stream(rows, srows, rmask, x_rows, q, s, NG, BLOCK_G: tl.constexpr, PAIRS: 
     for g0 in range(0, NG, BLOCK_G):
         q_next, s_next = _load(rows, srows, rmask, g0 + BLOCK_G, NG, BLOCK_G, PAIRS)
         gs = g0 + tl.arange(0, BLOCK_G)
-        if X_WORDS:
+        if X_WORDS:  # already in q's shape
             x0, x1, x2, x3 = _x_words(x_rows, gs, NG, q.shape)
+            acc += _sums(q, s, x0, x1, x2, x3, PAIRS, ASM)
         else:
             x0, x1, x2, x3 = _x_tile(x_rows, gs, gs < NG, PAIRS, ASM)  # [(R,) BLOCK_G, ..], once for every row
-        if X_WORDS:
-            acc += _sums(q, s, x0, x1, x2, x3, PAIRS, ASM)
-        elif len(x0.shape) == 2:
-            acc += _sums(q, s, x0[None, None], x1[None, None], x2[None, None], x3[None, None], PAIRS, ASM)
-        else:
-            acc += _sums(q, s, x0[:, None], x1[:, None], x2[:, None], x3[:, None], PAIRS, ASM)
+            if len(x0.shape) == 2:
+                acc += _sums(q, s, x0[None, None], x1[None, None], x2[None, None], x3[None, None], PAIRS, ASM)
+            else:
+                acc += _sums(q, s, x0[:, None], x1[:, None], x2[:, None], x3[:, None], PAIRS, ASM)
         q, s = q_next, s_next
     return tl.sum(acc, 2)
 
