@@ -144,19 +144,19 @@ def _x_tile(x_rows, gs, gmask, PAIRS: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _x_pairs_kernel(x_ptr, xp_ptr, NG, stride_x, stride_xp, BLOCK_G: tl.constexpr, ASM: tl.constexpr,
                     PDL: tl.constexpr):
-    """One token's x as ``_x_tile``'s pairs, words in the codes' order: xp[t, g, j, w] holds
-    inputs j and j + 4 of word w of group g. The gate/up kernel then loads them in its code
-    tile's own layout, no exchange between threads (BLOCK_G: NG rounded up to a power of 2)."""
+    """One token's x as ``_x_tile``'s pairs, stored in the codes' order: xp[t, g, j, w] holds
+    inputs j and j + 4 of word w of group g. The kernels then load them in their code tile's
+    own layout, no exchange between threads (BLOCK_G: NG rounded up to a power of 2)."""
     pdl_wait(PDL)  # x comes from the kernel before
     t = tl.program_id(0).to(tl.int64)
-    gs = tl.arange(0, BLOCK_G)[:, None, None]
-    j = tl.arange(0, 4)[None, :, None]
-    w = tl.arange(0, 4)[None, None, :]
-    m = gs < NG
-    xi = x_ptr + t * stride_x + gs * _GROUP + w * 8 + j
-    p = _pair(tl.load(xi, mask=m, other=0.0).to(tl.float32) * X_PAIR_SCALE,
-              tl.load(xi + 4, mask=m, other=0.0).to(tl.float32) * X_PAIR_SCALE, ASM)
-    tl.store(xp_ptr + t * stride_xp + gs * 16 + j * 4 + w, p, mask=m)
+    gs = tl.arange(0, BLOCK_G)
+    x0, x1, x2, x3 = _x_tile(x_ptr + t * stride_x, gs, gs < NG, True, ASM)  # each [BLOCK_G, 4 words]
+    out = xp_ptr + t * stride_xp + (gs * 16)[:, None] + tl.arange(0, 4)[None, :]
+    m = (gs < NG)[:, None]
+    tl.store(out, x0, mask=m)
+    tl.store(out + 4, x1, mask=m)
+    tl.store(out + 8, x2, mask=m)
+    tl.store(out + 12, x3, mask=m)
 
 
 @triton.jit
@@ -230,8 +230,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, h_ptr, ids_ptr, N, K, stride_
                     H_DTYPE: tl.constexpr = tl.bfloat16):
     """h[pair, n] for n in this program's BLOCK_N of the N intermediate outputs: the clamped SwiGLU
     of gate row n and up row N + n of the pair's expert, biases added. The tile holds both.
-    X_WORDS: x given as ``_x_pairs_kernel``'s words. H_WORDS: h written as ``_x_pairs_kernel`` writes x (h_ptr: those words as float16 halves),
-    rounded to H_DTYPE first as a 16-bit h would be, for the down kernel's packed pairs."""
+    X_WORDS: x given as ``_x_pairs_kernel``'s words. H_WORDS: h written as ``_x_pairs_kernel``
+    writes x (h_ptr: those words as float16 halves), rounded to H_DTYPE first as a 16-bit h
+    would be, for the down kernel's packed pairs."""
     pdl_wait(PDL)  # the routing and x come from the kernels before
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -315,16 +316,14 @@ def mxfp4_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, 
         _x_pairs_kernel[(tokens,)](x, xp, ng, x.stride(0), xp.stride(0), BLOCK_G=triton.next_power_of_2(ng),
                                    ASM=not INTERPRET, **pdl_launch(x))
         x = xp
-    if _x_words_on(down):  # h as the packed pairs' words, written so by the gate/up kernel
-        h = torch.empty(tokens * top_k, inter // GROUP * 16, dtype=torch.int32, device=x.device)
-        h_out, h_dtype = h.view(torch.float16), _TL_DTYPES[out.dtype]
-    else:
-        h = h_out = torch.empty(tokens * top_k, inter, dtype=out.dtype, device=x.device)
-        h_dtype = None
+    h_words = _x_words_on(down)  # h as the packed pairs' words, written so by the gate/up kernel
+    h = torch.empty(tokens * top_k, inter // GROUP * 16 if h_words else inter,
+                    dtype=torch.int32 if h_words else out.dtype, device=x.device)
+    h_out = h.view(torch.float16) if h_words else h
     _gate_up_kernel[(tokens * top_k, triton.cdiv(inter, gate_up["block_n"]))](
         x, gu_w, w13_scale, w13_bias, h_out, ids, inter, hidden, x.stride(0), gu_w.stride(0), gu_w.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), w13_bias.stride(0), h_out.stride(0), float(alpha), float(limit),
-        TOP_K=top_k, H_WORDS=h_dtype is not None, H_DTYPE=h_dtype or tl.bfloat16, **_launch(gate_up, x))
+        TOP_K=top_k, H_WORDS=h_words, H_DTYPE=_TL_DTYPES[out.dtype], **_launch(gate_up, x))
     _down_kernel[(tokens, triton.cdiv(hidden, down["block_n"]))](
         h, dn_w, w2_scale, w2_bias, out, rw, ids, hidden, inter, h.stride(0), dn_w.stride(0), dn_w.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), w2_bias.stride(0), out.stride(0), TOP_K=top_k,
