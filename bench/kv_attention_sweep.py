@@ -15,7 +15,7 @@ and packed, int4 as stored) get a narrow grid, the contenders a wide one: about 
 about 4 minutes on the H200. The last table puts the best of each side by side, against the best
 16-bit setting (tokens/s scale as 1 / us at a fixed batch).
 
-    python bench/kv_attention_sweep.py [--quick] [--layouts fp8,int4]
+    python bench/kv_attention_sweep.py [--quick] [--layouts fp8,int4] [--mixed 256 512]
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ HQ, HKV, D, BS = 32, 8, 128, 16
 LAYOUTS = {"bf16": "auto", "fp8": "fp8", "int4": "int4"}
 
 
-def make_case(batch: int, ctx: int, kv: str, seed: int = 0):
-    """Queries and a paged cache in ``kv``'s layout (random values, blocks in a random order)."""
+def make_case(batch: int, ctx: int, kv: str, seed: int = 0, lens: torch.Tensor | None = None):
+    """Queries and a paged cache in ``kv``'s layout (random values, blocks in a random order);
+    every sequence ``ctx`` tokens long, or ``lens`` (each at most ctx)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     blocks = batch * -(-ctx // BS)
     table_ = torch.randperm(blocks, device="cuda", generator=g).view(batch, -1).to(torch.int32)
@@ -63,14 +64,38 @@ def make_case(batch: int, ctx: int, kv: str, seed: int = 0):
             caches.append(kvq.fp8_quantize(x, s, kvq.FP8_DTYPES[kv]))
             scales.append(s)
         del x
-    seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32) if lens is None else lens.cuda().int()
     cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     return q, caches, scales, table_, seq_lens, cu
 
 
 def case_bytes(batch: int, ctx: int, kv: str) -> int:
+    """ctx: every sequence's context, or their sum over the batch for a batch of 1 ... (see mixed)."""
     per_token_head = kvq.bytes_per_block_head(kv, D, torch.bfloat16, BS) / BS  # keys and values
     return int(batch * ctx * HKV * per_token_head) + 2 * batch * HQ * D * 2
+
+
+def mixed(layouts: dict, batches: list[int], bw: float) -> None:
+    """Offline throughput's decode step (bench/throughput.py: contexts spread over [100, 2048]) at
+    each batch, over the split target ("waves"): at 256 rows the default runs one program per
+    sequence and KV head, whose lengths then differ twentyfold."""
+    rows = []
+    for name, kv in layouts.items():
+        for batch in batches:
+            lens = torch.randint(100, 2049, (batch,), generator=torch.Generator().manual_seed(batch))
+            case = make_case(batch, 2048, kv, lens=lens)
+            nbytes = case_bytes(1, int(lens.sum()), kv) + 2 * (batch - 1) * HQ * D * 2
+            default = pa.DECODE_CONFIGS[kvq.kv_mode(case[1][0])]
+            us_default, _ = run(case, default)
+            for waves in (4, 8, 16, 32, 64):
+                cfg = {**default, "waves": waves}
+                splits = pa.decode_num_splits(batch, HKV, 2048, pa.device_sms(case[0]), cfg["block_n"], cfg)
+                us, err = run(case, cfg)
+                rows.append([name, f"B={batch} ctx U[100, 2048]", setting(cfg), str(splits), f"{us:.1f}",
+                             f"{100 * nbytes / (us * 1e-6) / bw:.0f}%", f"{us_default / us:.2f}x", f"{err:.1e}"])
+            del case
+            torch.cuda.empty_cache()
+    print(table(rows, ["KV", "case", "setting", "splits", "us", "% BW", "vs default", "rel err"]))
 
 
 def run(case, cfg: dict | None) -> tuple[float, float]:
@@ -92,9 +117,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few settings per layout")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
+    ap.add_argument("--mixed", type=int, nargs="*", metavar="BATCH",
+                    help="only offline throughput's decode step at these batches, over the split target")
     args = ap.parse_args()
     layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}
     bw, _ = measure_ceilings()
+    if args.mixed:
+        print(header("Paged decode attention, contexts U[100, 2048], by split target (8B attention)"))
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s\n")
+        return mixed(layouts, args.mixed, bw)
     # stages: 2 to 4 keep one buffer per tile, 5 two, 7 three (kernels/tuning/attention.py DECODE_CONFIGS)
     wide = list(itertools.product([64, 128], [4, 8], [2, 3, 5])) + [(64, 4, 7), (32, 4, 5)]
     narrow = [(64, 4, 2), (128, 4, 3), (128, 4, 2), (64, 4, 5)]
