@@ -1,9 +1,10 @@
 """Host (Python) time per engine step, measured on the CPU with a tiny model so that the
 forward pass costs almost nothing: what a GPU would sit idle for if nothing overlapped it.
 Prints a table per batch size; --profile adds the top functions by own time; --waiting N queues
-N more requests behind a full batch, as an offline run holds them.
+N more requests behind a full batch, as an offline run holds them; --final-only adds them as
+LLM.generate does (no output until a request finishes), else as a server does (one a step).
 
-    python bench/host_overhead.py [--batch 1 64 256] [--steps 200] [--waiting 0] [--profile]
+    python bench/host_overhead.py [--batch 1 64 256] [--steps 200] [--waiting 0] [--profile] [--final-only]
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--waiting", type=int, default=0, help="requests queued behind the full batch")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--final-only", action="store_true",
+                    help="requests as LLM.generate adds them: an output only when finished (else as a server's)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_shape_folder("tiny", tmp)
@@ -38,7 +41,8 @@ def main() -> None:
             eng = llm.engine
             params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
             for i in range(bs + args.waiting):
-                eng.add_request(f"r{i}", [2 + (i + j) % 500 for j in range(args.prompt_len)], params)
+                eng.add_request(f"r{i}", [2 + (i + j) % 500 for j in range(args.prompt_len)], params,
+                                final_only=args.final_only)
             running = eng.scheduler.running
             while len(running) < bs or any(s.num_computed_tokens < s.num_prompt_tokens for s in running):
                 eng.step()  # prefill

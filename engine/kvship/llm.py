@@ -55,7 +55,7 @@ class LLM:
         for prompt, p, lora in zip(prompts, per_prompt, loras):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p, lora_request=lora)
+            self.engine.add_request(rid, ids, p, lora_request=lora, final_only=True)
             order.append(rid)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_work():

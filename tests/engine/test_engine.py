@@ -151,6 +151,36 @@ def test_logprobs_equal_reference_log_softmax(llm, prompts, smollm2_hf):
         assert [t.logprob for t in top] == pytest.approx(want.values.tolist(), abs=1e-3)
 
 
+def test_final_only_requests_give_one_output_equal_to_the_streamed_final_one(llm, prompts):
+    """LLM.generate's requests (final_only) build no output before they finish; the one they give
+    holds what a streamed request's last output holds, with the whole text as its delta."""
+    eng = llm.engine
+    kinds = [(prompts[2], SamplingParams(temperature=0, max_tokens=9, logprobs=2)),
+             (prompts[7], SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=6)),
+             (prompts[1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop=["of Fra"]))]
+    outputs: dict[str, list] = {}
+    for final_only in (False, True):
+        for i, (prompt, p) in enumerate(kinds):
+            eng.add_request(f"final-{final_only}-{i}", prompt, p, final_only=final_only)
+        while eng.has_work():
+            for out in eng.step():
+                outputs.setdefault(out.request_id, []).append(out)
+    for i in range(len(kinds)):
+        streamed, final = outputs[f"final-False-{i}"], outputs[f"final-True-{i}"]
+        assert len(final) == 1 and final[0].finished and len(streamed) > 1
+        for s, f in zip(streamed[-1].outputs, final[0].outputs, strict=True):
+            assert (f.text, f.token_ids, f.finish_reason, f.stop_reason) == (
+                s.text, s.token_ids, s.finish_reason, s.stop_reason)
+            # the second pass hits the prefix cache: the same tokens, logprobs to rounding
+            assert (f.logprobs is None) == (s.logprobs is None)
+            for (fc, ftop), (sc, stop) in zip(f.logprobs or [], s.logprobs or [], strict=True):
+                assert [t.token_id for t in (fc, *ftop)] == [t.token_id for t in (sc, *stop)]
+                assert [t.logprob for t in (fc, *ftop)] == pytest.approx([t.logprob for t in (sc, *stop)], abs=1e-4)
+            assert f.text_delta == f.text and f.token_ids_delta == f.token_ids
+    assert outputs["final-True-2"][0].outputs[0].finish_reason == "stop"
+    assert_all_blocks_released(llm)
+
+
 def test_abort_releases_blocks(llm, prompts):
     eng = llm.engine
     for i, p in enumerate(prompts):

@@ -95,10 +95,13 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    final_only: bool = False) -> None:
         """``arrival_time`` (time.monotonic()): when the request was accepted, if earlier than now
         (a server stamps it before the request waits for the engine). ``lora_request``: the
-        adapter to run it with (read now if new: a bad one is refused here, not mid-step)."""
+        adapter to run it with (read now if new: a bad one is refused here, not mid-step).
+        ``final_only``: ``step`` returns the request's output once, finished (offline generate,
+        which drops the ones before: not building them saves host time a step at large batches)."""
         if self.task != "generate":
             raise InvalidParamsError("this model serves embeddings (task embed), not completions", "model")
         if request_id in self.outputs.requests:
@@ -124,7 +127,7 @@ class LLMEngine:
             if params.structured is not None:
                 seq.grammar = self.grammars.matcher(params.structured)
             seqs.append(seq)
-        self.outputs.add(request_id, prompt_token_ids, params, seqs, arrival)
+        self.outputs.add(request_id, prompt_token_ids, params, seqs, arrival, final_only)
         for seq in seqs:
             self.scheduler.add(seq)
 

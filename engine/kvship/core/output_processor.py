@@ -38,6 +38,7 @@ class _Request:
     params: SamplingParams
     choices: list[_Choice]
     arrival_time: float
+    final_only: bool  # no output until every choice has finished (offline generate)
 
 
 class OutputProcessor:
@@ -47,14 +48,15 @@ class OutputProcessor:
         self.single_texts: dict[bool, dict[int, str]] = {}  # by skip_special_tokens
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seqs: list[Sequence],
-            arrival_time: float) -> None:
+            arrival_time: float, final_only: bool = False) -> None:
         skip = params.skip_special_tokens
         single_texts = self.single_texts.setdefault(skip, {})
         choices = [_Choice(seq, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip, single_texts),
                            StopStringMatcher(params.stop),
                            CompletionOutput(index=seq.index, logprobs=[] if params.logprobs is not None else None))
                    for seq in seqs]
-        self.requests[request_id] = _Request(request_id, list(prompt_token_ids), params, choices, arrival_time)
+        self.requests[request_id] = _Request(request_id, list(prompt_token_ids), params, choices, arrival_time,
+                                             final_only)
 
     def process(self, accepted: list[Accepted]) -> tuple[list[RequestOutput], list[tuple[Sequence, str]]]:
         """Outputs of the requests these tokens belong to, and the sequences a stop string ended,
@@ -73,7 +75,8 @@ class OutputProcessor:
             matched = self._process_token(choice, a)
             if matched is not None:
                 stopped.append((seq, matched))
-            touched[req.request_id] = req
+            if not req.final_only or all(c.out.finish_reason is not None for c in req.choices):
+                touched[req.request_id] = req
         return [self.emit(req) for req in touched.values()], stopped
 
     def _process_token(self, c: _Choice, a: Accepted) -> str | None:
