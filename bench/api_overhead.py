@@ -2,9 +2,10 @@
 (HTTP, JSON, chat template, tokenising, the engine thread hand-off, the response) against the
 engine's own rate for the same requests added to it directly, in the same run. The model is a
 tiny one with random weights, so the forward pass costs almost nothing and what is left is the
-request path: a slow one shows up as a ratio far below 1.
+request path: a slow one shows up as a ratio far below 1. --max-tokens N: answers of N tokens
+(sent whole), so that the per-step work of many running requests shows.
 
-    python bench/api_overhead.py [--requests 400] [--concurrency 1 8 32]
+    python bench/api_overhead.py [--requests 400] [--concurrency 1 8 32] [--max-tokens 1]
 """
 from __future__ import annotations
 
@@ -38,20 +39,20 @@ def tiny_chat_model(root: str) -> str:
     return folder
 
 
-def engine_rate(folder: str, n: int, concurrency: int) -> float:
+def engine_rate(folder: str, n: int, concurrency: int, max_tokens: int) -> float:
     """Requests/s of the engine alone: `concurrency` requests in flight, added and stepped
     directly (what the server's requests cost the engine, without the server)."""
     llm = LLM(folder, load_format="dummy", device="cpu", max_num_seqs=max(concurrency, 1), max_model_len=256)
     eng = llm.engine
     ids = eng.tokenizer.encode(MESSAGES[0]["content"] + " ", add_special_tokens=False)
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
     def run(count: int, tag: str) -> float:
         added = done = 0
         t0 = time.perf_counter()
         while done < count:
             while added < count and added - done < concurrency:
-                eng.add_request(f"{tag}{added}", ids, params)
+                eng.add_request(f"{tag}{added}", ids, params, final_only=True)  # as the server's answers sent whole
                 added += 1
             done += sum(1 for out in eng.step() if out.finished)
         return count / (time.perf_counter() - t0)
@@ -60,8 +61,8 @@ def engine_rate(folder: str, n: int, concurrency: int) -> float:
     return run(n, "r")
 
 
-async def api_rate(url: str, n: int, concurrency: int) -> float:
-    body = {"messages": MESSAGES, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+async def api_rate(url: str, n: int, concurrency: int, max_tokens: int) -> float:
+    body = {"messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         left = n
@@ -84,6 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=1)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = tiny_chat_model(tmp)
@@ -107,13 +109,13 @@ def main() -> None:
                 time.sleep(0.5)
             rows = []
             for c in args.concurrency:
-                api = asyncio.run(api_rate(url, args.requests, c))
-                direct = engine_rate(folder, args.requests, c)
+                api = asyncio.run(api_rate(url, args.requests, c, args.max_tokens))
+                direct = engine_rate(folder, args.requests, c, args.max_tokens)
                 rows.append([c, f"{api:.0f}", f"{direct:.0f}", f"{api / direct:.2f}"])
         finally:
             server.terminate()
             server.wait(30)
-    print(f"max_tokens=1 chat completions, tiny random model on CPU, {args.requests} requests per row\n")
+    print(f"max_tokens={args.max_tokens} chat completions, tiny random model on CPU, {args.requests} requests per row\n")
     print(table(rows, ["concurrency", "API requests/s", "engine alone requests/s", "API / engine"]))
 
 

@@ -107,3 +107,26 @@ def test_queue_time_and_ttft_count_the_wait_for_the_engine_thread(engine):
     assert abs(out.arrival_time - t_submit) < 0.05, (out.arrival_time, t_submit)
     assert out.first_scheduled_time - out.arrival_time >= 0.45
     assert out.first_token_time - out.arrival_time >= 0.45
+
+
+def test_final_only_request_streams_one_finished_output(engine):
+    """What a server asks for an answer sent whole (stream false): the final output alone, the
+    same text and tokens as a streamed request's last one; an abort still ends it with its text."""
+    ids = engine.tokenizer.encode("The capital of France is")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def collect(request_id: str, final_only: bool, params=greedy, abort_after: float | None = None):
+        if abort_after is not None:
+            asyncio.get_running_loop().call_later(abort_after, engine.abort, request_id)
+        return [out async for out in engine.generate(ids, params, request_id, final_only=final_only)]
+
+    streamed = asyncio.run(asyncio.wait_for(collect("s", False), timeout=60))
+    final = asyncio.run(asyncio.wait_for(collect("f", True), timeout=60))
+    assert len(streamed) > 1 and len(final) == 1 and final[0].finished
+    assert (final[0].outputs[0].text, final[0].outputs[0].token_ids) == (
+        streamed[-1].outputs[0].text, streamed[-1].outputs[0].token_ids)
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    aborted = asyncio.run(asyncio.wait_for(collect("a", True, long, abort_after=0.5), timeout=60))
+    assert len(aborted) == 1 and aborted[0].outputs[0].finish_reason == "abort"
+    assert len(aborted[0].outputs[0].token_ids) < 400
+    assert engine.stats().num_kv_blocks_used == 0

@@ -104,18 +104,20 @@ class AsyncEngine:
 
     # -- client side -------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       arrival_time: float | None = None, lora_request: LoRARequest | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as they come (with ``lora_request``'s adapter, if given). ``arrival_time`` (time.monotonic()): when the
-        server accepted it, before tokenizing; default now. Queue time, TTFT and latency count
-        from there, so they include the wait for the engine thread and the server's own work."""
+                       arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                       final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come (with ``lora_request``'s adapter, if given); with
+        ``final_only``, its one final output (an answer sent whole). ``arrival_time``
+        (time.monotonic()): when the server accepted it, before tokenizing; default now. Queue
+        time, TTFT and latency count from there, so they include the wait for the engine thread
+        and the server's own work."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self._check_accepting()
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             self._streams[request_id] = stream
             self._pending += 1
-        self._inbox.put(("add", (request_id, list(prompt_token_ids), params, arrival_time, lora_request)))
+        self._inbox.put(("add", (request_id, list(prompt_token_ids), params, arrival_time, lora_request, final_only)))
         finished = False
         try:
             while True:
@@ -233,12 +235,12 @@ class AsyncEngine:
                 return
             block = False
             if kind == "add":
-                request_id, ids, params, arrival_time, lora_request = arg
+                request_id, ids, params, arrival_time, lora_request, final_only = arg
                 with self._lock:
                     self._pending -= 1
                     stream = self._streams.get(request_id)
                 try:
-                    self.engine.add_request(request_id, ids, params, arrival_time, lora_request)
+                    self.engine.add_request(request_id, ids, params, arrival_time, lora_request, final_only)
                 except Exception as e:  # a client mistake: hand it back to the caller
                     if stream is not None:
                         stream.put(_Rejected(e))

@@ -90,7 +90,7 @@ async def create_chat_completion(raw_request: Request) -> Response:
     observer = observe_request(raw_request, request_id, params)
     state.admission.reserve(engine, 1)
     stream = GenerationStream(engine, [prompt_ids], params, request_id, state.active, observer, state.admission,
-                              arrival_time=arrival)
+                              arrival_time=arrival, final_only=not body.stream)
     token_text = TokenText(engine.tokenizer)
     if body.stream:
         try:

@@ -83,7 +83,7 @@ async def create_completion(raw_request: Request) -> Response:
     observer = observe_request(raw_request, request_id, params, len(prompt_ids))
     state.admission.reserve(engine, len(prompt_ids))
     stream = GenerationStream(engine, prompt_ids, params, request_id, state.active, observer, state.admission,
-                              arrival_time=arrival)
+                              arrival_time=arrival, final_only=not body.stream)
     token_text = TokenText(engine.tokenizer)
     want_logprobs = body.logprobs is not None
     if body.stream:

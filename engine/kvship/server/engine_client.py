@@ -38,9 +38,10 @@ class EngineClient(Protocol):
         ...
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 arrival_time: float | None = None, lora_request: LoRARequest | None = None
-                 ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and stream its outputs; closing the iterator early aborts it.
+                 arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                 final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """Submit a request and stream its outputs (with ``final_only``, only the finished one);
+        closing the iterator early aborts it.
         ``arrival_time`` (time.monotonic()): when the server accepted it; latency metrics count
         from there (default: now).
         Raises QueueFullError / EngineDeadError / InvalidParamsError on its first read."""

@@ -75,11 +75,14 @@ class GenerationStream:
 
     def __init__(self, engine: EngineClient, prompts: list[list[int]], params: SamplingParams, request_id: str,
                  registry: set[GenerationStream] | None = None, observer: OutputObserver | None = None,
-                 admission: Reservations | None = None, arrival_time: float | None = None):
+                 admission: Reservations | None = None, arrival_time: float | None = None,
+                 final_only: bool = False):
         """`admission`: where room for the prompts was reserved (Admission.reserve); each prompt's
         share is released as it is submitted, or when the stream closes before that.
-        `arrival_time`: when the server accepted the request (time.monotonic())."""
+        `arrival_time`: when the server accepted the request (time.monotonic()). `final_only`:
+        each prompt's final output alone (an answer sent whole: no engine output a step)."""
         self._arrival_time = arrival_time
+        self._final_only = final_only
         self.engine = engine
         self._admission = admission
         self._unsubmitted = len(prompts) if admission is not None else 0
@@ -105,7 +108,7 @@ class GenerationStream:
             self._admission.release(n)
 
     async def _pump(self, index: int, prompt: list[int], request_id: str) -> None:
-        gen = self.engine.generate(prompt, self._params, request_id, self._arrival_time)
+        gen = self.engine.generate(prompt, self._params, request_id, self._arrival_time, final_only=self._final_only)
         error: BaseException | None = None
         try:
             # The reservation is handed over here: generate() counts the request as waiting

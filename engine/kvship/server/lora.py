@@ -63,9 +63,10 @@ class AdapterEngine:
         return getattr(self._engine, name)
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                 arrival_time: float | None = None, lora_request: LoRARequest | None = None
-                 ) -> AsyncIterator[RequestOutput]:
-        return self._engine.generate(prompt_token_ids, params, request_id, arrival_time, lora_request or self.lora)
+                 arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                 final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        return self._engine.generate(prompt_token_ids, params, request_id, arrival_time, lora_request or self.lora,
+                                     final_only)
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -192,7 +192,7 @@ async def create_response(raw_request: Request) -> Response:
     observer = observe_request(raw_request, shell.id, params)
     state.admission.reserve(engine, 1)
     stream = GenerationStream(engine, [prompt_ids], params, shell.id, state.active, observer, state.admission,
-                              arrival_time=arrival)
+                              arrival_time=arrival, final_only=not body.stream)
     shaper = MessageShaper(state.reasoning_parser, plan)
     if body.stream:
         try:
