@@ -181,6 +181,27 @@ def test_final_only_requests_give_one_output_equal_to_the_streamed_final_one(llm
     assert_all_blocks_released(llm)
 
 
+def test_final_only_output_waits_for_every_choice_even_one_ended_without_a_token(llm, prompts):
+    """A final-only request of two choices, one ended because it outgrew the cache: no output
+    until the other finishes, then one output with both, the whole text as each one's delta."""
+    from kvship.core.output_processor import Accepted, OutputProcessor
+
+    processor = OutputProcessor(llm.engine.tokenizer)
+    params = SamplingParams(n=2, max_tokens=2)
+    seqs = [Sequence("two", i, list(prompts[0]), params) for i in range(2)]
+    processor.add("two", prompts[0], params, seqs, 0.0, final_only=True)
+    hello, world = llm.engine.tokenizer.encode(" Hello world", add_special_tokens=False)[:2]
+    assert processor.process([Accepted(seqs[0], hello, None, 1, False), Accepted(seqs[1], hello, None, 1, False)]
+                             ) == ([], [])
+    assert processor.end_without_token(seqs[0], "length") is None
+    seqs[1].finish("length")
+    (out,), _ = processor.process([Accepted(seqs[1], world, None, 2, True)])
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["length", "length"]
+    assert [c.token_ids for c in out.outputs] == [[hello], [hello, world]]
+    assert all(c.text_delta == c.text and c.text for c in out.outputs)
+    assert "two" not in processor.requests
+
+
 def test_abort_releases_blocks(llm, prompts):
     eng = llm.engine
     for i, p in enumerate(prompts):

@@ -75,7 +75,7 @@ class OutputProcessor:
             matched = self._process_token(choice, a)
             if matched is not None:
                 stopped.append((seq, matched))
-            if not req.final_only or all(c.out.finish_reason is not None for c in req.choices):
+            if self._due(req):
                 touched[req.request_id] = req
         return [self.emit(req) for req in touched.values()], stopped
 
@@ -106,7 +106,8 @@ class OutputProcessor:
 
     def end_without_token(self, seq: Sequence, reason: str) -> RequestOutput | None:
         """The sequence ended with no further token (it outgrew the KV cache): its held-back
-        text is released with that finish reason."""
+        text is released with that finish reason (a final-only request's output waits for its
+        other choices)."""
         req = self.requests.get(seq.request_id)
         if req is None:
             return None
@@ -115,7 +116,13 @@ class OutputProcessor:
         tail = c.stop.feed(c.detok.flush())[0] + c.stop.flush()
         c.out.text_delta += tail
         c.out.text += tail
-        return self.emit(req)
+        return self.emit(req) if self._due(req) else None
+
+    @staticmethod
+    def _due(req: _Request) -> bool:
+        """Whether the request has an output to give now: every step while it runs, or, for a
+        final-only one, once every choice has finished."""
+        return not req.final_only or all(c.out.finish_reason is not None for c in req.choices)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """The request's final output, finish_reason "abort" for the choices still running; None
