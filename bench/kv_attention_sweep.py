@@ -69,10 +69,11 @@ def make_case(batch: int, ctx: int, kv: str, seed: int = 0, lens: torch.Tensor |
     return q, caches, scales, table_, seq_lens, cu
 
 
-def case_bytes(batch: int, ctx: int, kv: str) -> int:
-    """ctx: every sequence's context, or their sum over the batch for a batch of 1 ... (see mixed)."""
+def case_bytes(batch: int, ctx: int, kv: str, tokens: int | None = None) -> int:
+    """tokens: the batch's context tokens where lengths differ (default batch x ctx)."""
     per_token_head = kvq.bytes_per_block_head(kv, D, torch.bfloat16, BS) / BS  # keys and values
-    return int(batch * ctx * HKV * per_token_head) + 2 * batch * HQ * D * 2
+    tokens = batch * ctx if tokens is None else tokens
+    return int(tokens * HKV * per_token_head) + 2 * batch * HQ * D * 2
 
 
 def mixed(layouts: dict, batches: list[int], bw: float) -> None:
@@ -84,7 +85,7 @@ def mixed(layouts: dict, batches: list[int], bw: float) -> None:
         for batch in batches:
             lens = torch.randint(100, 2049, (batch,), generator=torch.Generator().manual_seed(batch))
             case = make_case(batch, 2048, kv, lens=lens)
-            nbytes = case_bytes(1, int(lens.sum()), kv) + 2 * (batch - 1) * HQ * D * 2
+            nbytes = case_bytes(batch, 2048, kv, tokens=int(lens.sum()))
             default = pa.DECODE_CONFIGS[kvq.kv_mode(case[1][0])]
             us_default, _ = run(case, default)
             for waves in (4, 8, 16, 32, 64):
@@ -117,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few settings per layout")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ",".join(LAYOUTS))
-    ap.add_argument("--mixed", type=int, nargs="*", metavar="BATCH",
+    ap.add_argument("--mixed", type=int, nargs="+", metavar="BATCH",
                     help="only offline throughput's decode step at these batches, over the split target")
     args = ap.parse_args()
     layouts = {name: LAYOUTS[name] for name in args.layouts.split(",")}

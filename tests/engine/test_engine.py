@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvship.config import OFFLINE_SCHEDULE_POLICY
+from kvship.core.output_processor import Accepted, OutputProcessor
 from kvship.llm import LLM
 from kvship.sampling_params import SamplingParams
 from kvship.sequence import Batch, Sequence
@@ -184,8 +185,6 @@ def test_final_only_requests_give_one_output_equal_to_the_streamed_final_one(llm
 def test_final_only_output_waits_for_every_choice_even_one_ended_without_a_token(llm, prompts):
     """A final-only request of two choices, one ended because it outgrew the cache: no output
     until the other finishes, then one output with both, the whole text as each one's delta."""
-    from kvship.core.output_processor import Accepted, OutputProcessor
-
     processor = OutputProcessor(llm.engine.tokenizer)
     params = SamplingParams(n=2, max_tokens=2)
     seqs = [Sequence("two", i, list(prompts[0]), params) for i in range(2)]
