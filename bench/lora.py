@@ -34,7 +34,7 @@ from common import (
     write_shape_folder,
 )
 from kvship.kernels import lora as lora_kernels
-from kvship.kernels.gemv import act_mul_linear, linear
+from kvship.kernels.gemv import GEMV_SHAPES, act_mul_linear, gemv_triton, linear, linear_and_shrink
 from kvship.kernels.lora import lora_expand, lora_shrink
 from kvship.kernels.lora_segments import DECODE_BLOCK_M, RowGroups, group_rows, num_blocks
 from kvship.llm import LLM
@@ -160,10 +160,12 @@ def _graph_time(fn, reps: int = 20) -> float:
 
 
 def kernel_table(args, bw: float) -> str:
-    """Shrink and expand of each projection of one layer, at batch 1 (per row), ``--batch`` and four
-    times it (per row and grouped: the engine chooses by GROUPED_MIN_ROWS and grouped_shrink_from),
-    rows spread over the adapters, against the base projection and the bytes limit (A or B of the
-    adapters the rows use, x / y / partial sums) at copy bandwidth. Per step: times the layers."""
+    """Shrink and expand of each projection of one layer, at batch 1 (per row; and the shrink as
+    more programs of the base GEMV where the engine's GEMV takes the shape, the time they add),
+    ``--batch`` and four times it (per row and grouped: the engine chooses by GROUPED_MIN_ROWS
+    and grouped_shrink_from), rows spread over the adapters, against the base projection and the
+    bytes limit (A or B of the adapters the rows use, x / y / partial sums) at copy bandwidth.
+    Per step: times the layers."""
     c = SHAPES[args.shape]
     h, inter = c["hidden_size"], c["intermediate_size"]
     d = c.get("head_dim", h // c["num_attention_heads"])
@@ -171,8 +173,8 @@ def kernel_table(args, bw: float) -> str:
     modules = {"qkv": (h, [q, kv, kv]), "o": (q, [h]), "gate_up": (h, [inter, inter]), "down": (inter, [h])}
     dev, bf16, r = "cuda", torch.bfloat16, args.rank
     rows, grouped_from = [], (lora_kernels.GROUPED_MIN_ROWS, lora_kernels.GROUPED_SHRINK_MIN_ROWS)
-    for batch, form in [(1, "per row"), (args.batch, "per row"), (args.batch, "grouped"), (4 * args.batch, "per row"),
-                        (4 * args.batch, "grouped")]:
+    for batch, form in [(1, "per row"), (1, "shrink in the GEMV"), (args.batch, "per row"), (args.batch, "grouped"),
+                        (4 * args.batch, "per row"), (4 * args.batch, "grouped")]:
         lora_kernels.GROUPED_MIN_ROWS = lora_kernels.GROUPED_SHRINK_MIN_ROWS = 1 if form == "grouped" else 1 << 30
         total = [0.0] * 4
         slots = (torch.arange(batch, device=dev) % args.adapters).to(torch.int32)
@@ -188,17 +190,23 @@ def kernel_table(args, bw: float) -> str:
             a = torch.randn(args.adapters, len(parts) * r, k, device=dev, dtype=bf16) * 0.01
             b = torch.randn(args.adapters, n, r, device=dev, dtype=bf16) * 0.01
             y = torch.zeros(batch, n, device=dev, dtype=bf16)
-            h_part = lora_shrink(x, a, slots, groups, act)
             t_base = _graph_time(lambda: act_mul_linear(x, w, act) if act else linear(x, w))
-            t_shrink = _graph_time(lambda: lora_shrink(x, a, slots, groups, act))
+            # where the engine's GEMV takes the shrink (a shape it lists): what its A rows add to it
+            in_gemv = form == "shrink in the GEMV" and (n, k) in GEMV_SHAPES
+            if in_gemv:
+                h_part = gemv_triton(x, w, None, GEMV_SHAPES[(n, k)], act=act, lora=(a, slots))[1]
+                t_shrink = _graph_time(lambda: linear_and_shrink(x, w, None, act, a, slots)) - t_base
+            else:
+                h_part = lora_shrink(x, a, slots, groups, act)
+                t_shrink = _graph_time(lambda: lora_shrink(x, a, slots, groups, act))
             t_expand = _graph_time(lambda: lora_expand(y, h_part, b, slots, parts, groups))
             shrink_bytes = used * a[0].numel() * 2 + x.numel() * 2 + h_part.numel() * 4
             expand_bytes = used * b[0].numel() * 2 + 2 * y.numel() * 2 + h_part.numel() * 4
             limit = (shrink_bytes + expand_bytes) / bw
             for i, t in enumerate((t_base, t_shrink, t_expand, limit)):
                 total[i] += t
-            rows.append([f"{batch} ({form})", name, f"{t_base * 1e6:.1f}", f"{t_shrink * 1e6:.1f}",
-                         f"{t_expand * 1e6:.1f}", f"{limit * 1e6:.2f}", f"{h_part.shape[0]}"])
+            rows.append([f"{batch} ({form})", name + (" (GEMV)" if in_gemv else ""), f"{t_base * 1e6:.1f}",
+                         f"{t_shrink * 1e6:.1f}", f"{t_expand * 1e6:.1f}", f"{limit * 1e6:.2f}", f"{h_part.shape[0]}"])
         layers = c["num_hidden_layers"]
         rows.append([f"{batch} ({form})", f"per step ({layers} layers), ms",
                      *(f"{t * layers * 1e3:.2f}" for t in total), ""])

@@ -224,6 +224,43 @@ def test_gpu_mixed_adapters_with_graphs(tiny_lora, quantization):
         torch.testing.assert_close(with_graph, eager, atol=2e-2, rtol=2e-2)
 
 
+class _EveryShape(dict):
+    """GEMV_SHAPES listing every weight shape (the default settings): the tiny model's layers
+    take the one-row GEMV in the graphs, as the 8B shape's do."""
+
+    def get(self, key, default=None):
+        from kvship.kernels.tuning.gemv import DEFAULT_CONFIG
+        return DEFAULT_CONFIG
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_one_row_gemv_takes_the_shrink(tiny_lora, monkeypatch):
+    """At one token in a decode graph a 16-bit layer's GEMV also takes LoRA's shrink (more
+    programs, the adapter's A rows): captured so, each adapter's greedy tokens, one request at a
+    time, equal its merged model's in float32."""
+    from kvship.kernels import gemv
+
+    root, base, adapters = tiny_lora
+    monkeypatch.setattr(gemv, "GEMV_SHAPES", _EveryShape())
+    fused, inner = [], gemv.gemv_triton
+
+    def spy(*args, lora=None, **kwargs):
+        fused.append(lora is not None)
+        return inner(*args, lora=lora, **kwargs)
+
+    monkeypatch.setattr(gemv, "gemv_triton", spy)
+    llm = LLM(str(root / "base"), device="cuda", dtype="float32", max_model_len=128, max_num_seqs=4,
+              num_kv_blocks=64, enable_lora=True, max_loras=3)
+    assert any(fused)  # captured into the one-row LoRA graph
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    jobs = [(p, n) for p in PROMPTS for n in adapters]
+    agree = sum(llm.generate([p], params, lora_request=adapters[n][1])[0].outputs[0].token_ids
+                == greedy(adapters[n][0], p, MAX_TOKENS) for p, n in jobs)
+    assert agree >= len(jobs) - 1  # a near-tie may flip between summation orders
+    llm.shutdown()
+
+
 def _decode_step_graph_and_eager(llm, prompts, loras, tag, not_replayed):
     """The logits of one decode step of these requests replayed from a graph and run eagerly
     with the per-row LoRA kernels; the graph set ``not_replayed`` is emptied meanwhile (a replay

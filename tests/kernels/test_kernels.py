@@ -14,6 +14,7 @@ import torch
 
 from kvship.kernels import activation, argmax, gemv, norm, rotary
 from kvship.kernels import allreduce_norm as arn
+from kvship.kernels import lora as lora_kernels
 from kvship.kernels import paged_attention as pa
 from kvship.kernels._triton import HAS_TRITON
 
@@ -329,6 +330,30 @@ def test_gemv(n, k, bias, dtype):
         close(gemv.gemv_triton(x, w, b, cfg), gemv.gemv_torch(x, w, b), dtype, f"gemv {cfg}")
         for act in activation.ACTIVATIONS:
             close(gemv.gemv_triton(h, w, b, cfg, act=act), gemv.gemv_torch(h, w, b, act=act), dtype, act)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", [None, "silu"])
+@pytest.mark.parametrize("slot", [1, -1])
+def test_gemv_takes_loras_shrink_in_the_same_launch(slot, act, dtype):
+    """With an adapter's stacked A, the programs past W's rows give LoRA's shrink of the same x
+    (float32, as lora_shrink's; zeros for a row without an adapter) and y stays the GEMV's; R
+    rows that do not fill a block, after N rows that do not either."""
+    n, k, r = 50, 200, 24
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 2 * k if act else k, generator=g).to(dtype).to(DEV)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEV)
+    b = torch.randn(n, generator=g).to(dtype).to(DEV)
+    a = (torch.randn(3, r, k, generator=g) / k**0.5).to(dtype).to(DEV)
+    slots = torch.tensor([slot], dtype=torch.int32, device=DEV)
+    cfg = {"block_n": 16, "block_k": 64, "num_warps": 4, "num_stages": 1}
+    y, h = gemv.gemv_triton(x, w, b, cfg, act=act, lora=(a, slots))
+    close(y, gemv.gemv_torch(x, w, b, act=act), dtype, "gemv with lora rows")
+    assert h.shape == (1, 1, r) and h.dtype == torch.float32
+    want = lora_kernels.lora_shrink_torch(x, a, slots, act)
+    close(h, want, dtype, "shrink rows")
+    if slot < 0:
+        assert h.abs().sum() == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

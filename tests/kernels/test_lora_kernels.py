@@ -55,7 +55,7 @@ def test_per_row_kernels_match_reference(dtype, rows, monkeypatch):
     # by hand: row 0 (slot 0), its k part (columns 24..40) from the k ranks (8..16)
     want = y0[0, 24:40].float() + h_ref[0, 0, RANK:2 * RANK] @ b[0, 24:40].float().T
     torch.testing.assert_close(y[0, 24:40].float(), want, rtol=tol, atol=tol * 10)
-    # partial sums of three splits
+    # partial sums of three splits: the expand's tile of splits padded to four, the last masked
     h3 = torch.randn(3, *h.shape[1:], generator=torch.Generator().manual_seed(5)).to(DEV)
     y_ref, y = y0.clone(), y0.clone()
     lora.lora_expand_torch(y_ref, h3, b, slots, SLICES)
@@ -203,7 +203,7 @@ def test_dispatch_takes_grouped_kernels_from_many_rows(monkeypatch):
 def test_per_row_kernels_compile_for_sm90():
     """The per-row shrink and expand as the decode graphs launch them (the interpreter accepts
     programs the GPU compiler rejects): one to three parts, split counts that are and are not a
-    power of two, the gated shrink."""
+    power of two, the gated shrink; and the one-row GEMV with and without the shrink's rows."""
     shrink = {"x_ptr": "*bf16", "a_ptr": "*bf16", "slots_ptr": "*i32", "h_ptr": "*fp32",
               **ints("K", "R", "K_PER_SPLIT", "stride_x", "stride_as", "stride_ar", "stride_hs", "stride_h")}
     expand = {"h_ptr": "*fp32", "b_ptr": "*bf16", "slots_ptr": "*i32", "y_ptr": "*bf16",
@@ -212,6 +212,14 @@ def test_per_row_kernels_compile_for_sm90():
               "constexprs": {"GATED": gated, "GELU": False, "BLOCK_R": 16, "BLOCK_K": 512, "PDL": True},
               "options": {"num_warps": 4}} for gated in (False, True)]
     specs += [{"kernel": "kvship.kernels.lora:_expand_kernel", "types": expand,
-               "constexprs": {"SPLIT": split, "PARTS": parts, "BLOCK_N": 128, "BLOCK_R": 16, "PDL": True}}
-              for split in (1, 3, 8, 16) for parts in (1, 2, 3)]
+               "constexprs": {"SPLIT": split, "BLOCK_S": block_s, "PARTS": parts, "BLOCK_N": 128, "BLOCK_R": 16,
+                              "PDL": True}}
+              for split, block_s in ((1, 1), (3, 4), (8, 8), (16, 16)) for parts in (1, 2, 3)]
+    # the one-row GEMV taking the shrink as more programs (layers/lora.py at one token in a graph)
+    gemv = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "a_ptr": "*bf16",
+            "slots_ptr": "*i32", "h_ptr": "*fp32", **ints("N", "K", "stride_w", "R", "stride_as", "stride_ar")}
+    specs += [{"kernel": "kvship.kernels.gemv:_gemv_kernel", "types": gemv,
+               "constexprs": {"HAS_BIAS": bias, "GATED": gated, "GELU": False, "BLOCK_N": 16, "BLOCK_K": 512,
+                              "PDL": True, "LORA": lora}, "options": {"num_warps": 4, "num_stages": 3}}
+              for bias, gated, lora in ((False, False, False), (True, False, True), (False, True, True))]
     compile_in_child(specs)

@@ -27,16 +27,25 @@ def gemv_torch(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, a_ptr, slots_ptr, h_ptr, R, stride_as, stride_ar,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, GELU: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr, LORA: tl.constexpr = False,
 ):
     # the PDL wait comes first: prefetching the first weight tile before it was much slower
     pdl_wait(PDL)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    shrink = False
+    if LORA:  # the programs past W's rows take the row's adapter's A rows: LoRA's shrink, on the same x
+        shrink = pid >= tl.cdiv(N, BLOCK_N)
+        if shrink:
+            slot = tl.load(slots_ptr)
+            offs_n = (pid - tl.cdiv(N, BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = (offs_n < R) & (slot >= 0)
+            rows = a_ptr + slot.to(tl.int64) * stride_as + offs_n[:, None].to(tl.int64) * stride_ar
+    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
@@ -53,29 +62,42 @@ def _gemv_kernel(
                     eviction_policy="evict_first")  # each weight byte is read once per step
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, 1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
+    if shrink:  # float32 sums, as lora_shrink leaves them (zeros for a row without an adapter)
+        tl.store(h_ptr + offs_n, y, mask=offs_n < R)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
 def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict[str, int] | None = None,
-    act: str | None = None, out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+    act: str | None = None, out_dtype: torch.dtype | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of ``gemv_torch`` for x with one row ([1, K], or [1, 2K] with ``act``); W [N, K].
-    The sums are float32 whatever the dtypes; the output is x's dtype, or ``out_dtype``."""
+    The sums are float32 whatever the dtypes; the output is x's dtype, or ``out_dtype``. With
+    ``lora`` (stacked A [S, R, K], the row's slot [1] int32) more programs take the slot's A rows
+    in the same launch: returns (y, h) with h [1, 1, R] float32, ``lora_shrink``'s result."""
     n, k = weight.shape
     assert x.numel() == x.shape[-1] == (2 * k if act else k) and weight.stride(-1) == 1
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=out_dtype or x.dtype, device=x.device)
     cfg = config or DEFAULT_CONFIG
-    _gemv_kernel[(triton.cdiv(n, cfg["block_n"]),)](
-        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, GATED=act is not None, GELU=act == "gelu_tanh", BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_launch(x),
+    grid = triton.cdiv(n, cfg["block_n"])
+    a, slots, h, r = weight, weight, y, 0  # never read without lora
+    if lora is not None:
+        a, slots = lora
+        assert a.shape[2] == k and a.stride(-1) == 1 and a.dtype == weight.dtype
+        r = a.shape[1]
+        h = torch.empty(1, 1, r, dtype=torch.float32, device=x.device)
+        grid += triton.cdiv(r, cfg["block_n"])
+    _gemv_kernel[(grid,)](
+        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0), a, slots, h, r, a.stride(0),
+        a.stride(-2), HAS_BIAS=bias is not None, GATED=act is not None, GELU=act == "gelu_tanh",
+        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], LORA=lora is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl_launch(x),
     )
-    return y
+    return y if lora is None else (y, h)
 
 
 def _in_graph(x: torch.Tensor, tokens: int) -> bool:
@@ -99,6 +121,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if config is not None:
         return gemv_triton(x, weight, bias, config)
     return F.linear(x, weight, bias)
+
+
+def linear_and_shrink(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None,
+                      a: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``linear`` (``act_mul_linear`` with ``act``) and LoRA's shrink of the same x by its row's
+    adapter (stacked A [S, R, K], slots [1]) in one launch, where ``linear`` takes the GEMV: (y,
+    h [1, 1, R] float32); else None. At one token each LoRA kernel costs more than its bytes."""
+    config = _graph_config(x, weight)
+    if config is None or a.dtype != weight.dtype:
+        return None
+    return gemv_triton(x, weight, bias, config, act=act, lora=(a, slots))
 
 
 def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

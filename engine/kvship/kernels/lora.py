@@ -103,7 +103,7 @@ def _shrink_kernel(x_ptr, a_ptr, slots_ptr, h_ptr, K, R, K_PER_SPLIT, stride_x, 
 
 @triton.jit
 def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, RANK, C1, C2, stride_hs, stride_h, stride_bs, stride_bn,
-                   stride_y, SPLIT: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   stride_y, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, PARTS: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0)
@@ -114,24 +114,30 @@ def _expand_kernel(h_ptr, b_ptr, slots_ptr, y_ptr, N, RANK, C1, C2, stride_hs, s
         offs_r = tl.arange(0, BLOCK_R)
         rmask = offs_r < RANK
         mask = nmask[:, None] & rmask[None, :]
-        # each part's ranks of this row, the shrink's partial sums added up
-        h_row = h_ptr + t.to(tl.int64) * stride_h + offs_r
-        h0 = tl.zeros([BLOCK_R], tl.float32)
-        h1 = tl.zeros([BLOCK_R], tl.float32)
-        h2 = tl.zeros([BLOCK_R], tl.float32)
-        for s in tl.static_range(SPLIT):
-            h0 += tl.load(h_row + s * stride_hs, mask=rmask, other=0.0)
-            if PARTS > 1:
-                h1 += tl.load(h_row + s * stride_hs + RANK, mask=rmask, other=0.0)
-            if PARTS > 2:
-                h2 += tl.load(h_row + s * stride_hs + 2 * RANK, mask=rmask, other=0.0)
-        part = ((offs_n >= C1).to(tl.int32) + (offs_n >= C2).to(tl.int32))[:, None]  # q/k/v or gate/up
-        h = tl.where(part == 0, h0[None, :], tl.where(part == 1, h1[None, :], h2[None, :]))
+        # Every load goes out before the first sum, whose barriers would hold a later load back:
+        # B's tile, y's, and each part's ranks of this row as one [BLOCK_S, BLOCK_R] tile of the
+        # shrink's partial sums spread over the threads (read split by split, each thread held
+        # every split and the compiler issued the loads a few at a time).
         b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :],
                     mask=mask, other=0.0)
-        delta = tl.sum(b.to(tl.float32) * h, 1)
         out = y_ptr + t.to(tl.int64) * stride_y + offs_n
         y = tl.load(out, mask=nmask, other=0.0)
+        offs_s = tl.arange(0, BLOCK_S)
+        h_tile = h_ptr + t.to(tl.int64) * stride_h + offs_s[:, None] * stride_hs + offs_r[None, :]
+        hmask = (offs_s < SPLIT)[:, None] & rmask[None, :]
+        t0 = tl.load(h_tile, mask=hmask, other=0.0)
+        t1 = t0
+        t2 = t0
+        if PARTS > 1:
+            t1 = tl.load(h_tile + RANK, mask=hmask, other=0.0)
+        if PARTS > 2:
+            t2 = tl.load(h_tile + 2 * RANK, mask=hmask, other=0.0)
+        h0 = tl.sum(t0, 0)
+        h1 = tl.sum(t1, 0) if PARTS > 1 else h0
+        h2 = tl.sum(t2, 0) if PARTS > 2 else h0
+        part = ((offs_n >= C1).to(tl.int32) + (offs_n >= C2).to(tl.int32))[:, None]  # q/k/v or gate/up
+        h = tl.where(part == 0, h0[None, :], tl.where(part == 1, h1[None, :], h2[None, :]))
+        delta = tl.sum(b.to(tl.float32) * h, 1)
         tl.store(out, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -170,7 +176,8 @@ def lora_expand_triton(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, slots:
     block_n = max(16, min(128, 4096 // block_r))
     _expand_kernel[(t, triton.cdiv(n, block_n))](h, b, slots, y, n, rank, starts[0], starts[1], h.stride(0),
                                                  h.stride(1), b.stride(0), b.stride(1), y.stride(0),
-                                                 SPLIT=h.shape[0], PARTS=len(slices), BLOCK_N=block_n,
+                                                 SPLIT=h.shape[0], BLOCK_S=next_pow2(h.shape[0]),
+                                                 PARTS=len(slices), BLOCK_N=block_n,
                                                  BLOCK_R=block_r, **pdl_launch(y))
 
 

@@ -98,6 +98,14 @@ class _Linear(nn.Module):
             self.weight = nn.Parameter(self.qweight.qweight, requires_grad=False)
 
 
+def plain_weight(layer: nn.Module) -> torch.Tensor | None:
+    """The 16-bit matrix a sharded linear layer multiplies by as it is; None for a quantized one
+    (its own kernels) or another kind of layer."""
+    if isinstance(layer, _Linear) and layer.qweight is None and layer.cpu_quant is None:
+        return layer.weight
+    return None
+
+
 class ReplicatedLinear(nn.Linear):
     """nn.Linear whose one-row product takes the GEMV kernel inside CUDA graphs (kernels/gemv.py's
     ``linear``), for small matrices every rank holds whole: a router's, whose cuBLAS call at one

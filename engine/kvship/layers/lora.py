@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvship.kernels.gemv import linear_and_shrink
 from kvship.kernels.lora import lora_expand, lora_shrink
 from kvship.kernels.lora_segments import DECODE_BLOCK_M, RowGroups, num_blocks
+from kvship.layers.linear import RowParallelLinear, plain_weight
 
 
 class LoRABatch:
@@ -78,10 +80,14 @@ class LoRALinear(nn.Module):
         if self.batch.active:
             # a gate/up layer's whole product (the down projection applies the activation); the
             # down projection's input still gated: its GEMV and the shrink apply it as they read it
-            y = self.base(x)
             act = self.act if self.gated_input and x.shape[-1] != self.in_features else None
             slots, groups = self.batch.slots(x.shape[0]), self.batch.groups
-            h = lora_shrink(x, self.lora_a, slots, groups, act)
+            fused = self._base_and_shrink(x, act, slots)
+            if fused is None:
+                y = self.base(x)
+                h = lora_shrink(x, self.lora_a, slots, groups, act)
+            else:
+                y, h = fused
             lora_expand(y, h, self.lora_b, slots, self.slice_sizes, groups)
         else:
             y = self.base(x, *args)
@@ -90,6 +96,17 @@ class LoRALinear(nn.Module):
             if self.base.bias is not None:
                 y = y + self.base.bias
         return y
+
+    def _base_and_shrink(self, x: torch.Tensor, act: str | None, slots: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The base product and the shrink in one launch, where the base takes the one-row GEMV
+        (a 16-bit layer in a decode graph): (y, h), else None. A row-parallel base adds no bias
+        here (this layer adds it after the reduction)."""
+        weight = plain_weight(self.base)
+        if weight is None:
+            return None
+        bias = None if isinstance(self.base, RowParallelLinear) else self.base.bias
+        return linear_and_shrink(x, weight, bias, act, self.lora_a, slots)
 
     def image_shapes(self) -> tuple[torch.Size, torch.Size]:
         """The shapes of one slot's A and B, which an adapter's ``slot_image`` for this layer fills."""
