@@ -93,7 +93,6 @@ def test_queue_time_and_ttft_count_the_wait_for_the_engine_thread(engine):
         waiting = asyncio.ensure_future(first("waits-in-the-inbox"))
         await asyncio.sleep(0.5)
         assert engine.stats().num_requests_waiting >= 1  # counted as waiting meanwhile
-        assert engine.num_waiting() == engine.stats().num_requests_waiting  # admission's count
         engine.engine.step = inner
         release.set()
         return t_submit, await waiting, await busy

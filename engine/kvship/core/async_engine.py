@@ -141,7 +141,7 @@ class AsyncEngine:
         """EngineDeadError once the loop has died; QueueFullError while the waiting queue is full."""
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError("the engine has stopped") from self._error
-        if self.num_waiting() >= self.config.max_waiting_requests:
+        if self.stats().num_requests_waiting >= self.config.max_waiting_requests:
             raise QueueFullError(f"the server has {self.config.max_waiting_requests} requests waiting; retry later")
 
     def abort(self, request_id: str) -> None:
@@ -177,17 +177,12 @@ class AsyncEngine:
         self._inbox.put(("lora", (lora_request, done)))
         return done
 
-    def num_waiting(self) -> int:
-        """Requests not yet running: the scheduler's waiting ones and those not yet taken from
-        the inbox (what admission checks on every request, without a whole stats snapshot)."""
-        return len({s.request_id for s in list(self.engine.scheduler.waiting)}) + self._pending
-
     def stats(self) -> EngineStats:
         e, kv = self.engine, self.engine.kv
         sched = e.scheduler
         return EngineStats(
             num_requests_running=len({s.request_id for s in list(sched.running)}),
-            num_requests_waiting=self.num_waiting(),
+            num_requests_waiting=len({s.request_id for s in list(sched.waiting)}) + self._pending,
             num_kv_blocks_total=kv.num_blocks,
             num_kv_blocks_used=kv.num_used_blocks,
             num_kv_blocks_free=kv.num_free_blocks,

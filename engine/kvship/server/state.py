@@ -29,7 +29,7 @@ class Admission:
 
     def reserve(self, engine: EngineClient, n: int) -> None:
         limit = engine.config.max_waiting_requests
-        if engine.num_waiting() + self.reserved + n > limit:
+        if engine.stats().num_requests_waiting + self.reserved + n > limit:
             raise queue_full()
         self.reserved += n
 
