@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -14,7 +15,7 @@ from kvship.core.kv_events import block_hashes
 from kvship.router import prompt
 from kvship.router.kv_events import CachedBlocks, request_block_hashes
 from kvship.router.pool import Endpoint, Pool, endpoint_from_url
-from kvship.router.scrape import Scraper
+from kvship.router.scrape import MAX_SLOW, Scraper
 from picker_utils import ADDRESSES, chat, picked
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,12 +100,15 @@ class MetricsPage:
     """A real HTTP server with a model server's /metrics names, values set by the test."""
 
     def __init__(self, waiting: float, running: float, kv: float):
+        self.delay = 0.0  # seconds before answering
+        page = self
         text = (f"# TYPE kvship:num_requests_waiting gauge\nkvship:num_requests_waiting{{model_name=\"m\"}} {waiting}\n"
                 f"kvship:num_requests_running{{model_name=\"m\"}} {running}\n"
                 f"kvship:kv_cache_usage_perc{{model_name=\"m\"}} {kv}\n").encode()
 
         class H(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
+                time.sleep(page.delay)
                 self.send_response(200)
                 self.send_header("content-length", str(len(text)))
                 self.end_headers()
@@ -144,6 +148,30 @@ def test_least_load_from_scraped_metrics_and_dead_endpoint_skipped():
     finally:
         for p in pages:
             p.close()
+
+
+def test_a_slow_scrape_keeps_the_endpoint_until_several_in_a_row():
+    """A busy engine that answers /metrics late keeps its place (and its prefixes) with its last
+    reading; only MAX_SLOW timeouts in a row take it out, and one answer brings it back."""
+    page = MetricsPage(3, 1, 0.4)
+    try:
+        pool = Pool([endpoint_from_url(page.url)], "prefix")
+        endpoint = pool.endpoints[0]
+        scraper = Scraper(pool, 0.1)  # a scrape waits 0.2 s
+        scraper.scrape_once()
+        pool.index.record(endpoint.address, [b"p"])
+        page.delay = 0.6
+        for _ in range(MAX_SLOW - 1):
+            scraper.scrape_once()
+            assert endpoint.healthy and endpoint.waiting == 3 and pool.index.match(endpoint.address, [b"p"]) == 1
+        scraper.scrape_once()
+        assert not endpoint.healthy and pool.index.match(endpoint.address, [b"p"]) == 0
+        page.delay = 0.0
+        scraper.scrape_once()
+        assert endpoint.healthy
+        scraper.stop()
+    finally:
+        page.close()
 
 
 def test_without_a_reported_match_the_pickers_own_record_decides():

@@ -1,12 +1,16 @@
 """Each engine's /metrics, read every interval: queue depth, running requests, KV-cache usage (the
-GIE model-server protocol's signals, under kvship's names). A failed scrape takes the endpoint out.
+GIE model-server protocol's signals, under kvship's names). A refused or failed scrape takes the
+endpoint out; a slow one only after MAX_SLOW in a row (a busy engine answers late, and taking it
+out forgets where its prefixes live).
 An engine serving LoRA adapters (it exports `kvship:lora_requests_info`) is also asked which it
 holds (/v1/models: the cards with a parent), for the picker's adapter affinity."""
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,6 +18,7 @@ from kvship.router.pool import Adapters, Endpoint, Pool
 
 logger = logging.getLogger("kvship.router")
 
+MAX_SLOW = 3  # scrapes in a row that time out before the endpoint is taken out
 WANTED = ("kvship:num_requests_running", "kvship:num_requests_waiting", "kvship:kv_cache_usage_perc")
 
 
@@ -59,15 +64,21 @@ def held_adapters(endpoint: Endpoint, timeout: float) -> frozenset[str]:
     return frozenset(str(c["id"]) for c in cards if c.get("parent") and c.get("id"))
 
 
-def scrape(endpoint: Endpoint, timeout: float) -> tuple[dict[str, float] | None, Adapters | None]:
+def timed_out(exc: BaseException) -> bool:
+    return isinstance(exc, (TimeoutError, socket.timeout)) or (
+        isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, (TimeoutError, socket.timeout)))
+
+
+def scrape(endpoint: Endpoint, timeout: float) -> tuple[dict[str, float] | None, Adapters | None, bool]:
+    """(metrics, adapters, slow): metrics None when the scrape failed, slow when it timed out."""
     try:
         with urllib.request.urlopen(endpoint.url + "/metrics", timeout=timeout) as resp:
             text = resp.read().decode(errors="replace")
         active = parse_lora_info(text)
         adapters = None if active is None else Adapters(held_adapters(endpoint, timeout) | active, active)
-        return parse_metrics(text), adapters
-    except (OSError, ValueError, KeyError):
-        return None, None
+        return parse_metrics(text), adapters, False
+    except (OSError, ValueError, KeyError) as exc:
+        return None, None, timed_out(exc)
 
 
 class Scraper:
@@ -78,11 +89,15 @@ class Scraper:
         self._thread = threading.Thread(target=self._run, name="kvship-router-scrape", daemon=True)
         # threads start only as needed; discovered endpoints may outnumber those given at start
         self._workers = ThreadPoolExecutor(16, thread_name_prefix="kvship-scrape")
+        self._slow: dict[str, int] = {}  # address -> scrapes in a row that timed out
 
     def scrape_once(self) -> None:
         timeout = max(0.2, self.interval * 2)
         results = list(self._workers.map(lambda e: (e, scrape(e, timeout)), self.pool.endpoints))
-        for endpoint, (metrics, adapters) in results:
+        for endpoint, (metrics, adapters, slow) in results:
+            self._slow[endpoint.address] = self._slow.get(endpoint.address, 0) + 1 if slow else 0
+            if 0 < self._slow[endpoint.address] < MAX_SLOW:
+                continue  # the last reading stands
             was = endpoint.healthy
             self.pool.update(endpoint, metrics, adapters)
             if was != endpoint.healthy:
