@@ -1,19 +1,22 @@
 """The 8B shape's projections at the row counts of batched decode (64 to 512): cuBLAS as torch
 picks it, cuBLASLt preferred, and the algorithm PyTorch's TunableOp picks after timing every one
 cuBLAS / cuBLASLt offer for the shape (torch.cuda.tunable), in bf16 and in per-row FP8 W8A8
-(torch._scaled_mm). Then the LM head: its bf16 logits converted to float32 (what the engine does)
-against a product that writes float32 itself (torch.mm's out_dtype), where torch offers it.
+(torch._scaled_mm). With --triton, a split-K Triton GEMM candidate (below) over a small grid of
+settings, checked against torch first, its best setting per shape and row count. Then the LM
+head: its bf16 logits converted to float32 (what the engine does) against a product that writes
+float32 itself (torch.mm's out_dtype), where torch offers it.
 
 At 256 rows the engine's GEMMs take about 1.5x their limit (docs/performance.md, "where a step
 goes"); o and down give cuBLAS's 128-row tiles few output tiles to spread over the SMs. Each time
 comes from a CUDA graph cycling through enough weight copies to overflow L2; limits in the same
 run: weight bytes ÷ copy bandwidth, FLOPs ÷ the measured bf16 / FP8 matmul rates.
 
-    python bench/gemm_tuning.py [--rows 64 128 256 512] [--tuning-ms 30]
+    python bench/gemm_tuning.py [--rows 64 128 256 512] [--tuning-ms 30] [--triton [--triton-rows 256]]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -26,8 +29,100 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import header, measure_ceilings, table
 from fp8_gemm import fp8_matmul_rate
 from gemv_sweep import SHAPES, time_per_call
+from kvship.kernels._triton import tl, triton
 
 LM_HEAD = ("lm head", 128256, 4096)
+
+
+@triton.jit
+def _split_k_gemm(a_ptr, w_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """C = A @ W^T for A [M, K], W [N, K]: a tile of C per program of axis 0 (grouped along M so that
+    W's tiles are reused from L2), its K range split over axis 1; with SPLIT_K > 1 the partial
+    tiles are added into a float32 C. K must divide into SPLIT_K * BLOCK_K pieces."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    k_len = K // SPLIT_K
+    k_start = tl.program_id(1) * k_len
+    a = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + (k_start + offs_k)[None, :]
+    w = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k_start + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for _ in range(0, k_len, BLOCK_K):
+        acc = tl.dot(tl.load(a, mask=mmask[:, None], other=0.0), tl.trans(tl.load(w, mask=nmask[:, None], other=0.0)),
+                     acc)
+        a += BLOCK_K
+        w += BLOCK_K
+    c = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    cmask = mmask[:, None] & nmask[None, :]
+    if SPLIT_K == 1:
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=cmask)
+    else:
+        tl.atomic_add(c, acc, mask=cmask, sem="relaxed")
+
+
+def split_k_linear(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """F.linear(x, w) (no bias) through _split_k_gemm; with split_k > 1 a float32 sum, then bf16."""
+    m, k = x.shape
+    n = w.shape[0]
+    split = cfg["split_k"]
+    assert k % (split * cfg["block_k"]) == 0
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype) if split == 1 else \
+        torch.zeros(m, n, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]), split)
+    _split_k_gemm[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=cfg["block_m"],
+                        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], SPLIT_K=split, GROUP_M=8,
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out if split == 1 else out.to(x.dtype)
+
+
+def triton_grid() -> list[dict]:
+    grid = []
+    for bm, bn, split, warps, stages in itertools.product([64, 128], [128, 256], [1, 2, 4], [4, 8], [3, 4]):
+        if bm * bn > 128 * 128 and warps == 4:  # the accumulator alone would take 256 registers a thread
+            continue
+        grid.append(dict(block_m=bm, block_n=bn, block_k=64, split_k=split, num_warps=warps, num_stages=stages))
+    return grid
+
+
+def triton_rows(rows: list[int], bw: float, mm: float) -> list[list[str]]:
+    """Per shape and row count: cuBLAS, then the grid's best setting of the split-K candidate."""
+    out = []
+    for name, n, k in SHAPES[:4]:
+        copies = copies_for(n, k, 2)
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x.float(), w16[0].float())
+            t_cublas = time_per_call(lambda i: F.linear(x, w16[i]), copies)
+            best = None
+            for cfg in triton_grid():
+                if k % (cfg["split_k"] * cfg["block_k"]):
+                    continue
+                try:
+                    err = ((split_k_linear(x, w16[0], cfg).float() - ref).norm() / ref.norm()).item()
+                    assert err < 1e-2, f"{cfg}: relative error {err:.1e}"
+                    t = time_per_call(lambda i: split_k_linear(x, w16[i], cfg), copies)
+                except triton.runtime.errors.OutOfResources:
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, cfg, err)
+            limit = max(2 * n * k / bw * 2, 2 * m * n * k / mm) * 1e6
+            out.append([name, str(m), f"{t_cublas:.1f}", f"{best[0]:.1f}", f"{limit:.1f}", f"{limit / t_cublas:.0%}",
+                        f"{limit / best[0]:.0%}", f"{best[2]:.1e}", str(best[1])])
+        w16 = None
+        torch.cuda.empty_cache()
+    return out
 
 
 def copies_for(n: int, k: int, elem: int) -> int:
@@ -102,6 +197,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256, 512])
     ap.add_argument("--tuning-ms", type=int, default=30, help="TunableOp's time budget per shape")
+    ap.add_argument("--triton", action="store_true", help="also the split-K Triton candidate's grid")
+    ap.add_argument("--triton-rows", type=int, nargs="+", default=[256])
     args = ap.parse_args()
     bw, mm = measure_ceilings()  # before TunableOp is on: its 8192^3 product is cuBLAS's default
     mm8 = fp8_matmul_rate()
@@ -128,6 +225,11 @@ def main() -> None:
                        "best of limit", "FP8 _scaled_mm µs", "FP8 TunableOp µs", "FP8 limit µs", "FP8 best of limit"]))
     print("\nTunableOp's picks:\n")
     print(table([[str(v) for v in r] for r in tun.get_results()], ["op", "shape", "algorithm", "ms"]))
+    if args.triton:
+        print("\nSplit-K Triton GEMM candidate, the best of its grid, against cuBLAS:\n")
+        print(table(triton_rows(args.triton_rows, bw, mm),
+                    ["weight", "rows", "cuBLAS µs", "Triton best µs", "limit µs", "cuBLAS of limit",
+                     "Triton of limit", "rel err", "setting"]))
     print("\nLM head (128256 x 4096), float32 logits:\n")
     print(table(lm_head_rows(args.rows, bw, mm),
                 ["rows", "bf16 product + .float() µs", "mm(out_dtype=float32) µs", "rel err vs float32", "limit µs"]))

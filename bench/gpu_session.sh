@@ -68,9 +68,9 @@ bench kernels 300 python3 bench/kernels_gpu.py
 bench spec 400 python3 bench/spec_decode.py --shape llama3-8b --acceptance 0.5 0.7 --batch 1 8 16 32 48 64
 # the base engine, the LoRA one and the base again, each in its own process, after the kernel table
 bench lora 300 python3 bench/lora.py --kernels
-# cuBLAS's pick against TunableOp's per shape (bench/gemm_tuning.py), then a 256-row decode step as
+# cuBLAS's pick against TunableOp's and a split-K Triton GEMM's per shape (bench/gemm_tuning.py), then a 256-row decode step as
 # the engine runs it, without and with TunableOp tuning every GEMM it meets
-bench gemm 500 bash -c "timeout 240 python3 bench/gemm_tuning.py; \
+bench gemm 560 bash -c "timeout 300 python3 bench/gemm_tuning.py --triton; \
   timeout 100 python3 bench/profile_step.py --graphs --batch 256 --context 840 --steps 8 --top 12; \
   PYTORCH_TUNABLEOP_ENABLED=1 PYTORCH_TUNABLEOP_TUNING=1 PYTORCH_TUNABLEOP_FILENAME=/tmp/tunableop.csv \
   timeout 150 python3 bench/profile_step.py --graphs --batch 256 --context 840 --steps 8 --top 12"
