@@ -30,6 +30,7 @@ from common import header, measure_ceilings, table
 from fp8_gemm import fp8_matmul_rate
 from gemv_sweep import SHAPES, time_per_call
 from kvship.kernels._triton import tl, triton
+from kvship.kernels.fp8_matmul import grouped_tile
 
 LM_HEAD = ("lm head", 128256, 4096)
 
@@ -37,17 +38,10 @@ LM_HEAD = ("lm head", 128256, 4096)
 @triton.jit
 def _split_k_gemm(a_ptr, w_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """C = A @ W^T for A [M, K], W [N, K]: a tile of C per program of axis 0 (grouped along M so that
-    W's tiles are reused from L2), its K range split over axis 1; with SPLIT_K > 1 the partial
+    """C = A @ W^T for A [M, K], W [N, K]: a tile of C per program of axis 0 (fp8_matmul's
+    grouped_tile), its K range split over axis 1; with SPLIT_K > 1 the partial
     tiles are added into a float32 C. K must divide into SPLIT_K * BLOCK_K pieces."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
