@@ -41,9 +41,7 @@ def _split_k_gemm(a_ptr, w_ptr, c_ptr, M, N, K, stride_am, stride_wn, stride_cm,
     """C = A @ W^T for A [M, K], W [N, K]: a tile of C per program of axis 0 (fp8_matmul's
     grouped_tile), its K range split over axis 1; with SPLIT_K > 1 the partial
     tiles are added into a float32 C. K must divide into SPLIT_K * BLOCK_K pieces."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
     nmask = offs_n < N

@@ -158,13 +158,15 @@ def fp8_group_matmul_torch(xq: torch.Tensor, x_scales: torch.Tensor, wq: torch.T
 
 @triton.jit
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row block, column block) of a GEMM's program ``pid``: programs walk the tiles GROUP_M row
-    blocks at a time down each column block, so that neighbouring programs share weight tiles in L2."""
+    """The rows and columns of C a GEMM's program ``pid`` computes: programs walk the tiles GROUP_M
+    row blocks at a time down each column block, so that neighbouring programs share weight tiles in L2."""
     grid_m = tl.cdiv(M, BLOCK_M)
     width = GROUP_M * tl.cdiv(N, BLOCK_N)
     first_m = (pid // width) * GROUP_M
     rows_here = tl.minimum(grid_m - first_m, GROUP_M)
-    return first_m + (pid % width) % rows_here, (pid % width) // rows_here
+    pid_m = first_m + (pid % width) % rows_here
+    pid_n = (pid % width) // rows_here
+    return pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
 @triton.jit
@@ -173,9 +175,7 @@ def _fp8_group_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, 
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     """C [M, N] = sum over groups g of (A_g @ B_g^T) * as[:, g] * bs[:, g], with BLOCK_K the group:
     each step's FP8 dot sums in float32 on its own, then takes both scales (tiles: grouped_tile)."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
     nmask = offs_n < N
