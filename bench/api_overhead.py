@@ -5,7 +5,7 @@ tiny one with random weights, so the forward pass costs almost nothing and what 
 request path: a slow one shows up as a ratio far below 1. --max-tokens N: answers of N tokens
 (sent whole), so that the per-step work of many running requests shows.
 
-    python bench/api_overhead.py [--requests 400] [--concurrency 1 8 32] [--max-tokens 1]
+    python bench/api_overhead.py [--requests 400] [--concurrency 1 8 32] [--max-tokens 1] [--server-arg=...]
 """
 from __future__ import annotations
 
@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra `kvship serve` argument (repeatable), e.g. --server-arg=--engine-process")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = tiny_chat_model(tmp)
@@ -115,7 +117,7 @@ def main() -> None:
         server = subprocess.Popen(
             [sys.executable, "-m", "kvship.cli", "serve", folder, "--load-format", "dummy", "--device", "cpu",
              "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256", "--no-chat-page",
-             "--max-num-seqs", str(max(args.concurrency)), "--log-level", "warning"],
+             "--max-num-seqs", str(max(args.concurrency)), "--log-level", "warning", *args.server_arg],
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         url = f"http://127.0.0.1:{port}"
         try:
@@ -137,7 +139,8 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(30)
-    print(f"max_tokens={args.max_tokens} chat completions, tiny random model on CPU, {args.requests} requests per row\n")
+    print(f"max_tokens={args.max_tokens} chat completions, tiny random model on CPU, {args.requests} requests per row"
+          f"{', server: ' + ' '.join(args.server_arg) if args.server_arg else ''}\n")
     print(table(rows, ["concurrency", "API requests/s", "API latency p50 ms", "engine alone requests/s", "API / engine"]))
 
 

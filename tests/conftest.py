@@ -80,6 +80,15 @@ def _stacks(threads) -> str:
                      for t in threads if t.ident in frames)
 
 
+def _resource_tracker() -> set[int]:
+    """multiprocessing's resource tracker: started with the first ``spawn`` child (an engine
+    process), one for the interpreter's whole life, not a test's."""
+    import multiprocessing.resource_tracker as rt
+
+    pid = getattr(rt._resource_tracker, "_pid", None)
+    return {pid} if pid else set()
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_threads_or_processes():
     """Nothing a test starts may outlive it: after its function-scoped fixtures are torn down
@@ -90,7 +99,7 @@ def no_leftover_threads_or_processes():
     deadline = time.monotonic() + LEAK_GRACE_S
     while True:
         threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
-        children = live_children(os.getpid()) - children_before
+        children = live_children(os.getpid()) - children_before - _resource_tracker()
         if not threads and not children or time.monotonic() > deadline:
             break
         time.sleep(0.1)

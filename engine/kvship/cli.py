@@ -161,12 +161,13 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvship.core.async_engine import AsyncEngine
+    from kvship.core.engine_process import ProcessEngine
     from kvship.server.app import build_app
     from kvship.server.timeouts import timed_h11_protocol
 
     logger.info("loading %s", config.model or "the bundled SmolLM2-135M-Instruct")
     try:
-        engine = AsyncEngine.from_config(config)
+        engine = ProcessEngine(config) if args.engine_process else AsyncEngine.from_config(config)
     except Exception as exc:  # noqa: BLE001 - a failed load is reported, not a traceback dump
         logger.error("could not load the model: %s", exc, exc_info=args.log_level == "debug")
         return 1

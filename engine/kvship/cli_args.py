@@ -171,6 +171,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="split the model's thinking from its answer: qwen3 or deepseek_r1 (<think>...</think>), "
                         "harmony (gpt-oss: the analysis channel, and its tool calls); the thinking goes to "
                         "message.reasoning_content")
+    g.add_argument("--engine-process", action="store_true",
+                   help="run the engine's step loop in a process of its own, beside the HTTP server's (each with "
+                        "its own interpreter lock: more requests/s at many connections)")
     g.add_argument("--shutdown-timeout", type=float, default=20.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

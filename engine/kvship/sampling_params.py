@@ -15,6 +15,9 @@ class InvalidParamsError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickled whole (the engine's process hands it to the server's)
+        return type(self), (str(self), self.param)
+
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 

@@ -1,16 +1,19 @@
-"""The async engine: streams, external abort, and rejected requests, on the bundled model."""
+"""The serving engines, in a thread (AsyncEngine) and in a process of its own (ProcessEngine):
+streams, external abort, and rejected requests, on the bundled model."""
 import asyncio
 
 import pytest
 
 from kvship.config import EngineConfig
 from kvship.core.async_engine import AsyncEngine
+from kvship.core.engine_process import ProcessEngine
 from kvship.sampling_params import InvalidParamsError, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def engine():
-    eng = AsyncEngine.from_config(EngineConfig(device="cpu", max_model_len=512))
+@pytest.fixture(scope="module", params=["thread", "process"])
+def engine(request):
+    config = EngineConfig(device="cpu", max_model_len=512)
+    eng = AsyncEngine.from_config(config) if request.param == "thread" else ProcessEngine(config, start_timeout=240)
     yield eng
     eng.shutdown()
 
@@ -66,6 +69,7 @@ def test_consumer_leaving_aborts(engine):
     assert engine.stats().num_kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("engine", ["thread"], indirect=True)  # it holds the thread's step
 def test_queue_time_and_ttft_count_the_wait_for_the_engine_thread(engine):
     """A request submitted while the engine thread is busy in a step waits in the inbox; its
     arrival is when it was submitted, so its queue time and time to first token include that

@@ -1,7 +1,8 @@
 """The engine for serving: its step loop runs in its own thread, off the asyncio event loop.
 
 The server talks to it only through generate() (an async stream of outputs), abort() and
-stats(). Moving the loop into its own process would change only this file.
+stats() (server/engine_client.py's protocol); core/engine_process.py serves the same protocol
+from a process of its own.
 """
 from __future__ import annotations
 
@@ -56,25 +57,85 @@ class EngineStats:
 
 
 @dataclass
-class _Rejected:
+class Rejected:
     """add_request refused the request (a client mistake); re-raised in the caller."""
 
     error: Exception
 
 
-class _Stream:
-    """Outputs of one request, handed from the engine thread to the event loop."""
+def engine_stats(e: LLMEngine, pending: int) -> EngineStats:
+    """The engine's counters now; ``pending``: requests submitted that it has not seen yet
+    (counted as waiting)."""
+    kv, sched = e.kv, e.scheduler
+    return EngineStats(
+        num_requests_running=len({s.request_id for s in list(sched.running)}),
+        num_requests_waiting=len({s.request_id for s in list(sched.waiting)}) + pending,
+        num_kv_blocks_total=kv.num_blocks,
+        num_kv_blocks_used=kv.num_used_blocks,
+        num_kv_blocks_free=kv.num_free_blocks,
+        prefix_cache_queries=kv.prefix_queries,
+        prefix_cache_hits=kv.prefix_hits,
+        num_preemptions=sched.num_preemptions,
+        prompt_tokens_total=e.prompt_tokens_total,
+        generation_tokens_total=e.generation_tokens_total,
+        running_lora_adapters=sorted({s.lora.lora_name for s in list(sched.running) if s.lora is not None}),
+        waiting_lora_adapters=sorted({s.lora.lora_name for s in list(sched.waiting) if s.lora is not None}),
+        lora_requests_total=dict(e.lora_requests_total),
+        spec_decode=copy.deepcopy(e.speculator.stats) if e.speculator is not None else None,
+    )
+
+
+class Stream:
+    """Outputs of one request, handed from the engine's thread (or pipe reader) to the event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | _Rejected | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[RequestOutput | Rejected | BaseException] = asyncio.Queue()
+        self.ended = False  # the engine is done with the request: nothing left to abort
 
-    def put(self, item: RequestOutput | _Rejected | BaseException) -> None:
+    def put(self, item: RequestOutput | Rejected | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The outputs up to the finished one; a refusal's error, or EngineDeadError, raised."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, Rejected):
+                self.ended = True
+                raise item.error
+            if isinstance(item, BaseException):
+                raise EngineDeadError("the engine stopped while serving this request") from item
+            self.ended = item.finished
+            yield item
+            if item.finished:
+                return
 
-class AsyncEngine:
+
+class StreamingClient:
+    """What both serving engines keep of the requests a server reads: their streams, by id."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[str, Stream] = {}
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def _read(self, request_id: str, stream: Stream) -> AsyncIterator[RequestOutput]:
+        """``stream``'s outputs; a reader that stops before the end aborts the request."""
+        try:
+            async for out in stream.outputs():
+                yield out
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not stream.ended:
+                self.abort(request_id)
+
+
+class AsyncEngine(StreamingClient):
     def __init__(self, engine: LLMEngine):
+        super().__init__()
         self.engine = engine
         self.config = engine.config
         self.tokenizer = engine.tokenizer
@@ -85,8 +146,6 @@ class AsyncEngine:
         self.pooling = engine.pooling
         self.embedding_size = engine.model_config.hidden_size
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
         self._death_callbacks: list[Callable[[BaseException], None]] = []
         self._error: BaseException | None = None
         self._stopping = threading.Event()
@@ -113,29 +172,13 @@ class AsyncEngine:
         and the server's own work."""
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self._check_accepting()
-        stream = _Stream(asyncio.get_running_loop())
+        stream = Stream(asyncio.get_running_loop())
         with self._lock:
             self._streams[request_id] = stream
             self._pending += 1
         self._inbox.put(("add", (request_id, list(prompt_token_ids), params, arrival_time, lora_request, final_only)))
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, _Rejected):
-                    finished = True
-                    raise item.error
-                if isinstance(item, BaseException):
-                    raise EngineDeadError("the engine stopped while serving this request") from item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        async for out in self._read(request_id, stream):
+            yield out
 
     def _check_accepting(self) -> None:
         """EngineDeadError once the loop has died; QueueFullError while the waiting queue is full."""
@@ -178,24 +221,7 @@ class AsyncEngine:
         return done
 
     def stats(self) -> EngineStats:
-        e, kv = self.engine, self.engine.kv
-        sched = e.scheduler
-        return EngineStats(
-            num_requests_running=len({s.request_id for s in list(sched.running)}),
-            num_requests_waiting=len({s.request_id for s in list(sched.waiting)}) + self._pending,
-            num_kv_blocks_total=kv.num_blocks,
-            num_kv_blocks_used=kv.num_used_blocks,
-            num_kv_blocks_free=kv.num_free_blocks,
-            prefix_cache_queries=kv.prefix_queries,
-            prefix_cache_hits=kv.prefix_hits,
-            num_preemptions=sched.num_preemptions,
-            prompt_tokens_total=e.prompt_tokens_total,
-            generation_tokens_total=e.generation_tokens_total,
-            running_lora_adapters=sorted({s.lora.lora_name for s in list(sched.running) if s.lora is not None}),
-            waiting_lora_adapters=sorted({s.lora.lora_name for s in list(sched.waiting) if s.lora is not None}),
-            lora_requests_total=dict(e.lora_requests_total),
-            spec_decode=copy.deepcopy(e.speculator.stats) if e.speculator is not None else None,
-        )
+        return engine_stats(self.engine, self._pending)
 
     def is_alive(self) -> bool:
         return self._error is None and self._thread.is_alive()
@@ -243,7 +269,7 @@ class AsyncEngine:
                     self.engine.add_request(request_id, ids, params, arrival_time, lora_request, final_only)
                 except Exception as e:  # a client mistake: hand it back to the caller
                     if stream is not None:
-                        stream.put(_Rejected(e))
+                        stream.put(Rejected(e))
             elif kind == "embed":
                 prompts, loop, result = arg
                 with self._lock:
@@ -252,7 +278,7 @@ class AsyncEngine:
                     value, error = self.engine.embed(prompts), None
                 except InvalidParamsError as e:  # a client mistake: hand it back to the caller
                     value, error = None, e
-                loop.call_soon_threadsafe(_settle, result, value, error)
+                loop.call_soon_threadsafe(settle, result, value, error)
             elif kind == "lora":
                 lora_request, done = arg
                 try:
@@ -289,7 +315,7 @@ class AsyncEngine:
             for s in streams:
                 s.put(e)
             for f in embeddings:
-                f.get_loop().call_soon_threadsafe(_settle, f, None, EngineDeadError("the engine stopped"))
+                f.get_loop().call_soon_threadsafe(settle, f, None, EngineDeadError("the engine stopped"))
             for fn in self._death_callbacks:
                 fn(e)
             return False
@@ -304,8 +330,8 @@ def _run(ref: weakref.ref, stopping: threading.Event) -> None:
         del engine  # between turns only the weak reference holds it
 
 
-def _settle(result: asyncio.Future, value: object, error: BaseException | None) -> None:
-    """Hand an embedding call its result (on its event loop); a caller gone meanwhile is skipped."""
+def settle(result: asyncio.Future, value: object, error: BaseException | None) -> None:
+    """Hand a call awaiting the engine its result (on its event loop); a caller gone meanwhile is skipped."""
     if result.done():
         return
     if error is not None:

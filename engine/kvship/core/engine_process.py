@@ -1,0 +1,327 @@
+"""The engine in a process of its own (``kvship serve --engine-process``), as the server's EngineClient.
+
+The server's process keeps the HTTP work (parsing, chat templates, tokenizing, JSON); a child
+process, started with ``spawn``, builds the LLMEngine and runs its step loop. Each has its own
+interpreter lock, so at many connections the event loop and the step loop stop waiting on each
+other (as vLLM's engine core and SGLang's scheduler run apart from their HTTP servers).
+
+They talk over one pipe in pickled tuples. To the engine: ("add", ...), ("abort", id), ("lora",
+call, request), ("embed", call, prompts), ("grammar", call, spec), ("stop",). From it: ("ready",
+info) or ("failed", error) once, then ("step", outputs, stats) after each step (or when only the
+queue changed), ("rejected", id, error), ("done", call, value, error). A pipe that closes ends
+the other side: the child when the server dies, the server's streams when the child does.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing as mp
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from kvship.config import EngineConfig
+from kvship.core.async_engine import (
+    EngineDeadError,
+    EngineStats,
+    QueueFullError,
+    Rejected,
+    Stream,
+    StreamingClient,
+    engine_stats,
+    settle,
+)
+from kvship.lora_request import LoRARequest
+from kvship.outputs import RequestOutput
+from kvship.sampling_params import InvalidParamsError, SamplingParams, StructuredOutput
+
+log = logging.getLogger(__name__)
+
+
+class ProcessEngine(StreamingClient):
+    def __init__(self, config: EngineConfig, log_level: int | None = None, start_timeout: float | None = None):
+        super().__init__()
+        ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        self._conn, child = ctx.Pipe()
+        level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
+        self._proc = ctx.Process(target=_child_main, args=(config, child, level), name="kvship-engine")
+        self._proc.start()
+        child.close()  # the child's end lives in the child only: its exit closes the pipe
+        if not self._conn.poll(start_timeout):
+            self._kill()
+            raise RuntimeError(f"the engine process did not start within {start_timeout:g} s")
+        try:
+            kind, info = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise RuntimeError(f"the engine process exited while loading (exit code {self._proc.exitcode})") from None
+        if kind == "failed":
+            self._proc.join(10)
+            raise info
+        self.config: EngineConfig = info["config"]
+        self.tokenizer = info["tokenizer"]
+        self.model_name: str = info["model_name"]
+        self.max_model_len: int = info["max_model_len"]
+        self.sampling_defaults = info["sampling_defaults"]
+        self.task: str = info["task"]
+        self.pooling = info["pooling"]
+        self.embedding_size: int = info["embedding_size"]
+        self._stats: EngineStats = info["stats"]
+        self._send_lock = threading.Lock()
+        self._calls: dict[int, Callable[[object, BaseException | None], None]] = {}  # awaiting a "done"
+        self._call_ids = itertools.count()
+        self._adds_sent = 0  # adds the child has not counted yet are waiting too
+        self._adds_seen = 0
+        self._error: BaseException | None = None
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self._stopping = False
+        self._reader = threading.Thread(target=self._read_pipe, name="kvship-engine-pipe", daemon=True)
+        self._reader.start()
+
+    # -- the EngineClient surface -------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                       final_only: bool = False) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngine.generate; ``arrival_time`` is time.monotonic(), the same clock in both
+        processes."""
+        self._check_accepting()
+        stream = Stream(asyncio.get_running_loop())
+        with self._lock:
+            self._streams[request_id] = stream
+            self._adds_sent += 1
+        self._send(("add", request_id, list(prompt_token_ids), params, arrival_time, lora_request, final_only))
+        async for out in self._read(request_id, stream):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        if self._error is None:
+            self._send(("abort", request_id))
+
+    def add_lora(self, lora_request: LoRARequest) -> concurrent.futures.Future:
+        self._check_accepting()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._call("lora", lora_request, lambda value, error: done.set_exception(error) if error else
+                   done.set_result(None))
+        return done
+
+    async def embed(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        self._check_accepting()
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future = loop.create_future()
+        self._call("embed", prompts, lambda value, error: loop.call_soon_threadsafe(settle, result, value, error))
+        arrays = await result
+        return [torch.from_numpy(a) for a in arrays]
+
+    async def prepare_grammar(self, spec: StructuredOutput) -> None:
+        """Compiled in the engine's process (a thread there), where requests will find it."""
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future = loop.create_future()
+        self._call("grammar", spec, lambda value, error: loop.call_soon_threadsafe(settle, result, value, error))
+        await result
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            pending = self._adds_sent - self._adds_seen
+        stats = self._stats
+        return replace(stats, num_requests_waiting=stats.num_requests_waiting + pending)
+
+    def is_alive(self) -> bool:
+        return self._error is None and self._proc.is_alive()
+
+    def add_death_callback(self, fn: Callable[[BaseException], None]) -> None:
+        self._death_callbacks.append(fn)
+
+    def shutdown(self, timeout: float = 10.0, release_memory: bool = True) -> None:
+        """Ask the engine process to stop (it frees its device memory as it exits), then end it
+        if it has not within ``timeout``. Safe to call twice."""
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._send(("stop",))
+        except (OSError, ValueError):
+            pass  # already gone
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            log.warning("the engine process did not stop within %.0f s; ending it", timeout)
+            self._kill()
+        self._conn.close()
+
+    def __enter__(self) -> "ProcessEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- this process's side of the pipe --------------------------------------------------------
+    def _check_accepting(self) -> None:
+        if not self.is_alive():
+            raise EngineDeadError("the engine has stopped") from self._error
+        if self.stats().num_requests_waiting >= self.config.max_waiting_requests:
+            raise QueueFullError(f"the server has {self.config.max_waiting_requests} requests waiting; retry later")
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _call(self, kind: str, payload: object, reply: Callable[[object, BaseException | None], None]) -> None:
+        """Send ``(kind, call, payload)``; the engine's ("done", call, ...) goes to ``reply``."""
+        call = next(self._call_ids)
+        with self._lock:
+            self._calls[call] = reply
+        self._send((kind, call, payload))
+
+    def _kill(self) -> None:
+        self._proc.kill()
+        self._proc.join(10)
+
+    def _read_pipe(self) -> None:
+        """The reader thread: hand each message from the engine to its stream or caller."""
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "step":
+                    _, outputs, stats, adds_seen = message
+                    with self._lock:
+                        self._stats, self._adds_seen = stats, adds_seen
+                        streams = [(self._streams.get(out.request_id), out) for out in outputs]
+                    for stream, out in streams:
+                        if stream is not None:
+                            stream.put(out)
+                elif kind == "rejected":
+                    with self._lock:
+                        stream = self._streams.get(message[1])
+                    if stream is not None:
+                        stream.put(Rejected(message[2]))
+                elif kind == "done":
+                    _, call, value, error = message
+                    with self._lock:
+                        reply = self._calls.pop(call, None)
+                    if reply is not None:
+                        reply(value, error)
+        except (EOFError, OSError) as exc:
+            if self._stopping:
+                return
+            self._died(EngineDeadError(f"the engine process exited (exit code {self._proc.exitcode})"), exc)
+
+    def _died(self, error: EngineDeadError, cause: BaseException) -> None:
+        self._proc.join(5)
+        error.__cause__ = cause
+        log.error("%s", error)
+        self._error = error
+        with self._lock:
+            streams, calls = list(self._streams.values()), list(self._calls.values())
+            self._calls.clear()
+        for s in streams:
+            s.put(error)
+        for reply in calls:
+            reply(None, error)
+        for fn in self._death_callbacks:
+            fn(error)
+
+
+# -- the engine's process -------------------------------------------------------------------------
+def _child_main(config: EngineConfig, conn, log_level: int) -> None:
+    """Build the engine, say so, then serve the pipe until told to stop or the server is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the server's to handle
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvship.core.engine import LLMEngine  # here: the server's process never imports the model code
+
+    try:
+        engine = LLMEngine(config)
+    except BaseException as exc:  # noqa: BLE001 - reported to the server, which says why it cannot start
+        conn.send(("failed", _portable(exc)))
+        return
+    conn.send(("ready", dict(config=engine.config, tokenizer=engine.tokenizer, model_name=engine.model_name,
+                             max_model_len=engine.max_model_len, sampling_defaults=engine.sampling_defaults,
+                             task=engine.task, pooling=engine.pooling,
+                             embedding_size=engine.model_config.hidden_size, stats=engine_stats(engine, 0))))
+    try:
+        _ChildLoop(engine, conn).run()
+    finally:
+        engine.shutdown()
+
+
+class _ChildLoop:
+    def __init__(self, engine, conn):
+        self.engine = engine
+        self.conn = conn
+        self.send_lock = threading.Lock()  # grammar threads answer too
+        self.adds_seen = 0
+
+    def send(self, message: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    def run(self) -> None:
+        try:
+            self.loop()
+        except EOFError:
+            log.warning("the server's process is gone; the engine stops")
+
+    def loop(self) -> None:
+        engine = self.engine
+        while True:
+            changed = False
+            if self.conn.poll(None if not engine.has_work() else 0):
+                while True:
+                    message = self.conn.recv()  # EOFError: the server is gone, and so is this process
+                    if message[0] == "stop":
+                        return
+                    self.handle(message)
+                    changed = True
+                    if not self.conn.poll(0):
+                        break
+            outputs = engine.step() if engine.has_work() else []
+            if outputs or changed:
+                self.send(("step", outputs, engine_stats(engine, 0), self.adds_seen))
+
+    def handle(self, message: tuple) -> None:
+        kind, engine = message[0], self.engine
+        if kind == "add":
+            _, request_id, ids, params, arrival_time, lora_request, final_only = message
+            self.adds_seen += 1
+            try:
+                engine.add_request(request_id, ids, params, arrival_time, lora_request, final_only)
+            except Exception as exc:  # a client mistake: handed back to the caller
+                self.send(("rejected", request_id, _portable(exc)))
+        elif kind == "abort":
+            final = engine.abort(message[1])
+            if final is not None:  # a reader is still waiting: end its stream
+                self.send(("step", [final], engine_stats(engine, 0), self.adds_seen))
+        elif kind == "grammar":  # compiled beside the loop, as AsyncEngine does in a worker thread
+            threading.Thread(target=self.answer, args=(message[1], self.prepare_grammar, message[2]),
+                             daemon=True).start()
+        elif kind == "lora":
+            self.answer(message[1], engine.add_lora, message[2])
+        elif kind == "embed":
+            self.answer(message[1], self.embed, message[2])
+
+    def prepare_grammar(self, spec: StructuredOutput) -> None:
+        self.engine.grammars.prepare(spec)  # kept in the engine's cache; nothing goes back
+
+    def embed(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        return [t.float().cpu().numpy() for t in self.engine.embed(prompts)]
+
+    def answer(self, call: int, fn: Callable, arg: object) -> None:
+        """``fn(arg)``'s value, or the error it raised, to the server's caller ``call``."""
+        try:
+            value, error = fn(arg), None
+        except Exception as exc:  # InvalidParamsError and the like: the caller's to report
+            value, error = None, _portable(exc)
+        self.send(("done", call, value, error))
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """An error the other process can unpickle with its message intact: kvship's own types as they
+    are, anything else as a RuntimeError naming it."""
+    if isinstance(exc, (InvalidParamsError, QueueFullError, EngineDeadError, ValueError)):
+        return exc
+    return RuntimeError(f"{type(exc).__name__}: {exc}")
