@@ -3,9 +3,10 @@
 engine's own rate for the same requests added to it directly, in the same run. The model is a
 tiny one with random weights, so the forward pass costs almost nothing and what is left is the
 request path: a slow one shows up as a ratio far below 1. --max-tokens N: answers of N tokens
-(sent whole), so that the per-step work of many running requests shows.
+(sent whole), so that the per-step work of many running requests shows; with --stream, sent
+token by token (server-sent events), the engine alone then building every step's outputs.
 
-    python bench/api_overhead.py [--requests 400] [--concurrency 1 8 32] [--max-tokens 1] [--server-arg=...]
+    python bench/api_overhead.py [--requests 400] [--concurrency 1 8 32] [--max-tokens 1] [--stream] [--server-arg=...]
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def tiny_chat_model(root: str) -> str:
     return folder
 
 
-def engine_rate(folder: str, n: int, concurrency: int, max_tokens: int) -> float:
+def engine_rate(folder: str, n: int, concurrency: int, max_tokens: int, stream: bool = False) -> float:
     """Requests/s of the engine alone: `concurrency` requests in flight, added and stepped
     directly (what the server's requests cost the engine, without the server)."""
     llm = LLM(folder, load_format="dummy", device="cpu", max_num_seqs=max(concurrency, 1), max_model_len=256)
@@ -53,7 +54,7 @@ def engine_rate(folder: str, n: int, concurrency: int, max_tokens: int) -> float
         t0 = time.perf_counter()
         while done < count:
             while added < count and added - done < concurrency:
-                eng.add_request(f"{tag}{added}", ids, params, final_only=True)  # as the server's answers sent whole
+                eng.add_request(f"{tag}{added}", ids, params, final_only=not stream)  # as the server asks
                 added += 1
             done += sum(1 for out in eng.step() if out.finished)
         return count / (time.perf_counter() - t0)
@@ -91,9 +92,10 @@ async def post_loop(port: int, body: bytes, state: dict, latencies: list[float])
         writer.close()
 
 
-async def api_rate(port: int, n: int, concurrency: int, max_tokens: int) -> tuple[float, float]:
+async def api_rate(port: int, n: int, concurrency: int, max_tokens: int, stream: bool = False) -> tuple[float, float]:
     """(requests/s, median latency in seconds) of ``concurrency`` connections posting ``n`` chats."""
-    body = json.dumps({"messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+    body = json.dumps({"messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       "stream": stream}).encode()
     latencies: list[float] = []
     await asyncio.gather(*(post_loop(port, body, {"left": 8}, latencies) for _ in range(4)))  # warm-up
     latencies.clear()
@@ -108,6 +110,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--stream", action="store_true", help="answers streamed token by token")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra `kvship serve` argument (repeatable), e.g. --server-arg=--engine-process")
     args = ap.parse_args()
@@ -133,13 +136,13 @@ def main() -> None:
                 time.sleep(0.5)
             rows = []
             for c in args.concurrency:
-                api, p50 = asyncio.run(api_rate(port, args.requests, c, args.max_tokens))
-                direct = engine_rate(folder, args.requests, c, args.max_tokens)
+                api, p50 = asyncio.run(api_rate(port, args.requests, c, args.max_tokens, args.stream))
+                direct = engine_rate(folder, args.requests, c, args.max_tokens, args.stream)
                 rows.append([c, f"{api:.0f}", f"{p50 * 1e3:.1f}", f"{direct:.0f}", f"{api / direct:.2f}"])
         finally:
             server.terminate()
             server.wait(30)
-    print(f"max_tokens={args.max_tokens} chat completions, tiny random model on CPU, {args.requests} requests per row"
+    print(f"max_tokens={args.max_tokens} chat completions{', streamed' if args.stream else ''}, tiny random model on CPU, {args.requests} requests per row"
           f"{', server: ' + ' '.join(args.server_arg) if args.server_arg else ''}\n")
     print(table(rows, ["concurrency", "API requests/s", "API latency p50 ms", "engine alone requests/s", "API / engine"]))
 

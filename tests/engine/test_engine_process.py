@@ -36,21 +36,30 @@ async def run_all(engine, prompts, params):
     return await asyncio.gather(*(collect(engine, i, params, f"r{n}") for n, i in enumerate(ids)))
 
 
-def test_same_tokens_as_the_engine_in_a_thread(engine):
+def test_same_outputs_as_the_engine_in_a_thread(engine):
+    """Every streamed output, cumulative fields and deltas alike, as the engine in a thread gives
+    it: the pipe carries only what each output adds (core/output_pipe.py) and the server's side
+    adds it back up; two choices, logprobs, the prompt's logprobs and a stop string included."""
     assert isinstance(engine, EngineClient)
     assert engine.max_model_len == 512 and engine.config.max_num_seqs >= 1 and engine.model_name
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, n=2, logprobs=2, prompt_logprobs=1,
+                            stop=[" the"])
     here = asyncio.run(asyncio.wait_for(run_all(engine, PROMPTS, params), 120))
     with AsyncEngine.from_config(EngineConfig(**CONFIG)) as threaded:
         there = asyncio.run(asyncio.wait_for(run_all(threaded, PROMPTS, params), 120))
+
+    def seen(outs):  # what a reader takes from each output
+        return [(o.finished, o.prompt_token_ids, o.prompt_logprobs,
+                 [(c.index, c.text, list(c.token_ids), c.text_delta, c.token_ids_delta, c.logprobs, c.logprobs_delta,
+                   c.finish_reason, c.stop_reason) for c in o.outputs]) for o in outs]
+
     for a, b in zip(here, there):
-        assert a[-1].finished and len(a[-1].outputs[0].token_ids) == 24
-        assert a[-1].outputs[0].token_ids == b[-1].outputs[0].token_ids
-        assert a[-1].outputs[0].text == b[-1].outputs[0].text
-        assert len(a) == len(b)  # streamed token by token, as in the thread
+        assert a[-1].finished and a[-1].outputs[0].token_ids
+        assert seen(a) == seen(b)
+    assert {o[-1].outputs[0].finish_reason for o in here} >= {"length"}
     stats = engine.stats()
     assert stats.num_requests_running == 0 and stats.num_requests_waiting == 0
-    assert stats.generation_tokens_total >= 3 * 24
+    assert stats.generation_tokens_total >= 3
 
 
 def test_grammar_compiled_in_the_engine_constrains_the_answer(engine):

@@ -7,9 +7,10 @@ other (as vLLM's engine core and SGLang's scheduler run apart from their HTTP se
 
 They talk over one pipe in pickled tuples. To the engine: ("add", ...), ("abort", id), ("lora",
 call, request), ("embed", call, prompts), ("grammar", call, spec), ("stop",). From it: ("ready",
-info) or ("failed", error) once, then ("step", outputs, stats) after each step (or when only the
-queue changed), ("rejected", id, error), ("done", call, value, error). A pipe that closes ends
-the other side: the child when the server dies, the server's streams when the child does.
+info) or ("failed", error) once, then ("step", outputs, stats, adds seen) after each step (or when
+only the queue changed; outputs without their cumulative parts, core/output_pipe.py), ("rejected",
+id, error), ("done", call, value, error). A pipe that closes ends the other side: the child when
+the server dies, the server's streams when the child does.
 """
 from __future__ import annotations
 
@@ -37,11 +38,20 @@ from kvship.core.async_engine import (
     engine_stats,
     settle,
 )
+from kvship.core.output_pipe import OutputPacker, OutputUnpacker
 from kvship.lora_request import LoRARequest
 from kvship.outputs import RequestOutput
 from kvship.sampling_params import InvalidParamsError, SamplingParams, StructuredOutput
 
 log = logging.getLogger(__name__)
+
+
+class PipeStream(Stream):
+    """A request's stream, with what makes its outputs whole again (core/output_pipe.py)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, prompt_token_ids: list[int]):
+        super().__init__(loop)
+        self.unpacker = OutputUnpacker(prompt_token_ids)
 
 
 class ProcessEngine(StreamingClient):
@@ -91,11 +101,12 @@ class ProcessEngine(StreamingClient):
         """As AsyncEngine.generate; ``arrival_time`` is time.monotonic(), the same clock in both
         processes."""
         self._check_accepting()
-        stream = Stream(asyncio.get_running_loop())
+        ids = list(prompt_token_ids)
+        stream = PipeStream(asyncio.get_running_loop(), ids)
         with self._lock:
             self._streams[request_id] = stream
             self._adds_sent += 1
-        self._send(("add", request_id, list(prompt_token_ids), params, arrival_time, lora_request, final_only))
+        self._send(("add", request_id, ids, params, arrival_time, lora_request, final_only))
         async for out in self._read(request_id, stream):
             yield out
 
@@ -191,10 +202,10 @@ class ProcessEngine(StreamingClient):
                     _, outputs, stats, adds_seen = message
                     with self._lock:
                         self._stats, self._adds_seen = stats, adds_seen
-                        streams = [(self._streams.get(out.request_id), out) for out in outputs]
-                    for stream, out in streams:
+                        streams = [(self._streams.get(p.output.request_id), p) for p in outputs]
+                    for stream, packed in streams:
                         if stream is not None:
-                            stream.put(out)
+                            stream.put(stream.unpacker.unpack(packed))
                 elif kind == "rejected":
                     with self._lock:
                         stream = self._streams.get(message[1])
@@ -255,6 +266,7 @@ class _ChildLoop:
         self.conn = conn
         self.send_lock = threading.Lock()  # grammar threads answer too
         self.adds_seen = 0
+        self.packer = OutputPacker()
 
     def send(self, message: tuple) -> None:
         with self.send_lock:
@@ -281,7 +293,10 @@ class _ChildLoop:
                         break
             outputs = engine.step() if engine.has_work() else []
             if outputs or changed:
-                self.send(("step", outputs, engine_stats(engine, 0), self.adds_seen))
+                self.send_outputs(outputs)
+
+    def send_outputs(self, outputs: list) -> None:
+        self.send(("step", [self.packer.pack(o) for o in outputs], engine_stats(self.engine, 0), self.adds_seen))
 
     def handle(self, message: tuple) -> None:
         kind, engine = message[0], self.engine
@@ -295,7 +310,7 @@ class _ChildLoop:
         elif kind == "abort":
             final = engine.abort(message[1])
             if final is not None:  # a reader is still waiting: end its stream
-                self.send(("step", [final], engine_stats(engine, 0), self.adds_seen))
+                self.send_outputs([final])
         elif kind == "grammar":  # compiled beside the loop, as AsyncEngine does in a worker thread
             threading.Thread(target=self.answer, args=(message[1], self.prepare_grammar, message[2]),
                              daemon=True).start()
