@@ -3,7 +3,7 @@
 # Each target's table goes to $OUT/NAME.md, stderr to $OUT/log. Targets, the wheels serve needs
 # and how to compare two commits: bench/README.md; the figures: docs/performance.md.
 set -uo pipefail
-targets="tests latency-bf16 latency-fp8 latency-int4 throughput serve sched startup kv moe mla gpt-oss gpt-oss-120b hybrid tp profile kernels spec lora gemm"
+targets="tests latency-bf16 latency-fp8 latency-int4 throughput serve sched startup kv moe mla gpt-oss gpt-oss-120b hybrid tp profile kernels spec lora gemm serve-process"
 if [ $# -eq 0 ]; then
   echo "usage: bash bench/gpu_session.sh NAME...   (NAME: $targets)" >&2
   exit 2
@@ -42,6 +42,9 @@ bench latency-int4 300 python3 bench/latency.py --quantization int4 q4_k_m --no-
 bench throughput 580 python3 bench/throughput.py --hf-prompts 0 --num-prompts 1000 --kv-cache-dtype auto fp8 \
   --quantization none fp8
 bench serve 300 python3 bench/serve.py --concurrency 1 8 32 64
+# the same with the engine's step loop in a process of its own, then in the server's again
+bench serve-process 590 bash -c "python3 bench/serve.py --concurrency 1 8 32 64 --server-arg=--engine-process && \
+  python3 bench/serve.py --concurrency 1 8 32 64"
 # scheduling A/B: serving with prompts finishing one a step (serve's default join limit) then
 # sharing whole steps; offline with each admission order
 bench sched 590 bash -c "python3 bench/serve.py --concurrency 1 8 32 64 && \

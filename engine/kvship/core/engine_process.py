@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -60,7 +61,8 @@ class ProcessEngine(StreamingClient):
         ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, child = ctx.Pipe()
         level = logging.getLogger().getEffectiveLevel() if log_level is None else log_level
-        self._proc = ctx.Process(target=_child_main, args=(config, child, level), name="kvship-engine")
+        # daemonic: a server that exits without shutdown() takes it along (its ranks are Popen'd, not mp children)
+        self._proc = ctx.Process(target=_child_main, args=(config, child, level), name="kvship-engine", daemon=True)
         self._proc.start()
         child.close()  # the child's end lives in the child only: its exit closes the pipe
         if not self._conn.poll(start_timeout):
@@ -100,6 +102,7 @@ class ProcessEngine(StreamingClient):
                        final_only: bool = False) -> AsyncIterator[RequestOutput]:
         """As AsyncEngine.generate; ``arrival_time`` is time.monotonic(), the same clock in both
         processes."""
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self._check_accepting()
         ids = list(prompt_token_ids)
         stream = PipeStream(asyncio.get_running_loop(), ids)
