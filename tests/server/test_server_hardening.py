@@ -597,6 +597,9 @@ def test_continue_final_message_needs_text_to_continue(server):
     messages = [OPEN_ANSWER[0], {"role": "assistant", "content": ""}]
     body = {"messages": messages, "continue_final_message": True, "max_tokens": 2}
     assert_error(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60), 400, "messages")
+    # no message at all to continue (found by the fuzzer: /tokenize answered 500)
+    assert_error(httpx.post(server.url + "/tokenize", json={"messages": [], "continue_final_message": True},
+                            timeout=60), 400, "messages")
 
 
 def test_continue_final_message_through_the_openai_client(server):

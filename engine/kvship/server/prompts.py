@@ -100,7 +100,7 @@ def generation_prompt(body: _PromptFlags) -> tuple[bool, bool]:
 def _continued(rendered: str, messages: list[ChatMessage]) -> str:
     """`rendered` cut right after the final message's text (what transformers does for
     continue_final_message); the text stripped too, for templates that trim messages."""
-    final = messages[-1].text()
+    final = messages[-1].text() if messages else ""
     for text in (final, final.strip()):
         at = rendered.rfind(text) if text else -1
         if at >= 0:
