@@ -221,13 +221,18 @@ class ProcessEngine(StreamingClient):
         except (EOFError, OSError) as exc:
             if self._stopping:
                 return
-            self._died(EngineDeadError(f"the engine process exited (exit code {self._proc.exitcode})"), exc)
+            self._died(exc)
 
-    def _died(self, error: EngineDeadError, cause: BaseException) -> None:
+    def _died(self, cause: BaseException) -> None:
+        """The pipe closed under a running server: the death is reported (callbacks), then every
+        stream and call waiting on the engine fails with it."""
         self._proc.join(5)
+        error = EngineDeadError(f"the engine process exited (exit code {self._proc.exitcode})")
         error.__cause__ = cause
         log.error("%s", error)
         self._error = error
+        for fn in self._death_callbacks:
+            fn(error)
         with self._lock:
             streams, calls = list(self._streams.values()), list(self._calls.values())
             self._calls.clear()
@@ -235,5 +240,3 @@ class ProcessEngine(StreamingClient):
             s.put(error)
         for reply in calls:
             reply(None, error)
-        for fn in self._death_callbacks:
-            fn(error)
