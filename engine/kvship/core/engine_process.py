@@ -195,33 +195,39 @@ class ProcessEngine(StreamingClient):
 
     def _read_pipe(self) -> None:
         """The reader thread: hand each message from the engine to its stream or caller."""
-        try:
-            while True:
+        while True:
+            try:
                 message = self._conn.recv()
-                kind = message[0]
-                if kind == "step":
-                    _, outputs, stats, adds_seen = message
-                    with self._lock:
-                        self._stats, self._adds_seen = stats, adds_seen
-                        streams = [(self._streams.get(p.output.request_id), p) for p in outputs]
-                    for stream, packed in streams:
-                        if stream is not None:
-                            stream.put(stream.unpacker.unpack(packed))
-                elif kind == "rejected":
-                    with self._lock:
-                        stream = self._streams.get(message[1])
-                    if stream is not None:
-                        stream.put(Rejected(message[2]))
-                elif kind == "done":
-                    _, call, value, error = message
-                    with self._lock:
-                        reply = self._calls.pop(call, None)
-                    if reply is not None:
-                        reply(value, error)
-        except (EOFError, OSError) as exc:
-            if self._stopping:
+            except (EOFError, OSError) as exc:
+                if not self._stopping:
+                    self._died(exc)
                 return
-            self._died(exc)
+            try:
+                self._dispatch(message)
+            except Exception:  # noqa: BLE001 - one caller gone wrong (its loop closed) must not end the reader
+                log.exception("could not hand over the engine's %r message", message[0])
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, outputs, stats, adds_seen = message
+            with self._lock:
+                self._stats, self._adds_seen = stats, adds_seen
+                streams = [(self._streams.get(p.output.request_id), p) for p in outputs]
+            for stream, packed in streams:
+                if stream is not None:
+                    stream.put(stream.unpacker.unpack(packed))
+        elif kind == "rejected":
+            with self._lock:
+                stream = self._streams.get(message[1])
+            if stream is not None:
+                stream.put(Rejected(message[2]))
+        elif kind == "done":
+            _, call, value, error = message
+            with self._lock:
+                reply = self._calls.pop(call, None)
+            if reply is not None:
+                reply(value, error)
 
     def _died(self, cause: BaseException) -> None:
         """The pipe closed under a running server: the death is reported (callbacks), then every

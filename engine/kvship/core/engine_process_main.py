@@ -3,6 +3,7 @@ pipe (the messages are listed there) until the server says stop or is gone."""
 from __future__ import annotations
 
 import logging
+import pickle
 import signal
 import threading
 from collections.abc import Callable
@@ -10,10 +11,10 @@ from collections.abc import Callable
 import numpy as np
 
 from kvship.config import EngineConfig
-from kvship.core.async_engine import EngineDeadError, QueueFullError, engine_stats
+from kvship.core.async_engine import engine_stats
 from kvship.core.engine import LLMEngine
 from kvship.core.output_pipe import OutputPacker
-from kvship.sampling_params import InvalidParamsError, StructuredOutput
+from kvship.sampling_params import StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,11 @@ class EngineLoop:
 
 
 def portable(exc: BaseException) -> BaseException:
-    """An error the other process can unpickle with its message intact: kvship's own types as they
-    are, anything else as a RuntimeError naming it."""
-    if isinstance(exc, (InvalidParamsError, QueueFullError, EngineDeadError, ValueError)):
+    """An error the server's process can unpickle as it is (InvalidParamsError with its param, and
+    the like), else a RuntimeError naming it: one that fails to unpickle there would end the
+    server's pipe reader."""
+    try:
+        pickle.loads(pickle.dumps(exc))
         return exc
-    return RuntimeError(f"{type(exc).__name__}: {exc}")
+    except Exception:  # noqa: BLE001 - any failure to cross means: send its words instead
+        return RuntimeError(f"{type(exc).__name__}: {exc}")

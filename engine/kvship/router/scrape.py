@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -65,8 +64,7 @@ def held_adapters(endpoint: Endpoint, timeout: float) -> frozenset[str]:
 
 
 def timed_out(exc: BaseException) -> bool:
-    return isinstance(exc, (TimeoutError, socket.timeout)) or (
-        isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, (TimeoutError, socket.timeout)))
+    return isinstance(exc, TimeoutError) or (isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, TimeoutError))
 
 
 def scrape(endpoint: Endpoint, timeout: float) -> tuple[dict[str, float] | None, Adapters | None, bool]:
